@@ -1,0 +1,7 @@
+"""fnx: a JAX inference engine for Qwen3.8-Flash-Next (`qwen4_exp`)."""
+
+from fnx.config import ConfigError, ModelConfig
+from fnx.model import Model, extend, forward, load, new_state
+
+__version__ = "0.1.0"
+__all__ = ["ConfigError", "Model", "ModelConfig", "extend", "forward", "load", "new_state"]

@@ -1,0 +1,106 @@
+"""The user-facing model object and the calls around the jitted step: `load`, `forward`, `new_state`, `extend`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnx.config import ModelConfig
+from fnx.model.transformer import init_state, step
+from fnx.ple import NgramConstants, ngram_ids
+
+
+@dataclass
+class Model:
+    cfg: ModelConfig
+    params: dict
+    mtp: dict = field(default_factory=dict, repr=False)
+    path: str | None = None
+
+    @property
+    def dtype(self):
+        return self.params["embed_tokens"].dtype
+
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+    def __repr__(self):
+        return (f"fnx.Model({self.cfg.summary()}; {self.num_parameters() / 1e6:.2f}M params in {self.dtype}"
+                f"{'; MTP tensors kept' if self.mtp else ''}; from {self.path})")
+
+    @property
+    def ngram(self) -> NgramConstants | None:
+        if not self.cfg.ple_layer_ids:
+            return None
+        if "_ngram" not in self.__dict__:
+            self.__dict__["_ngram"] = NgramConstants.from_config(self.cfg, 0)
+        return self.__dict__["_ngram"]
+
+
+def load(path: str | os.PathLike, dtype=jnp.bfloat16, progress: bool = False) -> Model:
+    """Read an HF checkpoint directory (config.json + safetensors) into an `fnx.Model`."""
+    from fnx.checkpoint.hf import load_hf
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = lambda it: tqdm(it, desc="loading tensors", unit="tensor")
+    cfg, params, mtp = load_hf(path, dtype=dtype, progress=bar)
+    return Model(cfg, params, mtp, os.fspath(path))
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
+def _jit_step(params, state, tokens, ple_ids, cfg, moe_impl="auto"):
+    return step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl)
+
+
+def new_state(model: Model, batch: int, capacity: int) -> dict:
+    """Empty decode state for `batch` sequences of up to `capacity` tokens."""
+    return init_state(model.cfg, batch, capacity, model.dtype)
+
+
+def _check_tokens(model: Model, tokens) -> np.ndarray:
+    tokens = np.asarray(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be integers shaped [batch, tokens], got {tokens.dtype} {tokens.shape}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= model.cfg.vocab_size):
+        raise ValueError(f"token ids must lie in [0, {model.cfg.vocab_size}), got range "
+                         f"[{tokens.min()}, {tokens.max()}]")
+    return tokens.astype(np.int32)
+
+
+def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_hidden: bool = False):
+    """Run new tokens [B, L] on `state` (consumed). Returns (logits [B, L, V], new state[, pre-mixer hidden])."""
+    tokens = _check_tokens(model, token_ids)
+    pos = np.asarray(state["pos"])
+    capacity = _capacity(state)
+    if capacity is not None and int(pos.max()) + tokens.shape[1] > capacity:
+        raise ValueError(f"state holds {capacity} tokens; {int(pos.max())} used, {tokens.shape[1]} more requested")
+    ple_ids = None
+    if model.ngram is not None:
+        ids, _ = ngram_ids(np.asarray(state["ngram_ctx"]).astype(np.int64), tokens, model.ngram)
+        ple_ids = jnp.asarray(ids.astype(np.int32))
+    logits, state, hidden = _jit_step(model.params, state, jnp.asarray(tokens), ple_ids, model.cfg, moe_impl)
+    return (logits, state, hidden) if return_hidden else (logits, state)
+
+
+def _capacity(state: dict) -> int | None:
+    for seg in state["segments"]:
+        for st in seg:
+            if "k" in st:
+                return st["k"].shape[-2]
+    return None
+
+
+def forward(model: Model, token_ids, moe_impl: str = "auto") -> jax.Array:
+    """Logits [B, T, V] for whole sequences from a fresh state."""
+    tokens = _check_tokens(model, token_ids)
+    state = new_state(model, tokens.shape[0], tokens.shape[1])
+    logits, _ = extend(model, state, tokens, moe_impl)
+    return logits

@@ -1,0 +1,116 @@
+"""Gated DeltaNet layer (`linear_attn`, MODEL_SPEC.md section 5): short causal conv, gated delta rule with an fp32
+recurrent state, sigmoid- (or silu-) gated RMSNorm. Chunked form for multi-token calls, recurrent form for decode.
+
+State per layer: conv [B, K-1, C] (pre-conv inputs, activation dtype), rec [B, Hv, dk, dv] fp32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated, softplus
+
+CHUNK = 64
+
+
+def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, dilation: int = 1):
+    """Depthwise causal conv over cat(state, x) along time. x [B, L, C], state [B, S, C] with S = (K-1)*dilation,
+    w [C, K] (w[:, K-1] multiplies the current token). Returns (conv out [B, L, C] rounded once, new state)."""
+    length, taps = x.shape[1], w.shape[1]
+    xcat = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    acc = jnp.zeros(x.shape, F32)
+    for j in range(taps):
+        start = j * dilation
+        acc = acc + xcat[:, start:start + length].astype(F32) * w[:, j].astype(F32)
+    new_state = xcat[:, xcat.shape[1] - state.shape[1]:]
+    return acc.astype(x.dtype), new_state
+
+
+def l2norm(x: jax.Array) -> jax.Array:
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def delta_rule_recurrent(q, k, v, g, beta, state):
+    """Token by token. q, k [B, L, H, dk] (l2-normed, q scaled), v [B, L, H, dv], g, beta [B, L, H]; fp32.
+    Returns (o [B, L, H, dv], final state [B, H, dk, dv])."""
+    def step(s, inp):
+        qt, kt, vt, gt, bt = inp
+        s = s * jnp.exp(gt)[..., None, None]
+        kv = jnp.sum(s * kt[..., None], axis=-2)
+        delta = (vt - kv) * bt[..., None]
+        s = s + kt[..., None] * delta[..., None, :]
+        return s, jnp.sum(s * qt[..., None], axis=-2)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, o = lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results."""
+    b, length, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % chunk
+    tr = lambda a: jnp.moveaxis(a, 1, 2)                    # [B, H, L, ...]
+    q, k, v, g, beta = (tr(a) for a in (q, k, v, g, beta))
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (g, beta))
+    n = (length + pad) // chunk
+    split = lambda a: a.reshape(b, h, n, chunk, *a.shape[3:])
+    v_beta, k_beta = split(v * beta[..., None]), split(k * beta[..., None])
+    q, k = split(q), split(k)
+    cum = jnp.cumsum(split(g), axis=-1)                     # [B, H, N, C]
+    upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
+    pair = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
+    mm = lambda a, c: jnp.matmul(a, c, precision=HIGHEST)
+    ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * pair
+    intra = mm(q, jnp.swapaxes(k, -1, -2)) * pair
+    decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
+    solve = lambda rhs: lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
+    new_values, k_cumdecay = solve(v_beta), solve(decayed_k_beta)
+    q = q * jnp.exp(cum)[..., None]
+    k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]     # [B, H, N, 1, 1]
+
+    def step(s, inp):
+        nv, kcd, qi, ia, ki, cd = inp
+        v_new = nv - mm(kcd, s)
+        out = mm(qi, s) + mm(ia, v_new)
+        s = s * cd + mm(jnp.swapaxes(ki, -1, -2), v_new)
+        return s, out
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q, intra, k, chunk_decay))
+    state, o = lax.scan(step, state, xs)                     # o [N, B, H, C, dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :length]
+    return jnp.moveaxis(o, 1, 2), state
+
+
+def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array, cfg):
+    """x [B, L, D] -> (y [B, L, D], conv_state, rec_state)."""
+    bsz, length, _ = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = linear(x, p["in_proj_qkv"])
+    z = linear(x, p["in_proj_z"]).reshape(bsz, length, hv, dv)
+    b = linear(x, p["in_proj_b"])
+    a = linear(x, p["in_proj_a"])
+    conv, conv_state = causal_conv(qkv, conv_state, p["conv1d"])
+    conv = jax.nn.silu(conv)
+    q, k, v = jnp.split(conv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q = q.reshape(bsz, length, hk, dk)
+    k = k.reshape(bsz, length, hk, dk)
+    v = v.reshape(bsz, length, hv, dv)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(p["A_log"].astype(F32)) * softplus(a.astype(F32) + p["dt_bias"].astype(F32))
+    if hv != hk:
+        q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
+    q, k, v, beta = (t.astype(F32) for t in (q, k, v, beta))
+    q, k = l2norm(q), l2norm(k)
+    if length == 1:
+        o, rec_state = delta_rule_recurrent(q / (dk ** 0.5), k, v, g, beta, rec_state)
+    else:
+        o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
+    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
+    return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state

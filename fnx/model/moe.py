@@ -1,0 +1,72 @@
+"""Sparse MoE block (MODEL_SPEC.md section 7): softmax top-k routing, routed experts, sigmoid-gated shared expert.
+
+Two reference paths with the same arithmetic: `gather` (each token reads its k experts' weights; small token
+counts) and `ragged` (tokens sorted by expert through `lax.ragged_dot`; large token counts)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fnx.model.ops import F32, HIGHEST, linear
+
+
+def route(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool):
+    """x [T, D] -> router logits [T, E] (x.dtype), weights [T, K] (x.dtype), expert ids [T, K] (int32).
+    Ties go to the lower expert id."""
+    logits = linear(x, p["gate"])
+    probs = jax.nn.softmax(logits.astype(F32), axis=-1)
+    w, idx = lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return logits, w.astype(x.dtype), idx
+
+
+def _expert_gather(gate_up: jax.Array, down: jax.Array, x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [T, D], idx [T, K] -> per-(token, k) expert outputs [T, K, D]."""
+    inter = down.shape[-1]
+    gu = gate_up[idx].astype(x.dtype)                       # [T, K, 2I, D]
+    h = jnp.einsum("td,tkid->tki", x, gu, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+    a = jax.nn.silu(h[..., :inter]) * h[..., inter:]
+    dn = down[idx].astype(x.dtype)                          # [T, K, D, I]
+    return jnp.einsum("tki,tkdi->tkd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+
+
+def _expert_ragged(gate_up: jax.Array, down: jax.Array, x: jax.Array, idx: jax.Array) -> jax.Array:
+    t, k = idx.shape
+    n_exp, inter = gate_up.shape[0], down.shape[-1]
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    xs = x[order // k]                                      # [T*K, D], grouped by expert
+    sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
+    h = lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2).astype(x.dtype), sizes,
+                       precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+    a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
+    out = lax.ragged_dot(a, jnp.swapaxes(down, 1, 2).astype(x.dtype), sizes,
+                         precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+    unsorted = jnp.zeros_like(out).at[order].set(out)
+    return unsorted.reshape(t, k, -1)
+
+
+def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "auto"):
+    """x [..., D] -> (y [..., D], router logits [..., E], expert ids [..., K])."""
+    shape = x.shape
+    xt = x.reshape(-1, shape[-1])
+    logits, w, idx = route(p, xt, top_k, norm_topk_prob)
+    ex = p["experts"]
+    if impl == "auto":
+        impl = "gather" if xt.shape[0] * top_k <= 64 else "ragged"
+    if impl == "gather":
+        outs = _expert_gather(ex["gate_up_proj"], ex["down_proj"], xt, idx)
+    elif impl == "ragged":
+        outs = _expert_ragged(ex["gate_up_proj"], ex["down_proj"], xt, idx)
+    else:
+        raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather' or 'ragged'")
+    # weight each expert output (rounded), then sum over k in fp32 and round once
+    routed = jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(x.dtype)
+    se = p["shared_expert"]
+    s = linear(jax.nn.silu(linear(xt, se["gate_proj"])) * linear(xt, se["up_proj"]), se["down_proj"])
+    s = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"])) * s
+    y = routed + s
+    return y.reshape(shape), logits.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], top_k)

@@ -1,0 +1,66 @@
+"""Small numerics shared by the layers, each rounding where the reference rounds (MODEL_SPEC.md section 13)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """y = x @ w.T with w [out, in] (the checkpoint's layout); fp32 accumulation, rounded once to x.dtype."""
+    y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                        precision=HIGHEST, preferred_element_type=F32)
+    return y.astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, group: int | None = None) -> jax.Array:
+    """Zero-centred RMSNorm: fp32 inside, scale (1 + w), one rounding. `group` normalises each group separately."""
+    x32 = x.astype(F32)
+    if group is not None:
+        x32 = x32.reshape(*x.shape[:-1], -1, group)
+    y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if group is not None:
+        y = y.reshape(x.shape)
+    return (y * (1.0 + w.astype(F32))).astype(x.dtype)
+
+
+def rms_norm_gated(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float, act: str) -> jax.Array:
+    """GDN output norm (standard scale, not zero-centred): rounds after the norm and again after the gate."""
+    dt = x.dtype
+    x32 = x.astype(F32)
+    h = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dt)
+    h = w.astype(dt) * h
+    g32 = gate.astype(F32)
+    g = jax.nn.sigmoid(g32) if act == "sigmoid" else jax.nn.silu(g32)
+    return (h.astype(F32) * g).astype(dt)
+
+
+def softplus(x: jax.Array) -> jax.Array:
+    """torch's softplus (beta 1, threshold 20)."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [..., rotary_dim] for integer positions [...]; angles in fp32, then rounded to `dtype`.
+
+    Text-only positions have t = h = w, so the interleaved M-RoPE recomposition reduces to this 1-D table.
+    """
+    inv_freq = 1.0 / (jnp.asarray(theta, F32) ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))
+    freqs = positions.astype(F32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """NeoX rotate-half RoPE on the first cos.shape[-1] dims of x [..., heads, hd]; cos/sin [..., rot]."""
+    rot = cos.shape[-1]
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    xr, xp = x[..., :rot], x[..., rot:]
+    x1, x2 = xr[..., : rot // 2], xr[..., rot // 2:]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    xr = xr * cos + rotated * sin
+    return jnp.concatenate([xr, xp], axis=-1)

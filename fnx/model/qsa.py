@@ -1,0 +1,108 @@
+"""QSA indexed attention (MODEL_SPEC.md section 6): an indexer scores mean-pooled 4-token key blocks and keeps the
+top `indexer_budget / compress_ratio` complete blocks plus the incomplete tail; gated GQA attends to those tokens.
+
+State per layer (capacity T tokens): k, v [B, Hkv, T, hd]; idx_blocks [B, T // cr, di] (pooled, normed, RoPE'd
+block keys, final once their block is complete); idx_ring [B, cr, di] (raw keys of the incomplete block).
+Below the budget every block is selected, which is plain causal attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm
+
+
+def _scatter_time(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
+    """cache[b, ..., positions[b, l], ...] = new[b, ..., l, ...] along `axis`; out-of-range positions are dropped."""
+    def one(c, n, pos):
+        c = jnp.moveaxis(c, axis - 1, 0)
+        n = jnp.moveaxis(n, axis - 1, 0)
+        return jnp.moveaxis(c.at[pos].set(n.astype(c.dtype), mode="drop"), 0, axis - 1)
+    return jax.vmap(one)(cache, new, positions)
+
+
+def indexer_blocks(p: dict, kraw: jax.Array, ring: jax.Array, pos0: jax.Array, rope_fn, cfg):
+    """Pool the blocks touched by this call. kraw [B, L, di] raw keys of the new tokens; ring [B, cr, di].
+    Returns (block ids [B, NB'] , pooled keys [B, NB', di], new ring)."""
+    cr = cfg.indexer_compress_ratio
+    bsz, length, di = kraw.shape
+    nbuf = cr * (-(-(2 * cr + length) // cr))
+    buf = jnp.zeros((bsz, nbuf, di), kraw.dtype).at[:, :cr].set(ring)
+    buf = jax.vmap(lambda bb, kk, off: lax.dynamic_update_slice(bb, kk, (off, 0)))(buf, kraw, pos0 % cr)
+    first_block = pos0 // cr
+    blocks = buf.reshape(bsz, nbuf // cr, cr, di)
+    pooled = jnp.mean(blocks.astype(F32), axis=2).astype(kraw.dtype)
+    pooled = rms_norm(pooled, p["k_layernorm"], cfg.rms_norm_eps)
+    block_ids = first_block[:, None] + jnp.arange(nbuf // cr, dtype=jnp.int32)
+    pooled = rope_fn(pooled[:, :, None, :], block_ids * cr)[:, :, 0, :]
+    end = pos0 + length
+    ring_new = jax.vmap(lambda bb, off: lax.dynamic_slice(bb, (off, 0), (cr, di)))(
+        buf, (end // cr - first_block) * cr)
+    return block_ids, pooled, ring_new
+
+
+def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cfg) -> jax.Array:
+    """Token mask [B, L, T]: causal AND (in a selected complete block OR in the incomplete tail).
+    q_idx [B, L, Hi, di] (normed, RoPE'd), blocks [B, NB, di], positions [B, L] of the queries."""
+    cr = cfg.indexer_compress_ratio
+    n_blocks = blocks.shape[1]
+    block_idx = jnp.arange(n_blocks, dtype=jnp.int32)
+    valid = (block_idx * cr + cr - 1)[None, None, :] <= positions[..., None]          # [B, L, NB]
+    if n_blocks > cfg.block_topk:
+        s = jnp.einsum("blhd,bnd->blhn", q_idx.astype(F32), blocks.astype(F32), precision=HIGHEST)
+        s = jnp.sum(jax.nn.relu(s), axis=2) / jnp.sqrt(jnp.asarray(cfg.indexer_head_dim, F32))
+        s = jnp.where(valid, s, -jnp.inf)
+        _, top = lax.top_k(s, cfg.block_topk)
+        chosen = jnp.zeros(s.shape, bool).at[
+            jnp.arange(s.shape[0])[:, None, None], jnp.arange(s.shape[1])[None, :, None], top].set(True)
+        valid = valid & chosen
+    tok = jnp.arange(capacity, dtype=jnp.int32)
+    tok_block = jnp.minimum(tok // cr, n_blocks - 1)
+    in_block = jnp.take_along_axis(valid, jnp.broadcast_to(tok_block, valid.shape[:2] + (capacity,)), axis=-1)
+    in_block = in_block & (tok // cr < n_blocks)
+    tail = tok[None, None, :] >= ((positions + 1) // cr * cr)[..., None]
+    causal = tok[None, None, :] <= positions[..., None]
+    return causal & (in_block | tail)
+
+
+def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg):
+    """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens.
+    Returns (y [B, L, D], new state)."""
+    bsz, length, _ = x.shape
+    h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hi, di = cfg.indexer_n_heads, cfg.indexer_head_dim
+    positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
+    capacity = st["k"].shape[2]
+
+    ix = p["indexer"]
+    qk = linear(x, ix["index_qk_proj"])
+    q_idx = rms_norm(qk[..., : hi * di].reshape(bsz, length, hi, di), ix["q_layernorm"], cfg.rms_norm_eps)
+    q_idx = apply_rope(q_idx, cos, sin)
+    kraw = qk[..., hi * di:]
+    block_ids, pooled, ring = indexer_blocks(ix, kraw, st["idx_ring"], pos0, rope_fn, cfg)
+    blocks = _scatter_time(st["idx_blocks"], pooled, block_ids, axis=1)
+    mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                      # [B, L, T]
+
+    qg = linear(x, p["q_proj"]).reshape(bsz, length, h, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, length, h * hd)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(linear(x, p["k_proj"]).reshape(bsz, length, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, p["v_proj"]).reshape(bsz, length, hkv, hd)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kc = _scatter_time(st["k"], jnp.swapaxes(k, 1, 2), positions, axis=2)
+    vc = _scatter_time(st["v"], jnp.swapaxes(v, 1, 2), positions, axis=2)
+
+    dt = x.dtype
+    qh = q.reshape(bsz, length, hkv, h // hkv, hd)
+    s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
+                   preferred_element_type=F32).astype(dt)
+    s = (s * jnp.asarray(hd ** -0.5, dt)).astype(F32)
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    probs = jax.nn.softmax(s, axis=-1).astype(dt)
+    o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
+                   preferred_element_type=F32).astype(dt)
+    o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
+    y = linear(o, p["o_proj"])
+    return y, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}

@@ -1,0 +1,248 @@
+"""The Flash-Next text model as pure functions: `step(params, state, tokens, ple_ids) -> (logits, state, hidden)`.
+
+Layers are grouped by the period of `layer_types` (4 for the release: GDN, GDN, GDN, QSA). Runs of at least two
+identical groups without a PLE layer are stacked and run under `lax.scan`; the rest (the group holding the PLE
+layer, a ragged tail) run unrolled. Params and state follow the same plan, so both are pytrees of segments.
+
+Glossary: B batch, L new tokens, T cache capacity, D hidden, S hc streams, E experts, K top-k, V vocab."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fnx.config import INDEXED, LINEAR, ModelConfig
+from fnx.model import gdn, hyper, moe, ple, qsa
+from fnx.model.ops import apply_rope, linear, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    start: int      # first layer
+    period: int     # layers per group
+    reps: int       # groups; scanned when > 1
+    scanned: bool
+
+    @property
+    def layers(self) -> range:
+        return range(self.start, self.start + self.period * self.reps)
+
+
+@lru_cache(maxsize=None)
+def layer_plan(cfg: ModelConfig) -> tuple[Segment, ...]:
+    types, n = cfg.layer_types, cfg.num_hidden_layers
+    period = next(p for p in range(1, n + 1) if all(types[i] == types[i % p] for i in range(n)))
+    special = set(cfg.ple_layers)
+    groups = [(g * period, min(period, n - g * period)) for g in range(-(-n // period))]
+    plan: list[Segment] = []
+    run: list[int] = []
+
+    def flush():
+        if len(run) >= 2:
+            plan.append(Segment(run[0], period, len(run), True))
+        else:
+            plan.extend(Segment(i, 1, 1, False) for s in run for i in range(s, s + period))
+        run.clear()
+
+    for start, size in groups:
+        if size == period and not special.intersection(range(start, start + size)):
+            run.append(start)
+            continue
+        flush()
+        plan.extend(Segment(i, 1, 1, False) for i in range(start, start + size))
+    flush()
+    return tuple(plan)
+
+
+# ---- parameter and state shapes ------------------------------------------------------------------------------
+
+def _hc_shapes(cfg, inject=True):
+    sd = cfg.hc_dim
+    out = {"hc_norm": (sd,), "input_mix_weight_down": (cfg.hc_lowrank, sd), "input_mix_weight_up": (sd, cfg.hc_lowrank)}
+    if inject:
+        out["block_inject_weight"] = (cfg.hc_count, sd)
+    return out
+
+
+def layer_param_shapes(cfg: ModelConfig, i: int) -> dict:
+    d = cfg.hidden_size
+    layer = {"attn_hyper_connection": _hc_shapes(cfg), "mlp_hyper_connection": _hc_shapes(cfg)}
+    if cfg.layer_types[i] == LINEAR:
+        layer["linear_attn"] = {
+            "in_proj_qkv": (cfg.conv_dim, d), "in_proj_z": (cfg.value_dim, d),
+            "in_proj_b": (cfg.linear_num_value_heads, d), "in_proj_a": (cfg.linear_num_value_heads, d),
+            "conv1d": (cfg.conv_dim, cfg.linear_conv_kernel_dim), "dt_bias": (cfg.linear_num_value_heads,),
+            "A_log": (cfg.linear_num_value_heads,), "norm": (cfg.linear_value_head_dim,),
+            "out_proj": (d, cfg.value_dim),
+        }
+    else:
+        h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        di = cfg.indexer_head_dim
+        layer["self_attn"] = {
+            "q_proj": (2 * h * hd, d), "k_proj": (hkv * hd, d), "v_proj": (hkv * hd, d), "o_proj": (d, h * hd),
+            "q_norm": (hd,), "k_norm": (hd,),
+            "indexer": {"index_qk_proj": ((cfg.indexer_n_heads + 1) * di, d), "q_layernorm": (di,),
+                        "k_layernorm": (di,)},
+        }
+    e, inter, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    layer["mlp"] = {
+        "gate": (e, d),
+        "experts": {"gate_up_proj": (e, 2 * inter, d), "down_proj": (e, d, inter)},
+        "shared_expert": {"gate_proj": (si, d), "up_proj": (si, d), "down_proj": (d, si)},
+        "shared_expert_gate": (1, d),
+    }
+    if i in cfg.ple_layers:
+        from fnx.ple import NgramConstants
+        rows = NgramConstants.from_config(cfg, cfg.ple_layers.index(i)).num_rows
+        sd, pe = cfg.hc_dim, cfg.ple_embed_dim
+        layer["ple"] = {
+            "key_proj": (sd, pe), "value_proj": (d, pe), "norm_key": (sd,), "norm_query": (sd,),
+            "norm_conv": (sd,), "conv1d": (sd, cfg.ple_conv_kernel_size),
+            "ple_embedding": {"ngram_embedding": (rows, pe // cfg.ngram_heads)},
+        }
+    return layer
+
+
+def _is_shape(x):
+    return isinstance(x, tuple) and all(isinstance(v, int) for v in x)
+
+
+def param_shapes(cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
+    """The params pytree as jax.ShapeDtypeStruct leaves, arranged by `layer_plan`."""
+    to_sds = lambda tree, lead=(): jax.tree.map(lambda s: jax.ShapeDtypeStruct(lead + s, dtype), tree,
+                                                is_leaf=_is_shape)
+    segments = []
+    for seg in layer_plan(cfg):
+        segments.append(tuple(to_sds(layer_param_shapes(cfg, seg.start + j), (seg.reps,) if seg.scanned else ())
+                              for j in range(seg.period)))
+    return {
+        "embed_tokens": to_sds((cfg.vocab_size, cfg.hidden_size)),
+        "lm_head": to_sds((cfg.vocab_size, cfg.hidden_size)),
+        "hyper_connection_mixer": to_sds(_hc_shapes(cfg, inject=False)),
+        "segments": segments,
+    }
+
+
+def arrange_layers(cfg: ModelConfig, layers: list[dict]) -> list:
+    """Per-layer param dicts (index = layer) -> the `segments` list of the params pytree (stacking scanned runs)."""
+    out = []
+    for seg in layer_plan(cfg):
+        if seg.scanned:
+            out.append(tuple(
+                jax.tree.map(lambda *xs: jnp.stack(xs), *[layers[seg.start + g * seg.period + j]
+                                                          for g in range(seg.reps)])
+                for j in range(seg.period)))
+        else:
+            out.append((layers[seg.start],))
+    return out
+
+
+def _layer_state(cfg: ModelConfig, i: int, batch: int, capacity: int, dtype):
+    if cfg.layer_types[i] == LINEAR:
+        st = {"conv": jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
+              "rec": jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                cfg.linear_value_head_dim), jnp.float32)}
+    else:
+        cr, di = cfg.indexer_compress_ratio, cfg.indexer_head_dim
+        kv = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        st = {"k": jnp.zeros(kv, dtype), "v": jnp.zeros(kv, dtype),
+              "idx_blocks": jnp.zeros((batch, capacity // cr, di), dtype),
+              "idx_ring": jnp.zeros((batch, cr, di), dtype)}
+    if i in cfg.ple_layers:
+        st["ple_conv"] = jnp.zeros((batch, cfg.ple_conv_state_len, cfg.hc_dim), dtype)
+    return st
+
+
+def init_state(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> dict:
+    """Empty decode state for `batch` sequences of up to `capacity` tokens (MODEL_SPEC.md section 9)."""
+    segments = []
+    for seg in layer_plan(cfg):
+        per = []
+        for j in range(seg.period):
+            st = _layer_state(cfg, seg.start + j, batch, capacity, dtype)
+            if seg.scanned:
+                st = jax.tree.map(lambda a: jnp.broadcast_to(a, (seg.reps,) + a.shape), st)
+            per.append(st)
+        segments.append(tuple(per))
+    eos = cfg.ple_eos_token_id if cfg.ple_layer_ids else 0
+    return {
+        "pos": jnp.zeros((batch,), jnp.int32),
+        "ngram_ctx": jnp.full((batch, max(cfg.ngram_size - 1, 1)), eos, jnp.int32),
+        "segments": segments,
+    }
+
+
+# ---- forward -------------------------------------------------------------------------------------------------
+
+def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict, h: jax.Array, meta: dict,
+                  moe_impl: str):
+    """One decoder layer on the multi-stream hidden h [B, L, S*D]. Returns (h, new layer state, router ids)."""
+    eps, s = cfg.rms_norm_eps, cfg.hc_count
+    st = dict(st)
+    if has_ple:
+        rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
+        out, st["ple_conv"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg)
+        h = h + out
+    x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
+    if kind == LINEAR:
+        y, st["conv"], st["rec"] = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg)
+    else:
+        y, new = qsa.qsa_layer(p["self_attn"], x, st, meta["pos0"], meta["cos"], meta["sin"], meta["rope_fn"], cfg)
+        st.update(new)
+    h = hyper.combine(h, y, inj)
+    x, inj = hyper.gated_residual(p["mlp_hyper_connection"], h, s, eps)
+    y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
+    return hyper.combine(h, y, inj), st, ids
+
+
+def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
+         moe_impl: str = "auto"):
+    """Run L new tokens per sequence on an existing state (prefill, chunked prefill or decode alike).
+
+    tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE).
+    Returns logits [B, L, V], the new state, and the pre-mixer hidden [B, L, S*D] (what the MTP layer reads)."""
+    bsz, length = tokens.shape
+    dtype = params["embed_tokens"].dtype
+    pos0 = state["pos"]
+    positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
+    cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, dtype)
+
+    def rope_fn(x, pos):  # x [B, N, heads, hd], pos [B, N]
+        c, s_ = rope_tables(pos, cfg.rotary_dim, cfg.rope_theta, dtype)
+        return apply_rope(x, c, s_)
+
+    meta = {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids}
+    if cfg.ple_layer_ids and ple_ids is None:
+        raise ValueError("this config has a PLE layer: pass ple_ids from fnx.ple.ngram_ids")
+
+    e = params["embed_tokens"][tokens]
+    h = jnp.tile(e, (1, 1, cfg.hc_count))
+    new_segments = []
+    for seg, seg_params, seg_state in zip(layer_plan(cfg), params["segments"], state["segments"]):
+        kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
+        if not seg.scanned:
+            h, st, _ = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0], seg_state[0], h,
+                                     meta, moe_impl)
+            new_segments.append((st,))
+            continue
+
+        def body(h, xs, kinds=kinds):
+            ps, sts = xs
+            outs = []
+            for kind, p, st in zip(kinds, ps, sts):
+                h, st, _ = decoder_layer(cfg, kind, False, p, st, h, meta, moe_impl)
+                outs.append(st)
+            return h, tuple(outs)
+
+        h, st = lax.scan(body, h, (seg_params, seg_state))
+        new_segments.append(st)
+
+    x = hyper.gated_residual(params["hyper_connection_mixer"], h, cfg.hc_count, cfg.rms_norm_eps, inject=False)
+    logits = linear(x, params["lm_head"])
+    ctx = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)[:, -state["ngram_ctx"].shape[1]:]
+    new_state = {"pos": pos0 + length, "ngram_ctx": ctx, "segments": new_segments}
+    return logits, new_state, h
