@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (not implemented yet)."""

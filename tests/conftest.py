@@ -1,0 +1,24 @@
+import importlib.util
+import os
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs a GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
