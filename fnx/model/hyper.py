@@ -6,20 +6,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fnx.model.ops import linear, rms_norm
+from fnx.model.ops import linear, rms_norm, div
 
 
 def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True):
     """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S]."""
     d = h.shape[-1] // streams
     hn = rms_norm(h, p["hc_norm"], eps, group=d)
-    u = jax.nn.silu(linear(hn, p["input_mix_weight_down"]) / streams)
+    u = jax.nn.silu(div(linear(hn, p["input_mix_weight_down"]), streams))
     m = jax.nn.sigmoid(linear(u, p["input_mix_weight_up"]))
     split = h.shape[:-1] + (streams, d)
     x = jnp.mean(m.reshape(split) * hn.reshape(split), axis=-2)
     if not inject:
         return x
-    inj = 2 * jax.nn.sigmoid(linear(hn, p["block_inject_weight"]) / streams)
+    inj = 2 * jax.nn.sigmoid(div(linear(hn, p["block_inject_weight"]), streams))
     return x, inj
 
 

@@ -39,6 +39,17 @@ def rms_norm_gated(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float, act:
     return (h.astype(F32) * g).astype(dt)
 
 
+def scale(x: jax.Array, factor: float) -> jax.Array:
+    """x * factor with the factor kept in fp32 and one rounding, as torch does for a bf16 tensor times a Python
+    float (rounding the factor to bf16 first would be a different number)."""
+    return (x.astype(F32) * factor).astype(x.dtype)
+
+
+def div(x: jax.Array, divisor: float) -> jax.Array:
+    """x / divisor, divided in fp32 and rounded once (torch's bf16 tensor / Python number)."""
+    return (x.astype(F32) / divisor).astype(x.dtype)
+
+
 def softplus(x: jax.Array) -> jax.Array:
     """torch's softplus (beta 1, threshold 20)."""
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from fnx.model.gdn import causal_conv
-from fnx.model.ops import linear, rms_norm
+from fnx.model.ops import linear, rms_norm, div
 
 
 def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg):
@@ -22,7 +22,7 @@ def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg
     key = rms_norm(linear(e, p["key_proj"]), p["norm_key"], eps, group=d).reshape(split)
     value = linear(e, p["value_proj"])
     query = rms_norm(h, p["norm_query"], eps, group=d).reshape(split)
-    gate = jnp.sum(key * query, axis=-1) / jnp.asarray(d ** 0.5, h.dtype)      # [B, L, S]
+    gate = div(jnp.sum(key * query, axis=-1), d ** 0.5)             # [B, L, S]
     gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), jnp.asarray(1e-6, h.dtype))) * jnp.sign(gate)
     gated = (jax.nn.sigmoid(gate)[..., None] * value[..., None, :]).reshape(h.shape)
     normed = rms_norm(gated, p["norm_conv"], eps, group=d)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm
+from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm, scale
 
 
 def _scatter_time(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
@@ -98,7 +98,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     qh = q.reshape(bsz, length, hkv, h // hkv, hd)
     s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
                    preferred_element_type=F32).astype(dt)
-    s = (s * jnp.asarray(hd ** -0.5, dt)).astype(F32)
+    s = scale(s, hd ** -0.5).astype(F32)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     probs = jax.nn.softmax(s, axis=-1).astype(dt)
     o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
