@@ -1,7 +1,7 @@
 """Trace and lower the jitted step at the released Flash-Next shapes (abstract: no weights are allocated) and
 report how long it takes, per decode / prefill shape. Runs on the CPU; prints one JSON line per shape.
 
-    python scripts/measure_compile.py [--capacity 8192] [--shapes 1x1,1x512,8x1] [--unrolled]
+    python scripts/measure_compile.py [--capacity 8192] [--shapes 1x1,1x512,8x1] [--compile]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--capacity", type=int, default=8192, help="KV capacity of the state (tokens)")
     ap.add_argument("--shapes", default="1x1,1x512,8x1", help="comma-separated BATCHxTOKENS call shapes")
+    ap.add_argument("--compile", action="store_true", help="also run XLA's compile for this machine's backend")
     args = ap.parse_args()
 
     cfg = ModelConfig()  # the released shapes
@@ -45,8 +46,14 @@ def main():
         lowered = traced.lower()
         t2 = time.perf_counter()
         n_ops = lowered.as_text().count("\n")
+        compile_s = None
+        if args.compile:
+            t3 = time.perf_counter()
+            lowered.compile()
+            compile_s = round(time.perf_counter() - t3, 2)
         rec = {"shape": f"{b}x{t}", "capacity": args.capacity, "trace_s": round(t1 - t0, 2),
                "lower_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2), "stablehlo_lines": n_ops,
+               "compile_s": compile_s,
                "jax": jax.__version__, "machine": platform.node() or "cpu", "backend": jax.default_backend(),
                "commit": commit}
         print(json.dumps(rec))
