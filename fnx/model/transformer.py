@@ -184,7 +184,9 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
     eps, s = cfg.rms_norm_eps, cfg.hc_count
     st = dict(st)
     if has_ple:
-        rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
+        rows = meta["ple_rows"]
+        if rows is None:  # the table lives in the params (on the device)
+            rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
         out, st["ple_conv"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg)
         h = h + out
     x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
@@ -200,10 +202,12 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
 
 
 def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
-         moe_impl: str = "auto"):
+         moe_impl: str = "auto", ple_rows: jax.Array | None = None):
     """Run L new tokens per sequence on an existing state (prefill, chunked prefill or decode alike).
 
-    tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE).
+    tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE);
+    ple_rows [B, L, ple_embed_dim]: the table rows already fetched (a host-side store), used instead of the
+    params' table when given.
     Returns logits [B, L, V], the new state, and the pre-mixer hidden [B, L, S*D] (what the MTP layer reads)."""
     bsz, length = tokens.shape
     dtype = params["embed_tokens"].dtype
@@ -215,9 +219,9 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
         c, s_ = rope_tables(pos, cfg.rotary_dim, cfg.rope_theta, dtype)
         return apply_rope(x, c, s_)
 
-    meta = {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids}
-    if cfg.ple_layer_ids and ple_ids is None:
-        raise ValueError("this config has a PLE layer: pass ple_ids from fnx.ple.ngram_ids")
+    meta = {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows}
+    if cfg.ple_layer_ids and ple_ids is None and ple_rows is None:
+        raise ValueError("this config has a PLE layer: pass ple_ids (from fnx.ple.ngram_ids) or ple_rows")
 
     e = params["embed_tokens"][tokens]
     h = jnp.tile(e, (1, 1, cfg.hc_count))
