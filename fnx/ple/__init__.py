@@ -1,3 +1,5 @@
-from fnx.ple.ngram import NgramConstants, initial_context, ngram_ids
+"""Host side of the PLE layer: n-gram ids, the row store, prefetch (no JAX model code)."""
 
-__all__ = ["NgramConstants", "initial_context", "ngram_ids"]
+from fnx.ple.ngram import NgramConstants, context_after, initial_context, ngram_ids
+
+__all__ = ["NgramConstants", "context_after", "initial_context", "ngram_ids"]

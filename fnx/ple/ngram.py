@@ -243,3 +243,33 @@ def ngram_ids(
 
     new_context = np.ascontiguousarray(hist[:, hist.shape[1] - n_ctx :])
     return ids.reshape(batch, length, consts.num_heads), new_context
+
+
+def context_after(context: np.ndarray, tokens: np.ndarray, n_accepted: Any, consts: NgramConstants) -> np.ndarray:
+    """The context after only the first n_accepted[b] of `tokens` were kept (rollback after an MTP verify).
+
+    context: [B, n-1] the context *before* the verify window (what `ngram_ids` was called with);
+    tokens: [B, L] the window that was hashed; n_accepted: int or [B] ints in [0, L].
+    Returns [B, n-1] int64 = last n-1 ids of concat(context[b], tokens[b, :n_accepted[b]]), exactly what
+    `ngram_ids(context, tokens[:, :n_accepted])` would have returned for that row.
+    """
+    n_ctx = consts.ngram_size - 1
+    context = _as_ids("context", context, 2, None)
+    tokens = _as_ids("tokens", tokens, 2, None)
+    if context.shape[1] != n_ctx:
+        raise ValueError(f"context must have shape [B, {n_ctx}], got {context.shape}")
+    batch, length = tokens.shape
+    if context.shape[0] != batch:
+        raise ValueError(f"context batch {context.shape[0]} != tokens batch {batch}")
+    acc = np.asarray(n_accepted)
+    if acc.dtype == np.bool_ or not np.issubdtype(acc.dtype, np.integer):
+        raise ValueError(f"n_accepted must be integers, got dtype {acc.dtype}")
+    acc = np.broadcast_to(acc.astype(np.int64), (batch,)) if acc.ndim == 0 else acc.astype(np.int64)
+    if acc.shape != (batch,):
+        raise ValueError(f"n_accepted must be a scalar or shaped [{batch}], got {acc.shape}")
+    if acc.size and (acc.min() < 0 or acc.max() > length):
+        raise ValueError(f"n_accepted must lie in [0, {length}] (the window length), got {acc.tolist()}")
+    hist = np.concatenate([context, tokens], axis=1)  # [B, n-1+L]
+    # Row b keeps hist[b, acc[b] : acc[b] + n-1]: the n-1 ids that end at its last accepted token.
+    cols = acc[:, None] + np.arange(n_ctx, dtype=np.int64)[None, :]
+    return np.take_along_axis(hist, cols, axis=1)

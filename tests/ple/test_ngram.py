@@ -324,3 +324,75 @@ def test_constants_are_read_only(release):
         release.multipliers[0] = 1
     with pytest.raises(AttributeError):
         release.ngram_size = 4
+
+
+# Rollback after a partially accepted verify window
+
+
+def _mtp_decode(consts, rng, batch, steps, k, vocab, eos, first):
+    """Simulate MTP rounds: each row hashes a window [next, k drafts], keeps a random prefix, rolls back.
+
+    Returns the accepted stream [B, T] and the ids the rounds produced for the accepted tokens [B, T, H]."""
+    from fnx.ple import context_after
+
+    ctx = initial_context(batch, consts)
+    ids, ctx = ngram_ids(ctx, first, consts)
+    accepted = [[*row] for row in first.tolist()]
+    got = [[*r] for r in ids]
+    for _ in range(steps):
+        window = _random_tokens(rng, batch, k + 1, vocab, eos)
+        n_acc = rng.integers(0, k + 2, size=batch)
+        win_ids, full_ctx = ngram_ids(ctx, window, consts)
+        new_ctx = context_after(ctx, window, n_acc, consts)
+        for b in range(batch):
+            a = int(n_acc[b])
+            accepted[b] += window[b, :a].tolist()
+            got[b] += list(win_ids[b, :a])
+            # Same as re-hashing only the accepted prefix.
+            _, ref_ctx = ngram_ids(ctx[b : b + 1], window[b : b + 1, :a], consts)
+            np.testing.assert_array_equal(new_ctx[b], ref_ctx[0])
+        np.testing.assert_array_equal(context_after(ctx, window, k + 1, consts), full_ctx)
+        np.testing.assert_array_equal(context_after(ctx, window, 0, consts), ctx)
+        ctx = new_ctx
+    return accepted, got
+
+
+@pytest.mark.parametrize("ngram_size,heads_per_ngram", [(2, 2), (3, 2), (4, 1)])
+def test_rollback_matches_reference(ngram_size, heads_per_ngram):
+    eos = 5
+    torch, cfg, module = _reference(ngram_size, heads_per_ngram, 0, eos, seed=99)
+    consts = NgramConstants.from_config(cfg)
+    rng = np.random.default_rng(ngram_size * 31 + heads_per_ngram)
+    first = _random_tokens(rng, 3, 4, 1000, eos)
+    accepted, got = _mtp_decode(consts, rng, 3, steps=25, k=3, vocab=1000, eos=eos, first=first)
+    for b in range(3):
+        stream = np.array([accepted[b]])
+        ref = _reference_ids(torch, module, stream)[0]
+        np.testing.assert_array_equal(np.array(got[b]), ref)
+
+
+def test_rollback_release_constants(release):
+    rng = np.random.default_rng(11)
+    first = _random_tokens(rng, 2, 3, 248320, RELEASE_EOS)
+    accepted, got = _mtp_decode(release, rng, 2, steps=40, k=4, vocab=248320, eos=RELEASE_EOS, first=first)
+    for b in range(2):
+        full, _ = ngram_ids(initial_context(1, release), np.array([accepted[b]]), release)
+        np.testing.assert_array_equal(np.array(got[b]), full[0])
+
+
+def test_context_after_rejects_bad_inputs(release):
+    from fnx.ple import context_after
+
+    ctx = initial_context(2, release)
+    window = np.array([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=r"n_accepted must lie in \[0, 3\]"):
+        context_after(ctx, window, 4, release)
+    with pytest.raises(ValueError, match="n_accepted must lie"):
+        context_after(ctx, window, np.array([1, -1]), release)
+    with pytest.raises(ValueError, match=r"shaped \[2\]"):
+        context_after(ctx, window, np.array([1, 1, 1]), release)
+    with pytest.raises(ValueError, match="n_accepted must be integers"):
+        context_after(ctx, window, 1.0, release)
+    with pytest.raises(ValueError, match="batch"):
+        context_after(ctx[:1], window, 1, release)
+    assert context_after(ctx, window, np.array([3, 1]), release).tolist() == [[2, 3], [RELEASE_EOS, 4]]
