@@ -86,7 +86,7 @@ def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_
     if model.ngram is not None:
         ids, _ = ngram_ids(np.asarray(state["ngram_ctx"]).astype(np.int64), tokens, model.ngram)
         ple_ids = jnp.asarray(ids.astype(np.int32))
-    logits, state, hidden = _jit_step(model.params, state, jnp.asarray(tokens), ple_ids, model.cfg, moe_impl)
+    logits, state, hidden, _ = _jit_step(model.params, state, jnp.asarray(tokens), ple_ids, model.cfg, moe_impl)
     return (logits, state, hidden) if return_hidden else (logits, state)
 
 

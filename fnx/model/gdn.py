@@ -16,35 +16,44 @@ CHUNK = 64
 
 def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, dilation: int = 1):
     """Depthwise causal conv over cat(state, x) along time. x [B, L, C], state [B, S, C] with S = (K-1)*dilation,
-    w [C, K] (w[:, K-1] multiplies the current token). Returns (conv out [B, L, C] rounded once, new state)."""
+    w [C, K] (w[:, K-1] multiplies the current token). Returns (conv out [B, L, C] rounded once, xcat
+    [B, S+L, C]); the state after the first n tokens is `window_after(xcat, n, S)`."""
     length, taps = x.shape[1], w.shape[1]
     xcat = jnp.concatenate([state.astype(x.dtype), x], axis=1)
     acc = jnp.zeros(x.shape, F32)
     for j in range(taps):
         start = j * dilation
         acc = acc + xcat[:, start:start + length].astype(F32) * w[:, j].astype(F32)
-    new_state = xcat[:, xcat.shape[1] - state.shape[1]:]
-    return acc.astype(x.dtype), new_state
+    return acc.astype(x.dtype), xcat
+
+
+def window_after(xcat: jax.Array, n: jax.Array, width: int) -> jax.Array:
+    """The `width` rows of xcat [B, width+L, C] that end after n [B] new tokens: the state left by those tokens."""
+    return jax.vmap(lambda xc, k: lax.dynamic_slice_in_dim(xc, k, width, axis=0))(xcat, n)
 
 
 def l2norm(x: jax.Array) -> jax.Array:
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def delta_rule_recurrent(q, k, v, g, beta, state):
+def delta_rule_recurrent(q, k, v, g, beta, state, keep_steps: bool = False):
     """Token by token. q, k [B, L, H, dk] (l2-normed, q scaled), v [B, L, H, dv], g, beta [B, L, H]; fp32.
-    Returns (o [B, L, H, dv], final state [B, H, dk, dv])."""
+    Returns (o [B, L, H, dv], final state [B, H, dk, dv]); with keep_steps also the state after every token
+    [B, L, H, dk, dv] (what a speculative verify window rolls back to)."""
     def step(s, inp):
         qt, kt, vt, gt, bt = inp
         s = s * jnp.exp(gt)[..., None, None]
         kv = jnp.sum(s * kt[..., None], axis=-2)
         delta = (vt - kv) * bt[..., None]
         s = s + kt[..., None] * delta[..., None, :]
-        return s, jnp.sum(s * qt[..., None], axis=-2)
+        o = jnp.sum(s * qt[..., None], axis=-2)
+        return s, ((o, s) if keep_steps else o)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    state, o = lax.scan(step, state, xs)
-    return jnp.moveaxis(o, 0, 1), state
+    state, out = lax.scan(step, state, xs)
+    if keep_steps:
+        return jnp.moveaxis(out[0], 0, 1), state, jnp.moveaxis(out[1], 0, 1)
+    return jnp.moveaxis(out, 0, 1), state
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -87,8 +96,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return jnp.moveaxis(o, 1, 2), state
 
 
-def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array, cfg):
-    """x [B, L, D] -> (y [B, L, D], conv_state, rec_state)."""
+def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array, cfg, n_valid: jax.Array,
+              snapshots: bool = False):
+    """x [B, L, D]; n_valid [B]: tokens past n_valid are padding and leave the state untouched.
+    Returns (y [B, L, D], conv_state, rec_state, aux). With `snapshots` the recurrence runs token by token and
+    aux holds what `rollback` needs to stop after any prefix: conv_x [B, K-1+L, C], rec_steps [B, L+1, Hv, dk, dv]
+    (index 0 is the state before the call)."""
     bsz, length, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -96,7 +109,8 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     z = linear(x, p["in_proj_z"]).reshape(bsz, length, hv, dv)
     b = linear(x, p["in_proj_b"])
     a = linear(x, p["in_proj_a"])
-    conv, conv_state = causal_conv(qkv, conv_state, p["conv1d"])
+    conv, conv_x = causal_conv(qkv, conv_state, p["conv1d"])
+    conv_state = window_after(conv_x, n_valid, conv_state.shape[1])
     conv = jax.nn.silu(conv)
     q, k, v = jnp.split(conv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     q = q.reshape(bsz, length, hk, dk)
@@ -104,13 +118,21 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     v = v.reshape(bsz, length, hv, dv)
     beta = jax.nn.sigmoid(b)
     g = -jnp.exp(p["A_log"].astype(F32)) * softplus(a.astype(F32) + p["dt_bias"].astype(F32))
+    valid = (jnp.arange(length)[None, :] < n_valid[:, None])[..., None]          # [B, L, 1]
+    g = jnp.where(valid, g, 0.0)                                                   # padding: no decay, no write
     if hv != hk:
         q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
     q, k, v, beta = (t.astype(F32) for t in (q, k, v, beta))
+    beta = jnp.where(valid, beta, 0.0)
     q, k = l2norm(q), l2norm(k)
-    if length == 1:
+    aux = {}
+    if snapshots:
+        o, new_rec, steps = delta_rule_recurrent(q / (dk ** 0.5), k, v, g, beta, rec_state, keep_steps=True)
+        aux = {"conv_x": conv_x, "rec_steps": jnp.concatenate([rec_state[:, None], steps], axis=1)}
+        rec_state = new_rec
+    elif length == 1:
         o, rec_state = delta_rule_recurrent(q / (dk ** 0.5), k, v, g, beta, rec_state)
     else:
         o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
-    return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state
+    return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, aux

@@ -8,13 +8,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fnx.model.gdn import causal_conv
+from fnx.model.gdn import causal_conv, window_after
 from fnx.model.ops import linear, rms_norm, div
 
 
-def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg):
-    """h [B, L, S*D]; rows [B, L, ple_embed_dim] the concatenated n-gram table rows. Returns (out [B, L, S*D],
-    new conv state)."""
+def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg, n_valid: jax.Array):
+    """h [B, L, S*D]; rows [B, L, ple_embed_dim] the concatenated n-gram table rows; n_valid [B] real tokens.
+    Returns (out [B, L, S*D], new conv state, conv_x [B, S_conv+L, S*D] for rollback)."""
     s, d = cfg.hc_count, cfg.hidden_size
     eps = cfg.rms_norm_eps
     split = h.shape[:-1] + (s, d)
@@ -26,8 +26,8 @@ def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg
     gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), jnp.asarray(1e-6, h.dtype))) * jnp.sign(gate)
     gated = (jax.nn.sigmoid(gate)[..., None] * value[..., None, :]).reshape(h.shape)
     normed = rms_norm(gated, p["norm_conv"], eps, group=d)
-    conv, conv_state = causal_conv(normed, conv_state, p["conv1d"], dilation=cfg.ngram_size)
-    return gated + jax.nn.silu(conv), conv_state
+    conv, conv_x = causal_conv(normed, conv_state, p["conv1d"], dilation=cfg.ngram_size)
+    return gated + jax.nn.silu(conv), window_after(conv_x, n_valid, conv_state.shape[1]), conv_x
 
 
 def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:

@@ -23,9 +23,16 @@ def _scatter_time(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: 
     return jax.vmap(one)(cache, new, positions)
 
 
+def ring_after(buf: jax.Array, pos0: jax.Array, n: jax.Array, cr: int) -> jax.Array:
+    """Raw keys of the incomplete block after n [B] of the call's tokens; buf from `indexer_blocks`."""
+    end = pos0 + n
+    return jax.vmap(lambda bb, off: lax.dynamic_slice_in_dim(bb, off, cr, axis=0))(buf, (end // cr - pos0 // cr) * cr)
+
+
 def indexer_blocks(p: dict, kraw: jax.Array, ring: jax.Array, pos0: jax.Array, rope_fn, cfg):
     """Pool the blocks touched by this call. kraw [B, L, di] raw keys of the new tokens; ring [B, cr, di].
-    Returns (block ids [B, NB'] , pooled keys [B, NB', di], new ring)."""
+    Returns (block ids [B, NB'], pooled keys [B, NB', di], buf [B, nbuf, di]: the ring followed by the new raw
+    keys, aligned so that row j is token (pos0 // cr) * cr + j)."""
     cr = cfg.indexer_compress_ratio
     bsz, length, di = kraw.shape
     nbuf = cr * (-(-(2 * cr + length) // cr))
@@ -37,10 +44,7 @@ def indexer_blocks(p: dict, kraw: jax.Array, ring: jax.Array, pos0: jax.Array, r
     pooled = rms_norm(pooled, p["k_layernorm"], cfg.rms_norm_eps)
     block_ids = first_block[:, None] + jnp.arange(nbuf // cr, dtype=jnp.int32)
     pooled = rope_fn(pooled[:, :, None, :], block_ids * cr)[:, :, 0, :]
-    end = pos0 + length
-    ring_new = jax.vmap(lambda bb, off: lax.dynamic_slice(bb, (off, 0), (cr, di)))(
-        buf, (end // cr - first_block) * cr)
-    return block_ids, pooled, ring_new
+    return block_ids, pooled, buf
 
 
 def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cfg) -> jax.Array:
@@ -67,9 +71,11 @@ def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, cap
     return causal & (in_block | tail)
 
 
-def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg):
-    """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens.
-    Returns (y [B, L, D], new state)."""
+def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
+              n_valid: jax.Array):
+    """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
+    tokens (K/V and blocks written for padding lie past the valid length and are overwritten later).
+    Returns (y [B, L, D], new state, aux {"idx_buf"} for rollback)."""
     bsz, length, _ = x.shape
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hi, di = cfg.indexer_n_heads, cfg.indexer_head_dim
@@ -81,7 +87,8 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     q_idx = rms_norm(qk[..., : hi * di].reshape(bsz, length, hi, di), ix["q_layernorm"], cfg.rms_norm_eps)
     q_idx = apply_rope(q_idx, cos, sin)
     kraw = qk[..., hi * di:]
-    block_ids, pooled, ring = indexer_blocks(ix, kraw, st["idx_ring"], pos0, rope_fn, cfg)
+    block_ids, pooled, buf = indexer_blocks(ix, kraw, st["idx_ring"], pos0, rope_fn, cfg)
+    ring = ring_after(buf, pos0, n_valid, cfg.indexer_compress_ratio)
     blocks = _scatter_time(st["idx_blocks"], pooled, block_ids, axis=1)
     mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                      # [B, L, T]
 
@@ -105,4 +112,4 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
                    preferred_element_type=F32).astype(dt)
     o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
     y = linear(o, p["o_proj"])
-    return y, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}
+    return y, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, {"idx_buf": buf}

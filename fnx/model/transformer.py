@@ -179,39 +179,35 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) 
 # ---- forward -------------------------------------------------------------------------------------------------
 
 def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict, h: jax.Array, meta: dict,
-                  moe_impl: str):
-    """One decoder layer on the multi-stream hidden h [B, L, S*D]. Returns (h, new layer state, router ids)."""
+                  moe_impl: str, snapshots: bool = False):
+    """One decoder layer on the multi-stream hidden h [B, L, S*D].
+    Returns (h, new layer state, aux for rollback, router expert ids [B, L, K])."""
     eps, s = cfg.rms_norm_eps, cfg.hc_count
-    st = dict(st)
+    n_valid = meta["n_valid"]
+    st, aux = dict(st), {}
     if has_ple:
         rows = meta["ple_rows"]
         if rows is None:  # the table lives in the params (on the device)
             rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
-        out, st["ple_conv"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg)
+        out, st["ple_conv"], aux["ple_conv_x"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg, n_valid)
         h = h + out
     x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
     if kind == LINEAR:
-        y, st["conv"], st["rec"] = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg)
+        y, st["conv"], st["rec"], a = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg, n_valid,
+                                                    snapshots)
     else:
-        y, new = qsa.qsa_layer(p["self_attn"], x, st, meta["pos0"], meta["cos"], meta["sin"], meta["rope_fn"], cfg)
+        y, new, a = qsa.qsa_layer(p["self_attn"], x, st, meta["pos0"], meta["cos"], meta["sin"], meta["rope_fn"],
+                                  cfg, n_valid)
         st.update(new)
+    aux.update(a)
     h = hyper.combine(h, y, inj)
     x, inj = hyper.gated_residual(p["mlp_hyper_connection"], h, s, eps)
     y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
-    return hyper.combine(h, y, inj), st, ids
+    return hyper.combine(h, y, inj), st, (aux if snapshots else {}), ids
 
 
-def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
-         moe_impl: str = "auto", ple_rows: jax.Array | None = None):
-    """Run L new tokens per sequence on an existing state (prefill, chunked prefill or decode alike).
-
-    tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE);
-    ple_rows [B, L, ple_embed_dim]: the table rows already fetched (a host-side store), used instead of the
-    params' table when given.
-    Returns logits [B, L, V], the new state, and the pre-mixer hidden [B, L, S*D] (what the MTP layer reads)."""
-    bsz, length = tokens.shape
-    dtype = params["embed_tokens"].dtype
-    pos0 = state["pos"]
+def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=None, ple_ids=None, ple_rows=None):
+    """Per-call metadata shared by every layer. pos0 [B] first position; n_valid [B] real tokens (default L)."""
     positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, dtype)
 
@@ -219,34 +215,117 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
         c, s_ = rope_tables(pos, cfg.rotary_dim, cfg.rope_theta, dtype)
         return apply_rope(x, c, s_)
 
-    meta = {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows}
+    if n_valid is None:
+        n_valid = jnp.full(pos0.shape, length, jnp.int32)
+    return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
+            "n_valid": n_valid.astype(jnp.int32)}
+
+
+def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
+         moe_impl: str = "auto", ple_rows: jax.Array | None = None, n_valid: jax.Array | None = None,
+         snapshots: bool = False):
+    """Run L new tokens per sequence on an existing state (prefill, chunked prefill, decode, verify alike).
+
+    tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE);
+    ple_rows [B, L, ple_embed_dim]: the table rows already fetched (a host-side store), used instead of the
+    params' table when given; n_valid [B]: how many of the L tokens are real for each row (the rest is padding
+    and leaves the state as it was; 0 leaves a row untouched); snapshots: keep what `rollback` needs to stop the
+    state after any prefix of the call (speculative verify).
+    Returns logits [B, L, V], the new state, the pre-mixer hidden [B, L, S*D] (what the MTP layer reads) and aux
+    (the rollback material; empty without snapshots)."""
+    bsz, length = tokens.shape
+    dtype = params["embed_tokens"].dtype
+    pos0 = state["pos"]
+    meta = make_meta(cfg, pos0, length, dtype, n_valid, ple_ids, ple_rows)
     if cfg.ple_layer_ids and ple_ids is None and ple_rows is None:
         raise ValueError("this config has a PLE layer: pass ple_ids (from fnx.ple.ngram_ids) or ple_rows")
 
     e = params["embed_tokens"][tokens]
     h = jnp.tile(e, (1, 1, cfg.hc_count))
-    new_segments = []
+    new_segments, aux_segments = [], []
     for seg, seg_params, seg_state in zip(layer_plan(cfg), params["segments"], state["segments"]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
-            h, st, _ = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0], seg_state[0], h,
-                                     meta, moe_impl)
+            h, st, aux, _ = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0], seg_state[0],
+                                          h, meta, moe_impl, snapshots)
             new_segments.append((st,))
+            aux_segments.append((aux,))
             continue
 
         def body(h, xs, kinds=kinds):
             ps, sts = xs
-            outs = []
+            outs, auxes = [], []
             for kind, p, st in zip(kinds, ps, sts):
-                h, st, _ = decoder_layer(cfg, kind, False, p, st, h, meta, moe_impl)
+                h, st, aux, _ = decoder_layer(cfg, kind, False, p, st, h, meta, moe_impl, snapshots)
                 outs.append(st)
-            return h, tuple(outs)
+                auxes.append(aux)
+            return h, (tuple(outs), tuple(auxes))
 
-        h, st = lax.scan(body, h, (seg_params, seg_state))
+        h, (st, aux) = lax.scan(body, h, (seg_params, seg_state))
         new_segments.append(st)
+        aux_segments.append(aux)
 
     x = hyper.gated_residual(params["hyper_connection_mixer"], h, cfg.hc_count, cfg.rms_norm_eps, inject=False)
     logits = linear(x, params["lm_head"])
-    ctx = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)[:, -state["ngram_ctx"].shape[1]:]
-    new_state = {"pos": pos0 + length, "ngram_ctx": ctx, "segments": new_segments}
-    return logits, new_state, h
+    ctx_x = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)
+    width = state["ngram_ctx"].shape[1]
+    new_state = {"pos": pos0 + meta["n_valid"], "ngram_ctx": gdn.window_after(ctx_x[..., None], meta["n_valid"],
+                                                                              width)[..., 0],
+                 "segments": new_segments}
+    aux = {"segments": aux_segments, "pos0": pos0, "ngram_x": ctx_x} if snapshots else {}
+    return logits, new_state, h, aux
+
+
+def rollback(cfg: ModelConfig, state: dict, aux: dict, n_keep: jax.Array) -> dict:
+    """The state as if only the first n_keep [B] tokens of a `snapshots=True` call had been run (0 <= n_keep <= L).
+    K/V and finished blocks past the kept length stay in place; they lie beyond the valid length and are
+    overwritten before anything reads them."""
+    n_keep = n_keep.astype(jnp.int32)
+    pos0, cr = aux["pos0"], cfg.indexer_compress_ratio
+
+    def fix(st, ax, scanned):
+        st = dict(st)
+        if "rec" in st:
+            if scanned:
+                st["rec"] = jax.vmap(lambda steps: _take_step(steps, n_keep))(ax["rec_steps"])
+                st["conv"] = jax.vmap(lambda cx: gdn.window_after(cx, n_keep, st["conv"].shape[-2]))(ax["conv_x"])
+            else:
+                st["rec"] = _take_step(ax["rec_steps"], n_keep)
+                st["conv"] = gdn.window_after(ax["conv_x"], n_keep, st["conv"].shape[-2])
+        if "idx_ring" in st:
+            f = lambda buf: qsa.ring_after(buf, pos0, n_keep, cr)  # noqa: E731
+            st["idx_ring"] = jax.vmap(f)(ax["idx_buf"]) if scanned else f(ax["idx_buf"])
+        if "ple_conv" in st:
+            st["ple_conv"] = gdn.window_after(ax["ple_conv_x"], n_keep, st["ple_conv"].shape[-2])
+        return st
+
+    segments = []
+    for seg, seg_state, seg_aux in zip(layer_plan(cfg), state["segments"], aux["segments"]):
+        segments.append(tuple(fix(st, ax, seg.scanned) for st, ax in zip(seg_state, seg_aux)))
+    width = state["ngram_ctx"].shape[1]
+    ctx = gdn.window_after(aux["ngram_x"][..., None], n_keep, width)[..., 0]
+    return {"pos": pos0 + n_keep, "ngram_ctx": ctx, "segments": segments}
+
+
+def _take_step(steps: jax.Array, n: jax.Array) -> jax.Array:
+    """steps [B, L+1, ...] -> steps[b, n[b]]."""
+    return jax.vmap(lambda s, k: lax.dynamic_index_in_dim(s, k, axis=0, keepdims=False))(steps, n)
+
+
+def _batch_axis_tree(cfg: ModelConfig, state: dict):
+    segs = [tuple(jax.tree.map(lambda _: 1 if seg.scanned else 0, st) for st in seg_state)
+            for seg, seg_state in zip(layer_plan(cfg), state["segments"])]
+    return {"pos": 0, "ngram_ctx": 0, "segments": segs}
+
+
+def slot_take(cfg: ModelConfig, state: dict, slot) -> dict:
+    """The batch-1 state of one slot (slot may be traced)."""
+    axes = _batch_axis_tree(cfg, state)
+    return jax.tree.map(lambda a, ax: lax.dynamic_slice_in_dim(a, slot, 1, axis=ax), state, axes)
+
+
+def slot_put(cfg: ModelConfig, state: dict, slot, sub: dict) -> dict:
+    """Write a batch-1 state back into its slot."""
+    axes = _batch_axis_tree(cfg, state)
+    return jax.tree.map(lambda a, s_, ax: lax.dynamic_update_slice_in_dim(a, s_.astype(a.dtype), slot, axis=ax),
+                        state, sub, axes)

@@ -1,0 +1,441 @@
+"""The engine: a fixed set of batch slots over one decode state, requests joining and leaving between steps,
+chunked prefill interleaved with decode, sampling, and MTP speculative decoding with exact rollback.
+
+One `Engine.step()` admits waiting requests into free slots, runs one prefill chunk (if any request is still
+prefilling) and one decode step (or one speculative round) for every decoding slot. Everything device-side is a
+handful of jitted programs whose shapes depend only on (slots, tokens per slot), so nothing recompiles inside a
+bucket. The engine is single-threaded: the serving layer drives it from one thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
+from fnx.model.api import Model
+from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
+from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step
+from fnx.ple import ngram_ids
+
+log = logging.getLogger("fnx.engine")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """MTP speculative decoding: k draft tokens per round (1..8)."""
+    k: int = 4
+
+    def __post_init__(self):
+        if not 1 <= self.k <= 8:
+            raise ValueError(f"speculative k must be in 1..8, got {self.k}")
+
+
+@dataclass
+class Output:
+    """What one request gained in one engine step."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[dict] = field(default_factory=list)   # per token: {"logprob", "top": [(id, logprob), ...]}
+    finished: bool = False
+    finish_reason: str | None = None                      # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: np.ndarray
+    params: SamplingParams
+    seed: int
+    history: list[int] = field(default_factory=list)
+    generated: int = 0
+    prefilled: int = 0
+    slot: int | None = None
+    pending: int | None = None           # sampled, not yet run through the target
+    mtp_hidden: object = None            # [n, S*D] target hidden rows awaiting the MTP layer
+    mtp_tokens: list[int] = field(default_factory=list)
+    done: bool = False
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Engine:
+    def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
+                 speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
+                 extra_eos: tuple[int, ...] = ()):
+        if max_slots < 1 or capacity < 8:
+            raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model, self.cfg = model, model.cfg
+        if isinstance(speculative, int):
+            speculative = SpeculativeConfig(speculative)
+        self.spec = speculative
+        self.k = speculative.k if speculative else 0
+        self.slots: list[Request | None] = [None] * max_slots
+        self.capacity, self.prefill_chunk, self.moe_impl = capacity, prefill_chunk, moe_impl
+        dtype = model.dtype
+        self.state = init_state(self.cfg, max_slots, capacity, dtype)
+        self.empty_slot = init_state(self.cfg, 1, capacity, dtype)
+        vocab = self.cfg.vocab_size
+        self.seen = jnp.zeros((max_slots, vocab), bool)
+        self.out_counts = jnp.zeros((max_slots, vocab), jnp.int32)
+        eos = self.cfg.eos_token_id
+        self.eos = set(eos if isinstance(eos, tuple) else (() if eos is None else (eos,))) | set(extra_eos)
+        if self.spec:
+            self.mtp = mtp_params(self.cfg, model.mtp, dtype)
+            self.mtp_state = init_mtp_state(self.cfg, max_slots, capacity, dtype)
+            self.mtp_empty = init_mtp_state(self.cfg, 1, capacity, dtype)
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng()
+        self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "decode_steps": 0, "prefill_tokens": 0}
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu":
+            raise ValueError(f"a prompt must be a non-empty list of token ids, got {prompt.dtype} {prompt.shape}")
+        if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
+            raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+        need = prompt.size + params.max_tokens + self.k + 1
+        if need > self.capacity:
+            raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) needs {need} "
+                             f"positions, more than this engine's context capacity of {self.capacity}")
+        if self.spec and params.uses_penalties:
+            raise ValueError("repetition/presence/frequency penalties are not implemented together with "
+                             "speculative decoding; run this request without speculation")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**31 - 1))
+        req = Request(rid, prompt.astype(np.int32), params, seed, history=[int(t) for t in prompt])
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        req.done = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self.slots[req.slot] = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    # ---- one scheduling iteration ----------------------------------------------------------------------------
+    def step(self) -> list[Output]:
+        outs: list[Output] = []
+        self._admit()
+        prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
+        if prefilling:
+            outs += self._prefill_chunk(prefilling[0])
+        decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt) and not r.done
+                    and r.pending is not None]
+        if decoding:
+            outs += self._spec_round(decoding) if self.spec else self._decode(decoding)
+        return outs
+
+    def _admit(self):
+        for i, s in enumerate(self.slots):
+            if s is None and self.waiting:
+                req = self.waiting.popleft()
+                req.slot = i
+                self.slots[i] = req
+                self.state = _jit_slot_put(self.cfg, self.state, i, self.empty_slot)
+                if self.spec:
+                    self.mtp_state = _jit_mtp_put(self.mtp_state, i, self.mtp_empty)
+                self.seen, self.out_counts = _reset_row(self.seen, self.out_counts, i,
+                                                        jnp.asarray(req.prompt))
+
+    def _ple_ids(self, histories: list[list[int]], tokens: np.ndarray) -> jnp.ndarray | None:
+        """n-gram ids [B, L, H] for `tokens` [B, L] that follow each row's history."""
+        ng = self.model.ngram
+        if ng is None:
+            return None
+        ctx_len = ng.ngram_size - 1
+        ctx = np.full((len(histories), ctx_len), ng.eos_token_id, np.int64)
+        for b, h in enumerate(histories):
+            tail = h[-ctx_len:] if ctx_len else []
+            if tail:
+                ctx[b, ctx_len - len(tail):] = tail
+        ids, _ = ngram_ids(ctx, tokens.astype(np.int64), ng)
+        return jnp.asarray(ids.astype(np.int32))
+
+    def _bucket(self, n: int) -> int:
+        b = 16
+        while b < n:
+            b *= 2
+        return min(b, max(self.prefill_chunk, n))
+
+    def _prefill_chunk(self, req: Request) -> list[Output]:
+        start = req.prefilled
+        chunk = req.prompt[start:start + self.prefill_chunk]
+        n = len(chunk)
+        length = self._bucket(n)
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, :n] = chunk
+        hist = req.history[:start]
+        ple = self._ple_ids([hist], tokens)
+        self.state, last_logits, hidden = _jit_prefill(self.model.params, self.state, req.slot, jnp.asarray(tokens),
+                                                       jnp.asarray([n], jnp.int32), ple, self.cfg, self.moe_impl)
+        req.prefilled += n
+        self.stats["prefill_tokens"] += n
+        final = req.prefilled == len(req.prompt)
+        if self.spec:  # the MTP layer reads pairs (H_t, x_{t+1}); the last pair of the prompt waits for x_P
+            pairs = n - 1 if final else n
+            nxt = np.zeros((1, length), np.int32)
+            nxt[0, :pairs] = req.prompt[start + 1:start + 1 + pairs]
+            self.mtp_state = _jit_mtp_prefill(self.model.params, self.mtp, self.mtp_state, req.slot, hidden,
+                                              jnp.asarray(nxt), jnp.asarray([pairs], jnp.int32), self.cfg,
+                                              self.moe_impl)
+            if final:
+                req.mtp_hidden = hidden[0, n - 1:n]
+        if not final:
+            return []
+        sp = SamplingArrays.stack([req.params])
+        keys = row_keys(jnp.asarray([req.seed], jnp.uint32), jnp.asarray([0], jnp.uint32))
+        tok, lp_info, self.seen, self.out_counts = _jit_sample_rows(
+            last_logits, sp, keys, self.seen, self.out_counts, jnp.asarray([req.slot]), req.params.logprobs)
+        return [self._emit(req, [int(tok[0])], [_lp(lp_info, 0, 0, req.params.logprobs)])]
+
+    def _emit(self, req: Request, toks: list[int], lps: list[dict]) -> Output:
+        out = Output(req.id, [], [])
+        for t, lp in zip(toks, lps):
+            req.history.append(t)
+            req.generated += 1
+            out.token_ids.append(t)
+            if req.params.logprobs or lp:
+                out.logprobs.append(lp)
+            stop = (t in self.eos and not req.params.ignore_eos) or t in req.params.stop_token_ids
+            if stop or req.generated >= req.params.max_tokens:
+                out.finished, out.finish_reason = True, ("stop" if stop else "length")
+                break
+        req.pending = out.token_ids[-1] if out.token_ids else req.pending
+        if out.finished:
+            req.done = True
+            self.slots[req.slot] = None
+            self.requests.pop(req.id, None)
+        return out
+
+    def _decode(self, reqs: list[Request]) -> list[Output]:
+        slots = len(self.slots)
+        tokens = np.zeros((slots, 1), np.int32)
+        n_valid = np.zeros((slots,), np.int32)
+        hist = [[] for _ in range(slots)]
+        params = [SamplingParams()] * slots
+        seeds = np.zeros((slots,), np.uint32)
+        counters = np.zeros((slots,), np.uint32)
+        for r in reqs:
+            tokens[r.slot, 0] = r.pending
+            n_valid[r.slot] = 1
+            hist[r.slot] = r.history[:-1]
+            params[r.slot] = r.params
+            seeds[r.slot], counters[r.slot] = r.seed, r.generated
+        ple = self._ple_ids(hist, tokens)
+        nlp = max(r.params.logprobs for r in reqs)
+        self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode(
+            self.model.params, self.state, jnp.asarray(tokens), jnp.asarray(n_valid), ple,
+            SamplingArrays.stack(params), row_keys(jnp.asarray(seeds), jnp.asarray(counters)), self.seen,
+            self.out_counts, self.cfg, self.moe_impl, nlp)
+        self.stats["decode_steps"] += 1
+        tok = np.asarray(tok)
+        return [self._emit(r, [int(tok[r.slot])], [_lp(lp_info, r.slot, 0, r.params.logprobs)]) for r in reqs]
+
+    def _spec_round(self, reqs: list[Request]) -> list[Output]:
+        k, slots, sd = self.k, len(self.slots), self.cfg.hc_dim
+        hid = np.zeros((slots, k + 1, sd), np.float32)
+        pair_tok = np.zeros((slots, k + 1), np.int32)
+        count = np.zeros((slots,), np.int32)
+        params = [SamplingParams()] * slots
+        seeds = np.zeros((slots,), np.uint32)
+        counters = np.zeros((slots,), np.uint32)
+        active = np.zeros((slots,), bool)
+        for r in reqs:
+            rows = np.asarray(r.mtp_hidden, np.float32)
+            hid[r.slot, :len(rows)] = rows
+            toks = r.mtp_tokens + [r.pending]
+            pair_tok[r.slot, :len(toks)] = toks
+            count[r.slot] = len(toks)
+            params[r.slot] = r.params
+            seeds[r.slot], counters[r.slot] = r.seed, r.generated
+            active[r.slot] = True
+        sp = SamplingArrays.stack(params)
+        keys = row_keys(jnp.asarray(seeds), jnp.asarray(counters))
+        self.mtp_state, drafts, q_lp = _jit_draft(
+            self.model.params, self.mtp, self.mtp_state, jnp.asarray(hid, self.model.dtype), jnp.asarray(pair_tok),
+            jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k)
+        drafts = np.asarray(drafts)                                       # [S, k]
+        verify = np.zeros((slots, k + 1), np.int32)
+        hist = [[] for _ in range(slots)]
+        for r in reqs:
+            verify[r.slot, 0] = r.pending
+            verify[r.slot, 1:] = drafts[r.slot]
+            hist[r.slot] = r.history[:-1]
+        ple = self._ple_ids(hist, verify)
+        nlp = max(r.params.logprobs for r in reqs)
+        self.state, out_tok, n_acc, hidden, lp_info = _jit_verify(
+            self.model.params, self.state, jnp.asarray(verify), jnp.asarray(active), ple, q_lp, sp, keys,
+            self.cfg, self.moe_impl, nlp)
+        out_tok, n_acc = np.asarray(out_tok), np.asarray(n_acc)
+        self.stats["rounds"] += 1
+        self.stats["row_rounds"] = self.stats.get("row_rounds", 0) + len(reqs)
+        outs = []
+        for r in reqs:
+            a = int(n_acc[r.slot])
+            r.drafted += k
+            r.accepted += a
+            self.stats["drafted"] += k
+            self.stats["accepted"] += a
+            new = [int(t) for t in out_tok[r.slot, :a + 1]]
+            # the MTP layer's next pairs: (H_P+j, token P+j+1) for the accepted window
+            r.mtp_hidden = hidden[r.slot, :a + 1]
+            r.mtp_tokens = new[:-1]
+            outs.append(self._emit(r, new, [_lp(lp_info, r.slot, j, r.params.logprobs) for j in range(a + 1)]))
+        return outs
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per speculative round (accepted drafts + the bonus token)."""
+        r = self.stats.get("row_rounds", 0)
+        return self.stats["accepted"] / r + 1 if r else 0.0
+
+
+def _lp(info, row, j, n) -> dict:
+    if info is None:
+        return {}
+    chosen, vals, ids = info
+    out = {"logprob": float(chosen[row, j])}
+    if n:
+        out["top"] = [(int(ids[row, j, i]), float(vals[row, j, i])) for i in range(n)]
+    return out
+
+
+# ---- jitted programs ---------------------------------------------------------------------------------------------
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(1,))
+def _jit_slot_put(cfg, state, slot, sub):
+    return slot_put(cfg, state, slot, sub)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _jit_mtp_put(state, slot, sub):
+    return jax.tree.map(lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0), state, sub)
+
+
+@partial(jax.jit, donate_argnums=(0, 1))
+def _reset_row(seen, counts, slot, prompt):
+    row = jnp.zeros((seen.shape[1],), bool).at[prompt].set(True)
+    return seen.at[slot].set(row), counts.at[slot].set(0)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
+def _jit_prefill(params, state, slot, tokens, n_valid, ple_ids, cfg, moe_impl):
+    sub = slot_take(cfg, state, slot)
+    logits, sub, hidden, _ = step(params, sub, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid)
+    last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
+    return slot_put(cfg, state, slot, sub), last, hidden
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("mstate",))
+def _jit_mtp_prefill(params, mp, mstate, slot, hidden, next_tokens, n_valid, cfg, moe_impl):
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)  # noqa: E731
+    sub = jax.tree.map(take, mstate)
+    _, sub, _ = mtp_step(params, mp, sub, hidden, next_tokens, cfg=cfg, n_valid=n_valid, moe_impl=moe_impl)
+    return jax.tree.map(lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0), mstate, sub)
+
+
+def _update_counts(seen, counts, slots, tok):
+    return seen.at[slots, tok].set(True), counts.at[slots, tok].add(1)
+
+
+@partial(jax.jit, static_argnames=("n_logprobs",), donate_argnames=("seen", "counts"))
+def _jit_sample_rows(logits, sp, keys, seen, counts, slots, n_logprobs):
+    tok, _ = sample(logits, sp, keys, seen[slots], counts[slots])
+    info = top_logprobs(logits, tok, n_logprobs)
+    seen, counts = _update_counts(seen, counts, slots, tok)
+    return tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state", "seen", "counts"))
+def _jit_decode(params, state, tokens, n_valid, ple_ids, sp, keys, seen, counts, cfg, moe_impl, n_logprobs):
+    logits, state, _, _ = step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid)
+    tok, _ = sample(logits[:, 0], sp, keys, seen, counts)
+    info = top_logprobs(logits[:, 0], tok, n_logprobs)
+    rows = jnp.arange(tokens.shape[0])
+    active = n_valid > 0
+    seen2, counts2 = _update_counts(seen, counts, rows, tok)
+    seen = jnp.where(active[:, None], seen2, seen)
+    counts = jnp.where(active[:, None], counts2, counts)
+    return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "k"), donate_argnames=("mstate",))
+def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k):
+    """MTP catch-up on the pending pairs (committed), then k-1 chained draft steps (discarded).
+    Returns (committed MTP state, drafts [B, k], draft log-distributions [B, k, V])."""
+    logits, mstate, h = mtp_step(params, mp, mstate, hidden, pair_tok, cfg=cfg, n_valid=count, moe_impl=moe_impl)
+    last = lambda a: jnp.take_along_axis(a, (count - 1).reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa
+    lg, hh = last(logits)[:, 0], last(h)
+    subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)             # [B, k+2, 2]
+    draft_toks, draft_lps = [], []
+    scratch = mstate
+    for i in range(k):
+        tok, lp = sample(lg.astype(jnp.float32), sp, subkeys[:, i])
+        draft_toks.append(tok)
+        draft_lps.append(lp)
+        if i + 1 < k:
+            lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl)
+            lg = lgs[:, 0]
+    return mstate, jnp.stack(draft_toks, 1), jnp.stack(draft_lps, 1)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state",))
+def _jit_verify(params, state, verify, active, ple_ids, q_lp, sp, keys, cfg, moe_impl, n_logprobs):
+    """Target on [pending, d_1..d_k]; speculative rejection sampling (greedy rows: longest matching prefix);
+    rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs)."""
+    bsz, width = verify.shape
+    k = width - 1
+    n_valid = jnp.where(active, width, 0).astype(jnp.int32)
+    logits, full, hidden, aux = step(params, state, verify, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                                     snapshots=True)
+    p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
+    drafts = verify[:, 1:]
+    subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(subkeys[:, k])
+    p_d = jnp.exp(jnp.take_along_axis(p_lp[:, :k], drafts[..., None], axis=-1)[..., 0])
+    q_d = jnp.exp(jnp.take_along_axis(q_lp, drafts[..., None], axis=-1)[..., 0])
+    ok = u * q_d < p_d                                    # accept with probability min(1, p/q)
+    ok = ok & (q_d > 0)
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)               # [B]
+    # the extra token: from max(0, p - q) at the first rejection, or from p after k acceptances
+    p_at = jnp.take_along_axis(p_lp, n_acc[:, None, None], axis=1)[:, 0]            # [B, V]
+    q_pad = jnp.concatenate([q_lp, jnp.full_like(q_lp[:, :1], -jnp.inf)], axis=1)
+    q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(jnp.exp(p_at) - jnp.exp(q_at), 0.0)
+    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, jnp.exp(p_at))
+    extra = jax.vmap(lambda kk, r: jax.random.categorical(kk, jnp.log(r)))(subkeys[:, k + 1], resid)
+    extra = extra.astype(jnp.int32)
+    toks = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    toks = toks.at[jnp.arange(bsz), n_acc].set(extra)
+    n_keep = jnp.where(active, n_acc + 1, 0)
+    state = rollback(cfg, full, aux, n_keep)
+    chosen, vals, ids = jax.vmap(lambda lg, t: top_logprobs(lg, t, n_logprobs), in_axes=(1, 1), out_axes=1)(
+        logits, toks)
+    return state, toks, n_acc, hidden, (chosen, vals, ids)

@@ -1,0 +1,111 @@
+"""The MTP draft layer (MODEL_SPEC.md section 10): one QSA + MoE decoder layer fed with the target's pre-mixer
+multi-stream hidden H_t and the embedding of the next token x_{t+1}, predicting x_{t+2}.
+
+    e   = fc_embedding(RMSNorm0c(embed(x_{t+1})))          one RMS over D
+    Hn  = RMSNorm0c(H_t)                                    one RMS over all S*D values
+    X_j = fc_hidden(Hn_j) + e                               every stream
+    H'  = DecoderLayer(X);  logits = lm_head(mixer(H'))
+
+Draft slot t pairs H_t with x_{t+1} at position t. The layer keeps its own QSA state."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnx.config import INDEXED, ModelConfig
+from fnx.model import hyper
+from fnx.model.ops import linear, rms_norm
+from fnx.model.transformer import _hc_shapes, _layer_state, decoder_layer, layer_param_shapes, make_meta
+
+MTP_TOP = ("fc_embedding", "fc_hidden", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+
+
+class MtpError(ValueError):
+    pass
+
+
+def mtp_param_shapes(cfg: ModelConfig) -> dict:
+    d, sd = cfg.hidden_size, cfg.hc_dim
+    qsa_index = cfg.layer_types.index(INDEXED)
+    layer = layer_param_shapes(cfg, qsa_index)
+    layer.pop("ple", None)
+    return {"fc_embedding": (d, d), "fc_hidden": (d, d), "pre_fc_norm_embedding": (d,),
+            "pre_fc_norm_hidden": (sd,), "hyper_connection_mixer": _hc_shapes(cfg, inject=False),
+            "layer": layer}
+
+
+def mtp_params(cfg: ModelConfig, raw: dict, dtype) -> dict:
+    """The `mtp.*` tensors (raw HF names -> host arrays, as `fnx.load` keeps them) as a params tree."""
+    from fnx.checkpoint.hf import translate
+    if not raw:
+        raise MtpError("this checkpoint has no mtp.* tensors: speculative decoding with the MTP layer needs them")
+    want = mtp_param_shapes(cfg)
+    tree: dict = {}
+    extra = []
+    for name, arr in raw.items():
+        inner = name[len("mtp."):]
+        if inner == "hyper_connection_mixer.block_inject_weight.weight":
+            continue  # unused by the mixer (no injection)
+        t = translate(inner)
+        if t.kind != "param":
+            extra.append(name)
+            continue
+        path = t.path if t.layer is None else ("layer",) + t.path
+        if t.layer not in (None, 0):
+            extra.append(name)
+            continue
+        node = want
+        for p in path:
+            node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, tuple):
+            extra.append(name)
+            continue
+        arr = np.asarray(arr)
+        if tuple(arr.shape) != node:
+            raise MtpError(f"{name} has shape {tuple(arr.shape)}, the config expects {node}")
+        cur = tree
+        for p in path[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[path[-1]] = jnp.asarray(arr.astype(np.dtype(jnp.dtype(dtype))))
+    if extra:
+        raise MtpError(f"unexpected mtp tensors: {sorted(extra)[:10]}")
+    missing = []
+
+    def walk(w, t, prefix):
+        for k, v in w.items():
+            if isinstance(v, dict):
+                walk(v, t.get(k, {}) if isinstance(t, dict) else {}, prefix + (k,))
+            elif k not in t:
+                missing.append(".".join(prefix + (k,)))
+    walk(want, tree, ())
+    if missing:
+        raise MtpError(f"missing mtp tensors: {missing[:10]}")
+    return tree
+
+
+def init_mtp_state(cfg: ModelConfig, batch: int, capacity: int, dtype) -> dict:
+    qsa_index = cfg.layer_types.index(INDEXED)
+    st = _layer_state(cfg, qsa_index, batch, capacity, dtype)
+    st.pop("ple_conv", None)
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layer": st}
+
+
+def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens: jax.Array, *, cfg: ModelConfig,
+             n_valid: jax.Array | None = None, moe_impl: str = "auto"):
+    """hidden [B, L, S*D] (target pre-mixer hidden at positions pos..pos+L-1, or the layer's own output when
+    chaining drafts), next_tokens [B, L] (x_{t+1}). Returns (logits [B, L, V], new state, H' [B, L, S*D])."""
+    bsz, length = next_tokens.shape
+    dtype = params["embed_tokens"].dtype
+    eps = cfg.rms_norm_eps
+    meta = make_meta(cfg, state["pos"], length, dtype, n_valid)
+    e = params["embed_tokens"][next_tokens]
+    e = linear(rms_norm(e, mp["pre_fc_norm_embedding"], eps), mp["fc_embedding"])
+    hn = rms_norm(hidden.astype(dtype), mp["pre_fc_norm_hidden"], eps)
+    streams = hn.reshape(bsz, length, cfg.hc_count, cfg.hidden_size)
+    x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
+    h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
+    out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False)
+    logits = linear(out, params["lm_head"])
+    return logits, {"pos": state["pos"] + meta["n_valid"], "layer": st}, h
