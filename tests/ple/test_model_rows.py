@@ -1,0 +1,95 @@
+"""Rows from every store mode against the model's own in-params table, and a forward through the step."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnx
+from fnx.model import ple as model_ple
+from fnx.model.transformer import init_state, step
+from fnx.ple import context_after, initial_context, ngram_ids
+from fnx.ple.pipeline import PrefetchPipeline, fetch_rows_in_graph
+from fnx.ple.store import MODES, open_store
+from tests.conftest import load_script
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    pytest.importorskip("torch")
+    path = load_script("make_tiny_checkpoint").write_checkpoint(
+        tmp_path_factory.mktemp("ple_model") / "tiny-a", "tiny-a", seed=0, dtype="bfloat16")
+    return fnx.load(path, dtype=jnp.bfloat16)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _step(params, state, tokens, ple_ids, ple_rows, cfg):
+    return step(params, state, tokens, ple_ids, cfg=cfg, ple_rows=ple_rows)
+
+
+def _tokens(model, batch, length, seed):
+    rng = np.random.default_rng(seed)
+    t = rng.integers(0, model.cfg.vocab_size, (batch, length))
+    t[rng.random(t.shape) < 0.15] = model.cfg.ple_eos_token_id
+    return t
+
+
+def test_every_mode_matches_the_params_table(tiny):
+    table = tiny.params["segments"]
+    layer = tiny.cfg.ple_layers[0]
+    ids, _ = ngram_ids(initial_context(2, tiny.ngram), _tokens(tiny, 2, 11, 0), tiny.ngram)
+    ids = ids.astype(np.int32)
+    seg_table = _params_table(tiny)
+    want = np.asarray(model_ple.gather_rows(seg_table, jnp.asarray(ids)))
+    assert layer == 1 and table
+    for mode in MODES:
+        with open_store(tiny.path, mode) as store:  # cfg and layer come from the checkpoint's config.json
+            assert store.src.rows == seg_table.shape[0]
+            got = store.rows(ids.reshape(-1, ids.shape[-1])).reshape(want.shape)
+            np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16), err_msg=mode)
+
+
+def _params_table(model):
+    from fnx.model.transformer import layer_plan
+    layer = model.cfg.ple_layers[0]
+    for seg, p in zip(layer_plan(model.cfg), model.params["segments"]):
+        if not seg.scanned and seg.start == layer:
+            return p[0]["ple"]["ple_embedding"]["ngram_embedding"]
+    raise AssertionError("no unscanned PLE layer")
+
+
+def test_step_with_store_rows_equals_step_with_ids(tiny):
+    """Prefill, then MTP-like verify windows with rollback: rows from the pipeline (pageable store) and from an
+    in-graph io_callback give the same logits as the params-table gather."""
+    cfg, consts = tiny.cfg, tiny.ngram
+    batch = 2
+    store = open_store(tiny.path, "pageable")
+    pipe = PrefetchPipeline(store)
+    ctx = initial_context(batch, consts)
+    s_ids = init_state(cfg, batch, 64, tiny.dtype)
+    s_rows = init_state(cfg, batch, 64, tiny.dtype)
+    prompt = _tokens(tiny, batch, 9, 1)
+    pipe.hint_prompt(ctx, prompt)
+    rng = np.random.default_rng(2)
+    for r, window in enumerate([prompt] + [_tokens(tiny, batch, 4, 10 + i) for i in range(3)]):
+        ticket = pipe.submit_tokens(ctx, window)
+        ids, _ = ngram_ids(ctx, window, consts)
+        got = pipe.take(ticket)
+        assert not got.flagged.any() and got.error is None
+        toks = jnp.asarray(window, jnp.int32)
+        lg_ids, s_ids_new = _step(tiny.params, s_ids, toks, jnp.asarray(ids, jnp.int32), None, cfg)[:2]
+        lg_rows, s_rows_new = _step(tiny.params, s_rows, toks, None, got.rows, cfg)[:2]
+        np.testing.assert_array_equal(np.asarray(lg_rows), np.asarray(lg_ids))
+        if r == 1:  # the in-graph host callback gives the same rows
+            f = jax.jit(lambda i: fetch_rows_in_graph(store, i, "io"))
+            np.testing.assert_array_equal(np.asarray(f(jnp.asarray(ids, jnp.int32))).view(np.uint16),
+                                          np.asarray(got.rows).view(np.uint16))
+        # Keep the whole window, as the step's state did (rolling back model state is the engine's job).
+        np.testing.assert_array_equal(got.new_context, context_after(ctx, window, window.shape[1], consts))
+        ctx = got.new_context
+        s_ids, s_rows = s_ids_new, s_rows_new
+    pipe.close()
+    assert store.stats["fetches"] >= 4 and store.stats["prefetch_calls"] >= 1
+    store.close()
