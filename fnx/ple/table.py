@@ -336,6 +336,15 @@ def validate(src: TableSource, consts: NgramConstants | None = None, embed_dim: 
     return src
 
 
+def raw_header(meta: dict) -> bytes:
+    """The 4 KiB header of a raw row file: magic, u32 length, JSON (rows, width, dtype, scale_dtype, scale_hex,
+    fingerprint, buffers)."""
+    blob = json.dumps(meta).encode()
+    if 12 + len(blob) > RAW_HEADER:
+        raise TableError(f"raw header of {len(blob)} bytes does not fit in {RAW_HEADER}")
+    return (RAW_MAGIC + struct.pack("<I", len(blob)) + blob).ljust(RAW_HEADER, b"\0")
+
+
 def convert_to_raw(src: TableSource, out_path: str | os.PathLike, consts: NgramConstants | None = None,
                    chunk_bytes: int = 64 << 20, progress=None) -> TableSource:
     """Write the table as one raw row file (written to `out_path.tmp`, fsynced, then renamed).
@@ -353,13 +362,10 @@ def convert_to_raw(src: TableSource, out_path: str | os.PathLike, consts: NgramC
         meta["buffers"] = {"layer_multipliers": consts.multipliers.tolist(),
                            "ngram_heads_vocab_sizes": consts.head_vocab_sizes.tolist(),
                            "ngram_heads_offsets": consts.head_offsets.tolist()}
-    blob = json.dumps(meta).encode()
-    if 12 + len(blob) > RAW_HEADER:
-        raise TableError(f"raw header of {len(blob)} bytes does not fit in {RAW_HEADER}")
     tmp = out_path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.pwrite(fd, (RAW_MAGIC + struct.pack("<I", len(blob)) + blob).ljust(RAW_HEADER, b"\0"), 0)
+        os.pwrite(fd, raw_header(meta), 0)
         pos = RAW_HEADER
         for e in src.extents:
             rfd = os.open(e.path, os.O_RDONLY)

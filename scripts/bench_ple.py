@@ -1,0 +1,372 @@
+"""Benchmark the PLE row store: rows/s and per-fetch latency of every mode, warm and cold, at decode and prefill
+shapes; optionally the PLE stall per decode round end to end around a jitted step (`--e2e`).
+
+    python scripts/bench_ple.py --quick                       # small synthetic table, every mode, ~1 min
+    python scripts/bench_ple.py --table-gb 51.2 --dir /data   # full-size FP8 table (320,001,536 x 160 B)
+    python scripts/bench_ple.py --table /ckpt/dir             # a real checkpoint or raw row file
+    python scripts/bench_ple.py --quick --e2e                 # + callbacks and the pipeline vs device mode
+
+Table: a synthetic FP8 raw row file (width 160, 16 heads, one global bf16 scale) written to --dir unless
+--table is given; it is reused across runs when its size matches. Cold = the store's pages evicted before each
+fetch (pageable: MADV_DONTNEED + posix_fadvise(DONTNEED); swap: MADV_PAGEOUT, which needs swap; direct has no
+cache) with fresh random ids. Every result is one JSON line appended to --out; a summary table is printed.
+Needs only numpy, ml_dtypes and jax (CPU or CUDA)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from fnx.ple import NgramConstants, initial_context, ngram_ids  # noqa: E402
+from fnx.ple import _linux as lx  # noqa: E402
+from fnx.ple.store import MODES, open_store  # noqa: E402
+from fnx.ple.table import RAW_HEADER, TableSource, from_raw, open_source, raw_header  # noqa: E402
+
+WIDTH, HEADS = 160, 16
+RELEASE_ROWS = 320_001_536
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def synthetic_table(path: str, gib: float, seed: int = 0) -> str:
+    """An FP8 raw row file of about `gib` GiB (exactly the release table at 51.2 GB / 47.68 GiB)."""
+    import ml_dtypes
+    rows = RELEASE_ROWS if gib * 2**30 >= RELEASE_ROWS * WIDTH * 0.999 else int(gib * 2**30) // WIDTH // 128 * 128
+    need = RAW_HEADER + rows * WIDTH
+    if os.path.exists(path) and os.path.getsize(path) == need:
+        try:
+            src = from_raw(path)
+            if src.rows == rows and src.stored_fingerprint:
+                print(f"reusing {path} ({need / 1e9:.2f} GB)", flush=True)
+                return path
+        except Exception:  # noqa: BLE001
+            pass
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    if st.f_bavail * st.f_frsize < need + (1 << 30):
+        raise SystemExit(f"not enough disk for a {need / 1e9:.1f} GB table in {os.path.dirname(path)}: "
+                         f"{st.f_bavail * st.f_frsize / 1e9:.1f} GB free")
+    print(f"writing a synthetic {rows}-row FP8 table ({need / 1e9:.2f} GB) to {path} ...", flush=True)
+    rng = np.random.default_rng(seed)
+    block = rng.integers(0, 256, size=64 << 20, dtype=np.uint8)
+    block[(block & 0x7F) == 0x7F] = 0  # no NaN codes
+    scale = np.array(0.0123, dtype=ml_dtypes.bfloat16)
+    meta = {"rows": rows, "width": WIDTH, "dtype": "F8_E4M3", "fingerprint": None, "scale_dtype": "BF16",
+            "scale_hex": scale.tobytes().hex(), "buffers": {}}
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, raw_header(meta), 0)
+        pos, end, i = RAW_HEADER, need, 0
+        while pos < end:
+            n = min(len(block), end - pos)
+            os.pwrite(fd, np.roll(block, i)[:n].tobytes(), pos)  # rolled so blocks differ
+            pos, i = pos + n, i + 7919
+            if i % (7919 * 64) == 0:
+                print(f"  {pos / 1e9:.1f} / {end / 1e9:.1f} GB ({(pos / 1e9) / (time.perf_counter() - t0):.2f} GB/s)",
+                      flush=True)
+        os.fsync(fd)
+        meta["fingerprint"] = TableSource(from_raw(path).extents, rows, WIDTH, "F8_E4M3", scale).compute_fingerprint()
+        os.pwrite(fd, raw_header(meta), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    print(f"  done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return path
+
+
+def bench_consts(rows: int) -> NgramConstants:
+    """Hash constants for a table of `rows` rows: the release's when full size, else 16 equal head ranges."""
+    if rows == RELEASE_ROWS:
+        return NgramConstants.build(248320, 3, 8, 20_000_000, 128, 1234, 0, 248044)
+    size = rows // HEADS
+    return NgramConstants(multipliers=np.array([23703573157769, 20109073645365, 8052911324071]),
+                          head_vocab_sizes=np.full(HEADS, size), head_offsets=np.arange(HEADS) * size,
+                          num_rows=rows, ngram_size=3, heads_per_ngram=8, eos_token_id=248044)
+
+
+def _ids_for(consts, rng, batch, length):
+    tokens = rng.integers(0, 248320, size=(batch, length))
+    ids, _ = ngram_ids(initial_context(batch, consts), tokens, consts)
+    return ids.reshape(-1, HEADS)
+
+
+def _stats(times):
+    t = np.asarray(times) * 1e6
+    return {"median_us": float(np.median(t)), "p90_us": float(np.percentile(t, 90)), "min_us": float(t.min()),
+            "n": len(t)}
+
+
+def bench_mode(mode, source, consts, args, emit):
+    t0 = time.perf_counter()
+    store = open_store(source, mode, consts=consts, **({"check_memory": False} if mode == "swap" and
+                                                        args.force_swap else {}))
+    open_s = time.perf_counter() - t0
+    rng = np.random.default_rng(1)
+    shapes = [(f"decode b{b} k{args.k}", b, args.k + 1) for b in args.batch]
+    shapes += [(f"prefill {args.prefill}", 1, args.prefill)]
+    try:
+        for name, b, length in shapes:
+            iters = args.iters if length <= 64 else max(3, args.iters // 10)
+            ids = _ids_for(consts, rng, b, length)
+            store.rows(ids)
+            warm = []
+            for _ in range(iters):
+                s = time.perf_counter()
+                store.rows(ids)
+                warm.append(time.perf_counter() - s)
+            rec = {"mode": mode, "shape": name, "cache": "warm", "rows": int(ids.size), "open_s": round(open_s, 3),
+                   **_stats(warm)}
+            rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
+            emit(rec)
+            if mode in ("device", "pinned"):
+                continue  # no cache to be cold in
+            for ahead in (None, args.ahead_ms):
+                cold = []
+                for _ in range(max(3, iters // 2)):
+                    ids = _ids_for(consts, rng, b, length)
+                    store.evict()
+                    if ahead is not None:  # prefetch issued `ahead` ms before the fetch (overlap with layer 0)
+                        store.prefetch(ids)
+                        time.sleep(ahead / 1e3)
+                    s = time.perf_counter()
+                    store.rows(ids)
+                    cold.append(time.perf_counter() - s)
+                rec = {"mode": mode, "shape": name,
+                       "cache": "cold" if ahead is None else f"cold, pf {ahead:g}ms",
+                       "rows": int(ids.size), **_stats(cold)}
+                rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
+                emit(rec)
+    finally:
+        stats = store.stats
+        store.close()
+    emit({"mode": mode, "shape": "stats", "store_stats": stats})
+
+
+# ---- end to end: the PLE stall per decode round around a jitted step ------------------------------------------
+
+
+def bench_e2e(source, consts, args, emit):
+    """A stand-in step: program A (embedding + layer 0: `a_layers` matmuls) and program B (PLE projection of the
+    rows + `b_layers` matmuls). Variants differ only in how the rows reach B; stall = round time - device."""
+    import jax
+    import jax.numpy as jnp
+
+    from fnx.ple.pipeline import CALLBACKS, PrefetchPipeline, fetch_rows_in_graph
+
+    hid = args.hidden
+    key = jax.random.PRNGKey(0)
+    w = jax.random.normal(key, (max(args.a_layers + args.b_layers, 1), hid, hid), jnp.bfloat16) * (hid ** -0.5)
+    wp = jax.random.normal(key, (HEADS * WIDTH, hid), jnp.bfloat16) * 0.01
+    emb = jax.random.normal(key, (4096, hid), jnp.bfloat16)
+
+    def part_a(tokens):
+        x = emb[tokens % 4096]
+        for i in range(args.a_layers):
+            x = jnp.tanh(x @ w[i])
+        return x
+
+    def part_b(x, rows):
+        x = x + rows.astype(x.dtype) @ wp
+        for i in range(args.b_layers):
+            x = jnp.tanh(x @ w[args.a_layers + i])
+        return x.sum(axis=-1)
+
+    rng = np.random.default_rng(3)
+    results = {}
+    for b in args.batch:
+        length = args.k + 1
+        tokens_seq = [rng.integers(0, 248320, size=(b, length)) for _ in range(args.iters + 3)]
+        variants = {}
+
+        dev = open_store(source, "device", consts=consts) if "device" in args.e2e_variants else None
+        if dev is not None:
+            table = dev.table
+
+            @jax.jit
+            def whole_device(tbl, tokens, ids):
+                return part_b(part_a(tokens), dev.gather(tbl, ids))
+
+            def run_device(ctx, tokens):
+                ids, ctx = ngram_ids(ctx, tokens, consts)
+                out = whole_device(table, jnp.asarray(tokens, jnp.int32), jnp.asarray(ids, jnp.int32))
+                return out, ctx
+            variants["device"] = run_device
+
+        host = open_store(source, args.e2e_mode, consts=consts)
+        for method in CALLBACKS:
+            if f"callback-{method}" not in args.e2e_variants:
+                continue
+
+            def make(method=method):
+                @jax.jit
+                def whole_cb(tokens, ids):
+                    return part_b(part_a(tokens), fetch_rows_in_graph(host, ids, method))
+
+                def run(ctx, tokens):
+                    ids, ctx = ngram_ids(ctx, tokens, consts)
+                    return whole_cb(jnp.asarray(tokens, jnp.int32), jnp.asarray(ids, jnp.int32)), ctx
+                return run
+            variants[f"callback-{method}"] = make()
+
+        ja, jb = jax.jit(part_a), jax.jit(part_b)
+        if "sync" in args.e2e_variants:
+            def run_sync(ctx, tokens):  # fetch on the host, then launch: no overlap
+                ids, ctx = ngram_ids(ctx, tokens, consts)
+                rows = jax.device_put(host.rows(ids.reshape(-1, HEADS)).reshape(b, length, -1))
+                return jb(ja(jnp.asarray(tokens, jnp.int32)), rows), ctx
+            variants["sync"] = run_sync
+        pipe = PrefetchPipeline(host) if "pipeline" in args.e2e_variants else None
+        if pipe is not None:
+            def run_pipe(ctx, tokens):  # two programs: A runs while the thread fetches
+                t = pipe.submit_tokens(ctx, tokens)
+                x = ja(jnp.asarray(tokens, jnp.int32))
+                r = pipe.take(t)
+                return jb(x, r.rows), r.new_context
+            variants["pipeline"] = run_pipe
+
+        for name, fn in variants.items():
+            try:
+                ctx = initial_context(b, consts)
+                times = []
+                for i, tokens in enumerate(tokens_seq):
+                    if args.e2e_cold and args.e2e_mode != "device":
+                        host.evict()
+                    s = time.perf_counter()
+                    out, ctx = fn(ctx, tokens)
+                    np.asarray(out)  # the round ends when its result is on the host (the next tokens)
+                    if i >= 3:
+                        times.append(time.perf_counter() - s)
+                results[(b, name)] = rec = {"mode": f"e2e {name}", "store": args.e2e_mode,
+                                            "cache": "cold" if args.e2e_cold else "warm",
+                                            "shape": f"decode b{b} k{args.k}", **_stats(times)}
+                emit(rec)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
+                emit({"mode": f"e2e {name}", "shape": f"decode b{b} k{args.k}", "error": repr(exc),
+                      "trace": traceback.format_exc(limit=3)})
+        if pipe is not None:
+            pipe.close()
+        host.close()
+        if dev is not None:
+            dev.close()
+        base = results.get((b, "device"))
+        if base:
+            for name in variants:
+                r = results.get((b, name))
+                if r and name != "device":
+                    emit({"mode": f"e2e stall {name}", "shape": f"decode b{b} k{args.k}",
+                          "stall_us": r["median_us"] - base["median_us"], "device_round_us": base["median_us"]})
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", help="checkpoint dir, safetensors file or raw row file (default: synthetic)")
+    p.add_argument("--table-gb", type=float, default=None,
+                   help="synthetic table size in GiB (default 1, --quick 0.5; >= 47.7 gives the release's 51.2 GB)")
+    p.add_argument("--dir", default="/tmp/fnx_ple_bench",
+                   help="where the synthetic table goes (outside the repo; needs table size + 1 GB free)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    p.add_argument("--batch", default="1,16", help="decode batch sizes (rows per token: 16)")
+    p.add_argument("--k", type=int, default=3, help="MTP drafts: decode fetches (k+1) tokens per sequence")
+    p.add_argument("--prefill", type=int, default=2048, help="prefill chunk length")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--ahead-ms", type=float, default=1.0,
+                   help="cold runs also time a fetch whose prefetch was issued this long before it")
+    p.add_argument("--quick", action="store_true", help="small table, fewer iterations (< 3 min on the GPU host)")
+    p.add_argument("--e2e", action="store_true", help="also time a jitted step per variant (stall vs device mode)")
+    p.add_argument("--e2e-variants", default="device,sync,pipeline,callback-pure,callback-io,callback-buffer")
+    p.add_argument("--e2e-mode", default="pageable", help="host store for the e2e variants")
+    p.add_argument("--e2e-cold", action="store_true", help="evict the host store's pages before every round")
+    p.add_argument("--hidden", type=int, default=None, help="e2e stand-in width (default 2560 on GPU, 512 on CPU)")
+    p.add_argument("--a-layers", type=int, default=2, help="matmuls before the PLE layer (embedding + layer 0)")
+    p.add_argument("--b-layers", type=int, default=None, help="matmuls after it (default 94 on GPU, 8 on CPU)")
+    p.add_argument("--force-swap", action="store_true", help="run swap mode even without RAM + swap for the table")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bench_ple.jsonl"))
+    p.add_argument("--note", default="", help="free text stored in every record")
+    args = p.parse_args(argv)
+
+    import jax
+    backend = jax.default_backend()
+    if args.quick:
+        args.iters = min(args.iters, 50)
+    args.batch = [int(x) for x in args.batch.split(",") if x]
+    args.e2e_variants = [v for v in args.e2e_variants.split(",") if v]
+    args.hidden = args.hidden or (2560 if backend == "gpu" else 512)
+    args.b_layers = args.b_layers if args.b_layers is not None else (94 if backend == "gpu" else 8)
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {MODES}")
+
+    if args.table:
+        source = args.table
+        src = open_source(source)
+        consts = bench_consts(src.rows) if src.rows % HEADS == 0 or src.rows == RELEASE_ROWS else None
+    else:
+        gib = args.table_gb if args.table_gb is not None else (0.5 if args.quick else 1.0)
+        os.makedirs(args.dir, exist_ok=True)
+        source = synthetic_table(os.path.join(args.dir, f"ple_synthetic_{gib:g}g.raw"), gib)
+        src = from_raw(source)
+        consts = bench_consts(src.rows)
+    table_bytes = src.nbytes
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    common = {"bench": "ple", "date": datetime.date.today().isoformat(), "commit": _commit(),
+              "host": platform.node(), "backend": backend, "jax": jax.__version__,
+              "device": str(jax.devices()[0].device_kind), "cpus": os.cpu_count(),
+              "ram_gib": round(lx.meminfo().get("MemTotal", 0) / 2**30, 1), "table_bytes": table_bytes,
+              "table": os.path.basename(str(source)), "note": args.note}
+    rows_out = []
+
+    def emit(rec):
+        rec = {**common, **rec}
+        rows_out.append(rec)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        if "median_us" in rec:
+            extra = f"  {rec['rows_per_s'] / 1e6:7.2f} M rows/s" if "rows_per_s" in rec else ""
+            print(f"{rec['mode']:>22} {rec['shape']:>18} {rec['cache']:>15}  median {rec['median_us']:9.1f} us  "
+                  f"p90 {rec['p90_us']:9.1f} us{extra}", flush=True)
+        elif "stall_us" in rec:
+            print(f"{rec['mode']:>22} {rec['shape']:>18}  stall {rec['stall_us']:9.1f} us vs device round "
+                  f"{rec['device_round_us']:.1f} us", flush=True)
+        elif "error" in rec:
+            print(f"{rec['mode']:>22} {rec.get('shape', ''):>18}  ERROR {rec['error']}", flush=True)
+
+    print(f"PLE bench: {src.describe()}; backend {backend}; results -> {args.out}", flush=True)
+    for mode in modes:
+        free = lx.meminfo().get("MemAvailable", 0)
+        if mode in ("pinned", "swap") and table_bytes > free and not (mode == "swap" and args.force_swap):
+            emit({"mode": mode, "shape": "skipped", "error": f"needs {table_bytes / 2**30:.1f} GiB RAM, "
+                  f"{free / 2**30:.1f} GiB available"})
+            continue
+        try:
+            bench_mode(mode, source, consts, args, emit)
+        except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
+            emit({"mode": mode, "shape": "failed", "error": repr(exc), "trace": traceback.format_exc(limit=4)})
+    if args.e2e:
+        try:
+            bench_e2e(source, consts, args, emit)
+        except Exception as exc:  # noqa: BLE001
+            emit({"mode": "e2e", "shape": "failed", "error": repr(exc), "trace": traceback.format_exc(limit=4)})
+
+
+if __name__ == "__main__":
+    main()
