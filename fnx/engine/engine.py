@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnx.engine.spec import accept
 from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
 from fnx.model.api import Model
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
@@ -410,30 +411,14 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
 def _jit_verify(params, state, verify, active, ple_ids, q_lp, sp, keys, cfg, moe_impl, n_logprobs):
     """Target on [pending, d_1..d_k]; speculative rejection sampling (greedy rows: longest matching prefix);
     rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs)."""
-    bsz, width = verify.shape
+    width = verify.shape[1]
     k = width - 1
     n_valid = jnp.where(active, width, 0).astype(jnp.int32)
     logits, full, hidden, aux = step(params, state, verify, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
                                      snapshots=True)
     p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
-    drafts = verify[:, 1:]
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
-    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(subkeys[:, k])
-    p_d = jnp.exp(jnp.take_along_axis(p_lp[:, :k], drafts[..., None], axis=-1)[..., 0])
-    q_d = jnp.exp(jnp.take_along_axis(q_lp, drafts[..., None], axis=-1)[..., 0])
-    ok = u * q_d < p_d                                    # accept with probability min(1, p/q)
-    ok = ok & (q_d > 0)
-    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)               # [B]
-    # the extra token: from max(0, p - q) at the first rejection, or from p after k acceptances
-    p_at = jnp.take_along_axis(p_lp, n_acc[:, None, None], axis=1)[:, 0]            # [B, V]
-    q_pad = jnp.concatenate([q_lp, jnp.full_like(q_lp[:, :1], -jnp.inf)], axis=1)
-    q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
-    resid = jnp.maximum(jnp.exp(p_at) - jnp.exp(q_at), 0.0)
-    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, jnp.exp(p_at))
-    extra = jax.vmap(lambda kk, r: jax.random.categorical(kk, jnp.log(r)))(subkeys[:, k + 1], resid)
-    extra = extra.astype(jnp.int32)
-    toks = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
-    toks = toks.at[jnp.arange(bsz), n_acc].set(extra)
+    toks, n_acc = accept(p_lp, q_lp, verify[:, 1:], subkeys[:, k])
     n_keep = jnp.where(active, n_acc + 1, 0)
     state = rollback(cfg, full, aux, n_keep)
     chosen, vals, ids = jax.vmap(lambda lg, t: top_logprobs(lg, t, n_logprobs), in_axes=(1, 1), out_axes=1)(

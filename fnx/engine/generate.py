@@ -87,14 +87,12 @@ def generate_jit(model: Model, prompt_ids, max_new_tokens: int, sampling: Sampli
 
 @partial(jax.jit, static_argnames=("cfg", "max_new"), donate_argnames=("state",))
 def _generate_loop(params, state, prompt, ple_ids, sp, seed, stops, tables, *, cfg, max_new):
-    from fnx.ple.device_ids import ngram_ids_device
     bsz = prompt.shape[0]
     logits, state, _, _ = step(params, state, prompt, ple_ids, cfg=cfg)
     seeds = jnp.full((bsz,), seed, jnp.uint32) + jnp.arange(bsz, dtype=jnp.uint32)
     tok, _ = sample(logits[:, -1], sp, row_keys(seeds, jnp.zeros((bsz,), jnp.uint32)))
     out = jnp.full((bsz, max_new), -1, jnp.int32).at[:, 0].set(tok)
     done = jnp.isin(tok, stops)
-    ctx_len = state["ngram_ctx"].shape[1]
 
     def cond(c):
         i, _, _, _, done = c
@@ -113,7 +111,6 @@ def _generate_loop(params, state, prompt, ple_ids, sp, seed, stops, tables, *, c
         done = done | jnp.isin(nxt, stops)
         return i + 1, state, jnp.maximum(nxt, 0), out, done
 
-    del ctx_len
     _, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.asarray(1), state, tok, out, done))
     lengths = jnp.sum(out >= 0, axis=1)
     return out, lengths

@@ -1,0 +1,30 @@
+"""Speculative verification. Drafts d_1..d_k were sampled from the drafter's distributions q_1..q_k; the
+target's are p_1..p_{k+1}. Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first
+rejection the replacement is drawn from max(0, p_i - q_i) renormalised; after k acceptances a bonus token is drawn
+from p_{k+1}. The emitted tokens are distributed exactly as sampling from p one token at a time. Greedy rows have
+one-hot p and q, which makes this the longest matching prefix plus the target's own next token."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def accept(p_lp: jax.Array, q_lp: jax.Array, drafts: jax.Array, keys: jax.Array):
+    """p_lp [B, k+1, V], q_lp [B, k, V] log-probabilities; drafts [B, k]; keys [B, 2] (one per row).
+    Returns (tokens [B, k+1]: the first n_acc + 1 are emitted, n_acc [B])."""
+    bsz, k = drafts.shape
+    ku, kx = jax.vmap(lambda kk: jax.random.split(kk, 2))(keys).transpose(1, 0, 2)
+    u = jax.vmap(lambda kk: jax.random.uniform(kk, (k,)))(ku)
+    p_d = jnp.exp(jnp.take_along_axis(p_lp[:, :k], drafts[..., None], axis=-1)[..., 0])
+    q_d = jnp.exp(jnp.take_along_axis(q_lp, drafts[..., None], axis=-1)[..., 0])
+    ok = (u * q_d < p_d) & (q_d > 0)
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_at = jnp.take_along_axis(p_lp, n_acc[:, None, None], axis=1)[:, 0]
+    q_pad = jnp.concatenate([q_lp, jnp.full_like(q_lp[:, :1], -jnp.inf)], axis=1)
+    q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
+    resid = jnp.maximum(jnp.exp(p_at) - jnp.exp(q_at), 0.0)
+    resid = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, resid, jnp.exp(p_at))
+    extra = jax.vmap(lambda kk, r: jax.random.categorical(kk, jnp.log(r)))(kx, resid).astype(jnp.int32)
+    toks = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    return toks.at[jnp.arange(bsz), n_acc].set(extra), n_acc
