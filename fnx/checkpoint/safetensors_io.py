@@ -60,6 +60,25 @@ class SafetensorsFile:
     def dtype(self, name: str) -> str:
         return self._entries[name]["dtype"]
 
+    def nbytes(self, name: str) -> int:
+        start, end = self._entries[name]["data_offsets"]
+        return end - start
+
+    def offset(self, name: str) -> int:
+        return self._base + self._entries[name]["data_offsets"][0]
+
+    def release(self, name: str) -> None:
+        """Tell the kernel the tensor's pages may be dropped from this process (they stay in the page cache), so a
+        streaming load's resident memory does not grow with every tensor read."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = self.offset(name)
+        page = mmap.PAGESIZE
+        lo = start - start % page
+        hi = start + self.nbytes(name)
+        if hi > lo:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def get(self, name: str) -> np.ndarray:
         """A read-only view of the tensor's bytes (no copy)."""
         e = self._entries[name]

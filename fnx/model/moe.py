@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnx.model import quant
 from fnx.model.ops import F32, HIGHEST, linear
 
 
@@ -23,27 +24,29 @@ def route(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool):
     return logits, w.astype(x.dtype), idx
 
 
-def _expert_gather(gate_up: jax.Array, down: jax.Array, x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x [T, D], idx [T, K] -> per-(token, k) expert outputs [T, K, D]."""
+def _expert_gather(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [T, D], idx [T, K] -> per-(token, k) expert outputs [T, K, D]. The expert weights are arrays or
+    quantized (`quant.Fp8Block` / `quant.Nvfp4`); only the K chosen experts per token are dequantized."""
     inter = down.shape[-1]
-    gu = gate_up[idx].astype(x.dtype)                       # [T, K, 2I, D]
+    gu = quant.dequantize(quant.take(gate_up, idx), x.dtype)  # [T, K, 2I, D]
     h = jnp.einsum("td,tkid->tki", x, gu, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
     a = jax.nn.silu(h[..., :inter]) * h[..., inter:]
-    dn = down[idx].astype(x.dtype)                          # [T, K, D, I]
+    dn = quant.dequantize(quant.take(down, idx), x.dtype)  # [T, K, D, I]
     return jnp.einsum("tki,tkdi->tkd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
 
 
-def _expert_ragged(gate_up: jax.Array, down: jax.Array, x: jax.Array, idx: jax.Array) -> jax.Array:
+def _expert_ragged(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
+    """As `_expert_gather`, tokens grouped by expert. Quantized experts are dequantized whole (reference path)."""
     t, k = idx.shape
     n_exp, inter = gate_up.shape[0], down.shape[-1]
     flat = idx.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     xs = x[order // k]                                      # [T*K, D], grouped by expert
     sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-    h = lax.ragged_dot(xs, jnp.swapaxes(gate_up, 1, 2).astype(x.dtype), sizes,
+    h = lax.ragged_dot(xs, jnp.swapaxes(quant.dequantize(gate_up, x.dtype), 1, 2), sizes,
                        precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
     a = jax.nn.silu(h[:, :inter]) * h[:, inter:]
-    out = lax.ragged_dot(a, jnp.swapaxes(down, 1, 2).astype(x.dtype), sizes,
+    out = lax.ragged_dot(a, jnp.swapaxes(quant.dequantize(down, x.dtype), 1, 2), sizes,
                          precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
     unsorted = jnp.zeros_like(out).at[order].set(out)
     return unsorted.reshape(t, k, -1)

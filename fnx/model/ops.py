@@ -10,9 +10,14 @@ F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 
 
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """y = x @ w.T with w [out, in] (the checkpoint's layout); fp32 accumulation, rounded once to x.dtype."""
-    y = lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())),
+def linear(x: jax.Array, w) -> jax.Array:
+    """y = x @ w.T with w [out, in] (the checkpoint's layout); fp32 accumulation, rounded once to x.dtype.
+
+    A quantized w (`fnx.model.quant.Fp8Block` / `Nvfp4`) goes through the reference dequantizer first: fp32
+    dequantization rounded once to x.dtype, then the same dot."""
+    from fnx.model import quant
+    w = quant.dequantize(w, x.dtype) if quant.is_quantized(w) else w.astype(x.dtype)
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
                         precision=HIGHEST, preferred_element_type=F32)
     return y.astype(x.dtype)
 
