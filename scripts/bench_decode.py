@@ -1,0 +1,215 @@
+"""Decode benchmark: a randomly initialised Flash-Next (weights generated on the device) at any layer count, at
+the released widths by default. Reports ms per decode step (M = 1), ms per MTP k round (draft + verify +
+rollback), prefill tokens/s at several contexts, GPU memory, and each time against the bandwidth floor computed
+from the actual parameter tree. One JSON object per run goes to benchmarks/results/bench_decode.jsonl.
+
+BF16 experts of all 48 layers (241 GB) exceed one H200, so the default keeps the released widths and expert count
+with fewer layers (6 GDN + 2 QSA, the PLE layer among them, plus the MTP layer) and extrapolates per layer:
+    t_48 = t_fixed + 48 * t_layer, from runs at two layer counts (--layers 4,8).
+
+    python scripts/bench_decode.py [--layers 4,8] [--contexts 1024,8192] [--k 4] [--quick]
+    python scripts/bench_decode.py --tiny      # a tiny config: checks the script on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnx.config import ModelConfig
+from fnx.engine.engine import _jit_draft, _jit_verify
+from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys
+from fnx.model.mtp import init_mtp_state, mtp_param_shapes
+from fnx.model.transformer import init_state, param_shapes, step
+
+PEAK_BW = 4.3e12  # bytes/s: the best device copy measured on the H200 (GPU_NOTES.md); vendor peak is 4.8e12
+
+
+def bench_config(layers: int, tiny: bool) -> ModelConfig:
+    if tiny:
+        return ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
+                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                           linear_value_head_dim=16, num_experts=16, num_experts_per_tok=4,
+                           moe_intermediate_size=32, shared_expert_intermediate_size=32, hc_lowrank=16,
+                           indexer_n_heads=4, indexer_head_dim=16, indexer_budget=64, ple_embed_dim=64,
+                           ngram_vocab_size_base=1000, eos_token_id=511, mtp_num_hidden_layers=1)
+    # released widths; the n-gram table shrunk (2M rows per head instead of 20M): a decode step reads 16 rows
+    return ModelConfig(num_hidden_layers=layers, ngram_vocab_size_base=2_000_000, mtp_num_hidden_layers=1)
+
+
+def random_tree(shapes, key, dtype):
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+
+    @partial(jax.jit, static_argnums=(1,))
+    def make(k, shape):
+        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
+    out = [make(k, tuple(s.shape)) for k, s in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def nbytes(tree) -> int:
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def floor_bytes(cfg: ModelConfig, params, tokens: int) -> float:
+    """Weight bytes one target forward of `tokens` tokens per sequence must stream: everything but the n-gram table
+    and the embedding table, with only the expected distinct routed experts (uniform routing)."""
+    total = 0.0
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    distinct = e * (1 - (1 - k / e) ** tokens)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [getattr(p, "key", getattr(p, "name", "")) for p in path]
+        size = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        if "ngram_embedding" in names or "embed_tokens" in names:
+            continue
+        if "experts" in names:
+            size *= distinct / e
+        total += size
+    return total
+
+
+def timeit(fn, n):
+    fn()  # compile / warm
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype):
+    key = jax.random.PRNGKey(0)
+    params = random_tree(param_shapes(cfg, dtype), key, dtype)
+    mp = random_tree(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),
+                                  is_leaf=lambda x: isinstance(x, tuple)), jax.random.PRNGKey(1), dtype)
+    ctx = max(contexts)
+    cap = ctx + 64
+    heads = cfg.ngram_heads
+    res = {"params_gb": nbytes(params) / 1e9, "mtp_gb": nbytes(mp) / 1e9}
+    step_j = jax.jit(partial(step, cfg=cfg), donate_argnames=("state",))
+    ids = lambda b, l: jnp.zeros((b, l, heads), jnp.int32) if cfg.ple_layer_ids else None  # noqa: E731
+
+    # decode at the largest context: prefill first (chunks of 2048)
+    state = init_state(cfg, 1, cap, dtype)
+    chunk = min(2048, ctx)
+    for a in range(0, ctx, chunk):
+        toks = jnp.ones((1, chunk), jnp.int32)
+        _, state, _, _ = step_j(params, state, toks, ids(1, chunk))
+    jax.block_until_ready(state)
+    one = jnp.ones((1, 1), jnp.int32)
+    holder = {"s": state}
+
+    def dec():
+        # positions keep advancing; capacity has 64 spare slots, rewind to stay inside
+        s = holder["s"]
+        s = dict(s, pos=jnp.full_like(s["pos"], ctx))
+        logits, s, _, _ = step_j(params, s, one, ids(1, 1))
+        holder["s"] = s
+        jax.block_until_ready(logits)
+    res["decode_ms"] = timeit(dec, reps)
+    res["decode_floor_ms"] = floor_bytes(cfg, params, 1) / PEAK_BW * 1e3
+
+    # one MTP round: catch-up + k-1 chained drafts, verify (k+1 tokens, snapshots), accept, rollback
+    mstate = init_mtp_state(cfg, 1, cap, dtype)
+    mstate = dict(mstate, pos=jnp.full((1,), ctx, jnp.int32))
+    sp = SamplingArrays.stack([SamplingParams()])
+    keys = row_keys(jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.uint32))
+    hid = jnp.zeros((1, k + 1, cfg.hc_dim), dtype)
+    mh = {"m": mstate}
+
+    def rnd():
+        m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k)
+        mh["m"] = dict(m, pos=jnp.full((1,), ctx, jnp.int32))
+        s = dict(holder["s"], pos=jnp.full((1,), ctx, jnp.int32))
+        verify = jnp.concatenate([one, drafts], axis=1)
+        s, toks, n_acc, _, _ = _jit_verify(params, s, verify, jnp.ones((1,), bool), ids(1, k + 1), q, sp, keys,
+                                           cfg, "auto", 0)
+        holder["s"] = s
+        jax.block_until_ready(toks)
+    res["mtp_round_ms"] = timeit(rnd, reps)
+    res["mtp_round_floor_ms"] = (floor_bytes(cfg, params, k + 1) + k * floor_bytes(cfg, {"m": mp, "lm": params[
+        "lm_head"]}, 1)) / PEAK_BW * 1e3
+    del holder, mh, state
+
+    # prefill throughput
+    for c in contexts:
+        ch = min(c, 8192 if c <= 8192 else 2048)
+        st = init_state(cfg, 1, c, dtype)
+
+        def pre():
+            s = st_box["s"]
+            s = dict(s, pos=jnp.zeros_like(s["pos"]))
+            for a in range(0, c, ch):
+                logits, s, _, _ = step_j(params, s, jnp.ones((1, ch), jnp.int32), ids(1, ch))
+            st_box["s"] = s
+            jax.block_until_ready(logits)
+        st_box = {"s": st}
+        ms = timeit(pre, max(1, reps // 10))
+        res[f"prefill_{c}_tok_s"] = c / (ms / 1e3)
+        del st_box
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        res["peak_mem_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+    except Exception:  # noqa: BLE001 - memory stats are optional per backend
+        res["peak_mem_gb"] = None
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="4,8", help="layer counts to run (multiples of 4), for the extrapolation")
+    ap.add_argument("--contexts", default="1024,8192,32768", help="prefill contexts (tokens)")
+    ap.add_argument("--k", type=int, default=4, help="MTP draft tokens per round")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
+    ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
+    ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.contexts = 5, "1024,8192"
+    contexts = [int(c) for c in args.contexts.split(",")]
+    layer_counts = [int(x) for x in args.layers.split(",")]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = jax.devices()[0]
+    runs = {}
+    for n in layer_counts:
+        cfg = bench_config(n, args.tiny)
+        r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16)
+        runs[n] = r
+        print(json.dumps({"layers": n, **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}),
+              flush=True)
+    rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
+           "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
+           "tiny": args.tiny, "runs": runs}
+    if len(layer_counts) >= 2:
+        a, b = sorted(layer_counts)[:2]
+        ext = {}
+        for key in ("decode_ms", "mtp_round_ms", "decode_floor_ms", "mtp_round_floor_ms"):
+            per_layer = (runs[b][key] - runs[a][key]) / (b - a)
+            ext[key] = runs[a][key] + per_layer * (48 - a)
+            ext[key + "_per_layer"] = per_layer
+        ext["decode_frac_of_floor"] = ext["decode_floor_ms"] / ext["decode_ms"]
+        ext["mtp_round_frac_of_floor"] = ext["mtp_round_floor_ms"] / ext["mtp_round_ms"]
+        rec["extrapolated_48_layers"] = ext
+        print(json.dumps({"extrapolated_48_layers": ext}), flush=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
