@@ -52,6 +52,42 @@ def _expert_ragged(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
     return unsorted.reshape(t, k, -1)
 
 
+def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64, blocks_per_step: int = 8):
+    """Block-sparse grouped matmul: (token, k) pairs sorted by expert, each expert's group padded to whole blocks
+    of `block` rows, so every block reads one expert's weights once. Weight traffic ~ (T*K/block + E) experts,
+    memory bounded; the prefill path for large token counts."""
+    t, k = idx.shape
+    n_exp, inter = down.shape[0], down.shape[-1]
+    n = t * k
+    flat = idx.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                      # pair ids sorted by expert
+    sizes = jnp.bincount(flat, length=n_exp)
+    padded = (sizes + block - 1) // block * block
+    ends_padded = jnp.cumsum(padded)
+    starts_padded, starts = ends_padded - padded, jnp.cumsum(sizes) - sizes
+    e_sorted = flat[order]
+    dest = starts_padded[e_sorted] + jnp.arange(n) - starts[e_sorted]
+    n_blocks = -(-n // block) + n_exp
+    n_blocks += (-n_blocks) % blocks_per_step
+    src = jnp.full((n_blocks * block,), n, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    block_expert = jnp.minimum(jnp.searchsorted(ends_padded, jnp.arange(n_blocks) * block, side="right"),
+                               n_exp - 1)
+    xz = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
+    xs = xz[jnp.where(src < n, src // k, t)].reshape(-1, blocks_per_step, block, x.shape[1])
+    experts = block_expert.reshape(-1, blocks_per_step)
+
+    def run(args):
+        xb, eb = args
+        gu = quant.dequantize(quant.take(gate_up, eb), x.dtype)                # [bps, 2I, D]
+        h = jnp.einsum("bnd,bid->bni", xb, gu, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+        a = jax.nn.silu(h[..., :inter]) * h[..., inter:]
+        dn = quant.dequantize(quant.take(down, eb), x.dtype)                   # [bps, D, I]
+        return jnp.einsum("bni,bdi->bnd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+
+    out = lax.map(run, (xs, experts)).reshape(n_blocks * block, -1)
+    return out[dest][jnp.argsort(order)].reshape(t, k, -1)
+
+
 def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "auto"):
     """x [..., D] -> (y [..., D], router logits [..., E], expert ids [..., K])."""
     shape = x.shape
@@ -59,13 +95,15 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
     logits, w, idx = route(p, xt, top_k, norm_topk_prob)
     ex = p["experts"]
     if impl == "auto":
-        impl = "gather" if xt.shape[0] * top_k <= 64 else "ragged"
+        impl = "gather" if xt.shape[0] * top_k <= 64 else "grouped"
     if impl == "gather":
         outs = _expert_gather(ex["gate_up_proj"], ex["down_proj"], xt, idx)
+    elif impl == "grouped":
+        outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "ragged":
         outs = _expert_ragged(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     else:
-        raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather' or 'ragged'")
+        raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather', 'grouped' or 'ragged'")
     # weight each expert output (rounded), then sum over k in fp32 and round once
     routed = jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(x.dtype)
     se = p["shared_expert"]

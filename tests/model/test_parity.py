@@ -79,6 +79,7 @@ def test_moe_paths_agree(cases):
     ids = c.tokens(1, 40, seed=5)
     a = fnx.forward(c.model, ids, moe_impl="gather")
     b = fnx.forward(c.model, ids, moe_impl="ragged")
-    assert rel_err(a, b) < 1e-6
+    g = fnx.forward(c.model, ids, moe_impl="grouped")
+    assert rel_err(a, b) < 1e-6 and rel_err(a, g) < 1e-6
     with pytest.raises(ValueError, match="unknown MoE implementation"):
         fnx.forward(c.model, ids, moe_impl="bogus")
