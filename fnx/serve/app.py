@@ -1,0 +1,454 @@
+"""HTTP handlers: the OpenAI-compatible API, health, metrics and the chat page, as a Starlette app. Handlers
+parse and check requests, tokenize, hand token ids to the scheduler and turn its outputs into text, SSE chunks
+and OpenAI response objects."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from fnx.engine import SamplingParams
+from fnx.serve.metrics import Metrics
+from fnx.serve.page import CHAT_PAGE
+from fnx.serve.protocol import APIError, Sampling, get, integer, parse_body, sampling_fields
+from fnx.serve.scheduler import QueueFull, RequestStream, Scheduler, Unavailable
+from fnx.serve.text import ChatParser, StopStrings, starts_in_reasoning
+from fnx.serve.tokenizer import TemplateError, Tokenizer, TokenizerError
+from fnx.serve.worker import LOGPROBS_BUCKET
+
+
+@dataclass
+class ServerState:
+    tokenizer: Tokenizer
+    scheduler: Scheduler
+    metrics: Metrics
+    model_name: str
+    capacity: int
+    spec_k: int
+    vocab: int
+    reasoning: bool                       # split <think>...</think> into reasoning_content
+    defaults: dict = field(default_factory=dict)   # sampling defaults from generation_config.json
+    created: int = field(default_factory=lambda: int(time.time()))
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Piece:
+    """What one engine output turned into: released text, its tokens' logprobs, and maybe the end."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict]
+    finish_reason: str | None = None
+
+
+def _err(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+# ---- shared request plumbing -----------------------------------------------------------------------------------
+
+def _check_model(st: ServerState, body: dict):
+    name = get(body, "model", (str,), st.model_name)
+    if name != st.model_name:
+        raise APIError(404, f"the model `{name}` does not exist on this server; it serves `{st.model_name}` "
+                            f"(see GET /v1/models)", param="model", code="model_not_found")
+
+
+def _engine_params(st: ServerState, s: Sampling, prompt_len: int, top_n: int | None) -> SamplingParams:
+    max_tokens = s.max_tokens
+    room = st.capacity - prompt_len - st.spec_k - 1
+    if room < 1:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this server's context holds {st.capacity} "
+                            f"positions ({prompt_len + st.spec_k + 2} needed to generate one token). Shorten the "
+                            f"prompt or start the server with a larger --capacity", param="messages",
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = room
+    try:
+        return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                              repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                              frequency_penalty=s.frequency_penalty, seed=s.seed, max_tokens=max_tokens,
+                              stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                              logprobs=0 if top_n is None or top_n == 0 else LOGPROBS_BUCKET)
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(" ")[0]) from None
+
+
+async def _submit(st: ServerState, prompt: list[int], params: SamplingParams) -> RequestStream:
+    try:
+        return await st.scheduler.submit(prompt, params)
+    except QueueFull as e:
+        raise APIError(429, str(e), code="queue_full") from None
+    except Unavailable as e:
+        raise APIError(503, str(e), code="unavailable") from None
+    except ValueError as e:
+        msg = str(e)
+        code = "context_length_exceeded" if "context" in msg else None
+        raise APIError(400, msg, code=code) from None
+
+
+async def _pieces(st: ServerState, stream: RequestStream, stops: StopStrings, want_lp: bool):
+    """Engine outputs -> Pieces: detokenised (never half a character), cut at stop strings."""
+    detok = st.tokenizer.detokenizer()
+    async for out in stream:
+        if out.finished and out.finish_reason in ("abort", "error") and not out.token_ids:
+            if out.finish_reason == "error":
+                raise APIError(500, "the engine failed while running this request (see the server log)",
+                               code="engine_error")
+            raise APIError(503, "the request was cancelled (the client went away or the server is shutting down)",
+                           code="aborted")
+        text = detok.add(out.token_ids)
+        if out.finished:
+            text += detok.flush()
+        released, hit = stops.feed(text)
+        lps = out.logprobs if want_lp else []
+        if hit:
+            st.scheduler.abort(stream.id, reason="stop")
+            yield Piece(released, out.token_ids, lps, "stop")
+            return
+        if out.finished:
+            yield Piece(released + stops.flush(), out.token_ids, lps,
+                        "length" if out.finish_reason == "length" else "stop")
+            return
+        yield Piece(released, out.token_ids, lps)
+
+
+def _usage(stream: RequestStream) -> dict:
+    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.generated,
+            "total_tokens": stream.prompt_tokens + stream.generated}
+
+
+async def _run_to_end(request: Request, st: ServerState, stream: RequestStream, gen):
+    """Drain `gen` for a non-streaming response, cancelling the request if the client goes away first."""
+    async def watch():
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                st.scheduler.abort(stream.id)
+                return
+    watcher = asyncio.create_task(watch())
+    try:
+        return [p async for p in gen]
+    finally:
+        watcher.cancel()
+        st.scheduler.abort(stream.id)
+
+
+def _sse(st: ServerState, stream: RequestStream, chunks):
+    async def body():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n"
+        finally:
+            st.scheduler.abort(stream.id)      # a no-op when finished; cancels when the client went away
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _top_n(body: dict, chat: bool) -> int | None:
+    """None: no logprobs; n >= 0: the chosen token's logprob and the n most likely."""
+    if chat:
+        if not get(body, "logprobs", (bool,), False):
+            if body.get("top_logprobs") is not None:
+                raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+            return None
+        return integer(body, "top_logprobs", 0, lo=0, hi=LOGPROBS_BUCKET)
+    return integer(body, "logprobs", None, lo=0, hi=LOGPROBS_BUCKET)
+
+
+# ---- /v1/completions -------------------------------------------------------------------------------------------
+
+def _completion_prompt(st: ServerState, body: dict) -> list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise APIError(400, "`prompt` is empty", param="prompt")
+        return st.tokenizer.encode(p, add_special_tokens=True)
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        bad = [t for t in p if not 0 <= t < st.vocab]
+        if bad:
+            raise APIError(400, f"`prompt` token ids must lie in [0, {st.vocab}), got {bad[0]}", param="prompt")
+        return list(p)
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise APIError(400, f"`prompt` holds {len(p)} prompts; this server takes one prompt per request",
+                       param="prompt")
+    raise APIError(400, "`prompt` must be a non-empty string or a non-empty array of token ids", param="prompt")
+
+
+def _completion_logprobs(st: ServerState, ids: list[int], lps: list[dict], top_n: int, offset: int):
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for t, lp in zip(ids, lps):
+        s = st.tokenizer.token_text(t)
+        tokens.append(s)
+        token_lps.append(lp.get("logprob"))
+        tops.append({st.tokenizer.token_text(i): v for i, v in lp.get("top", [])[:top_n]} if top_n else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+async def completions(request: Request):
+    st: ServerState = request.app.state.fnx
+    try:
+        body = parse_body(await request.body())
+        _check_model(st, body)
+        if get(body, "echo", (bool,), False):
+            raise APIError(400, "`echo` is not supported by this server", param="echo")
+        if get(body, "suffix", (str,), None):
+            raise APIError(400, "`suffix` is not supported by this server", param="suffix")
+        s = sampling_fields(body, st.defaults, st.vocab)
+        top_n = _top_n(body, chat=False)
+        prompt = _completion_prompt(st, body)
+        params = _engine_params(st, s, len(prompt), top_n)
+        stream = await _submit(st, prompt, params)
+    except APIError as e:
+        return _err(e)
+    rid, created = stream.id, int(time.time())
+    pieces = _pieces(st, stream, StopStrings(s.stop), top_n is not None)
+
+    def chunk(text, lp, finish):
+        return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+
+    if s.stream:
+        async def chunks():
+            offset = 0
+            async for p in pieces:
+                lp = None
+                if top_n is not None:
+                    lp, offset = _completion_logprobs(st, p.token_ids, p.logprobs, top_n, offset)
+                if p.text or lp:
+                    yield chunk(p.text, lp, None)
+                if p.finish_reason:
+                    yield chunk("", None, p.finish_reason)
+            if s.include_usage:
+                yield {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+                       "choices": [], "usage": _usage(stream)}
+        return _sse(st, stream, chunks())
+    try:
+        parts = await _run_to_end(request, st, stream, pieces)
+    except APIError as e:
+        return _err(e)
+    text = "".join(p.text for p in parts)
+    lp = None
+    if top_n is not None:
+        lp, _ = _completion_logprobs(st, [t for p in parts for t in p.token_ids],
+                                     [x for p in parts for x in p.logprobs], top_n, 0)
+    out = chunk(text, lp, parts[-1].finish_reason if parts else "stop")
+    out["usage"] = _usage(stream)
+    return JSONResponse(out)
+
+
+# ---- /v1/chat/completions --------------------------------------------------------------------------------------
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError(400, "`messages` must be a non-empty array of {role, content} objects", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"`messages[{i}]` must be an object with a string `role`", param="messages")
+        m = dict(m)
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            texts = []
+            for part in c:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(400, f"`messages[{i}].content` has a part of type {kind!r}; this server takes "
+                                        f"text parts only", param="messages")
+                texts.append(part["text"])
+            m["content"] = "".join(texts)
+        elif c is not None and not isinstance(c, str):
+            raise APIError(400, f"`messages[{i}].content` must be a string or an array of text parts",
+                           param="messages")
+        for tc in m.get("tool_calls") or []:
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                # Qwen templates print dict arguments with tojson; decode the OpenAI string form for them.
+                with contextlib.suppress(ValueError):
+                    fn["arguments"] = json.loads(fn["arguments"])
+        out.append(m)
+    return out
+
+
+def _chat_logprobs(st: ServerState, ids: list[int], lps: list[dict], top_n: int) -> list[dict]:
+    tok = st.tokenizer
+    out = []
+    for t, lp in zip(ids, lps):
+        out.append({"token": tok.token_text(t), "logprob": lp.get("logprob"), "bytes": list(tok.token_bytes(t)),
+                    "top_logprobs": [{"token": tok.token_text(i), "logprob": v, "bytes": list(tok.token_bytes(i))}
+                                     for i, v in lp.get("top", [])[:top_n]]})
+    return out
+
+
+async def chat_completions(request: Request):
+    st: ServerState = request.app.state.fnx
+    try:
+        body = parse_body(await request.body())
+        _check_model(st, body)
+        s = sampling_fields(body, st.defaults, st.vocab)
+        top_n = _top_n(body, chat=True)
+        messages = _messages(body)
+        tools = get(body, "tools", (list,), None)
+        tool_choice = body.get("tool_choice", "auto")
+        if tool_choice not in ("auto", "none", None):
+            raise APIError(400, f"`tool_choice` {json.dumps(tool_choice)} is not supported: this server does not "
+                                f"constrain decoding; use \"auto\" or \"none\"", param="tool_choice")
+        if tool_choice == "none":
+            tools = None
+        rf = get(body, "response_format", (dict,), None)
+        if rf and rf.get("type") not in (None, "text"):
+            raise APIError(400, f"`response_format` {rf.get('type')!r} is not supported (no constrained decoding)",
+                           param="response_format")
+        kwargs = dict(get(body, "chat_template_kwargs", (dict,), {}))
+        effort = get(body, "reasoning_effort", (str,), None)
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        for reserved in ("messages", "tools", "add_generation_prompt"):
+            kwargs.pop(reserved, None)
+        try:
+            text = st.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+        except TemplateError as e:
+            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except TokenizerError as e:
+            raise APIError(400, str(e), param="messages") from None
+        except Exception as e:  # a template that fails on unexpected input: still the request's fault
+            raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
+        prompt = st.tokenizer.encode(text, add_special_tokens=False)
+        if not prompt:
+            raise APIError(400, "the rendered chat prompt is empty", param="messages")
+        params = _engine_params(st, s, len(prompt), top_n)
+        stream = await _submit(st, prompt, params)
+    except APIError as e:
+        return _err(e)
+    rid, created = "chatcmpl-" + stream.id.split("-", 1)[1], int(time.time())
+    parser = ChatParser(reasoning=st.reasoning, in_reasoning=st.reasoning and starts_in_reasoning(text),
+                        tools=bool(tools))
+    pieces = _pieces(st, stream, StopStrings(s.stop), top_n is not None)
+
+    def chunk(delta, lp, finish):
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+
+    if s.stream:
+        async def chunks():
+            yield chunk({"role": "assistant", "content": ""}, None, None)
+            n_calls = 0
+            pending_lp: list[dict] = []
+            async for p in pieces:
+                if top_n is not None:
+                    pending_lp += _chat_logprobs(st, p.token_ids, p.logprobs, top_n)
+                events = parser.feed(p.text) + (parser.finish() if p.finish_reason else [])
+                for kind, val in events:
+                    if kind == "tool_call":
+                        delta = {"tool_calls": [{"index": n_calls, **val}]}
+                        n_calls += 1
+                    else:
+                        delta = {"reasoning_content" if kind == "reasoning" else "content": val}
+                    yield chunk(delta, {"content": pending_lp} if pending_lp else None, None)
+                    pending_lp = []
+                if p.finish_reason:
+                    finish = "tool_calls" if n_calls and p.finish_reason == "stop" else p.finish_reason
+                    yield chunk({}, {"content": pending_lp} if pending_lp else None, finish)
+            if s.include_usage:
+                yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
+                       "choices": [], "usage": _usage(stream)}
+        return _sse(st, stream, chunks())
+    try:
+        parts = await _run_to_end(request, st, stream, pieces)
+    except APIError as e:
+        return _err(e)
+    events = parser.feed("".join(p.text for p in parts)) + parser.finish()
+    content = "".join(v for k, v in events if k == "content")
+    reasoning = "".join(v for k, v in events if k == "reasoning")
+    calls = [v for k, v in events if k == "tool_call"]
+    message = {"role": "assistant", "content": content if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    finish = parts[-1].finish_reason if parts else "stop"
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    lp = None
+    if top_n is not None:
+        lp = {"content": _chat_logprobs(st, [t for p in parts for t in p.token_ids],
+                                        [x for p in parts for x in p.logprobs], top_n)}
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
+                         "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
+                         "usage": _usage(stream)})
+
+
+# ---- the rest --------------------------------------------------------------------------------------------------
+
+async def models(request: Request):
+    st: ServerState = request.app.state.fnx
+    return JSONResponse({"object": "list", "data": [{"id": st.model_name, "object": "model", "created": st.created,
+                                                     "owned_by": "fnx", "max_model_len": st.capacity}]})
+
+
+async def health(request: Request):
+    st: ServerState = request.app.state.fnx
+    sch = st.scheduler
+    if sch.worker.failed is not None:
+        return JSONResponse({"status": "failed", "error": str(sch.worker.failed)}, status_code=503)
+    if sch.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": st.model_name, "running": st.metrics.engine.get("running", 0),
+                         "in_flight": sch.in_flight})
+
+
+async def metrics(request: Request):
+    st: ServerState = request.app.state.fnx
+    running = st.metrics.engine.get("running", 0)
+    return PlainTextResponse(st.metrics.render(max(0, st.scheduler.in_flight - running), running),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def page(request: Request):
+    return HTMLResponse(CHAT_PAGE)
+
+
+async def _not_found(request: Request, exc):
+    status = getattr(exc, "status_code", 404)
+    msg = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return _err(APIError(status, msg.get(status, str(getattr(exc, "detail", exc))), code="not_found"))
+
+
+async def _internal(request: Request, exc):
+    return _err(APIError(500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+
+def build_app(state: ServerState) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.scheduler.start(asyncio.get_running_loop())
+        yield
+        await state.scheduler.drain(0)
+
+    app = Starlette(routes=[
+        Route("/", page, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ], exception_handlers={404: _not_found, 405: _not_found, 500: _internal}, lifespan=lifespan)
+    app.state.fnx = state
+    return app

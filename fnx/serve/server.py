@@ -1,0 +1,206 @@
+"""`python -m fnx.serve`: load a checkpoint, build the engine, warm it up, and serve the OpenAI-compatible API
+under uvicorn until SIGTERM/SIGINT (then: stop accepting, let running requests finish for --shutdown-timeout
+seconds, abort the rest, exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "checkpoints" / "fnx-mini"
+
+log = logging.getLogger("fnx.serve")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m fnx.serve",
+        description="Serve a Qwen3.8-Flash-Next (qwen4_exp) checkpoint over an OpenAI-compatible HTTP API: "
+                    "/v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health, "
+                    "/metrics (Prometheus) and a chat page at /.",
+        formatter_class=_Help)
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="HF checkpoint directory: config.json, *.safetensors, tokenizer.json (+ tokenizer_config.json "
+                        "for the chat template, generation_config.json for EOS ids and sampling defaults)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="weight and activation dtype; auto: float32 on the CPU, bfloat16 on an accelerator")
+    p.add_argument("--max-slots", type=int, default=8,
+                   help="batch slots: requests decoded together (continuous batching; more wait in the queue)")
+    p.add_argument("--capacity", type=int, default=4096,
+                   help="context positions per slot: prompt + generated tokens (+ K + 1 with --speculative K)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens per prefill step; longer prompts are prefilled in chunks interleaved with "
+                        "decode steps of the running requests")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="MTP speculative decoding with K draft tokens per round (1..8; 0: off). Requests with "
+                        "repetition/presence/frequency penalties are refused while it is on")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; beyond slots + queue, requests get HTTP 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are aborted")
+    p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto",
+                   help="split <think>...</think> output into reasoning_content (auto: when the tokenizer or the "
+                        "chat template knows </think>)")
+    p.add_argument("--skip-warmup", action="store_true",
+                   help="do not compile the engine's programs at start-up (the first requests then wait on "
+                        "compiles; for development only)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="server log level")
+    return p.parse_args(argv)
+
+
+def _fail(msg: str) -> int:
+    print(f"fnx.serve: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _generation_config(d: Path) -> tuple[tuple[int, ...], dict]:
+    """EOS ids and sampling defaults from generation_config.json (when present)."""
+    f = d / "generation_config.json"
+    if not f.is_file():
+        return (), {}
+    g = json.loads(f.read_text())
+    eos = g.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    defaults = {}
+    if g.get("do_sample") is False:
+        defaults["temperature"] = 0.0
+    for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if k in g and g[k] is not None and not (k == "temperature" and "temperature" in defaults):
+            defaults[k] = g[k]
+    return eos, defaults
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        if model_dir == DEFAULT_MODEL:
+            return _fail(f"the embedded checkpoint {DEFAULT_MODEL} is not there (no config.json). Pass a checkpoint "
+                         f"directory with --model PATH, e.g. one written by `python scripts/make_tiny_checkpoint.py "
+                         f"/tmp/tiny` plus a tokenizer.json")
+        return _fail(f"--model {model_dir}: no config.json there; pass an HF checkpoint directory "
+                     f"(config.json, *.safetensors, tokenizer.json)")
+    if args.max_slots < 1 or args.max_queue < 0 or args.capacity < 8 or args.prefill_chunk < 1:
+        return _fail("need --max-slots >= 1, --max-queue >= 0, --capacity >= 8 and --prefill-chunk >= 1")
+    if args.speculative and not 1 <= args.speculative <= 8:
+        return _fail(f"--speculative K must be in 1..8 (0 turns it off), got {args.speculative}")
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import uvicorn
+
+    import fnx
+    from fnx.engine import Engine
+    from fnx.serve.app import ServerState, build_app
+    from fnx.serve.metrics import Metrics
+    from fnx.serve.scheduler import Scheduler
+    from fnx.serve.tokenizer import Tokenizer, TokenizerError
+    from fnx.serve.worker import EngineThread
+
+    try:
+        tokenizer = Tokenizer(model_dir)
+    except TokenizerError as e:
+        return _fail(str(e))
+    backend = jax.default_backend()
+    dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}.get(
+        args.dtype, np.float32 if backend == "cpu" else jnp.bfloat16)
+    t0 = time.perf_counter()
+    model = fnx.load(model_dir, dtype=dtype)
+    t_load = time.perf_counter() - t0
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        return _fail(f"tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+                     f"{model.cfg.vocab_size}")
+    eos, defaults = _generation_config(model_dir)
+    if not eos:  # no generation_config: the chat format's end tokens
+        eos = tuple(i for i in map(tokenizer.token_id, ("<|im_end|>", "<|endoftext|>")) if i is not None)
+    engine = Engine(model, max_slots=args.max_slots, capacity=args.capacity, prefill_chunk=args.prefill_chunk,
+                    speculative=args.speculative or None, extra_eos=eos)
+    name = args.served_model_name or model_dir.resolve().name
+    print(f"fnx.serve: loaded {model_dir} in {t_load:.1f} s: {model!r}", flush=True)
+    print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
+          f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
+          f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
+          f"stop ids {sorted(engine.eos)}", flush=True)
+
+    metrics = Metrics(name)
+    worker = EngineThread(engine, deliver=lambda outs: None, warmup=not args.skip_warmup)
+    scheduler = Scheduler(worker, args.max_slots, args.max_queue, metrics)
+    worker.start()
+    worker.ready.wait()
+    if worker.failed is not None:
+        return _fail(f"engine warm-up failed: {worker.failed}")
+    if not args.skip_warmup:
+        print(f"fnx.serve: warm-up compiled every request shape in {worker.warmup_seconds:.1f} s:", flush=True)
+        for line in worker.warmup_log:
+            print(f"  {line}", flush=True)
+    reasoning = args.reasoning_parser == "qwen3" or (
+        args.reasoning_parser == "auto" and (tokenizer.token_id("</think>") is not None
+                                             or "</think>" in (tokenizer.template_source or "")))
+    state = ServerState(tokenizer=tokenizer, scheduler=scheduler, metrics=metrics, model_name=name,
+                        capacity=args.capacity, spec_k=args.speculative, vocab=model.cfg.vocab_size,
+                        reasoning=reasoning, defaults=defaults)
+    app = build_app(state)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    server = _Server(config, scheduler)
+    print(f"fnx.serve: serving `{name}` on http://{args.host}:{args.port}  (OpenAI API at /v1, chat page at /, "
+          f"metrics at /metrics; {'chat template found' if tokenizer.template_source else 'no chat template'}"
+          f"{', reasoning parser on' if reasoning else ''})", flush=True)
+    server.run()
+    worker.stop()
+    worker.join(timeout=10)
+    print("fnx.serve: stopped", flush=True)
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, except that a shutdown asked for by SIGTERM/SIGINT ends with exit status 0 (uvicorn
+        re-raises the signal after shutting down) and new requests are refused as soon as the signal arrives."""
+
+        def __init__(self, config, scheduler):
+            super().__init__(config)
+            self.scheduler = scheduler
+
+        def handle_exit(self, sig, frame):
+            self.scheduler.draining = True
+            if not self.should_exit:
+                print(f"fnx.serve: {signal.Signals(sig).name}: refusing new requests, finishing running ones "
+                      f"(up to {self.config.timeout_graceful_shutdown:g} s)", flush=True)
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, h in original.items():
+                    signal.signal(s, h)
+    return Server
+
+
+def _Server(config, scheduler):
+    return _server_class()(config, scheduler)

@@ -1,0 +1,134 @@
+"""The OpenAI API of the real server, through the real `openai` client: both endpoints streaming and not, greedy
+output equal to `fnx.generate`, stop strings, logprobs, seeds, reasoning split, models, health, metrics."""
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+import fnx
+from fnx.engine import SamplingParams
+from fnx.serve.tokenizer import Tokenizer
+from tests.serve.conftest import CAPACITY, SLOTS, metric
+
+MODEL = "tiny-serve"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok(serve_checkpoint):
+    return Tokenizer(serve_checkpoint)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(f"{server.base}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    page = httpx.get(f"{server.base}/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"] and 'id="stop"' in page.text
+
+
+def test_completions_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, prompt="Hello, world! How are", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.object == "text_completion" and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens <= 12 and full.usage.prompt_tokens > 0
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump() and chunks[-1].choices == []
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=0)
+    full = client.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert full.object == "chat.completion" and msg.role == "assistant"
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (msg.content or "")
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_greedy_equals_fnx_generate(client, serve_checkpoint, tok):
+    """The server's greedy tokens are exactly fnx.generate's for the same prompt ids."""
+    model = fnx.load(serve_checkpoint, dtype=np.float32)
+    for prompt in ["The quick brown fox", "Café 中文 🙂"]:
+        ids = tok.encode(prompt)
+        want = fnx.generate(model, ids, max_new_tokens=20, sampling=SamplingParams(ignore_eos=True))[0]
+        got = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True})
+        c = got.choices[0]
+        assert c.logprobs.tokens == [tok.token_text(t) for t in want]
+        assert c.text == b"".join(tok.token_bytes(t) for t in want if t not in tok.special_ids).decode(
+            "utf-8", errors="replace")
+
+
+def test_stop_strings(client):
+    kw = dict(model=MODEL, prompt="Numbers: 0 1 2 3", max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kw).choices[0].text
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i)
+    cut = client.completions.create(**kw, stop=[stop, "never-seen"])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text[:text.find(stop)]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry.logprob == pytest.approx(tops[0])          # greedy picks the most likely token
+        assert entry.token == entry.top_logprobs[0].token and entry.bytes is not None
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt="Streaming sends", max_tokens=16, temperature=1.0, top_p=0.9,
+              presence_penalty=0.5, frequency_penalty=0.3,
+              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1})
+    a = client.completions.create(**kw, seed=1234).choices[0].text
+    b = client.completions.create(**kw, seed=1234).choices[0].text
+    others = {client.completions.create(**kw, seed=s).choices[0].text for s in (1, 2, 3)}
+    assert a == b and len(others | {a}) > 1
+
+
+def test_reasoning_content(client, tok):
+    """A template that opens <think> in the generation prompt: the output is reasoning until </think>."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+              extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": True}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    raw = tok.apply_chat_template(CHAT, enable_thinking=True)
+    plain = client.completions.create(model=MODEL, prompt=tok.encode(raw), max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    if "</think>" in plain:
+        pytest.skip("the tiny model closed the think block itself")
+    assert msg.model_extra["reasoning_content"] == plain.lstrip("\n") and not msg.content
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].delta.model_extra.get("reasoning_content") or "" for c in chunks) == \
+        msg.model_extra["reasoning_content"]
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=4, temperature=0)
+    text = httpx.get(f"{server.base}/metrics").text
+    for name in ["fnx_requests_waiting", "fnx_requests_running", "fnx_generation_tokens_per_second",
+                 "fnx_time_to_first_token_seconds_count", "fnx_time_per_output_token_seconds_count",
+                 "fnx_spec_decode_acceptance_length", "fnx_cache_usage_ratio", "fnx_generation_tokens_total",
+                 "fnx_compiles_after_warmup_total"]:
+        assert f"\n{name}" in text, name
+    assert metric(server.base, "fnx_time_to_first_token_seconds_count") >= 1
+    assert metric(server.base, "fnx_generation_tokens_total") >= 4
+    assert 0 <= metric(server.base, "fnx_cache_usage_ratio") <= 1
+    assert metric(server.base, "fnx_requests_running") <= SLOTS
+    assert CAPACITY == client.models.list().data[0].model_extra["max_model_len"]
