@@ -5,5 +5,22 @@ from fnx.checkpoint.ngram_table import NgramTableView
 from fnx.checkpoint.place import Loaded
 from fnx.checkpoint.safetensors_io import SafetensorsFile
 
-__all__ = ["CheckpointError", "Loaded", "NgramTableView", "SafetensorsFile", "load_checkpoint", "load_hf",
+
+def load_any(path, dtype=None, quant: str | None = None, progress: bool = False) -> Loaded:
+    """An fnx-converted (orbax) directory is restored as saved; an HF directory is planned and streamed."""
+    import jax.numpy as jnp
+    from fnx.checkpoint.orbax_io import is_converted, restore
+    if is_converted(path):
+        if quant is not None:
+            raise ValueError(f"{path} is an fnx-converted checkpoint; it is restored as converted, so quant="
+                             f"{quant!r} cannot apply (convert again with --quant)")
+        out = restore(path)
+        if dtype is not None:
+            have = out.params["embed_tokens"].dtype
+            if jnp.dtype(dtype) != have:
+                raise ValueError(f"{path} was converted with dtype {have}; asked for {jnp.dtype(dtype)}")
+        return out
+    return load_checkpoint(path, dtype=jnp.bfloat16 if dtype is None else dtype, quant=quant, progress=progress)
+
+__all__ = ["CheckpointError", "Loaded", "NgramTableView", "SafetensorsFile", "load_any", "load_checkpoint", "load_hf",
            "plan_checkpoint"]

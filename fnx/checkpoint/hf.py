@@ -376,10 +376,10 @@ def plan_checkpoint(path: str, cfg: ModelConfig | None = None) -> Plan:
         if t.path[-1] == "conv1d" and len(shape) == 3 and shape[1] == 1:
             shape, w.squeeze = (shape[0], shape[2]), True
             w.shape = shape
+        (seen_top if t.layer is None else seen[t.layer]).add(t.path)
         if tuple(shape) != tuple(want):
             problems.append(f"{file}: tensor {base!r} has shape {tuple(shape)}, but the config expects {tuple(want)}")
             continue
-        (seen_top if t.layer is None else seen[t.layer]).add(t.path)
         plan.weights.append(w)
 
     # experts: complete, one layout per projection

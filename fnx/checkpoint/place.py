@@ -49,6 +49,12 @@ def _cast(x, dtype):
 _quantize_fp8 = jax.jit(q.quantize_fp8_block, static_argnums=1)
 
 
+def _put(x):
+    """Host array -> a device copy. Never an alias of the host memory: the source is a view of a mapped file whose
+    pages are released once the copy is done."""
+    return jax.device_put(x, may_alias=False)
+
+
 def _starts(ndim: int, lead: tuple[int, ...] = ()) -> np.ndarray:
     return np.array(tuple(lead) + (0,) * (ndim - len(lead)), np.int32)
 
@@ -81,20 +87,22 @@ class TreeBuilder:
         self.seg = [[{} for _ in range(seg.period)] for seg in self.plan]
 
     def put(self, layer: int | None, path: tuple[str, ...], value):
+        """Place a leaf; returns what now holds it (the value, or the stacked buffer it was written into)."""
         if layer is None:
             _set(self.top, path, value)
-            return
+            return value
         si, j, g = self.loc[layer]
         tree = self.seg[si][j]
         if g is None:
             _set(tree, path, value)
-            return
+            return value
         buf = _get(tree, path)
         if buf is None:
             reps = self.plan[si].reps
             buf = jax.tree.map(lambda a: jnp.zeros((reps,) + tuple(a.shape), a.dtype), value)
         buf = jax.tree.map(lambda b, a: _write(b, a, _starts(b.ndim, (g,))), buf, value)
         _set(tree, path, buf)
+        return buf
 
     def params(self) -> dict:
         segments = [tuple(self.seg[si]) if seg.scanned else (self.seg[si][0],) for si, seg in enumerate(self.plan)]
@@ -125,11 +133,11 @@ def to_device(value, dtype, quantize: bool, block=(128, 128)):
     """Host value -> device leaf: dense arrays are cast to `dtype` (or FP8-quantized), quantized ones stay as
     they are stored."""
     if q.is_quantized(value):
-        return jax.tree.map(jax.device_put, value)
-    x = jax.device_put(value)
+        return jax.tree.map(_put, value)
+    x = _put(value)
     if quantize:
         return _quantize_fp8(x, tuple(block))
-    return _cast(x, jnp.dtype(dtype))
+    return x if x.dtype == jnp.dtype(dtype) else _cast(x, jnp.dtype(dtype))   # _put already copied
 
 
 def _fused_expert_template(ws: dict, n: int, rows_each: int, dtype, spec):
@@ -153,18 +161,18 @@ def _fused_expert_template(ws: dict, n: int, rows_each: int, dtype, spec):
 def _write_expert(buf, fbo, value, e: int, row0: int):
     """Write one expert's weight (host value) at expert e, row offset row0 of the fused buffer."""
     if isinstance(buf, q.Fp8Block):
-        return q.Fp8Block(_write(buf.w, jax.device_put(value.w), _starts(3, (e, row0))),
-                          _write(buf.scale_inv, jax.device_put(value.scale_inv), _starts(3, (e, row0 // fbo))),
+        return q.Fp8Block(_write(buf.w, _put(value.w), _starts(3, (e, row0))),
+                          _write(buf.scale_inv, _put(value.scale_inv), _starts(3, (e, row0 // fbo))),
                           buf.block)
     if isinstance(buf, q.Nvfp4):
         cur = buf.input_scale
         # gate and up read the same input: keep the larger calibrated activation scale
         ins = jnp.maximum(cur[e], jnp.asarray(value.input_scale)) if row0 else jnp.asarray(value.input_scale)
-        return q.Nvfp4(_write(buf.w, jax.device_put(value.w), _starts(3, (e, row0))),
-                       _write(buf.scale, jax.device_put(value.scale), _starts(3, (e, row0))),
-                       _write(buf.scale_2, jax.device_put(value.scale_2), _starts(2, (e, row0))),
+        return q.Nvfp4(_write(buf.w, _put(value.w), _starts(3, (e, row0))),
+                       _write(buf.scale, _put(value.scale), _starts(3, (e, row0))),
+                       _write(buf.scale_2, _put(value.scale_2), _starts(2, (e, row0))),
                        cur.at[e].set(ins), buf.group)
-    return _write(buf, jax.device_put(value), _starts(3, (e, row0)))
+    return _write(buf, _put(value), _starts(3, (e, row0)))
 
 
 def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table: str = "device",
@@ -203,10 +211,11 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
     e_n, inter = cfg.num_experts, cfg.moe_intermediate_size
     for w, kind, info in jobs:
         value = _stored(w, spec)
+        placed = None   # the device value that read this tensor's pages
         if kind == "param":
             path = w.target.path
-            builder.put(w.target.layer, path, to_device(value, dtype, quant == "fp8" and online_fp8(path),
-                                                        spec.block))
+            placed = builder.put(w.target.layer, path,
+                                 to_device(value, dtype, quant == "fp8" and online_fp8(path), spec.block))
         elif kind == "expert":
             layer, proj, e = info
             key = (layer, "down_proj" if proj == "down_proj" else "gate_up_proj")
@@ -217,7 +226,7 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
                 fused[key] = [buf, fbo, e_n * (1 if proj == "down_proj" else 2)]
             slot = fused[key]
             row0 = inter if proj == "up_proj" else 0
-            slot[0] = _write_expert(slot[0], slot[1], value, e, row0)
+            slot[0] = placed = _write_expert(slot[0], slot[1], value, e, row0)
             slot[2] -= 1
             if slot[2] == 0:
                 buf = fused.pop(key)[0]
@@ -230,16 +239,19 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
             if layer not in tables:
                 rows = sum(p.shape[0] for p in parts.values())
                 tables[layer] = [jnp.zeros((rows, w.shape[-1]), jnp.dtype(dtype)), len(parts)]
-            x = jax.device_put(value)
+            x = _put(value)
             scale = plan.ngram_scale.get(layer, (None, None))[1]
             if scale is not None:   # FP8 rows as the reference reads them: row * scale in the scale's dtype
                 s = jnp.asarray(np.array(scale).reshape(()))
                 x = (x.astype(jnp.float32) * s.astype(jnp.float32)).astype(s.dtype)
             slot = tables[layer]
-            slot[0] = _write(slot[0], x, _starts(2, (i * w.shape[0],)))
+            slot[0] = placed = _write(slot[0], x, _starts(2, (i * w.shape[0],)))
             slot[1] -= 1
             if slot[1] == 0:
                 builder.put(layer, NGRAM_PATH, tables.pop(layer)[0])
+        # Transfers are asynchronous: wait until this tensor has been copied before dropping its pages, or the
+        # copy would fault them back in (and queued copies would pile up in host memory).
+        jax.block_until_ready(placed)
         w.release()
         if bar is not None:
             bar.update(w.nbytes)

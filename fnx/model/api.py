@@ -42,15 +42,14 @@ class Model:
         return self.__dict__["_ngram"]
 
 
-def load(path: str | os.PathLike, dtype=jnp.bfloat16, progress: bool = False) -> Model:
-    """Read an HF checkpoint directory (config.json + safetensors) into an `fnx.Model`."""
-    from fnx.checkpoint.hf import load_hf
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = lambda it: tqdm(it, desc="loading tensors", unit="tensor")
-    cfg, params, mtp = load_hf(path, dtype=dtype, progress=bar)
-    return Model(cfg, params, mtp, os.fspath(path))
+def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str | None = None) -> Model:
+    """Read a checkpoint into an `fnx.Model`: an HF directory (config.json + safetensors; BF16, FP8 block or
+    NVFP4, streamed onto the device; `quant="fp8"` quantizes the dense projections while loading) or a directory
+    written by `fnx convert` (restored as converted). dtype defaults to bfloat16 for HF checkpoints and to the
+    converted dtype for converted ones."""
+    from fnx.checkpoint import load_any
+    out = load_any(path, dtype=dtype, quant=quant, progress=progress)
+    return Model(out.cfg, out.params, out.mtp, os.fspath(path))
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))

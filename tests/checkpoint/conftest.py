@@ -19,3 +19,10 @@ def src(tiny_script, tmp_path_factory):
 def ids():
     return np.random.default_rng(0).integers(0, 256, size=(2, 24))
 
+
+
+@pytest.fixture(scope="session")
+def fp8_dirs(src, tmp_path_factory):
+    """(FP8 block release layout, float checkpoint of its dequantized weights), from `src`."""
+    from tests.checkpoint import writers
+    return writers.write_fp8(src, tmp_path_factory.mktemp("fp8"))

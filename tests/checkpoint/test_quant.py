@@ -26,11 +26,6 @@ def _model(path, **kw):
 
 
 @pytest.fixture(scope="module")
-def fp8_dirs(src, tmp_path_factory):
-    return writers.write_fp8(src, tmp_path_factory.mktemp("fp8"))
-
-
-@pytest.fixture(scope="module")
 def nvfp4_dirs(src, tmp_path_factory):
     return writers.write_nvfp4(src, tmp_path_factory.mktemp("nvfp4"))
 

@@ -1,0 +1,92 @@
+"""Damaged or mismatched checkpoints fail in the plan phase, before any device work, with the file and the tensor."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import fnx.checkpoint.place
+from fnx.checkpoint import CheckpointError, load_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def no_device_work(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("the load reached the streaming phase")
+    monkeypatch.setattr(fnx.checkpoint.place, "stream_plan", fail)
+
+
+def _copy(src, tmp_path):
+    out = tmp_path / "ck"
+    shutil.copytree(src, out)
+    return out
+
+
+def _trunk(out):
+    return sorted(out.glob("model-*.safetensors"))[0]
+
+
+def _edit(path, fn):
+    sd = load_file(path)
+    fn(sd)
+    save_file(sd, path)
+
+
+def test_missing_shard_names_file_and_tensors(src, tmp_path):
+    out = _copy(src, tmp_path)
+    (out / "mtp.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"mtp\.safetensors: file is missing; .*index\.json puts 31 tensors "
+                                              r"there, e\.g\. \['mtp\."):
+        load_checkpoint(out)
+
+
+def test_truncated_file_names_file_and_tensor(src, tmp_path):
+    out = _copy(src, tmp_path)
+    f = _trunk(out)
+    f.write_bytes(f.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match=rf"{f.name}: tensor '[^']+' \(F32 \[.*does not fit .*truncated"):
+        load_checkpoint(out)
+
+
+def test_wrong_shape_names_file_and_tensor(src, tmp_path):
+    out = _copy(src, tmp_path)
+    name = "model.layers.0.linear_attn.in_proj_z.weight"
+    _edit(_trunk(out), lambda sd: sd.__setitem__(name, np.zeros((16, 31), np.float32)))
+    with pytest.raises(CheckpointError, match=rf"{_trunk(out).name}: tensor '{name}' has shape \(16, 31\), but the "
+                                              r"config expects \(16, 32\)"):
+        load_checkpoint(out)
+
+
+def test_dtype_not_allowed_names_file_and_tensor(src, tmp_path):
+    out = _copy(src, tmp_path)
+    name = "model.layers.2.mlp.shared_expert.up_proj.weight"
+    _edit(_trunk(out), lambda sd: sd.__setitem__(name, sd[name].astype(np.int32)))
+    with pytest.raises(CheckpointError, match=rf"{_trunk(out).name}: tensor '{name}' is I32 \(24, 32\) with "
+                                              r"companions \[\], which is no known layout"):
+        load_checkpoint(out)
+
+
+def test_config_mismatch_and_every_problem_reported(src, tmp_path):
+    out = _copy(src, tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_experts"] = 7
+    (out / "config.json").write_text(json.dumps(cfg))
+    _edit(_trunk(out), lambda sd: sd.pop("model.layers.3.self_attn.k_norm.weight"))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(out)
+    msg = str(err.value)
+    assert f"{_trunk(out).name}: tensor 'model.layers.0.mlp.gate.weight' has shape (8, 32), but the config " \
+           "expects (7, 32)" in msg
+    assert "do not belong to this config" in msg and "model.layers.0.mlp.experts.7.up_proj.weight" in msg
+    assert "missing" in msg and "layers.3.self_attn.k_norm" in msg
+
+
+def test_unknown_quantization_config(src, tmp_path):
+    out = _copy(src, tmp_path)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config .*gptq.* is not supported"):
+        load_checkpoint(out)
