@@ -1,0 +1,94 @@
+"""Start-up, the bounded queue (429), and graceful shutdown on SIGTERM, on a server of its own (1 slot, 1 queued)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fnx.serve.server import DEFAULT_MODEL, parse_args
+from tests.conftest import ROOT
+from tests.serve.conftest import Server
+
+MODEL = "tiny-serve"
+LONG = {"model": MODEL, "prompt": "Hello", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+def test_help_documents_every_option():
+    out = subprocess.run([sys.executable, "-m", "fnx.serve", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0
+    parser_opts = [a for a in vars(parse_args([]))]
+    for opt in parser_opts:
+        assert "--" + opt.replace("_", "-") in out.stdout, opt
+    for needed in ["--model", "--host", "--port", "--max-slots", "--capacity", "--speculative", "--dtype"]:
+        assert needed in out.stdout
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    if DEFAULT_MODEL.exists():
+        args = ["--model", str(tmp_path / "missing")]
+        expect = [str(tmp_path / "missing"), "config.json"]
+    else:
+        args, expect = [], [str(DEFAULT_MODEL), "--model"]
+    out = subprocess.run([sys.executable, "-m", "fnx.serve", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    for s in expect:
+        assert s in out.stderr
+
+
+@pytest.fixture(scope="module")
+def small(serve_checkpoint, jax_cache, tmp_path_factory):
+    s = Server(serve_checkpoint, tmp_path_factory.mktemp("logs") / "small.log", jax_cache,
+               "--max-slots", "1", "--max-queue", "1", "--capacity", "1024", "--prefill-chunk", "16",
+               "--shutdown-timeout", "20")
+    yield s
+    s.stop()
+
+
+def first_event(lines):
+    """The first SSE event from a response's line iterator (kept by the caller: dropping a half-read httpx
+    iterator closes the connection, which the server rightly takes as a client that went away)."""
+    for line in lines:
+        if line.startswith("data: "):
+            return json.loads(line[6:])
+
+
+def test_queue_full_gets_429(small):
+    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b:
+        with a.stream("POST", f"{small.base}/v1/completions", json=LONG) as r1:
+            lines1 = r1.iter_lines()
+            assert r1.status_code == 200 and first_event(lines1)     # holds the slot
+            with b.stream("POST", f"{small.base}/v1/completions", json=LONG) as r2:
+                assert r2.status_code == 200                     # accepted: waits in the queue
+                r3 = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False), timeout=30)
+                assert r3.status_code == 429
+                err = r3.json()["error"]
+                assert err["code"] == "queue_full" and err["type"] == "rate_limit_error" and "retry" in err["message"]
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{small.base}/health").json()["in_flight"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, max_tokens=2), timeout=30)
+    assert r.status_code == 200
+
+
+def test_sigterm_finishes_running_requests_and_exits_0(small):
+    with httpx.stream("POST", f"{small.base}/v1/completions", json=LONG, timeout=60) as r:
+        lines = r.iter_lines()
+        assert first_event(lines)
+        small.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = None
+        try:
+            refused = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False), timeout=5)
+        except httpx.HTTPError:
+            pass                                                  # the listening socket is already closed
+        assert refused is None or refused.status_code == 503
+        events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"   # ran to its end
+    assert small.proc.wait(30) == 0
+    assert "stopped" in small.output()
