@@ -7,9 +7,13 @@ from fnx.checkpoint.safetensors_io import SafetensorsFile
 
 
 def load_any(path, dtype=None, quant: str | None = None, progress: bool = False) -> Loaded:
-    """An fnx-converted (orbax) directory is restored as saved; an HF directory is planned and streamed."""
+    """A `.gguf` file and an HF directory are planned and streamed; an fnx-converted (orbax) directory is restored
+    as saved."""
     import jax.numpy as jnp
     from fnx.checkpoint.orbax_io import is_converted, restore
+    if str(path).endswith(".gguf"):
+        from fnx.checkpoint.gguf import load_gguf
+        return load_gguf(path, dtype=dtype, quant=quant, progress=progress)
     if is_converted(path):
         if quant is not None:
             raise ValueError(f"{path} is an fnx-converted checkpoint; it is restored as converted, so quant="

@@ -277,8 +277,7 @@ def plan_checkpoint(path: str, cfg: ModelConfig | None = None) -> Plan:
     plan = Plan(cfg, spec, path)
     problems: list[str] = []
     files = _index_files(path, problems)
-
-    groups: dict[str, dict] = {}   # base weight name -> {"file", "parts", "shapes", "dtypes"}
+    readers = []
     for fname, listed in sorted(files.items()):
         fpath = os.path.join(path, fname)
         try:
@@ -286,13 +285,24 @@ def plan_checkpoint(path: str, cfg: ModelConfig | None = None) -> Plan:
         except SafetensorsError as exc:
             problems.append(str(exc))
             continue
-        plan.readers.append(reader)
-        have = set(reader.keys())
+        readers.append(reader)
         if listed is not None:
-            absent = sorted(set(listed) - have)
+            absent = sorted(set(listed) - set(reader.keys()))
             if absent:
                 problems.append(f"{fpath}: the index puts {len(absent)} tensors in this file that it does not "
                                 f"hold, e.g. {absent[:3]}")
+    return plan_tensors(plan, readers, problems)
+
+
+def plan_tensors(plan: "Plan", readers: list, problems: list[str]) -> "Plan":
+    """Check the tensors of `readers` (anything with the SafetensorsFile interface: keys, shape, dtype, nbytes,
+    offset, get, release, path) against `plan.cfg`; HF names. Raises CheckpointError listing every problem."""
+    cfg, spec, path = plan.cfg, plan.quant, plan.path
+    groups: dict[str, dict] = {}   # base weight name -> {"file", "parts", "shapes", "dtypes"}
+    for reader in readers:
+        fpath = reader.path
+        plan.readers.append(reader)
+        have = set(reader.keys())
         for name in sorted(have, key=reader.offset):
             base, comp = _split_companion(name)
             g = groups.setdefault(base, {"file": fpath, "parts": {}, "shapes": {}, "dtypes": {}})
