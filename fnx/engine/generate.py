@@ -16,7 +16,6 @@ from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys, sample
 from fnx.model.api import Model
 from fnx.model.ngram_device import NgramDeviceTables, ngram_ids_device
 from fnx.model.transformer import init_state, step
-from fnx.ple import ngram_ids
 
 
 def _as_prompts(prompts) -> list[list[int]]:
@@ -59,37 +58,62 @@ def _drive(engine: Engine) -> Iterator[Output]:
 def generate_jit(model: Model, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
                  seed: int = 0):
     """Batched generation as one jitted program: prefill [B, P] (equal-length prompts), then a `lax.while_loop`
-    of decode steps until every row has stopped or `max_new_tokens` are out. PLE n-gram ids are computed in the
-    loop from the token history with 32-bit arithmetic (exact, see `fnx.model.ngram_device`). Returns (tokens
-    [B, max_new_tokens] with -1 after a row stops, lengths [B])."""
+    of decode steps until every row has stopped or `max_new_tokens` are out; the PLE n-gram ids are computed on
+    the device with 32-bit arithmetic (exact, see `fnx.model.ngram_device`). Row b samples with seed + b.
+    Returns (tokens [B, max_new_tokens] with -1 after a row stops, lengths [B]).
+
+        toks, lengths = fnx.generate_jit(model, [[1, 2, 3], [4, 5, 6]], 16)
+    """
     prompt = np.asarray(prompt_ids, np.int32)
     if prompt.ndim == 1:
         prompt = prompt[None]
+    fn = generate_fn(model, max_new_tokens, sampling)
+    seeds = jnp.asarray(seed, jnp.uint32) + jnp.arange(prompt.shape[0], dtype=jnp.uint32)
+    return _jit_core(fn.params, jnp.asarray(prompt), seeds, SamplingArrays.stack([fn.sp] * prompt.shape[0]),
+                     jnp.asarray(fn.stops), fn.tables, cfg=fn.cfg, max_new=fn.max_new)
+
+
+class _GenerateFn:
+    """A pure, jittable, vmappable generator: `fn(prompt [P], seed) -> (tokens [N], length)`."""
+
+    def __init__(self, model: Model, max_new: int, sampling: SamplingParams):
+        self.params, self.cfg, self.max_new = model.params, model.cfg, max_new
+        self.sp = sampling
+        self.tables = NgramDeviceTables.build(model.ngram) if model.ngram is not None else None
+        eos = self.cfg.eos_token_id
+        stops = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos and eos is not None:
+            stops |= set(eos if isinstance(eos, tuple) else (eos,))
+        self.stops = np.asarray(sorted(stops) or [-1], np.int32)
+
+    def __call__(self, prompt, seed):
+        toks, lengths = self.batched(prompt[None], jnp.asarray(seed, jnp.uint32)[None])
+        return toks[0], lengths[0]
+
+    def batched(self, prompt, seeds):
+        return _generate_core(self.params, prompt, seeds, SamplingArrays.stack([self.sp] * prompt.shape[0]),
+                              jnp.asarray(self.stops), self.tables, cfg=self.cfg, max_new=self.max_new)
+
+
+def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | None = None) -> _GenerateFn:
+    """The generator as a pure function of (prompt ids [P], seed) for research code: jit it, vmap it over prompts
+    and seeds, or call it inside a larger program.
+
+        gen = fnx.engine.generate_fn(model, 16, fnx.SamplingParams(temperature=1.0))
+        toks, lengths = jax.jit(jax.vmap(gen))(prompts, jnp.arange(len(prompts)))   # prompts [N, P]
+    """
     sampling = sampling or SamplingParams()
     if sampling.uses_penalties:
-        raise ValueError("generate_jit does not apply repetition/presence/frequency penalties; use generate()")
+        raise ValueError("the jitted generator does not apply repetition/presence/frequency penalties; "
+                         "use generate()")
+    return _GenerateFn(model, max_new_tokens, sampling)
+
+
+def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new):
     bsz, plen = prompt.shape
-    cfg = model.cfg
-    ple_ids = None
-    tables = None
-    if model.ngram is not None:
-        ctx = np.full((bsz, model.ngram.ngram_size - 1), model.ngram.eos_token_id, np.int64)
-        ple_ids = jnp.asarray(ngram_ids(ctx, prompt.astype(np.int64), model.ngram)[0].astype(np.int32))
-        tables = NgramDeviceTables.build(model.ngram)
-    eos = cfg.eos_token_id
-    stops = sorted(set((eos if isinstance(eos, tuple) else (eos,)) if eos is not None else ())
-                   | set(sampling.stop_token_ids)) if not sampling.ignore_eos else sorted(set(sampling.stop_token_ids))
-    state = init_state(cfg, bsz, plen + max_new_tokens, model.dtype)
-    sp = SamplingArrays.stack([sampling] * bsz)
-    return _generate_loop(model.params, state, jnp.asarray(prompt), ple_ids, sp, jnp.asarray(seed, jnp.uint32),
-                          jnp.asarray(stops or [-1], jnp.int32), tables, cfg=cfg, max_new=max_new_tokens)
-
-
-@partial(jax.jit, static_argnames=("cfg", "max_new"), donate_argnames=("state",))
-def _generate_loop(params, state, prompt, ple_ids, sp, seed, stops, tables, *, cfg, max_new):
-    bsz = prompt.shape[0]
-    logits, state, _, _ = step(params, state, prompt, ple_ids, cfg=cfg)
-    seeds = jnp.full((bsz,), seed, jnp.uint32) + jnp.arange(bsz, dtype=jnp.uint32)
+    state = init_state(cfg, bsz, plen + max_new, params["embed_tokens"].dtype)
+    ids = ngram_ids_device(state["ngram_ctx"], prompt, tables) if tables is not None else None
+    logits, state, _, _ = step(params, state, prompt, ids, cfg=cfg)
     tok, _ = sample(logits[:, -1], sp, row_keys(seeds, jnp.zeros((bsz,), jnp.uint32)))
     out = jnp.full((bsz, max_new), -1, jnp.int32).at[:, 0].set(tok)
     done = jnp.isin(tok, stops)
@@ -100,9 +124,7 @@ def _generate_loop(params, state, prompt, ple_ids, sp, seed, stops, tables, *, c
 
     def body(c):
         i, state, tok, out, done = c
-        ids = None
-        if tables is not None:
-            ids = ngram_ids_device(state["ngram_ctx"], tok[:, None], tables)
+        ids = ngram_ids_device(state["ngram_ctx"], tok[:, None], tables) if tables is not None else None
         logits, state, _, _ = step(params, state, tok[:, None], ids, cfg=cfg,
                                    n_valid=jnp.where(done, 0, 1).astype(jnp.int32))
         nxt, _ = sample(logits[:, 0], sp, row_keys(seeds, jnp.full((bsz,), i, jnp.uint32)))
@@ -112,5 +134,7 @@ def _generate_loop(params, state, prompt, ple_ids, sp, seed, stops, tables, *, c
         return i + 1, state, jnp.maximum(nxt, 0), out, done
 
     _, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.asarray(1), state, tok, out, done))
-    lengths = jnp.sum(out >= 0, axis=1)
-    return out, lengths
+    return out, jnp.sum(out >= 0, axis=1)
+
+
+_jit_core = jax.jit(_generate_core, static_argnames=("cfg", "max_new"))

@@ -97,9 +97,52 @@ def _capacity(state: dict) -> int | None:
     return None
 
 
-def forward(model: Model, token_ids, moe_impl: str = "auto") -> jax.Array:
-    """Logits [B, T, V] for whole sequences from a fresh state."""
+def forward(model: Model, token_ids, moe_impl: str = "auto", return_layers: bool = False):
+    """Logits [B, T, V] for whole sequences from a fresh state.
+
+    With `return_layers`, also a dict: "hidden" [layers, B, T, S*D] (every layer's output, all hyper-connection
+    streams), "experts" [layers, B, T, K] (routed expert ids) and "final" [B, T, S*D] (the pre-mixer hidden).
+
+        logits = fnx.forward(model, [[1, 2, 3]])                    # [1, 3, vocab]
+        logits, layers = fnx.forward(model, ids, return_layers=True)
+    """
     tokens = _check_tokens(model, token_ids)
-    state = new_state(model, tokens.shape[0], tokens.shape[1])
-    logits, _ = extend(model, state, tokens, moe_impl)
-    return logits
+    if not return_layers:
+        state = new_state(model, tokens.shape[0], tokens.shape[1])
+        logits, _ = extend(model, state, tokens, moe_impl)
+        return logits
+    logits, hidden, aux = _jit_collect(model.params, jnp.asarray(tokens), _device_tables(model), model.cfg, moe_impl)
+    return logits, {"hidden": aux["hidden"], "experts": aux["experts"], "final": hidden}
+
+
+def _device_tables(model: Model):
+    from fnx.model.ngram_device import NgramDeviceTables
+    return NgramDeviceTables.build(model.ngram) if model.ngram is not None else None
+
+
+def logits_fn(model: Model, moe_impl: str = "auto"):
+    """A pure function `f(params, token_ids [B, T]) -> logits [B, T, V]` from a fresh state, with the PLE n-gram
+    ids computed on the device: it composes with `jax.jit`, `jax.grad` (float32 params) and `jax.vmap`.
+
+        loss = lambda p: -jax.nn.log_softmax(fnx.model.logits_fn(model)(p, ids))[0, -1, target]
+        grads = jax.grad(loss)(model.params)
+    """
+    cfg, tables = model.cfg, _device_tables(model)
+
+    def f(params, tokens):
+        return _forward_pure(params, tokens, tables, cfg, moe_impl, False)[0]
+    return f
+
+
+def _forward_pure(params, tokens, tables, cfg, moe_impl, collect):
+    from fnx.model.ngram_device import ngram_ids_device
+    bsz, length = tokens.shape
+    state = init_state(cfg, bsz, length, params["embed_tokens"].dtype)
+    ids = ngram_ids_device(state["ngram_ctx"], tokens, tables) if tables is not None else None
+    logits, _, hidden, aux = step(params, state, tokens, ids, cfg=cfg, moe_impl=moe_impl, collect=collect)
+    return logits, hidden, aux
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl"))
+def _jit_collect(params, tokens, tables, cfg, moe_impl):
+    return _forward_pure(params, tokens, tables, cfg, moe_impl, True)

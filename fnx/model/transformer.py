@@ -223,7 +223,7 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
 
 def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
          moe_impl: str = "auto", ple_rows: jax.Array | None = None, n_valid: jax.Array | None = None,
-         snapshots: bool = False):
+         snapshots: bool = False, collect: bool = False):
     """Run L new tokens per sequence on an existing state (prefill, chunked prefill, decode, verify alike).
 
     tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE);
@@ -231,8 +231,10 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     params' table when given; n_valid [B]: how many of the L tokens are real for each row (the rest is padding
     and leaves the state as it was; 0 leaves a row untouched); snapshots: keep what `rollback` needs to stop the
     state after any prefix of the call (speculative verify).
+    collect: also return every layer's output hidden [layers, B, L, S*D] (all hyper-connection streams) and its
+    routed expert ids [layers, B, L, K] in aux["hidden"] / aux["experts"].
     Returns logits [B, L, V], the new state, the pre-mixer hidden [B, L, S*D] (what the MTP layer reads) and aux
-    (the rollback material; empty without snapshots)."""
+    (the rollback material with snapshots, the per-layer outputs with collect; else empty)."""
     bsz, length = tokens.shape
     dtype = params["embed_tokens"].dtype
     pos0 = state["pos"]
@@ -243,27 +245,35 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     e = params["embed_tokens"][tokens]
     h = jnp.tile(e, (1, 1, cfg.hc_count))
     new_segments, aux_segments = [], []
+    per_layer = [None] * cfg.num_hidden_layers                     # (hidden, expert ids) when collecting
     for seg, seg_params, seg_state in zip(layer_plan(cfg), params["segments"], state["segments"]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
-            h, st, aux, _ = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0], seg_state[0],
-                                          h, meta, moe_impl, snapshots)
+            h, st, aux, ids = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0],
+                                            seg_state[0], h, meta, moe_impl, snapshots)
             new_segments.append((st,))
             aux_segments.append((aux,))
+            if collect:
+                per_layer[seg.start] = (h, ids)
             continue
 
         def body(h, xs, kinds=kinds):
             ps, sts = xs
-            outs, auxes = [], []
+            outs, auxes, seen = [], [], []
             for kind, p, st in zip(kinds, ps, sts):
-                h, st, aux, _ = decoder_layer(cfg, kind, False, p, st, h, meta, moe_impl, snapshots)
+                h, st, aux, ids = decoder_layer(cfg, kind, False, p, st, h, meta, moe_impl, snapshots)
                 outs.append(st)
                 auxes.append(aux)
-            return h, (tuple(outs), tuple(auxes))
+                seen.append((h, ids) if collect else ())
+            return h, (tuple(outs), tuple(auxes), tuple(seen))
 
-        h, (st, aux) = lax.scan(body, h, (seg_params, seg_state))
+        h, (st, aux, seen) = lax.scan(body, h, (seg_params, seg_state))
         new_segments.append(st)
         aux_segments.append(aux)
+        if collect:
+            for g in range(seg.reps):
+                for j in range(seg.period):
+                    per_layer[seg.start + g * seg.period + j] = jax.tree.map(lambda a: a[g], seen[j])
 
     x = hyper.gated_residual(params["hyper_connection_mixer"], h, cfg.hc_count, cfg.rms_norm_eps, inject=False)
     logits = linear(x, params["lm_head"])
@@ -273,6 +283,9 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
                                                                               width)[..., 0],
                  "segments": new_segments}
     aux = {"segments": aux_segments, "pos0": pos0, "ngram_x": ctx_x} if snapshots else {}
+    if collect:
+        aux["hidden"] = jnp.stack([hl for hl, _ in per_layer])
+        aux["experts"] = jnp.stack([ids for _, ids in per_layer])
     return logits, new_state, h, aux
 
 

@@ -131,3 +131,19 @@ def test_errors(tiny_models):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="speculative k"):
         Engine(model, speculative=9)
+
+
+def test_vmap_of_jitted_generate_equals_loop(tiny_models):
+    import jax
+    import jax.numpy as jnp
+    from fnx.engine import generate_fn
+    model, _ = tiny_models("tiny-a")
+    rng = np.random.default_rng(9)
+    prompts = jnp.asarray(rng.integers(0, 250, size=(3, 7)), jnp.int32)
+    seeds = jnp.arange(3, dtype=jnp.uint32) + 5
+    gen = generate_fn(model, 6, SamplingParams(temperature=1.0, ignore_eos=True))
+    toks, lengths = jax.jit(jax.vmap(gen))(prompts, seeds)
+    one = jax.jit(gen)
+    for i in range(3):
+        t, n = one(prompts[i], seeds[i])
+        assert np.asarray(t).tolist() == np.asarray(toks[i]).tolist() and int(n) == int(lengths[i]) == 6
