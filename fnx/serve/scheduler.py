@@ -4,6 +4,7 @@ code: it talks to the engine thread only through that thread's inbox and the out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 
@@ -90,7 +91,8 @@ class Scheduler:
         accepted = self.loop.create_future()
 
         def done(err):
-            self.loop.call_soon_threadsafe(lambda: accepted.done() or accepted.set_result(err))
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(lambda: accepted.done() or accepted.set_result(err))
 
         self.worker.submit(rid, prompt, params, done)
         try:
@@ -120,7 +122,8 @@ class Scheduler:
         self.metrics.finished(reason, s.prompt_tokens, s.generated, s.t_submit, s.t_first, s.t_last)
 
     def _deliver_threadsafe(self, outs: list[Output]):
-        self.loop.call_soon_threadsafe(self._deliver, outs)
+        with contextlib.suppress(RuntimeError):   # the loop is closed: shutting down, nobody is listening
+            self.loop.call_soon_threadsafe(self._deliver, outs)
 
     def _deliver(self, outs: list[Output]):
         now = time.monotonic()

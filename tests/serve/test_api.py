@@ -132,3 +132,19 @@ def test_metrics(server, client):
     assert 0 <= metric(server.base, "fnx_cache_usage_ratio") <= 1
     assert metric(server.base, "fnx_requests_running") <= SLOTS
     assert CAPACITY == client.models.list().data[0].model_extra["max_model_len"]
+
+
+def test_tools_in_the_conversation(client, tok):
+    """Tools and earlier tool calls reach the template; the reply is parsed with tool-call parsing on."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]   # short: 256 positions
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    want = tok.apply_chat_template(messages[:1] + [dict(messages[1], tool_calls=[
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}])] + messages[2:],
+        tools=tools)
+    assert r.usage.prompt_tokens == len(tok.encode(want))
