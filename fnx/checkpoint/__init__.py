@@ -6,15 +6,17 @@ from fnx.checkpoint.place import Loaded
 from fnx.checkpoint.safetensors_io import SafetensorsFile
 
 
-def load_any(path, dtype=None, quant: str | None = None, progress: bool = False) -> Loaded:
+def load_any(path, dtype=None, quant: str | None = None, progress: bool = False, ngram_table: str = "device") -> Loaded:
     """A `.gguf` file and an HF directory are planned and streamed; an fnx-converted (orbax) directory is restored
     as saved."""
     import jax.numpy as jnp
     from fnx.checkpoint.orbax_io import is_converted, restore
     if str(path).endswith(".gguf"):
         from fnx.checkpoint.gguf import load_gguf
-        return load_gguf(path, dtype=dtype, quant=quant, progress=progress)
+        return load_gguf(path, dtype=dtype, quant=quant, progress=progress, ngram_table=ngram_table)
     if is_converted(path):
+        if ngram_table != "device":
+            raise ValueError(f"{path} is an fnx-converted checkpoint; its n-gram table is part of the restored tree")
         if quant is not None:
             raise ValueError(f"{path} is an fnx-converted checkpoint; it is restored as converted, so quant="
                              f"{quant!r} cannot apply (convert again with --quant)")
@@ -24,7 +26,8 @@ def load_any(path, dtype=None, quant: str | None = None, progress: bool = False)
             if jnp.dtype(dtype) != have:
                 raise ValueError(f"{path} was converted with dtype {have}; asked for {jnp.dtype(dtype)}")
         return out
-    return load_checkpoint(path, dtype=jnp.bfloat16 if dtype is None else dtype, quant=quant, progress=progress)
+    return load_checkpoint(path, dtype=jnp.bfloat16 if dtype is None else dtype, quant=quant, progress=progress,
+                           ngram_table=ngram_table)
 
 __all__ = ["CheckpointError", "Loaded", "NgramTableView", "SafetensorsFile", "load_any", "load_checkpoint", "load_hf",
            "plan_checkpoint"]

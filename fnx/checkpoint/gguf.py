@@ -238,6 +238,10 @@ class GgufReader:
                 self._parts.setdefault(hf, []).append((t, m.transform, i))
         self._order = {n: i for i, n in enumerate(self._parts)}
 
+    def table_view(self, name: str) -> "GgufTableView":
+        (t, tr, _), = self._parts[name]
+        return GgufTableView(t.data, GGMLQuantizationType(t.tensor_type), self._tshape(t), self.path)
+
     def raw(self, gguf_name: str):
         """The packed bytes and GGML type of a GGUF tensor (for kernels that read blocks)."""
         t = next(t for t in self.gguf.tensors if t.name == gguf_name)
@@ -310,6 +314,39 @@ class GgufReader:
         return self._one(*parts[0])
 
 
+@dataclass(frozen=True)
+class GgufTableView:
+    """The n-gram table of a GGUF file as a row-addressable view over its packed blocks (the interface of
+    `NgramTableView`): `rows(ids)` dequantizes only the rows asked for; nothing else is read."""
+    data: np.ndarray          # the tensor's bytes in the mapped file, [rows, bytes per row] (or [rows, width])
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+    file: str
+    scale = None
+
+    @property
+    def dtype(self):
+        return np.dtype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def rows(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"n-gram ids must be integers, got {ids.dtype}")
+        flat = ids.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
+            raise IndexError(f"n-gram ids must lie in [0, {self.shape[0]}), got [{flat.min()}, {flat.max()}]")
+        packed = np.asarray(self.data).reshape(self.shape[0], -1)[flat]
+        out = gguf_quants.dequantize(packed, self.qtype, (flat.size, self.shape[1]))
+        return out.reshape(*ids.shape, self.shape[1])
+
+    def lookup(self, ids, dtype=np.float32) -> np.ndarray:
+        return self.rows(ids).astype(dtype)
+
+
 def plan_gguf(path) -> Plan:
     """Phase 1 for a GGUF file: metadata -> config, then the HF planner's checks on the translated tensors."""
     path = os.fspath(path)
@@ -329,9 +366,10 @@ def plan_gguf(path) -> Plan:
     return plan_tensors(plan, [src], problems)
 
 
-def load_gguf(path, dtype=None, quant: str | None = None, progress: bool = False):
+def load_gguf(path, dtype=None, quant: str | None = None, progress: bool = False, ngram_table: str = "device"):
     """Plan, then stream a `qwen4exp` GGUF onto the device (dequantized to `dtype`, or online `quant`)."""
     import jax.numpy as jnp
     from fnx.checkpoint.place import stream_plan
     plan = plan_gguf(path)
-    return stream_plan(plan, dtype=jnp.bfloat16 if dtype is None else dtype, quant=quant, progress=progress)
+    return stream_plan(plan, dtype=jnp.bfloat16 if dtype is None else dtype, quant=quant, progress=progress,
+                       ngram_table=ngram_table)

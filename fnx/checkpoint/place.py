@@ -191,7 +191,10 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
     for layer, parts in plan.shards.items():
         ordered = [parts[i] for i in sorted(parts)]
         scale = plan.ngram_scale.get(layer, (None, None))[1]
-        if ngram_table == "host":
+        reader, name = ordered[0].parts["weight"]
+        if ngram_table == "host" and len(ordered) == 1 and hasattr(reader, "table_view"):
+            ngram[layer] = reader.table_view(name)       # rows dequantized on demand from the packed blocks
+        elif ngram_table == "host":
             ngram[layer] = NgramTableView(tuple(_stored(w, spec) for w in ordered), tuple(w.file for w in ordered),
                                           None if scale is None else np.array(scale).reshape(1))
         else:

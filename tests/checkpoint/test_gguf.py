@@ -92,3 +92,38 @@ def test_gguf_errors(src, tmp_path):
     w.close()
     with pytest.raises(CheckpointError, match=r"llama\.gguf: general\.architecture is 'llama', expected 'qwen4exp'"):
         fnx.load(str(tmp_path / "llama.gguf"))
+
+
+def test_host_table_view_reads_packed_rows(src, src_model, tmp_path):
+    """With the table on the host, a GGUF table is never dequantized whole: rows come from the packed blocks."""
+    from fnx.checkpoint import load_any
+    from fnx.checkpoint.gguf_quants import dequantize
+    path = write_gguf(src, tmp_path / "tiny-q8.gguf", "mixed")
+    out = load_any(str(path), dtype=np.float32, ngram_table="host")
+    view = out.ngram[1]
+    assert view.qtype == gguf.GGMLQuantizationType.F16 and view.shape == (416, 8)   # rows of 8: not Q8_0
+    assert "ple_embedding" not in out.params["segments"][1][0]["ple"]
+    table = np.asarray(fnx.load(str(path), dtype=np.float32).params["segments"][1][0]["ple"]["ple_embedding"][
+        "ngram_embedding"])
+    ids = np.random.default_rng(2).integers(0, 416, (2, 3, 4))
+    np.testing.assert_array_equal(view.rows(ids), table[ids])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "IQ4_NL"])
+def test_table_view_rows_of_quantized_blocks(qtype):
+    from fnx.checkpoint.gguf import GgufTableView
+    from fnx.checkpoint.gguf_quants import dequantize
+    qt = gguf.GGMLQuantizationType[qtype]
+    table = np.random.default_rng(3).standard_normal((50, 160)).astype(np.float32)
+    if qt == gguf.GGMLQuantizationType.Q8_0:
+        packed = gguf.quants.quantize(table, qt)              # [50, 5 blocks * type size]
+    else:                                                     # the gguf package cannot quantize IQ4_NL: random blocks
+        packed = np.random.default_rng(4).integers(0, 256, (50 * 5, 18), dtype=np.uint8)
+        packed[:, :2] = np.full(50 * 5, 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+        packed = packed.reshape(50, 90)
+    view = GgufTableView(packed, qt, (50, 160), "t.gguf")
+    full = dequantize(packed, qt, (50, 160))
+    ids = np.array([[3, 49, 0], [7, 7, 21]])
+    np.testing.assert_array_equal(view.rows(ids), full[ids])
+    with pytest.raises(IndexError, match=r"\[0, 50\)"):
+        view.rows([50])
