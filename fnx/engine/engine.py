@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,12 +31,30 @@ log = logging.getLogger("fnx.engine")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """MTP speculative decoding: k draft tokens per round (1..8)."""
+    """MTP speculative decoding: k draft tokens per round (1..8); draft_vocab: optional hot-token ids (a path to
+    a .npy or whitespace-separated text file, or a sequence) that the draft head is restricted to."""
     k: int = 4
+    draft_vocab: object = None
 
     def __post_init__(self):
         if not 1 <= self.k <= 8:
             raise ValueError(f"speculative k must be in 1..8, got {self.k}")
+
+    def hot_ids(self, vocab: int) -> np.ndarray | None:
+        src = self.draft_vocab
+        if src is None:
+            return None
+        if isinstance(src, (str, os.PathLike)):
+            path = os.fspath(src)
+            if not os.path.exists(path):
+                raise ValueError(f"draft vocabulary file {path!r} does not exist")
+            ids = np.load(path) if path.endswith(".npy") else np.loadtxt(path, dtype=np.int64, ndmin=1)
+        else:
+            ids = np.asarray(src)
+        ids = np.unique(np.asarray(ids).astype(np.int64).reshape(-1))
+        if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"draft vocabulary must be non-empty token ids in [0, {vocab})")
+        return ids.astype(np.int32)
 
 
 @dataclass
@@ -70,6 +89,9 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
                  extra_eos: tuple[int, ...] = ()):
+        """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
+        drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
+        same output distribution (the acceptance rule is exact for any drafter)."""
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
@@ -91,6 +113,9 @@ class Engine:
         self.eos = set(eos if isinstance(eos, tuple) else (() if eos is None else (eos,))) | set(extra_eos)
         if self.spec:
             self.mtp = mtp_params(self.cfg, model.mtp, dtype)
+            hot = speculative.hot_ids(self.cfg.vocab_size)
+            self.hot = None if hot is None else jnp.asarray(hot)
+            self.draft_head = None if hot is None else model.params["lm_head"][self.hot]
             self.mtp_state = init_mtp_state(self.cfg, max_slots, capacity, dtype)
             self.mtp_empty = init_mtp_state(self.cfg, 1, capacity, dtype)
         self.waiting: deque[Request] = deque()
@@ -281,7 +306,7 @@ class Engine:
         keys = row_keys(jnp.asarray(seeds), jnp.asarray(counters))
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, jnp.asarray(hid, self.model.dtype), jnp.asarray(pair_tok),
-            jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k)
+            jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot)
         drafts = np.asarray(drafts)                                       # [S, k]
         verify = np.zeros((slots, k + 1), np.int32)
         hist = [[] for _ in range(slots)]
@@ -388,10 +413,19 @@ def _jit_decode(params, state, tokens, n_valid, ple_ids, sp, keys, seen, counts,
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "k"), donate_argnames=("mstate",))
-def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k):
+def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k, head=None, hot=None):
     """MTP catch-up on the pending pairs (committed), then k-1 chained draft steps (discarded).
-    Returns (committed MTP state, drafts [B, k], draft log-distributions [B, k, V])."""
-    logits, mstate, h = mtp_step(params, mp, mstate, hidden, pair_tok, cfg=cfg, n_valid=count, moe_impl=moe_impl)
+    With a hot-token head [H, D] and its ids hot [H], drafts are drawn over that subset.
+    Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V])."""
+    vocab = params["lm_head"].shape[0]
+
+    def widen(lg):  # subset logits -> full vocabulary, -inf outside the subset
+        if hot is None:
+            return lg
+        return jnp.full(lg.shape[:-1] + (vocab,), -jnp.inf, lg.dtype).at[..., hot].set(lg)
+    logits, mstate, h = mtp_step(params, mp, mstate, hidden, pair_tok, cfg=cfg, n_valid=count, moe_impl=moe_impl,
+                                 head=head)
+    logits = widen(logits.astype(jnp.float32))
     last = lambda a: jnp.take_along_axis(a, (count - 1).reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa
     lg, hh = last(logits)[:, 0], last(h)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)             # [B, k+2, 2]
@@ -402,8 +436,9 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
         draft_toks.append(tok)
         draft_lps.append(lp)
         if i + 1 < k:
-            lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl)
-            lg = lgs[:, 0]
+            lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl,
+                                        head=head)
+            lg = widen(lgs[:, 0].astype(jnp.float32))
     return mstate, jnp.stack(draft_toks, 1), jnp.stack(draft_lps, 1)
 
 

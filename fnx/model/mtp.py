@@ -93,9 +93,10 @@ def init_mtp_state(cfg: ModelConfig, batch: int, capacity: int, dtype) -> dict:
 
 
 def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens: jax.Array, *, cfg: ModelConfig,
-             n_valid: jax.Array | None = None, moe_impl: str = "auto"):
+             n_valid: jax.Array | None = None, moe_impl: str = "auto", head: jax.Array | None = None):
     """hidden [B, L, S*D] (target pre-mixer hidden at positions pos..pos+L-1, or the layer's own output when
-    chaining drafts), next_tokens [B, L] (x_{t+1}). Returns (logits [B, L, V], new state, H' [B, L, S*D])."""
+    chaining drafts), next_tokens [B, L] (x_{t+1}); head: the draft head's rows (default the full lm_head; a
+    hot-token subset [H, D] gives logits over that subset only). Returns (logits [B, L, V], new state, H' [B, L, S*D])."""
     bsz, length = next_tokens.shape
     dtype = params["embed_tokens"].dtype
     eps = cfg.rms_norm_eps
@@ -107,5 +108,5 @@ def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens
     x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
     h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
     out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False)
-    logits = linear(out, params["lm_head"])
+    logits = linear(out, params["lm_head"] if head is None else head)
     return logits, {"pos": state["pos"] + meta["n_valid"], "layer": st}, h

@@ -147,3 +147,17 @@ def test_vmap_of_jitted_generate_equals_loop(tiny_models):
     for i in range(3):
         t, n = one(prompts[i], seeds[i])
         assert np.asarray(t).tolist() == np.asarray(toks[i]).tolist() and int(n) == int(lengths[i]) == 6
+
+
+def test_hot_token_draft_vocab_is_lossless(tiny_models, tmp_path):
+    from fnx.engine import SpeculativeConfig
+    model, _ = tiny_models("tiny-a")
+    prompts = prompts_for(model, seed=1)
+    hot = tmp_path / "hot.txt"
+    hot.write_text(" ".join(str(i) for i in range(0, model.cfg.vocab_size, 2)))
+    plain = _no_eos(model, prompts, 10)
+    spec = fnx.generate(model, prompts, max_new_tokens=10, sampling=SamplingParams(ignore_eos=True),
+                        speculative=SpeculativeConfig(k=3, draft_vocab=str(hot)))
+    assert spec == plain
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        Engine(model, speculative=SpeculativeConfig(k=2, draft_vocab=[model.cfg.vocab_size]))
