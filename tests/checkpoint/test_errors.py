@@ -90,3 +90,41 @@ def test_unknown_quantization_config(src, tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config\.json: quantization_config .*gptq.* is not supported"):
         load_checkpoint(out)
+
+
+def _edit_torch(path, fn):
+    from safetensors.torch import load_file as tload, save_file as tsave
+    sd = tload(path)
+    fn(sd)
+    tsave(sd, path)
+
+
+def _holding(out, name):
+    from safetensors import safe_open
+    for f in sorted(out.glob("model-*.safetensors")):
+        with safe_open(f, "np") as h:
+            if name in h.keys():
+                return f
+    raise AssertionError(name)
+
+
+def test_quantized_companions_checked(src, tmp_path):
+    from tests.checkpoint import writers
+    nv, _ = writers.write_nvfp4(src, tmp_path)
+    name = "model.layers.0.mlp.experts.3.up_proj.weight"
+    f = _holding(nv, name)
+    _edit_torch(f, lambda sd: sd.pop(name[: -len("weight")] + "weight_scale_2"))
+    with pytest.raises(CheckpointError, match=rf"{f.name}: tensor '{name}' is U8 \(16, 16\) with companions "
+                                              r"\['input_scale', 'weight_scale'\], which is no known layout"):
+        load_checkpoint(nv)
+
+
+def test_fp8_scale_shape_checked(fp8_dirs, tmp_path):
+    out = _copy(fp8_dirs[0], tmp_path)
+    name = "model.layers.0.linear_attn.in_proj_z.weight_scale_inv"
+    f = _holding(out, name)
+    import torch
+    _edit_torch(f, lambda sd: sd.__setitem__(name, torch.ones((2, 1))))
+    with pytest.raises(CheckpointError, match=rf"{f.name}: tensor 'model.layers.0.linear_attn.in_proj_z.weight'"
+                                              r"\.weight_scale_inv is F32 \(2, 1\), expected F32 \(1, 1\)"):
+        load_checkpoint(out)

@@ -47,3 +47,17 @@ def test_progress_bar_reports_bytes(src, capsys):
     err = capsys.readouterr().err
     assert "loading" in err and "B/s" in err
     assert out.stats["bytes"] > 0 and out.params["lm_head"].dtype == jnp.bfloat16
+
+
+def test_fused_and_per_expert_layouts_load_the_same(src, tmp_path):
+    """save_pretrained writes experts one by one; the BF16 release stores them fused. Both give the same tree."""
+    import jax
+    from tests.checkpoint.gguf_writer import _fuse_experts
+    from tests.checkpoint.writers import _write_dir, read_all
+    sd = read_all(src)
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in sd)
+    fused = _write_dir(src, tmp_path / "fused", _fuse_experts(sd), None)
+    a, b = load_checkpoint(src, dtype=np.float32), load_checkpoint(fused, dtype=np.float32)
+    assert jax.tree.structure(a.params) == jax.tree.structure(b.params)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
