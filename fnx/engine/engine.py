@@ -161,6 +161,10 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
+    def positions_used(self) -> int:
+        """Cache positions held by running requests (prompt + generated), out of max_slots * capacity."""
+        return sum(len(r.history) for r in self.slots if r is not None)
+
     @property
     def num_running(self) -> int:
         return sum(s is not None for s in self.slots)
@@ -169,9 +173,13 @@ class Engine:
     def step(self) -> list[Output]:
         outs: list[Output] = []
         self._admit()
-        prefilling = [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]
-        if prefilling:
-            outs += self._prefill_chunk(prefilling[0])
+        budget = self.prefill_chunk  # prompt tokens prefilled per step, across requests
+        for r in [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]:
+            if budget <= 0:
+                break
+            before = r.prefilled
+            outs += self._prefill_chunk(r, budget)
+            budget -= r.prefilled - before
         decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt) and not r.done
                     and r.pending is not None]
         if decoding:
@@ -187,8 +195,9 @@ class Engine:
                 self.state = _jit_slot_put(self.cfg, self.state, i, self.empty_slot)
                 if self.spec:
                     self.mtp_state = _jit_mtp_put(self.mtp_state, i, self.mtp_empty)
-                self.seen, self.out_counts = _reset_row(self.seen, self.out_counts, i,
-                                                        jnp.asarray(req.prompt))
+                row = np.zeros((self.cfg.vocab_size,), bool)
+                row[req.prompt] = True
+                self.seen, self.out_counts = _reset_row(self.seen, self.out_counts, i, jnp.asarray(row))
 
     def _ple_ids(self, histories: list[list[int]], tokens: np.ndarray) -> jnp.ndarray | None:
         """n-gram ids [B, L, H] for `tokens` [B, L] that follow each row's history."""
@@ -210,9 +219,9 @@ class Engine:
             b *= 2
         return min(b, max(self.prefill_chunk, n))
 
-    def _prefill_chunk(self, req: Request) -> list[Output]:
+    def _prefill_chunk(self, req: Request, budget: int) -> list[Output]:
         start = req.prefilled
-        chunk = req.prompt[start:start + self.prefill_chunk]
+        chunk = req.prompt[start:start + min(self.prefill_chunk, budget)]
         n = len(chunk)
         length = self._bucket(n)
         tokens = np.zeros((1, length), np.int32)
@@ -232,13 +241,14 @@ class Engine:
                                               jnp.asarray(nxt), jnp.asarray([pairs], jnp.int32), self.cfg,
                                               self.moe_impl)
             if final:
-                req.mtp_hidden = hidden[0, n - 1:n]
+                req.mtp_hidden = np.asarray(_row_at(hidden[0], n - 1).astype(jnp.float32))[None]
         if not final:
             return []
         sp = SamplingArrays.stack([req.params])
         keys = row_keys(jnp.asarray([req.seed], jnp.uint32), jnp.asarray([0], jnp.uint32))
         tok, lp_info, self.seen, self.out_counts = _jit_sample_rows(
-            last_logits, sp, keys, self.seen, self.out_counts, jnp.asarray([req.slot]), req.params.logprobs)
+            last_logits, sp, keys, self.seen, self.out_counts, jnp.asarray([req.slot]),
+            _n_logprobs([req]))
         return [self._emit(req, [int(tok[0])], [_lp(lp_info, 0, 0, req.params.logprobs)])]
 
     def _emit(self, req: Request, toks: list[int], lps: list[dict]) -> Output:
@@ -275,7 +285,7 @@ class Engine:
             params[r.slot] = r.params
             seeds[r.slot], counters[r.slot] = r.seed, r.generated
         ple = self._ple_ids(hist, tokens)
-        nlp = max(r.params.logprobs for r in reqs)
+        nlp = _n_logprobs(reqs)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode(
             self.model.params, self.state, jnp.asarray(tokens), jnp.asarray(n_valid), ple,
             SamplingArrays.stack(params), row_keys(jnp.asarray(seeds), jnp.asarray(counters)), self.seen,
@@ -315,11 +325,11 @@ class Engine:
             verify[r.slot, 1:] = drafts[r.slot]
             hist[r.slot] = r.history[:-1]
         ple = self._ple_ids(hist, verify)
-        nlp = max(r.params.logprobs for r in reqs)
+        nlp = _n_logprobs(reqs)
         self.state, out_tok, n_acc, hidden, lp_info = _jit_verify(
             self.model.params, self.state, jnp.asarray(verify), jnp.asarray(active), ple, q_lp, sp, keys,
             self.cfg, self.moe_impl, nlp)
-        out_tok, n_acc = np.asarray(out_tok), np.asarray(n_acc)
+        out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
         self.stats["rounds"] += 1
         self.stats["row_rounds"] = self.stats.get("row_rounds", 0) + len(reqs)
         outs = []
@@ -343,10 +353,18 @@ class Engine:
         return self.stats["accepted"] / r + 1 if r else 0.0
 
 
+MAX_LOGPROBS = 20
+
+
+def _n_logprobs(reqs) -> int:
+    """0 or MAX_LOGPROBS: two compiled variants, whatever each request asks for (trimmed on the host)."""
+    return MAX_LOGPROBS if any(r.params.logprobs for r in reqs) else 0
+
+
 def _lp(info, row, j, n) -> dict:
     if info is None:
         return {}
-    chosen, vals, ids = info
+    chosen, vals, ids = (np.asarray(a) for a in info)
     out = {"logprob": float(chosen[row, j])}
     if n:
         out["top"] = [(int(ids[row, j, i]), float(vals[row, j, i])) for i in range(n)]
@@ -366,8 +384,7 @@ def _jit_mtp_put(state, slot, sub):
 
 
 @partial(jax.jit, donate_argnums=(0, 1))
-def _reset_row(seen, counts, slot, prompt):
-    row = jnp.zeros((seen.shape[1],), bool).at[prompt].set(True)
+def _reset_row(seen, counts, slot, row):
     return seen.at[slot].set(row), counts.at[slot].set(0)
 
 
@@ -385,6 +402,11 @@ def _jit_mtp_prefill(params, mp, mstate, slot, hidden, next_tokens, n_valid, cfg
     sub = jax.tree.map(take, mstate)
     _, sub, _ = mtp_step(params, mp, sub, hidden, next_tokens, cfg=cfg, n_valid=n_valid, moe_impl=moe_impl)
     return jax.tree.map(lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0), mstate, sub)
+
+
+@jax.jit
+def _row_at(x, i):
+    return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
 
 def _update_counts(seen, counts, slots, tok):

@@ -39,8 +39,13 @@ class SamplingParams:
             bad("top_p", self.top_p, "must be in (0, 1]")
         if not 0 <= self.min_p <= 1:
             bad("min_p", self.min_p, "must be in [0, 1]")
-        if not isinstance(self.top_k, (int, np.integer)):
-            bad("top_k", self.top_k, "must be an integer")
+        if not isinstance(self.top_k, (int, np.integer)) or not -1 <= self.top_k < 2**31:
+            bad("top_k", self.top_k, "must be an integer in [-1, 2^31)")
+        for name in ("top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                bad(name, getattr(self, name), "must be finite")
+        if self.seed is not None and (not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 2**32):
+            bad("seed", self.seed, "must be an integer in [0, 2^32)")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", self.repetition_penalty, "must be > 0")
         if not -2 <= self.presence_penalty <= 2:
