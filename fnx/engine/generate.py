@@ -18,32 +18,106 @@ from fnx.model.ngram_device import NgramDeviceTables, ngram_ids_device
 from fnx.model.transformer import init_state, step
 
 
-def _as_prompts(prompts) -> list[list[int]]:
+def _as_prompts(model: Model, prompts) -> tuple[list[list[int]], bool, bool]:
+    """-> (token id lists, given as text, given as a single prompt)."""
+    if isinstance(prompts, str):
+        return [_encode(model, prompts)], True, True
+    if len(prompts) and isinstance(prompts[0], str):
+        return [_encode(model, p) for p in prompts], True, False
     if len(prompts) and np.isscalar(prompts[0]):
-        prompts = [prompts]
-    return [list(map(int, p)) for p in prompts]
+        return [list(map(int, prompts))], False, True
+    return [list(map(int, p)) for p in prompts], False, False
+
+
+def _encode(model: Model, text: str) -> list[int]:
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer (no tokenizer.json beside its config): pass token ids")
+    ids = model.tokenizer.encode(text)
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens")
+    return ids
+
+
+def _engine_for(model, prompts, max_new_tokens, speculative, max_slots, prefill_chunk):
+    k = speculative.k if isinstance(speculative, SpeculativeConfig) else (speculative or 0)
+    capacity = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    return Engine(model, max_slots=max_slots or min(len(prompts), 8), capacity=max(capacity, 8),
+                  prefill_chunk=prefill_chunk, speculative=speculative, extra_eos=model.eos_token_ids)
 
 
 def generate(model: Model, prompts, max_new_tokens: int = 32, sampling: SamplingParams | None = None,
              speculative: SpeculativeConfig | int | None = None, stream: bool = False, max_slots: int | None = None,
-             prefill_chunk: int = 8192, engine: Engine | None = None):
-    """Generate for one prompt (a list of ids) or many. Returns the generated ids per prompt (stop token
-    included when generation stopped on one), or with `stream=True` an iterator of `Output` events."""
-    prompts = _as_prompts(prompts)
+             prefill_chunk: int = 8192, engine: Engine | None = None, progress: bool = False):
+    """Generate for a prompt or a list of prompts, each text (needs the model's tokenizer) or token ids.
+
+    Returns what came in: text -> the generated text, ids -> the generated ids (the stop token included when
+    generation stopped on one); a single prompt -> a single result. With `stream=True`: an iterator of `Output`
+    events (request_id, token_ids, logprobs, finished, finish_reason); `progress=True` shows a tqdm bar.
+
+        fnx.generate(model, "The Debian package manager", 40)              # -> str
+        fnx.generate(model, [[1, 2, 3], [4, 5]], 8, speculative=4)         # -> [[...], [...]]
+    """
+    ids, as_text, single = _as_prompts(model, prompts)
     sampling = replace(sampling or SamplingParams(), max_tokens=max_new_tokens)
-    if engine is None:
-        k = speculative.k if isinstance(speculative, SpeculativeConfig) else (speculative or 0)
-        capacity = max(len(p) for p in prompts) + max_new_tokens + k + 1
-        engine = Engine(model, max_slots=max_slots or min(len(prompts), 8), capacity=max(capacity, 8),
-                        prefill_chunk=prefill_chunk, speculative=speculative)
-    ids = [engine.submit(p, sampling) for p in prompts]
+    engine = engine or _engine_for(model, ids, max_new_tokens, speculative, max_slots, prefill_chunk)
+    rids = [engine.submit(p, sampling) for p in ids]
     events = _drive(engine)
     if stream:
         return events
-    out = {i: [] for i in ids}
+    if progress:
+        from tqdm.auto import tqdm
+        events = _counted(events, tqdm(total=len(rids) * max_new_tokens, desc="generating", unit="tok"))
+    out = {i: [] for i in rids}
     for ev in events:
         out[ev.request_id].extend(ev.token_ids)
-    return [out[i] for i in ids]
+    res = [out[i] for i in rids]
+    if as_text:
+        res = [model.tokenizer.decode(r) for r in res]
+    return res[0] if single else res
+
+
+def _counted(events, bar):
+    for ev in events:
+        bar.update(len(ev.token_ids))
+        yield ev
+    bar.close()
+
+
+def stream_text(model: Model, prompt: str, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+                speculative=None, echo: bool = True) -> Iterator[str]:
+    """Yield the text as it is generated (never splitting a multi-byte character); with `echo`, also print it.
+
+        for piece in fnx.stream_text(model, "Once upon a time", 64): pass      # prints as it goes
+    """
+    ids, _, _ = _as_prompts(model, prompt)
+    detok = model.tokenizer.detokenizer()
+    for ev in generate(model, ids, max_new_tokens, sampling, speculative, stream=True):
+        piece = detok.add(ev.token_ids)
+        if ev.finished:
+            piece += detok.flush()
+        if piece:
+            if echo:
+                print(piece, end="", flush=True)
+            yield piece
+    if echo:
+        print()
+
+
+def chat(model: Model, messages: list[dict], max_new_tokens: int = 256, sampling: SamplingParams | None = None,
+         speculative=None, stream: bool = False, **template_kwargs):
+    """Apply the checkpoint's chat template to `messages` ([{"role": ..., "content": ...}]) and generate the
+    assistant's reply (text). With `stream=True`, prints as it goes and returns the full reply.
+
+        fnx.chat(model, [{"role": "user", "content": "What is apt?"}])
+    """
+    if model.tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it has no chat template")
+    prompt = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+    ids = model.tokenizer.encode(prompt)
+    if stream:
+        return "".join(stream_text(model, ids, max_new_tokens, sampling, speculative))
+    out = generate(model, ids, max_new_tokens, sampling, speculative)
+    return model.tokenizer.decode(out)
 
 
 def _drive(engine: Engine) -> Iterator[Output]:

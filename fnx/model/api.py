@@ -17,21 +17,55 @@ from fnx.ple import NgramConstants, ngram_ids
 
 @dataclass
 class Model:
+    """A loaded model: config, params pytree, the raw MTP tensors, and (when the checkpoint has them) its
+    tokenizer and generation config."""
     cfg: ModelConfig
     params: dict
     mtp: dict = field(default_factory=dict, repr=False)
     path: str | None = None
+    tokenizer: object = field(default=None, repr=False)
+    generation_config: dict = field(default_factory=dict, repr=False)
 
     @property
     def dtype(self):
         return self.params["embed_tokens"].dtype
 
     def num_parameters(self) -> int:
-        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params, is_leaf=_is_quant))
+
+    def formats(self) -> dict[str, int]:
+        """Parameter count per storage format (dtype or quantized type)."""
+        out: dict[str, int] = {}
+        for leaf in jax.tree.leaves(self.params, is_leaf=_is_quant):
+            name = type(leaf).__name__ if _is_quant(leaf) else str(leaf.dtype)
+            out[name] = out.get(name, 0) + int(np.prod(leaf.shape))
+        return out
+
+    def memory_per_device(self) -> dict[str, float]:
+        """GB of params held on each device."""
+        out: dict[str, float] = {}
+        for leaf in jax.tree.leaves(self.params):
+            for shard in getattr(leaf, "addressable_shards", []):
+                key = str(shard.device)
+                out[key] = out.get(key, 0.0) + shard.data.nbytes / 1e9
+        return out
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Stop ids: the config's eos plus the generation config's."""
+        ids = set()
+        for src in (self.cfg.eos_token_id, self.generation_config.get("eos_token_id")):
+            if src is None:
+                continue
+            ids |= set(src) if isinstance(src, (list, tuple)) else {src}
+        return tuple(sorted(int(i) for i in ids))
 
     def __repr__(self):
-        return (f"fnx.Model({self.cfg.summary()}; {self.num_parameters() / 1e6:.2f}M params in {self.dtype}"
-                f"{'; MTP tensors kept' if self.mtp else ''}; from {self.path})")
+        fmts = ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in self.formats().items())
+        mem = ", ".join(f"{k}: {v:.3f} GB" for k, v in self.memory_per_device().items())
+        return (f"fnx.Model({self.cfg.summary()}\n  params: {self.num_parameters() / 1e6:.2f}M ({fmts})"
+                f"\n  memory: {mem or 'n/a'}\n  tokenizer: {'yes' if self.tokenizer else 'none'}; "
+                f"MTP: {'yes' if self.mtp else 'none'}; from {self.path})")
 
     @property
     def ngram(self) -> NgramConstants | None:
@@ -49,7 +83,22 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     converted dtype for converted ones."""
     from fnx.checkpoint import load_any
     out = load_any(path, dtype=dtype, quant=quant, progress=progress)
-    return Model(out.cfg, out.params, out.mtp, os.fspath(path))
+    tokenizer, gen_cfg = None, {}
+    d = os.fspath(path)
+    if os.path.isdir(d):
+        if os.path.exists(os.path.join(d, "tokenizer.json")):
+            from fnx.tokenizer import Tokenizer
+            tokenizer = Tokenizer(d)
+        gpath = os.path.join(d, "generation_config.json")
+        if os.path.exists(gpath):
+            import json
+            with open(gpath, encoding="utf-8") as f:
+                gen_cfg = json.load(f)
+    return Model(out.cfg, out.params, out.mtp, d, tokenizer, gen_cfg)
+
+
+def _is_quant(x) -> bool:
+    return type(x).__name__ in ("Fp8Block", "Nvfp4")
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))

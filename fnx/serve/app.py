@@ -21,7 +21,7 @@ from fnx.serve.page import CHAT_PAGE
 from fnx.serve.protocol import APIError, Sampling, get, integer, parse_body, sampling_fields
 from fnx.serve.scheduler import QueueFull, RequestStream, Scheduler, Unavailable
 from fnx.serve.text import ChatParser, StopStrings, starts_in_reasoning
-from fnx.serve.tokenizer import TemplateError, Tokenizer, TokenizerError
+from fnx.tokenizer import TemplateError, Tokenizer, TokenizerError
 from fnx.serve.worker import LOGPROBS_BUCKET
 
 

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     from fnx.serve.app import ServerState, build_app
     from fnx.serve.metrics import Metrics
     from fnx.serve.scheduler import Scheduler
-    from fnx.serve.tokenizer import Tokenizer, TokenizerError
+    from fnx.tokenizer import Tokenizer, TokenizerError
     from fnx.serve.worker import EngineThread
 
     try:

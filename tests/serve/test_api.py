@@ -8,7 +8,7 @@ import pytest
 
 import fnx
 from fnx.engine import SamplingParams
-from fnx.serve.tokenizer import Tokenizer
+from fnx.tokenizer import Tokenizer
 from tests.serve.conftest import CAPACITY, SLOTS, metric
 
 MODEL = "tiny-serve"
@@ -61,7 +61,7 @@ def test_greedy_equals_fnx_generate(client, serve_checkpoint, tok):
     model = fnx.load(serve_checkpoint, dtype=np.float32)
     for prompt in ["The quick brown fox", "Café 中文 🙂"]:
         ids = tok.encode(prompt)
-        want = fnx.generate(model, ids, max_new_tokens=20, sampling=SamplingParams(ignore_eos=True))[0]
+        want = fnx.generate(model, ids, max_new_tokens=20, sampling=SamplingParams(ignore_eos=True))
         got = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0, logprobs=0,
                                         extra_body={"ignore_eos": True})
         c = got.choices[0]

@@ -7,7 +7,7 @@ import pytest
 
 from fnx.serve.protocol import APIError, parse_body, sampling_fields
 from fnx.serve.text import ChatParser, StopStrings
-from fnx.serve.tokenizer import Tokenizer
+from fnx.tokenizer import Tokenizer
 from tests.serve.checkpoint import CHAT_TEMPLATE, train_tokenizer
 
 
