@@ -145,6 +145,29 @@ def quantize_fp8_block(w: jax.Array, block: tuple[int, int] = (128, 128)) -> Fp8
     return Fp8Block(q, scale, tuple(block))
 
 
+def quantize_nvfp4(w: jax.Array, group: int = NVFP4_GROUP) -> Nvfp4:
+    """Weight-only NVFP4 in the layout `Nvfp4` reads: a global scale per row (amax / (6 * 448)), an E4M3 scale per
+    `group` values (group amax / 6, relative to the global scale), and E2M1 codes rounded to the nearest value
+    (ties to the larger magnitude code)."""
+    w = jnp.asarray(w).astype(F32)
+    *lead, out, inp = w.shape
+    if inp % group or inp % 2:
+        raise ValueError(f"NVFP4 needs the input width ({inp}) to be a multiple of the group size {group}")
+    amax_row = jnp.max(jnp.abs(w), axis=-1)
+    scale_2 = jnp.where(amax_row > 0, amax_row / (6.0 * FP8_MAX), 1.0).astype(F32)           # [..., out]
+    g = w.reshape(*lead, out, inp // group, group)
+    amax_g = jnp.max(jnp.abs(g), axis=-1)
+    s = jnp.clip(amax_g / 6.0 / scale_2[..., None], 0, FP8_MAX).astype(FP8)                 # [..., out, in/g]
+    eff = s.astype(F32) * scale_2[..., None]
+    x = g / jnp.where(eff > 0, eff, 1.0)[..., None]
+    mags = jnp.asarray(E2M1_VALUES[:8])
+    code = jnp.argmin(jnp.abs(jnp.abs(x)[..., None] - mags), axis=-1).astype(jnp.uint8)
+    code = code | jnp.where(x < 0, jnp.uint8(8), jnp.uint8(0))
+    code = code.reshape(*lead, out, inp)
+    packed = (code[..., 0::2] | (code[..., 1::2] << 4)).astype(jnp.uint8)
+    return Nvfp4(packed, s, scale_2, jnp.ones(tuple(lead), F32), group)
+
+
 # ---- host (NumPy) references, used by the loader's checks and the tests ---------------------------------------
 
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
