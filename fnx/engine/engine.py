@@ -35,6 +35,7 @@ class SpeculativeConfig:
     a .npy or whitespace-separated text file, or a sequence) that the draft head is restricted to."""
     k: int = 4
     draft_vocab: object = None
+    fp8_head: bool = False      # draft head in FP8 128x128 blocks (weight-only): half the bytes per draft step
 
     def __post_init__(self):
         if not 1 <= self.k <= 8:
@@ -116,6 +117,10 @@ class Engine:
             hot = speculative.hot_ids(self.cfg.vocab_size)
             self.hot = None if hot is None else jnp.asarray(hot)
             self.draft_head = None if hot is None else model.params["lm_head"][self.hot]
+            if speculative.fp8_head:
+                from fnx.model.quant import quantize_fp8_block
+                head = model.params["lm_head"] if self.draft_head is None else self.draft_head
+                self.draft_head = quantize_fp8_block(head)
             self.mtp_state = init_mtp_state(self.cfg, max_slots, capacity, dtype)
             self.mtp_empty = init_mtp_state(self.cfg, 1, capacity, dtype)
         self.waiting: deque[Request] = deque()

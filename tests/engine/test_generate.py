@@ -149,7 +149,7 @@ def test_vmap_of_jitted_generate_equals_loop(tiny_models):
         assert np.asarray(t).tolist() == np.asarray(toks[i]).tolist() and int(n) == int(lengths[i]) == 6
 
 
-def test_hot_token_draft_vocab_is_lossless(tiny_models, tmp_path):
+def test_hot_token_and_fp8_draft_heads_are_lossless(tiny_models, tmp_path):
     from fnx.engine import SpeculativeConfig
     model, _ = tiny_models("tiny-a")
     prompts = prompts_for(model, seed=1)
@@ -159,5 +159,8 @@ def test_hot_token_draft_vocab_is_lossless(tiny_models, tmp_path):
     spec = fnx.generate(model, prompts, max_new_tokens=10, sampling=SamplingParams(ignore_eos=True),
                         speculative=SpeculativeConfig(k=3, draft_vocab=str(hot)))
     assert spec == plain
+    fp8 = fnx.generate(model, prompts, max_new_tokens=10, sampling=SamplingParams(ignore_eos=True),
+                       speculative=SpeculativeConfig(k=2, draft_vocab=str(hot), fp8_head=True))
+    assert fp8 == plain
     with pytest.raises(ValueError, match="draft vocabulary"):
         Engine(model, speculative=SpeculativeConfig(k=2, draft_vocab=[model.cfg.vocab_size]))
