@@ -33,7 +33,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=_Help)
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="HF checkpoint directory: config.json, *.safetensors, tokenizer.json (+ tokenizer_config.json "
-                        "for the chat template, generation_config.json for EOS ids and sampling defaults)")
+                        "for the chat template, generation_config.json for EOS ids and sampling defaults); or a "
+                        "`qwen4exp` .gguf file; or a directory written by `fnx convert`")
+    p.add_argument("--tokenizer", default=None,
+                   help="directory with tokenizer.json / tokenizer_config.json (default: the model directory, or "
+                        "the directory holding the .gguf file)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
@@ -91,13 +95,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
+    from fnx.checkpoint.orbax_io import is_converted
+    is_gguf = model_dir.is_file() and model_dir.suffix == ".gguf"
+    tok_dir = Path(args.tokenizer) if args.tokenizer else (model_dir.parent if is_gguf else model_dir)
+    if is_gguf or (model_dir.is_dir() and is_converted(model_dir)):
+        pass  # fnx.load reads these; the tokenizer comes from --tokenizer (default: beside the file / inside)
+    elif not (model_dir / "config.json").is_file():
         if model_dir == DEFAULT_MODEL:
             return _fail(f"the embedded checkpoint {DEFAULT_MODEL} is not there (no config.json). Pass a checkpoint "
                          f"directory with --model PATH, e.g. one written by `python scripts/make_tiny_checkpoint.py "
                          f"/tmp/tiny` plus a tokenizer.json")
-        return _fail(f"--model {model_dir}: no config.json there; pass an HF checkpoint directory "
-                     f"(config.json, *.safetensors, tokenizer.json)")
+        return _fail(f"--model {model_dir}: not an HF checkpoint directory (no config.json), a .gguf file or a "
+                     f"directory written by `fnx convert`")
     if args.max_slots < 1 or args.max_queue < 0 or args.capacity < 8 or args.prefill_chunk < 1:
         return _fail("need --max-slots >= 1, --max-queue >= 0, --capacity >= 8 and --prefill-chunk >= 1")
     if args.speculative and not 1 <= args.speculative <= 8:
@@ -117,19 +126,24 @@ def main(argv=None) -> int:
     from fnx.serve.worker import EngineThread
 
     try:
-        tokenizer = Tokenizer(model_dir)
+        tokenizer = Tokenizer(tok_dir)
     except TokenizerError as e:
         return _fail(str(e))
     backend = jax.default_backend()
     dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}.get(
         args.dtype, np.float32 if backend == "cpu" else jnp.bfloat16)
+    if args.dtype == "auto" and model_dir.is_dir() and is_converted(model_dir):
+        dtype = None  # a converted tree is restored in the dtype it was converted with
     t0 = time.perf_counter()
-    model = fnx.load(model_dir, dtype=dtype)
+    try:
+        model = fnx.load(model_dir, dtype=dtype)
+    except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation
+        return _fail(f"could not load {model_dir}: {e}")
     t_load = time.perf_counter() - t0
     if tokenizer.vocab_size > model.cfg.vocab_size:
         return _fail(f"tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
                      f"{model.cfg.vocab_size}")
-    eos, defaults = _generation_config(model_dir)
+    eos, defaults = _generation_config(tok_dir if is_gguf else model_dir)
     if not eos:  # no generation_config: the chat format's end tokens
         eos = tuple(i for i in map(tokenizer.token_id, ("<|im_end|>", "<|endoftext|>")) if i is not None)
     engine = Engine(model, max_slots=args.max_slots, capacity=args.capacity, prefill_chunk=args.prefill_chunk,
