@@ -9,6 +9,8 @@ with fewer layers (6 GDN + 2 QSA, the PLE layer among them, plus the MTP layer) 
 
     python scripts/bench_decode.py [--layers 4,8] [--contexts 1024,8192] [--k 4] [--quick]
     python scripts/bench_decode.py --tiny      # a tiny config: checks the script on the CPU
+    python scripts/bench_decode.py --mesh tp=1,ep=1 --mesh tp=2,ep=1 --mesh tp=1,ep=2   # several devices
+        (fnx.parallel; one run per mesh, scaling efficiency against the first; NCCL_NVLS_ENABLE=0 on GPUs)
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ def bench_config(layers: int, tiny: bool) -> ModelConfig:
     return ModelConfig(num_hidden_layers=layers, ngram_vocab_size_base=2_000_000, mtp_num_hidden_layers=1)
 
 
-def random_tree(shapes, key, dtype):
+def random_tree(shapes, key, dtype, shardings=None):
+    """Random leaves generated where they live (on the mesh, already split, when shardings are given)."""
     leaves, treedef = jax.tree.flatten(shapes)
     keys = jax.random.split(key, len(leaves))
+    shs = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
 
-    @partial(jax.jit, static_argnums=(1,))
-    def make(k, shape):
-        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
-    out = [make(k, tuple(s.shape)) for k, s in zip(keys, leaves)]
+    def make(k, shape, sh):
+        f = lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)  # noqa: E731
+        return jax.jit(f, out_shardings=sh)(k)
+    out = [make(k, tuple(s.shape), sh) for k, s, sh in zip(keys, leaves, shs)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -90,20 +94,32 @@ def timeit(fn, n):
     return float(np.median(times)) * 1e3
 
 
-def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype):
+def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None):
     key = jax.random.PRNGKey(0)
-    params = random_tree(param_shapes(cfg, dtype), key, dtype)
-    mp = random_tree(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),
-                                  is_leaf=lambda x: isinstance(x, tuple)), jax.random.PRNGKey(1), dtype)
+    moe = "auto"
+    shapes = param_shapes(cfg, dtype)
+    mshapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),
+                           is_leaf=lambda x: isinstance(x, tuple))
+    psh = msh = None
+    if mesh is not None:
+        from fnx import parallel
+        mesh, mcfg = parallel.as_mesh(mesh)
+        psh, msh = parallel.param_shardings(cfg, shapes, mesh, mcfg), parallel.mtp_param_shardings(cfg, mshapes, mesh)
+        moe = parallel.ExpertParallel(mesh)
+        shard = lambda st: parallel.place(st, parallel.state_shardings(cfg, st, mesh, mcfg))  # noqa: E731
+    else:
+        shard = lambda st: st  # noqa: E731
+    params = random_tree(shapes, key, dtype, psh)
+    mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh)
     ctx = max(contexts)
     cap = ctx + 64
     heads = cfg.ngram_heads
     res = {"params_gb": nbytes(params) / 1e9, "mtp_gb": nbytes(mp) / 1e9}
-    step_j = jax.jit(partial(step, cfg=cfg), donate_argnames=("state",))
+    step_j = jax.jit(partial(step, cfg=cfg, moe_impl=moe), donate_argnames=("state",))
     ids = lambda b, l: jnp.zeros((b, l, heads), jnp.int32) if cfg.ple_layer_ids else None  # noqa: E731
 
     # decode at the largest context: prefill first (chunks of 2048)
-    state = init_state(cfg, 1, cap, dtype)
+    state = shard(init_state(cfg, 1, cap, dtype))
     chunk = min(2048, ctx)
     for a in range(0, ctx, chunk):
         toks = jnp.ones((1, chunk), jnp.int32)
@@ -123,7 +139,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype):
     res["decode_floor_ms"] = floor_bytes(cfg, params, 1) / PEAK_BW * 1e3
 
     # one MTP round: catch-up + k-1 chained drafts, verify (k+1 tokens, snapshots), accept, rollback
-    mstate = init_mtp_state(cfg, 1, cap, dtype)
+    mstate = shard(init_mtp_state(cfg, 1, cap, dtype))
     mstate = dict(mstate, pos=jnp.full((1,), ctx, jnp.int32))
     sp = SamplingArrays.stack([SamplingParams()])
     keys = row_keys(jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.uint32))
@@ -132,12 +148,12 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype):
 
     def rnd():
         m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
-                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k)
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k)
         mh["m"] = dict(m, pos=jnp.full((1,), ctx, jnp.int32))
         s = dict(holder["s"], pos=jnp.full((1,), ctx, jnp.int32))
         verify = jnp.concatenate([one, drafts], axis=1)
         s, toks, n_acc, _, _ = _jit_verify(params, s, verify, jnp.ones((1,), bool), ids(1, k + 1), q, sp, keys,
-                                           cfg, "auto", 0)
+                                           cfg, moe, 0)
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)
@@ -151,7 +167,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype):
     # prefill throughput
     for c in contexts:
         ch = min(c, 8192 if c <= 8192 else 2048)
-        st = init_state(cfg, 1, c, dtype)
+        st = shard(init_state(cfg, 1, c, dtype))
 
         def pre():
             s = st_box["s"]
@@ -168,8 +184,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype):
             res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
         del st_box
     try:
-        stats = jax.devices()[0].memory_stats() or {}
-        res["peak_mem_gb"] = stats.get("peak_bytes_in_use", 0) / 1e9
+        devs = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+        res["peak_mem_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / 1e9
     except Exception:  # noqa: BLE001 - memory stats are optional per backend
         res["peak_mem_gb"] = None
     return res
@@ -184,6 +200,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
     ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
     ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
+    ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
+                    "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
     if args.quick:
         args.reps, args.contexts = 5, "1024,8192"
@@ -191,31 +209,45 @@ def main():
     layer_counts = [int(x) for x in args.layers.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     device = jax.devices()[0]
-    runs = {}
-    for n in layer_counts:
-        cfg = bench_config(n, args.tiny)
-        r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16)
-        runs[n] = r
-        print(json.dumps({"layers": n, **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}),
-              flush=True)
-    rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
-           "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
-           "tiny": args.tiny, "runs": runs}
-    if len(layer_counts) >= 2:
-        a, b = sorted(layer_counts)[:2]
-        ext = {}
-        for key in ("decode_ms", "mtp_round_ms", "decode_floor_ms", "mtp_round_floor_ms"):
-            per_layer = (runs[b][key] - runs[a][key]) / (b - a)
-            ext[key] = runs[a][key] + per_layer * (48 - a)
-            ext[key + "_per_layer"] = per_layer
-        ext["decode_frac_of_floor"] = ext["decode_floor_ms"] / ext["decode_ms"]
-        ext["mtp_round_frac_of_floor"] = ext["mtp_round_floor_ms"] / ext["mtp_round_ms"]
-        rec["extrapolated_48_layers"] = ext
-        print(json.dumps({"extrapolated_48_layers": ext}), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-
+    first = None
+    for mesh_text in args.mesh or [None]:
+        mcfg = None
+        if mesh_text is not None:
+            from fnx.parallel import MeshConfig
+            mcfg = MeshConfig.parse(mesh_text)
+        ndev = mcfg.size if mcfg else 1
+        runs = {}
+        for n in layer_counts:
+            cfg = bench_config(n, args.tiny)
+            r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg)
+            runs[n] = r
+            print(json.dumps({"mesh": mesh_text, "layers": n,
+                              **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}), flush=True)
+        rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
+               "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
+               "tiny": args.tiny, "mesh": mesh_text, "devices": ndev,
+               "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
+        if len(layer_counts) >= 2:
+            a, b = sorted(layer_counts)[:2]
+            ext = {}
+            for key in ("decode_ms", "mtp_round_ms", "decode_floor_ms", "mtp_round_floor_ms"):
+                per_layer = (runs[b][key] - runs[a][key]) / (b - a)
+                ext[key] = runs[a][key] + per_layer * (48 - a)
+                ext[key + "_per_layer"] = per_layer
+            # the floor of a mesh: every device streams its share of the weights at once
+            ext["decode_frac_of_floor"] = ext["decode_floor_ms"] / ndev / ext["decode_ms"]
+            ext["mtp_round_frac_of_floor"] = ext["mtp_round_floor_ms"] / ndev / ext["mtp_round_ms"]
+            rec["extrapolated_48_layers"] = ext
+            if first is None:
+                first = (ndev, ext)
+            else:  # scaling efficiency against the first mesh: (t_first / t) / (devices / devices_first)
+                rec["scaling_vs_first_mesh"] = {
+                    key: (first[1][key] / ext[key]) / (ndev / first[0]) for key in ("decode_ms", "mtp_round_ms")}
+            print(json.dumps({"mesh": mesh_text, "extrapolated_48_layers": ext,
+                              "scaling_vs_first_mesh": rec.get("scaling_vs_first_mesh")}), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 if __name__ == "__main__":
     main()

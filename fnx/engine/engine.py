@@ -89,10 +89,11 @@ class Request:
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
-                 extra_eos: tuple[int, ...] = ()):
+                 extra_eos: tuple[int, ...] = (), mesh=None):
         """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
-        same output distribution (the acceptance rule is exact for any drafter)."""
+        same output distribution (the acceptance rule is exact for any drafter).
+        mesh: run on several devices (`fnx.parallel`: a Mesh, a MeshConfig or "tp=2,ep=1")."""
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
@@ -128,6 +129,29 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "decode_steps": 0, "prefill_tokens": 0}
+        self.mesh = None
+        if mesh is not None:
+            self._place_on_mesh(mesh)
+
+    def _place_on_mesh(self, mesh):
+        """Params and state placed by `fnx.parallel`'s rules; the jitted programs follow the placement (XLA
+        inserts the collectives). The routed experts run per shard unless a moe_impl string other than auto was
+        asked for."""
+        from fnx import parallel
+        self.mesh, mcfg = parallel.as_mesh(mesh)
+        put = lambda tree, fn: parallel.place(tree, fn(self.cfg, tree, self.mesh, mcfg))  # noqa: E731
+        self.model = parallel.shard_model(self.model, self.mesh)
+        self.state, self.empty_slot = put(self.state, parallel.state_shardings), put(self.empty_slot,
+                                                                                    parallel.state_shardings)
+        rep = lambda tree: parallel.place(tree, parallel.replicated(self.mesh, tree))  # noqa: E731
+        self.seen, self.out_counts = rep(self.seen), rep(self.out_counts)
+        if self.moe_impl == "auto":
+            self.moe_impl = parallel.ExpertParallel(self.mesh)
+        if self.spec:
+            self.mtp = put(self.mtp, parallel.mtp_param_shardings)
+            self.mtp_state, self.mtp_empty = put(self.mtp_state, parallel.state_shardings), put(
+                self.mtp_empty, parallel.state_shardings)
+            self.hot, self.draft_head = rep(self.hot), rep(self.draft_head)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:

@@ -96,7 +96,9 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
     ex = p["experts"]
     if impl == "auto":
         impl = "gather" if xt.shape[0] * top_k <= 64 else "grouped"
-    if impl == "gather":
+    if callable(impl):  # a mesh-aware expert runner (fnx.parallel.ExpertParallel): per-shard experts + one psum
+        outs = impl(ex["gate_up_proj"], ex["down_proj"], xt, idx)
+    elif impl == "gather":
         outs = _expert_gather(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "grouped":
         outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx)

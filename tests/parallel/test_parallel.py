@@ -1,0 +1,98 @@
+"""Sharded runs on forced CPU devices, each in a subprocess (this process may already have initialised jax with
+one device). Float32 tiny model (tests/parallel/par_config.py); tolerance: max |logit error| / max |logit| < 2e-5
+against the unsharded run (sharded reductions change the summation order), greedy tokens identical."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, load_script
+from tests.parallel.par_config import PAR
+
+TOL = 2e-5
+FORWARD_MESHES = ["tp=1,ep=1", "tp=2,ep=1", "tp=4,ep=1", "tp=8,ep=1", "tp=1,ep=2", "tp=1,ep=4", "tp=2,ep=2"]
+
+
+def _env(devices):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    return env
+
+
+def _start(ckpt, mode, meshes):
+    return subprocess.Popen([sys.executable, str(ROOT / "tests/parallel/sharded_check.py"), str(ckpt), mode, *meshes],
+                            env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _lines(proc, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-3000:]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both subprocesses start at once (two cores): forward over every mesh, and the engine on a mixed mesh."""
+    ckpt = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path_factory.mktemp("par") / "par", PAR, seed=0)
+    fwd, gen = _start(ckpt, "forward", FORWARD_MESHES), _start(ckpt, "generate", ["tp=2,ep=2"])
+    return {"forward": {r["mesh"]: r for r in _lines(fwd)}, "generate": _lines(gen)}
+
+
+@pytest.mark.parametrize("mesh", FORWARD_MESHES)
+def test_sharded_logits_equal_unsharded(runs, mesh):
+    r = runs["forward"][mesh]
+    assert max(r["rel_err"]) < TOL, r["rel_err"]       # prefill past the indexer budget, then a decode step
+    assert r["argmax_equal"]
+
+
+def test_big_leaves_are_partitioned(runs):
+    f = runs["forward"]
+    tp2, tp8, ep4, mixed = f["tp=2,ep=1"], f["tp=8,ep=1"], f["tp=1,ep=4"], f["tp=2,ep=2"]
+    # experts [reps, E, D, I] split by expert id over ep x tp; lm_head by vocabulary rows; heads by tp
+    assert tp2["spec"]["experts_scanned"] == "P(None, ('ep', 'tp'))"
+    assert mixed["shard_shape"]["experts_scanned"] == [2, 4, 32, 16] and ep4["shard_shape"]["experts_scanned"][1] == 4
+    assert tp8["shard_shape"]["lm_head"] == [32, 32] and mixed["shard_shape"]["lm_head"] == [64, 32]
+    assert tp2["spec"]["q_proj"] == tp2["spec"]["in_proj_qkv"] == "P('tp',)"
+    assert tp2["spec"]["out_proj"] == "P(None, 'tp')" and tp2["spec"]["rec"] == "P(None, 'tp')"
+    assert tp8["shard_shape"]["in_proj_z"] == [16, 32]                  # 16 v-heads x 8 over 8 ranks
+    # 2 KV heads: split at TP2, replicated (and said so) above
+    assert tp2["spec"]["kv_cache"] == "P(None, 'tp')" and tp2["notes"] == []
+    assert tp8["spec"]["k_proj"] == "P()" and tp8["spec"]["kv_cache"] == "P()"
+    assert any("KV heads" in n for n in tp8["notes"])
+    assert ep4["spec"]["q_proj"] == "P()"                                # attention is not split over ep
+
+
+def test_engine_on_mesh_matches_single_device(runs):
+    by_spec = {r["speculative"]: r for r in runs["generate"]}
+    for k in (0, 2):                                                    # greedy decode, MTP speculative k=2
+        assert by_spec[k]["equal"], by_spec[k]
+        assert by_spec[k]["state_layout_kept"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_share_one_mesh():
+    port = _free_port()
+    cmd = lambda pid: [sys.executable, str(ROOT / "tests/parallel/multiprocess_min.py"), str(port), str(pid)]  # noqa
+    env = _env(2)
+    procs = [subprocess.Popen(cmd(i), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1].startswith("ok"), out
+
+
+@pytest.mark.xfail(run=False, reason="the full sharded forward over 2 CPU processes (gloo) stalls: both processes "
+                   "wait inside execution with no CPU progress (tests/parallel/multiprocess_check.py; a sharded sum and "
+                   "process_allgather across the same processes work). Not yet diagnosed; see fnx/parallel/README.md")
+def test_two_processes_forward_equals_single_process():
+    raise AssertionError("run tests/parallel/multiprocess_check.py by hand")
