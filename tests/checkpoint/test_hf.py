@@ -56,7 +56,7 @@ def test_wrapper_sharded_and_flat_load_the_same(tiny, flat, tmp_path):
     a, b = fnx.load(flat, dtype=np.float32), fnx.load(wrapped, dtype=np.float32)
     _same_params(a, b)
     assert len(a.mtp) == 31 and set(a.mtp) == set(b.mtp)
-    assert "MTP tensors kept" in repr(a)
+    assert "MTP: yes" in repr(a)
 
 
 def test_per_expert_tensors_load_like_fused(flat, tmp_path):

@@ -66,13 +66,15 @@ def test_prefill_then_decode(cases, name):
 
 
 def test_batch_rows_are_independent(cases):
-    """A batch of two different sequences gives each row the logits it gets alone."""
+    """A batch of two different sequences gives each row the logits it gets alone. Within float32 noise: the
+    matmuls' accumulation order depends on the batch shape (measured ~1e-6); leakage between rows would show at
+    1e-2 and above."""
     c = cases("tiny-a")
     ids = c.tokens(2, 30, seed=4)
     both = np.asarray(fnx.forward(c.model, ids, moe_impl="grouped"))
     for b in range(2):
         alone = np.asarray(fnx.forward(c.model, ids[b:b + 1], moe_impl="grouped"))
-        assert rel_err(both[b:b + 1], alone) < 1e-6
+        assert rel_err(both[b:b + 1], alone) < 1e-5
 
 
 def test_moe_paths_agree(cases):
