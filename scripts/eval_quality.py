@@ -12,8 +12,8 @@ documents, window k of a document starting at token k * length, so the two proto
 When fewer windows exist than asked for, the protocol runs on what exists and says so (`passages` in the output).
 
 Quantized runs: FP8 dense (fnx's online FP8 128x128-block weights, `quant="fp8"` at load time) and NVFP4 routed
-experts (the ModelOpt layout written by tests/checkpoint/writers.py and read by fnx's loader). GGUF types: fnx has
-no GGUF reader yet, so they are reported as missing. KL is KL(P_bf16 || P_quant) per predicted token, in nats.
+experts (the ModelOpt layout written by tests/checkpoint/writers.py and read by fnx's loader). GGUF types: this script has
+no GGUF writer for the model yet (fnx reads GGUF), so they are reported as missing. KL is KL(P_bf16 || P_quant) per predicted token, in nats.
 
 MTP acceptance: `fnx.Engine(..., speculative=k)` with greedy sampling on natural prompts (the first tokens of
 held-out passages, and chat questions about the documentation), `Engine.acceptance_length` = mean tokens emitted
@@ -144,7 +144,7 @@ def load_quant(ckpt: Path, kind: str, dtype, tmp: Path):
         q, _ = write_nvfp4(ckpt, tmp)
         return fnx.load(q, dtype=dtype), "ModelOpt NVFP4 layout (routed experts, group 16; MTP FP8) via fnx.load"
     if kind.startswith("gguf"):
-        return None, "fnx has no GGUF reader yet (MODEL_SPEC section 12); not measured"
+        return None, "no GGUF writer for this model in eval_quality.py yet (fnx reads GGUF); not measured"
     raise ValueError(kind)
 
 
