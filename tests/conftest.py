@@ -22,3 +22,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop JAX's compiled programs after each test module: one pytest process compiles hundreds of programs over
+    the suite, and keeping them all alive grows memory (a CI run once segfaulted inside XLA's CPU compiler late in
+    the suite)."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
