@@ -1,0 +1,89 @@
+"""Explicit backend choice for every kernel (never silent).
+
+Backends, by name:
+  "reference"         plain jnp (the ground truth; runs everywhere, and the XLA path on V100 and CPU).
+  "pallas"            Pallas with the Triton lowering, compiled by XLA's bundled Triton; needs a CUDA GPU of
+                      compute capability >= 8.0 (Ampere through sm_120).
+  "pallas_interpret"  the same Pallas kernel body run by the Pallas interpreter (CPU tests; slow).
+
+`resolve(op, impl)`:
+  impl None or "auto": the op's preferred order, taken from the env var FNX_KERNELS when set ("reference" forces
+  every op onto its reference; "pallas" makes an unavailable GPU an error) and otherwise "pallas" where it can
+  run, then "reference". Which backend ran is logged once per op.
+  impl a backend name: that backend, or a ValueError saying why it cannot run here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+log = logging.getLogger("fnx.pallas")
+
+BACKENDS = ("reference", "pallas", "pallas_interpret")
+_logged: set[tuple[str, str]] = set()
+
+
+def gpu_compute_capability() -> int | None:
+    """The first CUDA device's compute capability as an int (90 for sm_90), or None without a CUDA GPU."""
+    try:
+        devs = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    if not devs or devs[0].platform != "gpu":
+        return None
+    cc = getattr(devs[0], "compute_capability", None)
+    if cc is None:
+        return None
+    try:
+        return int(str(cc).replace(".", ""))
+    except ValueError:  # ROCm reports gfx names
+        return None
+
+
+def why_unavailable(backend: str) -> str | None:
+    """None when `backend` can run on this process's default device, else the reason it cannot."""
+    if backend in ("reference", "pallas_interpret"):
+        return None
+    if backend == "pallas":
+        if jax.default_backend() != "gpu":
+            return f"the default JAX backend is {jax.default_backend()!r}, not a CUDA GPU"
+        cc = gpu_compute_capability()
+        if cc is None:
+            return "no CUDA device with a compute capability was found"
+        if cc < 80:
+            return (f"Pallas' Triton lowering needs compute capability >= 8.0 and this GPU is {cc / 10:.1f}; "
+                    "on V100 fnx runs the XLA reference path")
+        return None
+    return f"unknown backend {backend!r}; choose one of {BACKENDS}"
+
+
+def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BACKENDS) -> str:
+    """The backend `op` will run with. Raises ValueError for a named backend that cannot run here."""
+    if impl in (None, "auto"):
+        forced = os.environ.get("FNX_KERNELS", "").strip()
+        if forced:
+            if forced not in supported:
+                raise ValueError(f"FNX_KERNELS={forced!r}: {op} supports {supported}")
+            return resolve(op, forced, supported=supported)
+        choice = "pallas" if "pallas" in supported and why_unavailable("pallas") is None else "reference"
+    else:
+        if impl not in supported:
+            raise ValueError(f"{op}: unknown implementation {impl!r}; choose one of {('auto',) + supported}")
+        reason = why_unavailable(impl)
+        if reason is not None:
+            raise ValueError(f"{op}: implementation {impl!r} cannot run here: {reason}")
+        choice = impl
+    if (op, choice) not in _logged:
+        _logged.add((op, choice))
+        log.info("fnx kernel %s: using %s", op, choice)
+    return choice
+
+
+def interpret_flag(backend: str) -> bool:
+    """The `interpret=` argument for pl.pallas_call given a resolved Pallas backend."""
+    if backend not in ("pallas", "pallas_interpret"):
+        raise ValueError(f"{backend!r} is not a Pallas backend")
+    return backend == "pallas_interpret"
