@@ -7,9 +7,11 @@ Backends, by name:
   "pallas_interpret"  the same Pallas kernel body run by the Pallas interpreter (CPU tests; slow).
 
 `resolve(op, impl)`:
-  impl None or "auto": the op's preferred order, taken from the env var FNX_KERNELS when set ("reference" forces
-  every op onto its reference; "pallas" makes an unavailable GPU an error) and otherwise "pallas" where it can
-  run, then "reference". Which backend ran is logged once per op.
+  impl None or "auto": the env var FNX_KERNELS when it names a backend for this op, otherwise "pallas" where it
+  can run, then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
+  its reference) or a comma list "op=backend,..." ("gemv_fp8=reference,gdn_decode=pallas"); a backend named
+  there that cannot run is an error, not a fallback. It is read when a function is traced, so set it before
+  the first jitted call (or clear JAX's caches). Which backend ran is logged once per op.
   impl a backend name: that backend, or a ValueError saying why it cannot run here.
 """
 
@@ -63,7 +65,7 @@ def why_unavailable(backend: str) -> str | None:
 def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BACKENDS) -> str:
     """The backend `op` will run with. Raises ValueError for a named backend that cannot run here."""
     if impl in (None, "auto"):
-        forced = os.environ.get("FNX_KERNELS", "").strip()
+        forced = env_choice(op)
         if forced:
             if forced not in supported:
                 raise ValueError(f"FNX_KERNELS={forced!r}: {op} supports {supported}")
@@ -80,6 +82,22 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
         _logged.add((op, choice))
         log.info("fnx kernel %s: using %s", op, choice)
     return choice
+
+
+def env_choice(op: str) -> str | None:
+    """The backend FNX_KERNELS names for `op`, or None."""
+    spec = os.environ.get("FNX_KERNELS", "").strip()
+    if not spec:
+        return None
+    if "=" not in spec:
+        return spec
+    for part in spec.split(","):
+        name, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"FNX_KERNELS={spec!r}: {part!r} is not op=backend")
+        if name.strip() == op:
+            return value.strip()
+    return None
 
 
 def interpret_flag(backend: str) -> bool:
