@@ -10,12 +10,28 @@ F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 
 
-def linear(x: jax.Array, w) -> jax.Array:
+def unpack_weight(w) -> tuple[str, dict]:
+    """A weight as (format, raw arrays) for `fnx.pallas.gemv.api`: "bf16" (any dense array), "fp8", "nvfp4"."""
+    from fnx.model import quant
+    if isinstance(w, quant.Fp8Block):
+        return "fp8", {"w": w.w, "scale": w.scale_inv, "block": w.block}
+    if isinstance(w, quant.Nvfp4):
+        return "nvfp4", {"w": w.w, "scale": w.scale, "scale_2": w.scale_2, "group": w.group}
+    return "bf16", {"w": w}
+
+
+def linear(x: jax.Array, w, impl: str | None = None) -> jax.Array:
     """y = x @ w.T with w [out, in] (the checkpoint's layout); fp32 accumulation, rounded once to x.dtype.
 
     A quantized w (`fnx.model.quant.Fp8Block` / `Nvfp4`) goes through the reference dequantizer first: fp32
-    dequantization rounded once to x.dtype, then the same dot."""
+    dequantization rounded once to x.dtype, then the same dot. 2-D weights go through the kernel dispatch
+    (`fnx.pallas.gemv.api`: the weight-streaming kernels at decode shapes on a GPU, this arithmetic
+    otherwise; FNX_KERNELS=reference forces the reference everywhere)."""
     from fnx.model import quant
+    if len(w.shape) == 2:
+        from fnx.pallas.gemv import api as gemv
+        fmt, raw = unpack_weight(w)
+        return gemv.linear(x, raw.pop("w"), fmt=fmt, impl=impl, **raw)
     w = quant.dequantize(w, x.dtype) if quant.is_quantized(w) else w.astype(x.dtype)
     y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())),
                         precision=HIGHEST, preferred_element_type=F32)

@@ -1,0 +1,151 @@
+"""Dispatch for the weight-streaming linear layers (op names "gemv_bf16", "gemv_fp8", "gemv_nvfp4").
+
+`linear(x, w, fmt=..., ...)` takes raw arrays (fnx.model.ops unpacks its quantized dataclasses), so this
+package imports nothing from the model. The Pallas kernel serves M <= MAX_M tokens with bf16 activations, 2-D
+weights, FP8 in 128 x 128 blocks and NVFP4 in groups of 16, when tiles divide the shape; with impl=None anything
+else runs the reference (prefill shapes are compute-bound and XLA's dot is the right tool there), and a named
+impl="pallas" that does not apply raises.
+
+Tiles come from `configs/<device kind>.json` (written by `scripts/bench_kernels.py --tune`), keyed by
+"fmt:N:K:Mbucket"; a shape without an entry gets `heuristic_tiles`."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from fnx.pallas import dispatch
+from fnx.pallas.gemv import pallas as gp
+from fnx.pallas.gemv import reference
+
+MAX_M = 32
+FORMATS = ("bf16", "fp8", "nvfp4")
+CONFIG_DIR = pathlib.Path(__file__).with_name("configs")
+SMS = 132  # H200; the heuristic only needs the order of magnitude
+
+
+def m_bucket(m: int) -> int:
+    return max(1, 1 << (m - 1).bit_length()) if m <= 16 else 32
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(device_kind: str) -> dict:
+    name = device_kind.lower().replace(" ", "_") + ".json"
+    path = CONFIG_DIR / name
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _device_kind() -> str:
+    try:
+        return jax.devices()[0].device_kind
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+def heuristic_tiles(fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
+    """A tile set that divides (N, K) and gives >= 2 programs per SM where K allows; None when none fits."""
+    bn = next((b for b in (64, 32, 16) if n % b == 0), None)
+    if fmt == "nvfp4":
+        bk = next((b for b in (256, 128, 64, 32) if k % b == 0), None)
+    else:
+        bk = next((b for b in (128, 64, 32) if k % b == 0), None)
+    if bn is None or bk is None:
+        return None
+    split = 1
+    while (n // bn) * split < 2 * SMS and k % (bk * split * 2) == 0 and k // (bk * split * 2) >= 2:
+        split *= 2
+    t = gp.Tiles(bn, bk, split, num_warps=4, num_stages=3)
+    return t if gp.check_tiles(fmt, n, k, t) is None else None
+
+
+def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
+    entry = _tuned(_device_kind()).get(f"{fmt}:{n}:{k}:{m_bucket(m)}{':argmax' if argmax else ''}")
+    if entry:
+        t = gp.Tiles(**entry)
+        if gp.check_tiles(fmt, n, k, t) is None:
+            return t
+    t = heuristic_tiles(fmt, n, k, m)
+    if t is not None and argmax and t.split != 1:
+        t = gp.Tiles(t.bn, t.bk, 1, t.num_warps, t.num_stages)
+    return t
+
+
+def kernel_applies(x_shape, x_dtype, fmt: str, w_shape, block=(128, 128), group: int = 16,
+                   argmax: bool = False, w_dtype=None) -> str | None:
+    """None when the Pallas kernel serves this call, else why not."""
+    if fmt not in FORMATS:
+        return f"unknown format {fmt!r}"
+    if len(w_shape) != 2:
+        return f"weight has leading axes {tuple(w_shape)}"
+    if w_dtype is not None and fmt == "bf16" and jnp.dtype(w_dtype) != jnp.bfloat16:
+        return f"dense weight is {jnp.dtype(w_dtype).name}, the kernel streams bfloat16"
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    if m > MAX_M:
+        return f"{m} tokens > {MAX_M} (prefill shapes run the XLA dot)"
+    if jnp.dtype(x_dtype) != jnp.bfloat16:
+        return f"activations are {jnp.dtype(x_dtype).name}, the kernel takes bfloat16"
+    if fmt == "fp8" and tuple(block) != (128, 128):
+        return f"FP8 blocks {tuple(block)} (the kernel takes 128 x 128)"
+    if fmt == "nvfp4" and group != 16:
+        return f"NVFP4 group {group} (the kernel takes 16)"
+    n = w_shape[0]
+    k = x_shape[-1]
+    if tiles_for(fmt, n, k, m, argmax) is None:
+        return f"no tile set divides N={n} K={k}"
+    return None
+
+
+def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2=None, block=(128, 128),
+           group: int = 16, impl: str | None = None) -> jax.Array:
+    """y = x @ W.T for x [..., K] and W [N, K] in `fmt`; y [..., N] in x.dtype.
+
+    "reference" rounds the fp32 dequantized weight to x.dtype, then an fp32-accumulated dot (the model's
+    arithmetic); the kernel applies block scales to fp32 partial dots instead (one bf16 rounding of the
+    weights apart; see reference.py)."""
+    op = f"gemv_{fmt}"
+    why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, w_dtype=w.dtype)
+    if impl in (None, "auto"):
+        backend = dispatch.resolve(op, impl) if why is None else "reference"
+    else:
+        backend = dispatch.resolve(op, impl)
+        if backend != "reference" and why is not None:
+            raise ValueError(f"{op}: the Pallas kernel does not apply: {why}")
+    if backend == "reference":
+        return reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    t = tiles_for(fmt, w.shape[0], k, x2.shape[0])
+    y = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend))
+    return y.reshape(*lead, -1)
+
+
+def linear_argmax(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2=None, block=(128, 128),
+                  group: int = 16, impl: str | None = None) -> jax.Array:
+    """Greedy ids argmax(x @ W.T) [...] int32 without writing the logits out (the lm_head / MTP draft head of
+    greedy decoding). Ties go to the lowest id. The kernel compares fp32 logits; the reference compares the
+    x.dtype-rounded logits the model returns, so near-ties closer than one bf16 step may pick differently."""
+    op = f"gemv_{fmt}_argmax"
+    why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, argmax=True, w_dtype=w.dtype)
+    if impl in (None, "auto"):
+        backend = dispatch.resolve(op, impl) if why is None else "reference"
+    else:
+        backend = dispatch.resolve(op, impl)
+        if backend != "reference" and why is not None:
+            raise ValueError(f"{op}: the Pallas kernel does not apply: {why}")
+    if backend == "reference":
+        y = reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
+        return reference.argmax_rows(y)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    t = tiles_for(fmt, w.shape[0], k, x2.shape[0], argmax=True)
+    ids = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend),
+                  argmax=True)
+    return ids.reshape(lead)

@@ -1,0 +1,164 @@
+"""Weight-streaming GEMV / skinny GEMM in Pallas (Triton lowering) for M = 1..32 tokens.
+
+y[M, N] = x[M, K] @ W[N, K].T with W streamed once from HBM. Grid (N / BN, S): program (n, s) owns BN output
+rows and the s-th of S equal slices of the K axis (split-K, so narrow layers still fill the GPU's SMs); it walks
+its slice BK columns at a time, converting the weight tile to bf16 in registers and calling `dot` against the
+token tile (tokens padded to >= 16 rows: the MMA is idle most of the time, the bytes are what count). Partials
+are fp32 [S, Mp, N]; XLA sums them (a small fused reduction) when S > 1, else the kernel writes x.dtype.
+
+Formats:
+  bf16    W bf16 [N, K].
+  fp8     W float8_e4m3fn [N, K] with one fp32 multiplier per 128x128 block: BN divides 128 and BK divides 128,
+          so a tile sits in one block and its partial dot is scaled by one scalar, in fp32.
+  nvfp4   W uint8 [N, K/2] (two E2M1 codes per byte, low nibble = even column), E4M3 scale per 16 values
+          [N, K/16], fp32 global per row [N]. x is split into its even and odd columns outside the kernel (a
+          copy of the activations only), so the low and high nibbles each meet a contiguous x tile: no
+          interleave in registers. Codes become fp32 with integer ops (no FP4 hardware on Hopper).
+
+Tiles must divide the dims (the wrapper checks; every released shape has such tiles), so no load is masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+_dot = getattr(pltriton, "dot", None) or pl.dot  # moved to pallas.triton in newer JAX
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    bn: int            # output rows per program
+    bk: int            # K columns per inner step (packed bytes * 2 for nvfp4, i.e. always logical columns)
+    split: int         # S, K slices (programs along grid axis 1)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _e2m1(codes):
+    """uint8 E2M1 codes (0..15) -> fp32 via bit fields (see fnx.model.quant.e2m1_to_f32)."""
+    c = codes.astype(jnp.int32)
+    sign = (c >> 3) & 1
+    exp = (c >> 1) & 3
+    man = c & 1
+    normal = ((exp + 126) << 23) | (man << 22)
+    sub = jnp.where(man == 1, 0x3F000000, 0)
+    bits = jnp.where(exp == 0, sub, normal) | (sign << 31)
+    return lax.bitcast_convert_type(bits, F32)
+
+
+def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool):
+    outs = rest[-2:] if argmax else rest[-1:]
+    rest = rest[:len(rest) - len(outs)]
+    if fmt == "fp8":
+        (s_ref,) = rest
+    elif fmt == "nvfp4":
+        x2_ref, sc_ref, g_ref = rest
+    n, s = pl.program_id(0), pl.program_id(1)
+    steps = k // t.bk // t.split
+    row0 = n * t.bn
+    mp = x_ref.shape[0]
+
+    def body(i, acc):
+        kb = s * steps + i
+        col0 = kb * t.bk
+        if fmt == "nvfp4":
+            half = t.bk // 2
+            xe = x_ref[:, pl.ds(kb * half, half)]                       # even columns [Mp, BK/2]
+            xo = x2_ref[:, pl.ds(kb * half, half)]                      # odd columns
+            packed = w_ref[pl.ds(row0, t.bn), pl.ds(kb * half, half)]    # [BN, BK/2] uint8
+            ng = t.bk // 16
+            sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32)   # [BN, BK/16]
+            sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
+            lo = (_e2m1(packed & 0xF) * sc).astype(BF16)
+            hi = (_e2m1(packed >> 4) * sc).astype(BF16)
+            part = _dot(xe, lo, trans_b=True) + _dot(xo, hi, trans_b=True)
+            return acc + part
+        xk = x_ref[:, pl.ds(col0, t.bk)]                                 # [Mp, BK] bf16
+        wk = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)].astype(BF16)  # [BN, BK]
+        part = _dot(xk, wk, trans_b=True)                             # [Mp, BN] fp32
+        if fmt == "fp8":
+            part = part * s_ref[row0 // 128, col0 // 128]
+        return acc + part
+
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((mp, t.bn), F32))
+    if fmt == "nvfp4":
+        acc = acc * g_ref[pl.ds(row0, t.bn)][None, :]
+    if argmax:  # this tile's best column per token; ties -> lowest column
+        mx_ref, ix_ref = outs
+        best = jnp.max(acc, axis=1)
+        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1) + row0
+        ix_ref[n, :] = jnp.min(jnp.where(acc == best[:, None], cols, jnp.int32(2**31 - 1)), axis=1)
+        mx_ref[n, :] = best
+    else:
+        outs[0][s, :, pl.ds(row0, t.bn)] = acc.astype(out_dtype)
+
+
+def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
+    """None when `t` fits (n, k) exactly, else why not."""
+    for name, v in (("bn", t.bn), ("bk", t.bk), ("split", t.split)):
+        if v <= 0 or v & (v - 1) and name != "split":
+            return f"{name}={v} is not a power of two"
+    if t.bn < 16 or t.bk < 32:
+        return f"tiles bn={t.bn} bk={t.bk} are below the 16 x 32 minimum"
+    if n % t.bn:
+        return f"bn={t.bn} does not divide N={n}"
+    if k % (t.bk * t.split):
+        return f"bk*split={t.bk * t.split} does not divide K={k}"
+    if fmt == "fp8" and (128 % t.bn or 128 % t.bk):
+        return "fp8 128x128 blocks need bn and bk to divide 128"
+    if fmt == "nvfp4" and t.bk % 32:
+        return "nvfp4 needs bk to be a multiple of 32"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "tiles", "interpret", "argmax"))
+def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: bool = False,
+         argmax: bool = False):
+    """x [M, K] bf16/f32 with M <= 32; w per `fmt`; returns y [M, N] in x.dtype, or with `argmax` the greedy
+    ids [M] int32 of the fp32 logits (never written out: each program keeps its tile's best column)."""
+    m, k = x.shape
+    n = w.shape[0]
+    t = tiles
+    why = check_tiles(fmt, n, k, t)
+    if why:
+        raise ValueError(f"gemv {fmt} N={n} K={k}: {why}")
+    mp = max(16, 1 << (m - 1).bit_length())
+    xb = jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
+    if argmax and t.split != 1:
+        raise ValueError("the fused argmax needs split == 1 (each program must see whole dot products)")
+    out_dtype = x.dtype if t.split == 1 else F32
+    if fmt == "nvfp4":
+        args = (xb[:, 0::2], w, xb[:, 1::2], scale, scale_2.astype(F32))
+    elif fmt == "fp8":
+        args = (xb, w, scale.astype(F32))
+    else:
+        args = (xb, w)
+    kern = functools.partial(_kernel, fmt=fmt, t=t, k=k, out_dtype=out_dtype, argmax=argmax)
+    if argmax:
+        out_shape = (jax.ShapeDtypeStruct((n // t.bn, mp), F32), jax.ShapeDtypeStruct((n // t.bn, mp), jnp.int32))
+    else:
+        out_shape = jax.ShapeDtypeStruct((t.split, mp, n), out_dtype)
+    out = pl.pallas_call(
+        kern,
+        out_shape=out_shape,
+        grid=(n // t.bn, t.split),
+        compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret,
+        name=f"fnx_gemv_{fmt}",
+    )(*args)
+    if argmax:
+        mx, ix = out
+        best = jnp.argmax(mx[:, :m], axis=0)            # first (lowest-column) tile among equal maxima
+        return jnp.take_along_axis(ix[:, :m], best[None], axis=0)[0]
+    if t.split == 1:
+        return out[0, :m]
+    return jnp.sum(out[:, :m], axis=0).astype(x.dtype)
