@@ -63,6 +63,29 @@ def random_tree(shapes, key, dtype, shardings=None):
     return jax.tree.unflatten(treedef, out)
 
 
+def quantize_tree(params, quant: str):
+    """Online quantization of a random bf16 tree, as `fnx.load(..., quant="fp8")` does for a checkpoint:
+    "fp8" turns the dense projections and the experts into FP8 128x128 blocks; "fp8+nvfp4" does the same but
+    makes the routed experts NVFP4 (the layout of the released ModelOpt checkpoint)."""
+    if quant == "bf16":
+        return params
+    from fnx.checkpoint.place import online_fp8
+    from fnx.model import quant as q
+
+    def conv(path, leaf):
+        names = tuple(getattr(p, "key", getattr(p, "name", "")) for p in path)
+        names = tuple(n for n in names if isinstance(n, str))
+        if quant == "fp8+nvfp4" and "experts" in names:
+            return q.quantize_nvfp4(leaf)
+        if online_fp8(names):
+            return q.quantize_fp8_block(leaf)
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(conv, params)
+    jax.block_until_ready(out)
+    return out
+
+
 def nbytes(tree) -> int:
     return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
@@ -94,7 +117,7 @@ def timeit(fn, n):
     return float(np.median(times)) * 1e3
 
 
-def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None):
+def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16"):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -111,6 +134,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None):
         shard = lambda st: st  # noqa: E731
     params = random_tree(shapes, key, dtype, psh)
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh)
+    if quant != "bf16":
+        if mesh is not None:
+            raise SystemExit("--quant with --mesh is not supported by this script yet")
+        params, mp = quantize_tree(params, quant), quantize_tree(mp, quant)
     ctx = max(contexts)
     cap = ctx + 64
     heads = cfg.ngram_heads
@@ -200,6 +227,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
     ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
     ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
+                    help="weights: bf16, FP8 blocks for dense + experts, or FP8 dense + NVFP4 experts")
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
@@ -220,13 +249,19 @@ def main():
         runs = {}
         for n in layer_counts:
             cfg = bench_config(n, args.tiny)
-            r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg)
+            if mcfg is not None:  # kernels do not run per shard yet: a mesh traces the XLA reference paths
+                from fnx.pallas import dispatch
+                with dispatch.force("reference"):
+                    r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant)
+            else:
+                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant)
             runs[n] = r
             print(json.dumps({"mesh": mesh_text, "layers": n,
                               **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}), flush=True)
         rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
                "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
-               "tiny": args.tiny, "mesh": mesh_text, "devices": ndev,
+               "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
+               "kernels": "reference (mesh)" if mcfg else os.environ.get("FNX_KERNELS", "auto"),
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:
             a, b = sorted(layer_counts)[:2]

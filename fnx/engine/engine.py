@@ -200,6 +200,15 @@ class Engine:
 
     # ---- one scheduling iteration ----------------------------------------------------------------------------
     def step(self) -> list[Output]:
+        if self.mesh is not None:
+            # the Pallas kernels do not run per shard yet (no shard_map around them): a mesh traces the XLA
+            # reference paths, which the SPMD partitioner splits
+            from fnx.pallas import dispatch
+            with dispatch.force("reference"):
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[Output]:
         outs: list[Output] = []
         self._admit()
         budget = self.prefill_chunk  # prompt tokens prefilled per step, across requests

@@ -17,6 +17,8 @@ Backends, by name:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 
@@ -26,6 +28,20 @@ log = logging.getLogger("fnx.pallas")
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
 _logged: set[tuple[str, str]] = set()
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)
+
+
+@contextlib.contextmanager
+def force(backend: str):
+    """Trace everything inside with `backend` for every op whose impl is auto (e.g. "reference" for a program
+    partitioned over a mesh, where a Pallas call outside shard_map would be gathered onto every device)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    tok = _forced.set(backend)
+    try:
+        yield
+    finally:
+        _forced.reset(tok)
 
 
 def gpu_compute_capability() -> int | None:
@@ -65,7 +81,7 @@ def why_unavailable(backend: str) -> str | None:
 def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BACKENDS) -> str:
     """The backend `op` will run with. Raises ValueError for a named backend that cannot run here."""
     if impl in (None, "auto"):
-        forced = env_choice(op)
+        forced = _forced.get() or env_choice(op)
         if forced:
             if forced not in supported:
                 raise ValueError(f"FNX_KERNELS={forced!r}: {op} supports {supported}")

@@ -47,6 +47,8 @@ def cases(quick: bool = False, fmts=("bf16", "fp8", "nvfp4"), ms=(1, 4, 8, 16), 
             for m in ms:
                 x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), F32).astype(jnp.bfloat16)
                 for impl in impls:
+                    if impl == "reference" and m not in (1, 8) and not quick:
+                        continue
                     if impl != "reference" and api.kernel_applies(x.shape, x.dtype, fmt, (n, k), w_dtype=sets[0]["w"].dtype if fmt == "bf16" else None):
                         continue
 
