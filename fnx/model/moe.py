@@ -1,7 +1,9 @@
 """Sparse MoE block (MODEL_SPEC.md section 7): softmax top-k routing, routed experts, sigmoid-gated shared expert.
 
-Two reference paths with the same arithmetic: `gather` (each token reads its k experts' weights; small token
-counts) and `ragged` (tokens sorted by expert through `lax.ragged_dot`; large token counts)."""
+Reference paths with the same arithmetic: `gather` (each token reads its k experts' weights; small token
+counts), `grouped` (block-sparse grouped matmul; large token counts) and `ragged` (`lax.ragged_dot`). `pallas`
+(`pallas_interpret` on CPU) runs the fnx.pallas.moe decode kernels: fused routing and a weight-major expert
+pipeline that reads each distinct expert once; "auto" picks it for T <= 32 tokens where Pallas runs (a GPU)."""
 
 from __future__ import annotations
 
@@ -88,14 +90,29 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
     return out[dest][jnp.argsort(order)].reshape(t, k, -1)
 
 
+def _auto_impl(tokens: int, top_k: int) -> str:
+    """Pallas decode kernels for T <= 32 tokens where fnx.pallas.dispatch says Pallas runs (a CUDA GPU, or
+    FNX_KERNELS naming it); otherwise gather for tiny T*K and the grouped matmul beyond."""
+    from fnx.pallas import dispatch
+    from fnx.pallas.moe import api as moe_kernels
+    if tokens <= moe_kernels.MAX_DECODE_TOKENS and dispatch.resolve("moe_experts", None) == "pallas":
+        return "pallas"
+    return "gather" if tokens * top_k <= 64 else "grouped"
+
+
 def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "auto"):
     """x [..., D] -> (y [..., D], router logits [..., E], expert ids [..., K])."""
     shape = x.shape
     xt = x.reshape(-1, shape[-1])
-    logits, w, idx = route(p, xt, top_k, norm_topk_prob)
     ex = p["experts"]
     if impl == "auto":
-        impl = "gather" if xt.shape[0] * top_k <= 64 else "grouped"
+        impl = _auto_impl(xt.shape[0], top_k)
+    if isinstance(impl, str) and impl in ("pallas", "pallas_interpret"):
+        from fnx.pallas.moe import api as moe_kernels
+        logits = linear(xt, p["gate"])
+        w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=impl)
+    else:
+        logits, w, idx = route(p, xt, top_k, norm_topk_prob)
     if callable(impl):  # a mesh-aware expert runner (fnx.parallel.ExpertParallel): per-shard experts + one psum
         outs = impl(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "gather":
@@ -104,8 +121,11 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "ragged":
         outs = _expert_ragged(ex["gate_up_proj"], ex["down_proj"], xt, idx)
+    elif impl in ("pallas", "pallas_interpret"):
+        outs = moe_kernels.experts(ex["gate_up_proj"], ex["down_proj"], xt, idx, impl=impl)
     else:
-        raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather', 'grouped' or 'ragged'")
+        raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather', 'grouped', 'ragged', "
+                         "'pallas' or 'pallas_interpret'")
     # weight each expert output (rounded), then sum over k in fp32 and round once
     routed = jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(x.dtype)
     se = p["shared_expert"]

@@ -1,0 +1,109 @@
+"""Decode MoE layer benchmark: router matmul + routing + routed experts + combine + sigmoid-gated shared expert,
+the Pallas kernels ("pallas") against the gather reference ("reference"), M = 1 and 5 tokens, random and skewed
+routers, bf16 / FP8 128x128-block / NVFP4 experts at the released shapes (E=512, top-10, D=2560, I=640).
+
+Floor: bytes = distinct experts touched x bytes per expert (gate_up + down, with their scales) + router [E, D]
++ shared expert (gate, up, down, gate vector) + x. The distinct count is computed on the host from each argument
+set's routing (the same arithmetic the jitted layer runs) and averaged over the sets. FLOPs = 2 * M * (K * 3 *
+D * I + E * D + 3 * D * I_shared): the routed work per token, not the weight-major kernel's padded rows.
+
+The expert weights are one array per format shared by every set (512 experts are 5 GB in bf16); each set has its
+own router, shared expert and tokens, so each set routes to different experts (the skewed router draws each
+set's 16 hot experts afresh) and the rotation streams from HBM."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnx.pallas.bench import BenchCase, n_sets
+from fnx.pallas.moe import api, reference
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl):
+    """One decode MoE layer, y [M, D]: the arithmetic of fnx.model.moe.moe_block."""
+    lin = lambda a, w: jnp.dot(a, w.T, preferred_element_type=F32).astype(a.dtype)
+    logits = lin(x, router)
+    w, idx = api.route(logits, top_k, True, x.dtype, impl=impl)
+    outs = api.experts(gate_up, down, x, idx, impl=impl)
+    routed = reference.combine(outs, w)
+    s = lin(jax.nn.silu(lin(x, se_gate)) * lin(x, se_up), se_down)
+    return routed + jax.nn.sigmoid(lin(x, se_gate_vec)) * s
+
+
+def _quantize(w, fmt, chunk: int = 32):
+    """Quantize [E, ...] experts `chunk` at a time (NVFP4's rounding search has 8x-sized fp32 temporaries)."""
+    from fnx.model import quant  # the weight layouts live with the model; only the benchmark builds them here
+    if fmt == "bf16":
+        return w.astype(BF16)
+    fn = jax.jit(quant.quantize_fp8_block if fmt == "fp8" else quant.quantize_nvfp4)
+    parts = [fn(w[i:i + chunk]) for i in range(0, w.shape[0], chunk)]
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
+
+def _expert_bytes(w) -> int:
+    """Bytes of one expert's slice of a (possibly quantized) [E, ...] weight."""
+    leaves = jax.tree.leaves(w)
+    n_exp = leaves[0].shape[0]
+    return sum(int(a.nbytes) // n_exp for a in leaves if a.ndim and a.shape[0] == n_exp)
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    if quick:
+        n_exp, top_k, d, inter, inter_s = 16, 4, 256, 128, 128
+    else:
+        n_exp, top_k, d, inter, inter_s = 512, 10, 2560, 640, 640
+    key = jax.random.key(0)
+    k_gu, k_dn, key = jax.random.split(key, 3)
+    # fp32 masters are 7.5 GB at the released shapes: draw in bf16, quantize one matrix at a time
+    gu_master = (jax.random.normal(k_gu, (n_exp, 2 * inter, d), BF16) * 0.02)
+    dn_master = (jax.random.normal(k_dn, (n_exp, d, inter), BF16) * 0.03)
+    fmts = ("bf16", "fp8", "nvfp4")
+    weights = {f: (_quantize(gu_master, f), _quantize(dn_master, f)) for f in fmts}
+    del gu_master, dn_master
+    out = []
+    for m in (1, 5):
+        for router_kind in ("random", "skewed"):
+            def make_set(i, m=m, router_kind=router_kind):
+                ks = jax.random.split(jax.random.fold_in(key, 1000 * m + i + 500 * (router_kind == "skewed")), 6)
+                x = jax.random.normal(ks[0], (m, d), BF16)
+                router = jax.random.normal(ks[1], (n_exp, d), BF16) * 0.05
+                if router_kind == "skewed":   # 16 hot experts per set: every token picks most of its k among them
+                    hot = jax.random.permutation(ks[2], n_exp)[:16]
+                    router = router + jnp.zeros((n_exp, d), BF16).at[hot].set(jnp.sum(x, 0) * 0.05)
+                sh = lambda k, s: jax.random.normal(k, s, BF16) * 0.02
+                return (x, router, sh(ks[3], (inter_s, d)), sh(ks[4], (inter_s, d)), sh(ks[5], (d, inter_s)),
+                        sh(ks[2], (1, d)))
+
+            def n_distinct(s_):
+                logits = jnp.dot(s_[0], s_[1].T, preferred_element_type=F32).astype(BF16)
+                return len(np.unique(np.asarray(reference.route(logits, top_k, True)[1])))
+
+            sets = [make_set(i) for i in range(2)]
+            dense = sum(int(a.nbytes) for a in sets[0])
+            want = {}
+            for fmt in fmts:
+                per_expert = _expert_bytes(weights[fmt][0]) + _expert_bytes(weights[fmt][1])
+                guess = np.mean([n_distinct(s_) for s_ in sets]) * per_expert + dense
+                want[fmt] = 2 if quick else n_sets(int(guess))
+            sets += [make_set(i) for i in range(2, max(want.values()))]
+            distinct = [n_distinct(s_) for s_ in sets]
+            for fmt in fmts:
+                gu, dn = weights[fmt]
+                per_expert = _expert_bytes(gu) + _expert_bytes(dn)
+                mean_distinct = float(np.mean(distinct[:want[fmt]]))
+                nbytes = int(mean_distinct * per_expert) + dense
+                flops = 2 * m * (top_k * 3 * d * inter + n_exp * d + 3 * d * inter_s)
+                for impl in ("pallas", "reference"):
+                    out.append(BenchCase(
+                        kernel="moe_decode", shape=f"M={m} E={n_exp} K={top_k} D={d} I={inter} {fmt} {router_kind}",
+                        impl=impl, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl),
+                        arg_sets=[s_ + (gu, dn) for s_ in sets[:want[fmt]]],   # one expert array, passed by reference
+                        bytes=nbytes, flops=flops,
+                        extra={"M": m, "format": fmt, "router": router_kind,
+                               "distinct_experts": round(mean_distinct, 1), "bytes_per_expert": per_expert}))
+    return out

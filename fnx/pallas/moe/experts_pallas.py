@@ -1,0 +1,200 @@
+"""Weight-major MoE decode experts in Pallas (Triton lowering): each distinct expert's weights are read once and
+applied to all M tokens.
+
+Before the kernels (jnp, reference.dedupe): the M*K routed ids -> the distinct experts in ascending order, padded
+with E to a static S = min(M*K, E) slots, and each (token, k)'s slot.
+
+Stage 1, grid (S, I / block_n): slot s, intermediate columns [j, j + block_n): read the gate rows and the up rows
+of expert `experts[s]` in block_k chunks along D, h = x @ W.T in fp32 for all M tokens (padded to 16 rows),
+round to x.dtype, a = silu(gate) * up (each step rounded as the reference), store act [S, Mp, I].
+Stage 2, grid (S, D / block_n): out[s] = act[s] @ down[e].T, fp32 accumulate, one rounding, y [S, Mp, D].
+A slot holding E (no expert) skips its body (pl.when): no weight reads, no stores; nothing reads it back.
+The combine (jnp, deterministic): outs[t, k] = y[slot[t, k], t], then reference.combine.
+
+Weights: dense arrays, FP8 E4M3 with fp32 scales per 128x128 block (a tile lies inside one block, so one
+scalar scale per tile), NVFP4 (nibbles decoded with integer ops, scales expanded per 16 values, the gate/up
+globals per row), each dequantized in fp32 and rounded once to x.dtype, exactly as the reference dequantizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fnx.pallas.moe import reference
+
+F32 = jnp.float32
+MAX_TOKENS = 32
+MIN_ROWS = 16  # jnp.dot in the Triton lowering wants every dim >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_n: int = 32        # stage 1: intermediate columns per program (gate and up each)
+    block_k: int = 128       # stage 1: D per step
+    block_n2: int = 64       # stage 2: output (D) columns per program
+    block_k2: int = 128      # stage 2: I per step
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _e2m1(c):
+    """uint32 E2M1 codes -> fp32 with integer ops (Hopper has no FP4 conversion)."""
+    return reference.e2m1_bits_to_f32(c)
+
+
+def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta):
+    """Rows [r0, r0+bn), input columns [k0, k0+bk) of expert e's matrix, dequantized and rounded to dt: [bn, bk]."""
+    if fmt == "dense":
+        (w_ref,) = refs
+        return w_ref[e, pl.ds(r0, bn), pl.ds(k0, bk)].astype(dt)
+    if fmt == "fp8_block":
+        w_ref, s_ref = refs
+        bo, bi = meta
+        q = w_ref[e, pl.ds(r0, bn), pl.ds(k0, bk)].astype(F32)
+        s = s_ref[e, r0 // bo, k0 // bi]
+        return (q * s).astype(dt)
+    # nvfp4: packed [bn, bk/2] (low nibble = even element), scale per `group` values, global per row
+    w_ref, s_ref, s2_ref = refs
+    group = meta
+    p = w_ref[e, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
+    sc = s_ref[e, pl.ds(r0, bn), pl.ds(k0 // group, bk // group)].astype(F32)          # [bn, bk/group]
+    sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
+    s2 = s2_ref[e, pl.ds(r0, bn)].astype(F32)[:, None]
+    lo = (_e2m1(p & 0xF) * sc * s2).astype(dt)
+    hi = (_e2m1(p >> 4) * sc * s2).astype(dt)
+    return jax.lax.stack([lo, hi], axis=2).reshape(bn, bk)
+
+
+def _dot_t(a, b):
+    """a [m, k] @ b[n, k].T in fp32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+
+
+def _gate_up_kernel(experts_ref, x_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk):
+    *w_refs, act_ref = rest
+    s, j = pl.program_id(0), pl.program_id(1)
+    e = experts_ref[s]
+    dt = act_ref.dtype
+
+    @pl.when(e < n_exp)
+    def _():
+        rows = jax.lax.broadcasted_iota(jnp.int32, (mp, bk), 0)
+
+        def step(kk, carry):
+            acc_g, acc_u = carry
+            k0 = pl.multiple_of(kk * bk, bk)
+            xk = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(k0, bk)], mask=rows < m, other=0.0).astype(dt)
+            wg = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
+            wu = _weight_tile(fmt, w_refs, e, inter + j * bn, bn, k0, bk, dt, meta)
+            return acc_g + _dot_t(xk, wg), acc_u + _dot_t(xk, wu)
+
+        zero = jnp.zeros((mp, bn), F32)
+        acc_g, acc_u = jax.lax.fori_loop(0, d // bk, step, (zero, zero))
+        g = acc_g.astype(dt).astype(F32)
+        sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dt).astype(F32)
+        silu = (g * sig).astype(dt).astype(F32)
+        a = silu * acc_u.astype(dt).astype(F32)
+        act_ref[s, :, pl.ds(j * bn, bn)] = a.astype(dt)
+
+
+def _down_kernel(experts_ref, act_ref, *rest, fmt, meta, n_exp, inter, bn, bk):
+    *w_refs, y_ref = rest
+    s, j = pl.program_id(0), pl.program_id(1)
+    e = experts_ref[s]
+    dt = y_ref.dtype
+
+    @pl.when(e < n_exp)
+    def _():
+        def step(kk, acc):
+            k0 = pl.multiple_of(kk * bk, bk)
+            a = act_ref[s, :, pl.ds(k0, bk)]
+            w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
+            return acc + _dot_t(a, w)
+
+        acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((y_ref.shape[1], bn), F32))
+        y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
+
+
+def _split(w):
+    """(format, weight arrays in kernel argument order, static meta) for an expert weight."""
+    fmt = reference.weight_format(w)
+    if fmt == "fp8_block":
+        return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
+    if fmt == "nvfp4":
+        return fmt, (w.w, w.scale, w.scale_2.astype(F32)), w.group
+    return fmt, (w,), None
+
+
+def _check(fmt, meta, rows_tile, k_tile, name, shape):
+    if fmt == "fp8_block":
+        bo, bi = meta
+        if bo % rows_tile or bi % k_tile:
+            raise NotImplementedError(f"Pallas MoE: {name} FP8 blocks {meta} must be multiples of the tile "
+                                      f"({rows_tile} rows x {k_tile} inputs); use impl='gather'")
+    if fmt == "nvfp4" and (k_tile % meta or (meta // 2) & (meta // 2 - 1)):
+        raise NotImplementedError(f"Pallas MoE: {name} NVFP4 group {meta} must divide the tile width {k_tile} "
+                                  "(and be twice a power of two); use impl='gather'")
+
+
+def default_tiles(d: int, inter: int) -> Tiles:
+    t = Tiles()
+    bn = min(t.block_n, _pow2(inter))
+    while inter % bn:
+        bn //= 2
+    return dataclasses.replace(t, block_n=bn, block_k=min(t.block_k, d), block_n2=min(t.block_n2, d),
+                               block_k2=min(t.block_k2, inter))
+
+
+def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret: bool = False,
+                  tiles: Tiles | None = None) -> jax.Array:
+    """x [M, D], experts [S] int32 (distinct ids, empty slots = E) -> y [S, Mp, D] (x.dtype): row t of slot s is
+    expert experts[s] applied to token t (rows >= M and empty slots are unspecified)."""
+    m, d = x.shape
+    n_exp, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    if m > MAX_TOKENS:
+        raise NotImplementedError(f"the Pallas MoE decode kernel takes M <= {MAX_TOKENS} tokens, got {m}; "
+                                  "use impl='grouped' for prefill")
+    tiles = tiles or default_tiles(d, inter)
+    bn, bk, bn2, bk2 = tiles.block_n, tiles.block_k, tiles.block_n2, tiles.block_k2
+    if inter % bn or d % bk or d % bn2 or inter % bk2 or min(bn, bk, bn2, bk2) < 16:
+        raise NotImplementedError(f"Pallas MoE tiles {tiles} do not divide D={d}, I={inter} (or are < 16)")
+    fmt1, w1, meta1 = _split(gate_up)
+    fmt2, w2, meta2 = _split(down)
+    _check(fmt1, meta1, bn, bk, "gate_up_proj", gate_up.shape)
+    _check(fmt2, meta2, bn2, bk2, "down_proj", down.shape)
+    s = experts.shape[0]
+    mp = max(MIN_ROWS, _pow2(m))
+    dt = x.dtype
+    params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
+                          bn=bn, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
+        grid=(s, inter // bn),
+        interpret=interpret, compiler_params=params, name="moe_gate_up",
+    )(experts, x, *w1)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2),
+        out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
+        grid=(s, d // bn2),
+        interpret=interpret, compiler_params=params, name="moe_down",
+    )(experts, act, *w2)
+
+
+def experts(gate_up, down, x: jax.Array, idx: jax.Array, *, interpret: bool = False,
+            tiles: Tiles | None = None) -> jax.Array:
+    """x [M, D], idx [M, K] -> per-(token, k) outputs [M, K, D], as reference.experts."""
+    m = x.shape[0]
+    uniq, slot = reference.dedupe(idx, gate_up.shape[0])
+    y = experts_slots(gate_up, down, x, uniq, interpret=interpret, tiles=tiles)
+    return y[slot, jnp.arange(m)[:, None]]

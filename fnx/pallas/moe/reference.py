@@ -1,0 +1,94 @@
+"""Plain-jnp ground truth for the MoE decode kernels (the same arithmetic as fnx.model.moe `route` and
+`_expert_gather`), plus the expert dedupe the Pallas path runs in jnp before its kernels.
+
+Quantized expert weights are recognised by their fields (`scale_inv`: FP8 E4M3 128x128 blocks;
+`scale_2`: NVFP4), the layouts of fnx.model.quant, so this package imports nothing above fnx/pallas."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+HIGHEST = lax.Precision.HIGHEST
+
+
+def weight_format(w) -> str:
+    """'fp8_block' (fnx.model.quant.Fp8Block), 'nvfp4' (fnx.model.quant.Nvfp4) or 'dense' (a plain array)."""
+    if hasattr(w, "scale_inv"):
+        return "fp8_block"
+    if hasattr(w, "scale_2"):
+        return "nvfp4"
+    return "dense"
+
+
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None):
+    """Router logits [T, E] -> weights [T, K] (`dtype`, default logits.dtype), expert ids [T, K] int32.
+    fp32 softmax, top-k with ties to the lower id, optional renormalisation, one rounding."""
+    probs = jax.nn.softmax(logits.astype(F32), axis=-1)
+    w, idx = lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return w.astype(dtype or logits.dtype), idx
+
+
+def _dequantize(w, dtype):
+    """fp32 dequantization rounded once to `dtype` (fnx.model.quant.dequantize)."""
+    fmt = weight_format(w)
+    if fmt == "fp8_block":
+        out, inp = w.w.shape[-2:]
+        s = jnp.repeat(jnp.repeat(w.scale_inv.astype(F32), w.block[0], axis=-2), w.block[1], axis=-1)
+        return (w.w.astype(F32) * s[..., :out, :inp]).astype(dtype)
+    if fmt == "nvfp4":
+        c = w.w.astype(jnp.uint32)
+        codes = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(*c.shape[:-1], 2 * c.shape[-1])
+        vals = e2m1_bits_to_f32(codes)
+        scale = jnp.repeat(w.scale.astype(F32), w.group, axis=-1)
+        return (vals * scale * w.scale_2.astype(F32)[..., None]).astype(dtype)
+    return jnp.asarray(w).astype(dtype)
+
+
+def e2m1_bits_to_f32(c: jax.Array) -> jax.Array:
+    """E2M1 codes (uint32 holding 0..15) -> fp32 from the bit fields with integer ops (no table, no fp4 type):
+    s|ee|m, e = 0 is 0 or 0.5, otherwise 2^(e-1) * (1 + m/2)."""
+    sign, exp, man = (c >> 3) & 1, (c >> 1) & 3, c & 1
+    normal = ((exp + 126) << 23) | (man << 22)
+    sub = jnp.where(man == 1, jnp.uint32(0x3F000000), jnp.uint32(0))
+    bits = jnp.where(exp == 0, sub, normal) | (sign << 31)
+    return lax.bitcast_convert_type(bits, F32)
+
+
+def _take(w, idx):
+    return jax.tree.map(lambda a: a[idx], w) if weight_format(w) != "dense" else w[idx]
+
+
+def experts(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [T, D], idx [T, K] -> per-(token, k) expert outputs [T, K, D] (x.dtype): h = x @ gate_up[e].T rounded,
+    a = silu(gate) * up, out = a @ down[e].T rounded. gate_up [E, 2I, D] holds gate rows then up rows."""
+    inter = down.shape[-1]
+    gu = _dequantize(_take(gate_up, idx), x.dtype)          # [T, K, 2I, D]
+    h = jnp.einsum("td,tkid->tki", x, gu, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+    a = jax.nn.silu(h[..., :inter]) * h[..., inter:]
+    dn = _dequantize(_take(down, idx), x.dtype)             # [T, K, D, I]
+    return jnp.einsum("tki,tkdi->tkd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
+
+
+def combine(outs: jax.Array, w: jax.Array) -> jax.Array:
+    """outs [T, K, D], w [T, K] -> [T, D]: each output times its weight (rounded), summed over k in fp32, one
+    rounding (the transformers grouped_mm combine)."""
+    return jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(outs.dtype)
+
+
+def dedupe(idx: jax.Array, n_experts: int, n_slots: int | None = None):
+    """idx [T, K] -> (experts [S] int32, slot [T, K] int32): the distinct expert ids in ascending order, padded
+    with `n_experts` (an empty slot) to a static S = min(T*K, E) unless given, and for each (token, k) the slot of
+    its expert, so experts[slot] == idx."""
+    t, k = idx.shape
+    s = n_slots or min(t * k, n_experts)
+    flat = jnp.sort(idx.reshape(-1).astype(jnp.int32))
+    first = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
+    rank = jnp.cumsum(first.astype(jnp.int32)) - 1
+    uniq = jnp.full((s,), n_experts, jnp.int32).at[jnp.where(first, rank, s)].set(flat, mode="drop")
+    slot = jnp.searchsorted(uniq, idx.astype(jnp.int32), side="left").astype(jnp.int32)
+    return uniq, slot

@@ -1,0 +1,218 @@
+"""fnx.pallas.moe: the Pallas router and the weight-major expert kernels (interpret mode) against the reference,
+plus one CUDA lowering check. Small shapes (E=16, K=4, D=256, I=128) so 128x128 FP8 blocks still fit.
+
+Tolerances: routing ids are exact (ties to the lowest id included). The softmax denominator is an fp32 sum over
+E whose order is the backend's (XLA's vectorised reduction vs the kernel's), so fp32 weights may differ by an ulp
+or two (rtol 5e-7), which rarely flips a bf16 rounding: bf16 weights are equal or one bf16 ulp apart (<= 1% of
+them). Rows whose sum is order-independent (constructed ties, all-equal rows) are checked bit for bit. Expert outputs: the kernel dequantizes each weight
+exactly as the reference and rounds where it rounds, only the fp32 accumulation order differs, so outputs agree
+to a couple of bf16 ulps: max |diff| <= 2^-6 * max |ref| (bf16), 1e-5 (fp32)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fnx.model import moe, quant
+from fnx.pallas.moe import api, experts_pallas, reference, routing_pallas
+
+E, K, D, I = 16, 4, 256, 128
+BF16 = jnp.bfloat16
+TILES = experts_pallas.Tiles(block_n=64, block_k=128, block_n2=128, block_k2=128)  # few interpret grid steps
+TOL = {jnp.dtype(BF16): 2.0 ** -6, jnp.dtype(jnp.float32): 1e-5}
+
+_seed = np.random.SeedSequence().entropy
+
+
+def _key(i):
+    return jax.random.key((_seed + i) % (2 ** 31))
+
+
+def _weights(fmt, i=0, dtype=BF16):
+    k1, k2 = jax.random.split(_key(100 + i))
+    gu = jax.random.normal(k1, (E, 2 * I, D), jnp.float32) * 0.06
+    dn = jax.random.normal(k2, (E, D, I), jnp.float32) * 0.08
+    if fmt == "fp8":
+        return quant.quantize_fp8_block(gu), quant.quantize_fp8_block(dn)
+    if fmt == "nvfp4":
+        return quant.quantize_nvfp4(gu), quant.quantize_nvfp4(dn)
+    return gu.astype(dtype), dn.astype(dtype)
+
+
+_run = jax.jit(lambda g, d, x, idx: experts_pallas.experts(g, d, x, idx, interpret=True, tiles=TILES))
+
+
+def _close(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    scale = max(float(np.abs(want).max()), 1e-6)
+    err = float(np.abs(got - want).max()) / scale
+    assert err <= TOL[jnp.dtype(want.dtype) if want.dtype != np.float32 else jnp.dtype(jnp.float32)] or err <= 2.0 ** -6, err
+
+
+# ---- routing --------------------------------------------------------------------------------------------------
+
+def _check_route(logits, k, norm, dtype, exact=False):
+    w, ids = routing_pallas.route(logits, k, norm, dtype, interpret=True)
+    w_ref, ids_ref = reference.route(logits, k, norm, dtype)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    if exact:
+        np.testing.assert_array_equal(np.asarray(w, np.float32), np.asarray(w_ref, np.float32))
+    elif jnp.dtype(dtype) == jnp.float32:
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=5e-7, atol=0)
+    else:
+        _assert_bf16_weights(w, w_ref)
+
+
+def _assert_bf16_weights(w, w_ref):
+    a, b = np.asarray(w, np.float32), np.asarray(w_ref, np.float32)
+    ulp = np.abs(b) * 2.0 ** -7
+    assert (np.abs(a - b) <= ulp).all()
+    assert (a != b).mean() <= 0.01, (a != b).mean()
+
+
+@pytest.mark.parametrize("m,e,k,norm", [(5, 512, 10, True), (13, 64, 8, False), (64, 512, 10, True)])
+def test_route_matches_model_route(m, e, k, norm):
+    """13 rows run as two 8-row programs: the padded rows 13..15 are masked out of the loads and stores."""
+    d = 64
+    x = jax.random.normal(_key(m), (m, d), jnp.float32).astype(BF16)
+    p = {"gate": (jax.random.normal(_key(e), (e, d), jnp.float32) * 0.3).astype(BF16)}
+    logits, w_ref, ids_ref = moe.route(p, x, k, norm)
+    w, ids = api.route(logits, k, norm, BF16, impl="pallas_interpret")
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    _assert_bf16_weights(w, w_ref)
+    _check_route(logits, k, norm, jnp.float32)   # the fp32 weights before rounding, to an ulp
+
+
+def test_route_ties():
+    e, k = 32, 6
+    base = jax.random.normal(_key(7), (8, e), jnp.float32)
+    rows = [
+        jnp.zeros((e,)),                                            # all equal: ids 0..k-1
+        jnp.full((e,), 3.5),
+        base[1].at[jnp.array([3, 9, 20, 21])].set(5.0),             # a 4-way tie at the top
+        base[2].at[jnp.array([30, 2])].set(4.0).at[17].set(4.5),    # tie straddling the k-th place
+        jnp.full((e,), -jnp.inf).at[jnp.array([5, 11])].set(1.0),   # only 2 finite experts: zero-prob ties
+        jnp.where(jnp.arange(e) % 2 == 0, 1.0, 2.0),                # two tie classes
+        jnp.round(base[6]),                                         # many small-integer ties
+    ]
+    logits = jnp.stack(rows)
+    _check_route(logits.astype(BF16), k, True, BF16, exact=True)
+    _check_route(logits, k, False, jnp.float32, exact=True)
+    w, ids = routing_pallas.route(logits, k, False, jnp.float32, interpret=True)
+    np.testing.assert_array_equal(np.asarray(ids[0]), np.arange(k))
+    np.testing.assert_array_equal(np.asarray(ids[4][:2]), [5, 11])
+
+
+# ---- experts ------------------------------------------------------------------------------------------------------
+
+def test_dedupe():
+    idx = jnp.array([[3, 1, 7], [7, 3, 0]], jnp.int32)
+    uniq, slot = reference.dedupe(idx, 16)
+    np.testing.assert_array_equal(np.asarray(uniq), [0, 1, 3, 7, 16, 16])
+    np.testing.assert_array_equal(np.asarray(uniq)[np.asarray(slot)], np.asarray(idx))
+
+
+def _routed(m, i):
+    logits = jax.random.normal(_key(200 + i), (m, E), jnp.float32)
+    return reference.route(logits, K, True)[1]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_experts_match_reference(fmt):
+    gu, dn = _weights(fmt, 1)
+    x = jax.random.normal(_key(3), (5, D), jnp.float32).astype(BF16)
+    idx = _routed(5, 1)
+    got = _run(gu, dn, x, idx)
+    want = moe._expert_gather(gu, dn, x, idx)
+    np.testing.assert_array_equal(np.asarray(reference.experts(gu, dn, x, idx), np.float32),
+                                  np.asarray(want, np.float32))
+    _close(got, want)
+    np.testing.assert_array_equal(np.asarray(_run(gu, dn, x, idx)).view(np.uint16),
+                                  np.asarray(got).view(np.uint16))          # deterministic: same bits twice
+
+
+def test_experts_fp32_activations():
+    gu, dn = _weights("bf16", 2, jnp.float32)
+    x = jax.random.normal(_key(4), (5, D), jnp.float32)
+    idx = _routed(5, 2)
+    got = _run(gu, dn, x, idx)
+    want = reference.experts(gu, dn, x, idx)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err <= TOL[jnp.dtype(jnp.float32)], err
+
+
+@pytest.mark.parametrize("case", ["same_experts", "disjoint", "zeros"])
+def test_experts_routing_patterns(case):
+    gu, dn = _weights("fp8", 3)
+    m = 4  # one shape for every case: one compile of the jitted interpret run
+    x = jax.random.normal(_key(5), (m, D), jnp.float32).astype(BF16)
+    if case == "same_experts":        # 4 tokens, one set of 4 experts: 12 of 16 slots empty
+        idx = jnp.tile(jnp.array([[9, 2, 14, 5]], jnp.int32), (m, 1))
+    elif case == "disjoint":          # every slot used, each by one token
+        idx = jax.random.permutation(_key(6), E).reshape(m, K).astype(jnp.int32)
+    else:
+        idx = _routed(m, 3)
+    if case == "zeros":
+        x = jnp.zeros_like(x)
+    got = _run(gu, dn, x, idx)
+    want = reference.experts(gu, dn, x, idx)
+    if case == "zeros":
+        assert not np.asarray(got, np.float32).any()
+    _close(got, want)
+
+
+def test_moe_block_pallas_matches_gather():
+    gu, dn = _weights("fp8", 4)
+    ks = jax.random.split(_key(8), 6)
+    sh = lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.06).astype(BF16)
+    p = {"gate": sh(ks[0], (E, D)), "experts": {"gate_up_proj": gu, "down_proj": dn},
+         "shared_expert": {"gate_proj": sh(ks[1], (I, D)), "up_proj": sh(ks[2], (I, D)),
+                           "down_proj": sh(ks[3], (D, I))},
+         "shared_expert_gate": sh(ks[4], (1, D))}
+    x = jax.random.normal(ks[5], (1, 1, D), jnp.float32).astype(BF16)     # one decode token, default tiles
+    y, logits, ids = moe.moe_block(p, x, K, True, impl="pallas_interpret")
+    y_ref, logits_ref, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    np.testing.assert_array_equal(np.asarray(logits, np.float32), np.asarray(logits_ref, np.float32))
+    _close(y, y_ref)
+
+
+def test_api_dispatch_errors():
+    x = jnp.zeros((40, D), BF16)
+    gu, dn = _weights("bf16", 5)
+    with pytest.raises(NotImplementedError, match="T <= 32"):
+        api.experts(gu, dn, x, jnp.zeros((40, K), jnp.int32), impl="pallas_interpret")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="cannot run here"):
+            api.route(jnp.zeros((1, E)), K, True, impl="pallas")
+        assert moe._auto_impl(1, K) == "gather"          # CPU: "auto" keeps the reference paths
+    with pytest.raises(NotImplementedError, match="FP8 blocks"):
+        experts_pallas.experts(quant.quantize_fp8_block(gu, (32, 32)), dn, x[:2], jnp.zeros((2, K), jnp.int32),
+                               interpret=True, tiles=TILES)
+
+
+def test_lowers_for_cuda():
+    """The Pallas -> Triton lowering (compute capability 9.0) at the released shapes, every weight format."""
+    n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
+    S = jax.ShapeDtypeStruct
+
+    def spec(shape, fmt):
+        if fmt == "bf16":
+            return S(shape, BF16)
+        if fmt == "fp8":
+            return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S((shape[0], shape[1] // 128, shape[2] // 128),
+                                                                 jnp.float32))
+        return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
+                           jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:1], jnp.float32))
+
+    def layer(gu, dn, x, logits):
+        w, idx = routing_pallas.route(logits, top_k, True)
+        return reference.combine(experts_pallas.experts(gu, dn, x, idx), w)
+
+    for fmt in ("bf16", "fp8", "nvfp4"):
+        lowered = jax.jit(layer).trace(spec((n_exp, 2 * inter, d), fmt), spec((n_exp, d, inter), fmt),
+                                       S((m, d), BF16), S((m, n_exp), BF16)).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3, fmt
