@@ -236,7 +236,8 @@ def main():
         args.reps, args.contexts = 5, "1024,8192"
     contexts = [int(c) for c in args.contexts.split(",")]
     layer_counts = [int(x) for x in args.layers.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("FNX_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                           capture_output=True, text=True).stdout.strip()
     device = jax.devices()[0]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     first = None

@@ -48,8 +48,16 @@ def _device_kind() -> str:
         return "unknown"
 
 
+def split_for(n: int, bn: int, k: int, bk: int, programs: int) -> int:
+    """The smallest split of K (a divisor of K / bk) that gives at least `programs` programs, else the largest."""
+    nkb = k // bk
+    divs = [d for d in range(1, nkb + 1) if nkb % d == 0]
+    return next((d for d in divs if (n // bn) * d >= programs), divs[-1])
+
+
 def heuristic_tiles(fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
-    """A tile set that divides (N, K) and gives >= 2 programs per SM where K allows; None when none fits."""
+    """A tile set that divides (N, K), with K split so there are >= 2 programs per SM where K allows (a GEMV
+    with fewer programs is latency-bound: each program walks its K slice one dependent load after another)."""
     bn = next((b for b in (64, 32, 16) if n % b == 0), None)
     if fmt == "nvfp4":
         bk = next((b for b in (256, 128, 64, 32) if k % b == 0), None)
@@ -57,18 +65,21 @@ def heuristic_tiles(fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
         bk = next((b for b in (128, 64, 32) if k % b == 0), None)
     if bn is None or bk is None:
         return None
-    split = 1
-    while (n // bn) * split < 2 * SMS and k % (bk * split * 2) == 0 and k // (bk * split * 2) >= 2:
-        split *= 2
-    t = gp.Tiles(bn, bk, split, num_warps=4, num_stages=3)
+    t = gp.Tiles(bn, bk, split_for(n, bn, k, bk, 2 * SMS), num_warps=4, num_stages=3)
     return t if gp.check_tiles(fmt, n, k, t) is None else None
 
 
 def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
-    entry = _tuned(_device_kind()).get(f"{fmt}:{n}:{k}:{m_bucket(m)}{':argmax' if argmax else ''}")
-    if entry:
+    """Tuned tiles for this (fmt, N, K) at M's bucket, else at the nearest tuned bucket, else the heuristic."""
+    table = _tuned(_device_kind())
+    suffix = ":argmax" if argmax else ""
+    b = m_bucket(m)
+    tuned = {int(key.split(":")[3]): v for key, v in table.items()
+             if key.startswith(f"{fmt}:{n}:{k}:") and key.endswith(suffix) and (argmax or key.count(":") == 3)}
+    if tuned:
+        entry = tuned[min(tuned, key=lambda tb: (abs(tb - b), tb))]
         t = gp.Tiles(**entry)
-        if gp.check_tiles(fmt, n, k, t) is None:
+        if gp.check_tiles(fmt, n, k, t) is None and not (argmax and t.split != 1):
             return t
     t = heuristic_tiles(fmt, n, k, m)
     if t is not None and argmax and t.split != 1:
