@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test, not a measurement")
     ap.add_argument("--tune", nargs="*", default=[], help="families to tune first (gemv)")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--filter", default=None, help="regex: run only cases whose 'kernel impl shape extra' matches")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_kernels.jsonl"))
     args = ap.parse_args(argv)
 
@@ -136,6 +137,10 @@ def main(argv=None) -> int:
             continue
         t0 = time.time()
         cs = mod.cases(args.quick)
+        if args.filter:
+            import re
+            rx = re.compile(args.filter)
+            cs = [c for c in cs if rx.search(f"{c.kernel} {c.impl} {c.shape} {c.extra}")]
         print(f"# {fam}: {len(cs)} cases built in {time.time() - t0:.1f}s", flush=True)
         for c in cs:
             try:

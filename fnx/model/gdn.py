@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated, softplus
+from fnx.pallas.gdn.api import gdn_recurrent
+from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
 CHUNK = 64
 
@@ -30,30 +32,6 @@ def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, dilation: int = 1)
 def window_after(xcat: jax.Array, n: jax.Array, width: int) -> jax.Array:
     """The `width` rows of xcat [B, width+L, C] that end after n [B] new tokens: the state left by those tokens."""
     return jax.vmap(lambda xc, k: lax.dynamic_slice_in_dim(xc, k, width, axis=0))(xcat, n)
-
-
-def l2norm(x: jax.Array) -> jax.Array:
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
-
-
-def delta_rule_recurrent(q, k, v, g, beta, state, keep_steps: bool = False):
-    """Token by token. q, k [B, L, H, dk] (l2-normed, q scaled), v [B, L, H, dv], g, beta [B, L, H]; fp32.
-    Returns (o [B, L, H, dv], final state [B, H, dk, dv]); with keep_steps also the state after every token
-    [B, L, H, dk, dv] (what a speculative verify window rolls back to)."""
-    def step(s, inp):
-        qt, kt, vt, gt, bt = inp
-        s = s * jnp.exp(gt)[..., None, None]
-        kv = jnp.sum(s * kt[..., None], axis=-2)
-        delta = (vt - kv) * bt[..., None]
-        s = s + kt[..., None] * delta[..., None, :]
-        o = jnp.sum(s * qt[..., None], axis=-2)
-        return s, ((o, s) if keep_steps else o)
-
-    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    state, out = lax.scan(step, state, xs)
-    if keep_steps:
-        return jnp.moveaxis(out[0], 0, 1), state, jnp.moveaxis(out[1], 0, 1)
-    return jnp.moveaxis(out, 0, 1), state
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
@@ -120,19 +98,22 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     g = -jnp.exp(p["A_log"].astype(F32)) * softplus(a.astype(F32) + p["dt_bias"].astype(F32))
     valid = (jnp.arange(length)[None, :] < n_valid[:, None])[..., None]          # [B, L, 1]
     g = jnp.where(valid, g, 0.0)                                                   # padding: no decay, no write
-    if hv != hk:
-        q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
-    q, k, v, beta = (t.astype(F32) for t in (q, k, v, beta))
-    beta = jnp.where(valid, beta, 0.0)
-    q, k = l2norm(q), l2norm(k)
+    beta = jnp.where(valid, beta.astype(F32), 0.0)
     aux = {}
-    if snapshots:
-        o, new_rec, steps = delta_rule_recurrent(q / (dk ** 0.5), k, v, g, beta, rec_state, keep_steps=True)
-        aux = {"conv_x": conv_x, "rec_steps": jnp.concatenate([rec_state[:, None], steps], axis=1)}
-        rec_state = new_rec
-    elif length == 1:
-        o, rec_state = delta_rule_recurrent(q / (dk ** 0.5), k, v, g, beta, rec_state)
+    if snapshots or length == 1:
+        # decode / verify: fnx.pallas.gdn (op "gdn_decode"): q, k stay [B, L, Hk, dk], normed and scaled there,
+        # and the output norm rides along (the kernel may fuse it)
+        res = gdn_recurrent(q, k, v, g, beta, rec_state, keep_steps=snapshots, scale=dk ** -0.5, qk_l2norm=True,
+                            steps_with_initial=True, out_dtype=x.dtype,
+                            norm=(z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type))
+        o, rec_state = res[0], res[1]
+        if snapshots:
+            aux = {"conv_x": conv_x, "rec_steps": res[2]}
     else:
+        if hv != hk:
+            q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
+        q, k, v = (t.astype(F32) for t in (q, k, v))
+        q, k = l2norm(q), l2norm(k)
         o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
-    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
+        o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
     return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, aux

@@ -7,10 +7,45 @@ import jax
 import jax.numpy as jnp
 
 from fnx.model.ops import linear, rms_norm, div
+from fnx.pallas.hc import api as hc_api
 
 
-def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True):
-    """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S]."""
+def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None) -> bool:
+    """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), unquantized weights, and a
+    kernel backend resolved for "hc_boundary"."""
+    from fnx.model import quant
+    m = 1
+    for n in h.shape[:-1]:
+        m *= n
+    names = ("input_mix_weight_down", "input_mix_weight_up") + (("block_inject_weight",) if inject else ())
+    if m > hc_api.MAX_DECODE_TOKENS or any(quant.is_quantized(p[k]) for k in names):
+        return False
+    return hc_api.backend(impl) != "reference"
+
+
+def _kernel_call(p, h, y, inj, streams, eps, inject, impl):
+    return hc_api.hc_boundary(h, y, inj, p["hc_norm"], p["input_mix_weight_down"], p["input_mix_weight_up"],
+                              p["block_inject_weight"] if inject else None, streams=streams, eps=eps, impl=impl)
+
+
+def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, eps: float, inject: bool = True,
+             impl: str | None = None):
+    """combine(h, y, inj) then gated_residual on the result, fused into one kernel call at decode.
+    Returns (h' [..., S*D], x [..., D], inj' [..., S] or None without `inject`)."""
+    if _kernel_ok(p, h, inject, impl):
+        return _kernel_call(p, h, y, inj, streams, eps, inject, impl)
+    h = combine(h, y, inj)
+    out = gated_residual(p, h, streams, eps, inject, impl="reference")
+    return (h,) + (out if inject else (out, None))
+
+
+def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None):
+    """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S].
+    Decode-sized calls whose `impl` (fnx.pallas.dispatch, op "hc_boundary") resolves to a kernel run
+    fnx.pallas.hc; otherwise the jnp below, which is the reference."""
+    if _kernel_ok(p, h, inject, impl):
+        _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl)
+        return (x, inj) if inject else x
     d = h.shape[-1] // streams
     hn = rms_norm(h, p["hc_norm"], eps, group=d)
     u = jax.nn.silu(div(linear(hn, p["input_mix_weight_down"]), streams))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm, scale
+from fnx.pallas.qsa import api as qsa_api
 
 
 def _scatter_time(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
@@ -47,6 +48,12 @@ def indexer_blocks(p: dict, kraw: jax.Array, ring: jax.Array, pos0: jax.Array, r
     return block_ids, pooled, buf
 
 
+def _block_scores(q_idx: jax.Array, blocks: jax.Array, cfg) -> jax.Array:
+    """Indexer scores [B, L, NB] (fp32): sum over indexer heads of relu(q . k_block) / sqrt(di)."""
+    s = jnp.einsum("blhd,bnd->blhn", q_idx.astype(F32), blocks.astype(F32), precision=HIGHEST)
+    return jnp.sum(jax.nn.relu(s), axis=2) / jnp.sqrt(jnp.asarray(cfg.indexer_head_dim, F32))
+
+
 def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cfg) -> jax.Array:
     """Token mask [B, L, T]: causal AND (in a selected complete block OR in the incomplete tail).
     q_idx [B, L, Hi, di] (normed, RoPE'd), blocks [B, NB, di], positions [B, L] of the queries."""
@@ -55,9 +62,7 @@ def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, cap
     block_idx = jnp.arange(n_blocks, dtype=jnp.int32)
     valid = (block_idx * cr + cr - 1)[None, None, :] <= positions[..., None]          # [B, L, NB]
     if n_blocks > cfg.block_topk:
-        s = jnp.einsum("blhd,bnd->blhn", q_idx.astype(F32), blocks.astype(F32), precision=HIGHEST)
-        s = jnp.sum(jax.nn.relu(s), axis=2) / jnp.sqrt(jnp.asarray(cfg.indexer_head_dim, F32))
-        s = jnp.where(valid, s, -jnp.inf)
+        s = jnp.where(valid, _block_scores(q_idx, blocks, cfg), -jnp.inf)
         _, top = lax.top_k(s, cfg.block_topk)
         chosen = jnp.zeros(s.shape, bool).at[
             jnp.arange(s.shape[0])[:, None, None], jnp.arange(s.shape[1])[None, :, None], top].set(True)
@@ -71,10 +76,37 @@ def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, cap
     return causal & (in_block | tail)
 
 
+def select_token_indices(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int,
+                         cfg, impl: str | None = None) -> jax.Array:
+    """The tokens `select_tokens` marks, as positions [B, L, N] with -1 in unused slots: the selected complete
+    blocks' tokens (N_b = min(NB, block_topk) blocks x cr), then the incomplete tail (cr - 1 slots). Same block
+    choice as `select_tokens` (the same top_k, so ties break the same way); no position appears twice.
+    The scores come from fnx.pallas.qsa.api.qsa_index_scores (`impl`); a kernel sums in another order than
+    XLA, so scores within an ulp of each other may rank differently there."""
+    cr = cfg.indexer_compress_ratio
+    bsz, length = positions.shape
+    n_blocks = blocks.shape[1]
+    block_idx = jnp.arange(n_blocks, dtype=jnp.int32)
+    valid = (block_idx * cr + cr - 1)[None, None, :] <= positions[..., None]          # [B, L, NB]
+    if n_blocks > cfg.block_topk:
+        s = qsa_api.qsa_index_scores(q_idx, blocks, positions, cr, impl=impl)          # [B, L, NB]
+        _, top = lax.top_k(s, cfg.block_topk)                                          # [B, L, K]
+        ok = jnp.take_along_axis(valid, top, axis=-1)
+    else:
+        top, ok = jnp.broadcast_to(block_idx, valid.shape), valid
+    tok = top[..., None].astype(jnp.int32) * cr + jnp.arange(cr, dtype=jnp.int32)
+    tok = jnp.where(ok[..., None], tok, -1).reshape(bsz, length, -1)
+    tail = ((positions + 1) // cr * cr)[..., None] + jnp.arange(cr - 1, dtype=jnp.int32)
+    tail = jnp.where((tail <= positions[..., None]) & (tail < capacity), tail, -1)
+    return jnp.concatenate([tok, tail], axis=-1)
+
+
 def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
-              n_valid: jax.Array):
+              n_valid: jax.Array, impl: str | None = None):
     """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
     tokens (K/V and blocks written for padding lie past the valid length and are overwritten later).
+    Calls of L <= 8 tokens (decode, MTP verify) whose `impl` (fnx.pallas.dispatch) resolves to a kernel gather the
+    selected tokens (fnx.pallas.qsa.api); otherwise the masked dense attention below, which is the reference.
     Returns (y [B, L, D], new state, aux {"idx_buf"} for rollback)."""
     bsz, length, _ = x.shape
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -90,7 +122,6 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     block_ids, pooled, buf = indexer_blocks(ix, kraw, st["idx_ring"], pos0, rope_fn, cfg)
     ring = ring_after(buf, pos0, n_valid, cfg.indexer_compress_ratio)
     blocks = _scatter_time(st["idx_blocks"], pooled, block_ids, axis=1)
-    mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                      # [B, L, T]
 
     qg = linear(x, p["q_proj"]).reshape(bsz, length, h, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, length, h * hd)
@@ -102,14 +133,19 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     vc = _scatter_time(st["v"], jnp.swapaxes(v, 1, 2), positions, axis=2)
 
     dt = x.dtype
-    qh = q.reshape(bsz, length, hkv, h // hkv, hd)
-    s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
-                   preferred_element_type=F32).astype(dt)
-    s = scale(s, hd ** -0.5).astype(F32)
-    s = jnp.where(mask[:, None, None], s, -jnp.inf)
-    probs = jax.nn.softmax(s, axis=-1).astype(dt)
-    o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
-                   preferred_element_type=F32).astype(dt)
+    if length <= qsa_api.MAX_DECODE_TOKENS and qsa_api.backend(impl) != "reference":
+        idx = select_token_indices(q_idx, blocks, positions, capacity, cfg, impl)      # [B, L, N]
+        o = qsa_api.qsa_decode_attention(q, kc, vc, idx, impl=impl)
+    else:
+        mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
+        qh = q.reshape(bsz, length, hkv, h // hkv, hd)
+        s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
+                       preferred_element_type=F32).astype(dt)
+        s = scale(s, hd ** -0.5).astype(F32)
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        probs = jax.nn.softmax(s, axis=-1).astype(dt)
+        o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
+                       preferred_element_type=F32).astype(dt)
     o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
     y = linear(o, p["o_proj"])
     return y, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, {"idx_buf": buf}

@@ -1,0 +1,67 @@
+"""`gdn_recurrent`: the gated delta rule for a few tokens per sequence (decode, MTP verify), dispatched between the
+jnp reference and the Pallas (Triton lowering) kernel. Op name for FNX_KERNELS: "gdn_decode"."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from fnx.pallas import dispatch
+from fnx.pallas.gdn import reference
+
+OP = "gdn_decode"
+F32 = jnp.float32
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str | None = None, *,
+                  scale: float | None = None, qk_l2norm: bool = False, steps_with_initial: bool = False,
+                  out_dtype=F32, inplace: bool = False, tiles=None, norm=None):
+    """Run T tokens of the gated delta rule on an fp32 state, token by token.
+
+    q, k [B, T, HK, dk] (any float dtype); v [B, T, HV, dv]; g (log decay), beta [B, T, HV] fp32;
+    state [B, HV, dk, dv] fp32. HV must be a multiple of HK: value head h reads key head h // (HV // HK).
+    Per token: S = exp(g) S; S += k (beta (v - k^T S)); o = q^T S (o read after the update).
+    qk_l2norm: q and k are l2-normalised in fp32 first (eps 1e-6 in the rsqrt); scale: q is multiplied by it after.
+    A token with g = 0 and beta = 0 leaves the state exactly as it was (padding; re-running a verify window with the
+    rejected tokens masked that way gives the rolled-back state).
+    Returns (o [B, T, HV, dv] in out_dtype, final state [B, HV, dk, dv] fp32) and with keep_steps also the state
+    after every token [B, T, HV, dk, dv] ([B, T+1, ...] with steps_with_initial: index 0 is the input state).
+    inplace: the kernel writes the final state over the input state's buffer (donate it, or XLA copies it first).
+    norm: None or (z [B, T, HV, dv], weight [dv], eps, act "sigmoid"|"silu"): o becomes the GDN output norm
+    `rms_norm_gated(o in out_dtype, z, weight, eps, act)`, fused into the kernel (which then takes a whole head,
+    BV = dv, per program).
+    impl: None/"auto", "reference", "pallas", "pallas_interpret" (fnx.pallas.dispatch)."""
+    bsz, length, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if q.shape != k.shape:
+        raise ValueError(f"gdn_recurrent: q {q.shape} and k {k.shape} must have the same shape [B, T, HK, dk]")
+    if v.shape[:2] != (bsz, length) or hv % hk:
+        raise ValueError(f"gdn_recurrent: v {v.shape} must be [B={bsz}, T={length}, HV, dv] with HV a multiple of "
+                         f"HK={hk}")
+    for name, a in (("g", g), ("beta", beta)):
+        if a.shape != (bsz, length, hv):
+            raise ValueError(f"gdn_recurrent: {name} {a.shape} must be [B, T, HV] = {(bsz, length, hv)}")
+    if state.shape != (bsz, hv, dk, dv) or state.dtype != F32:
+        raise ValueError(f"gdn_recurrent: state {state.shape} {state.dtype} must be fp32 {(bsz, hv, dk, dv)}")
+    if norm is not None and (len(norm) != 4 or norm[0].shape != v.shape or norm[1].shape != (dv,)
+                             or norm[3] not in ("sigmoid", "silu")):
+        raise ValueError(f"gdn_recurrent: norm must be (z {v.shape}, weight ({dv},), eps, 'sigmoid'|'silu')")
+    shape_ok = _is_pow2(dk) and _is_pow2(dv)          # the Triton lowering's tensors are powers of two
+    if not shape_ok and impl not in (None, "auto", "reference"):
+        raise NotImplementedError(f"gdn_recurrent {impl}: the kernel needs power-of-two head dims (dk={dk}, "
+                                  f"dv={dv}); use impl='reference' (auto picks it for these shapes)")
+    backend = dispatch.resolve(OP, impl, supported=dispatch.BACKENDS if shape_ok else ("reference",))
+    if backend == "reference":
+        return reference.gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
+                                       steps_with_initial=steps_with_initial, out_dtype=out_dtype,
+                                       norm=norm)
+    from fnx.pallas.gdn import pallas as kernel
+    if tiles is not None and (not _is_pow2(tiles.block_v) or dv % tiles.block_v):
+        raise ValueError(f"gdn_recurrent: block_v={tiles.block_v} must be a power of two dividing dv={dv}")
+    return kernel.gdn_recurrent(q, k, v, g.astype(F32), beta.astype(F32), state, keep_steps, scale=scale,
+                                qk_l2norm=qk_l2norm, steps_with_initial=steps_with_initial, out_dtype=out_dtype,
+                                inplace=inplace, tiles=tiles, interpret=dispatch.interpret_flag(backend),
+                                norm=norm)

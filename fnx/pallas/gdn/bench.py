@@ -1,0 +1,76 @@
+"""Benchmark cases for `gdn_recurrent` as `fnx.model.gdn` calls it (l2norm + scale inside, bf16 output, the gated
+output norm passed along), at the released head shapes (16 key / 48 value heads of 128, fp32 state): decode T = 1
+and MTP verify T = 5 (with the T+1 snapshots rollback keeps), B = 1, 8, 32. Implementations: the XLA reference,
+the Pallas kernel with default tiles, BV = 32 / 64 with the norm after the kernel (XLA), and the norm fused
+(BV = dv, 4 or 8 warps).
+
+Floor (bytes one call must move): state read + write B*HV*dk*dv*4*2, q and k B*T*HK*dk*2*2 (bf16), v B*T*HV*dv*2,
+g and beta B*T*HV*4*2, z B*T*HV*dv*2, o B*T*HV*dv*2 (bf16), and with snapshots B*(T+1)*HV*dk*dv*4."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fnx.pallas.bench import BenchCase, n_sets
+from fnx.pallas.gdn import api
+from fnx.pallas.gdn.pallas import Tiles, default_tiles
+
+HK, HV, DK, DV = 16, 48, 128, 128
+
+
+def floor_bytes(bsz: int, length: int, keep_steps: bool, hk=HK, hv=HV, dk=DK, dv=DV) -> int:
+    state = bsz * hv * dk * dv * 4
+    io = bsz * length * (2 * hk * dk * 2 + hv * dv * 2 + 2 * hv * 4 + 2 * hv * dv * 2) + dv * 2
+    return 2 * state + io + (bsz * (length + 1) * hv * dk * dv * 4 if keep_steps else 0)
+
+
+def flops(bsz: int, length: int, hv=HV, dk=DK, dv=DV) -> int:
+    return bsz * length * hv * 7 * dk * dv      # decay 1, k^T S 2, rank-1 update 2, q^T S 2 per state element
+
+
+def _args(key, bsz, length):
+    ks = jax.random.split(key, 8)
+    q = jax.random.normal(ks[0], (bsz, length, HK, DK), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (bsz, length, HK, DK), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (bsz, length, HV, DV), jnp.bfloat16)
+    g = -0.5 * jax.nn.softplus(jax.random.normal(ks[3], (bsz, length, HV)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (bsz, length, HV)))
+    state = 0.1 * jax.random.normal(ks[5], (bsz, HV, DK, DV), jnp.float32)
+    z = jax.random.normal(ks[6], (bsz, length, HV, DV), jnp.bfloat16)
+    w = (1.0 + 0.1 * jax.random.normal(ks[7], (DV,))).astype(jnp.bfloat16)
+    return q, k, v, g, beta, state, z, w
+
+
+def _fn(impl, keep, tiles):
+    def fn(q, k, v, g, beta, state, z, w):
+        return api.gdn_recurrent(q, k, v, g, beta, state, keep_steps=keep, impl=impl, scale=DK ** -0.5,
+                                 qk_l2norm=True, steps_with_initial=keep, out_dtype=jnp.bfloat16, tiles=tiles,
+                                 norm=(z, w, 1e-6, "sigmoid"))
+    return fn
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    out = []
+    batches = (1,) if quick else (1, 8, 32)
+    for bsz in batches:
+        for length in (1, 5):
+            keep = length > 1
+            nbytes = floor_bytes(bsz, length, keep)
+            per_set = bsz * HV * DK * DV * 4 + bsz * length * (2 * HK * DK + 2 * HV * DV) * 2
+            sets = [_args(jax.random.key(i), bsz, length) for i in range(n_sets(per_set))]
+            shape = f"B={bsz} T={length} HK={HK} HV={HV} dk={DK} dv={DV}" + (" snapshots" if keep else "")
+            variants = [("reference", None)]
+            tile_opts = [None] if quick else [None, Tiles(block_v=32), Tiles(block_v=64),
+                                              Tiles(block_v=DV, num_warps=4, fuse_norm=True),
+                                              Tiles(block_v=DV, num_warps=8, fuse_norm=True)]
+            variants += [("pallas", t) for t in tile_opts]
+            for impl, tiles in variants:
+                t = tiles or default_tiles(bsz, HV, DV, norm=True)
+                extra = {"B": bsz, "T": length, "flops": flops(bsz, length)}
+                if impl == "pallas":
+                    extra.update(block_v=t.block_v, num_warps=t.num_warps, fuse_norm=t.fuse_norm,
+                                 tiles="default" if tiles is None else "explicit")
+                out.append(BenchCase(kernel="gdn_decode", shape=shape, impl=impl, fn=_fn(impl, keep, tiles),
+                                     arg_sets=sets, bytes=nbytes, extra=extra))
+    return out

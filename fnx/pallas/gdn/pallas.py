@@ -1,0 +1,137 @@
+"""Gated delta rule for few tokens (decode T = 1, MTP verify T = k+1) in Pallas with the Triton lowering.
+
+Grid (B, HV, dv / BV): each program keeps its fp32 state slice S [dk, BV] in registers, runs the T tokens of the
+call in order (unrolled up to `unroll`, a fori_loop past it) and writes o [B, T, HV, dv], the final state and,
+with keep_steps, the state after every token. One read and one write of the state per call, whatever T is."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_v: int = 32       # BV: columns of the [dk, dv] state per program (a power of two dividing dv)
+    num_warps: int = 4
+    num_stages: int = 1
+    unroll: int = 8         # T up to this is unrolled in the kernel; longer calls loop
+    fuse_norm: bool = False  # with a norm: apply it in-kernel (needs block_v = dv), else after the kernel in jnp
+
+
+def default_tiles(batch: int, hv: int, dv: int, norm: bool = False) -> Tiles:
+    """Untuned heuristic. BV = 32 until the grid has two waves of 132 SMs at BV = 64 (B*HV >= 264 at dv = 128).
+    A gated norm is fused (one whole head per program, 8 warps) once B*HV fills one wave (B >= 3 at HV = 48)."""
+    if norm and batch * hv >= 132:
+        return Tiles(block_v=dv, num_warps=8, fuse_norm=True)
+    bv = 64 if batch * hv * (dv // 64) >= 2 * 132 else 32
+    return Tiles(block_v=min(bv, dv))
+
+
+def _gated_norm(o, z, w, eps, act, dt):
+    """`fnx.model.ops.rms_norm_gated` on one head's [dv] fp32 output, rounding to dt where it rounds."""
+    x = o.astype(dt).astype(F32)
+    h = (x * lax.rsqrt(jnp.mean(x * x) + eps)).astype(dt).astype(F32)
+    h = (w.astype(dt).astype(F32) * h).astype(dt).astype(F32)
+    z = z.astype(F32)
+    gate = jax.nn.sigmoid(z) if act == "sigmoid" else z * jax.nn.sigmoid(z)
+    return (h * gate).astype(dt)
+
+
+def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps, with_initial, qk_l2norm,
+            scale, unroll, norm):
+    if norm is not None:
+        z_ref, w_ref, refs = refs[0], refs[1], refs[2:]
+    o_ref, sout_ref = refs[0], refs[1]
+    steps_ref = refs[2] if keep_steps else None
+    off = 1 if with_initial else 0
+    s = s_ref[0, 0, :, :]                                   # [dk, BV] fp32
+    if keep_steps and with_initial:
+        steps_ref[0, 0, 0, :, :] = s
+
+    def step(t, s):
+        qt = q_ref[0, t, 0, :].astype(F32)                  # [dk]
+        kt = k_ref[0, t, 0, :].astype(F32)
+        vt = v_ref[0, t, 0, :].astype(F32)                  # [BV]
+        gt = g_ref[0, t, 0].astype(F32)
+        bt = b_ref[0, t, 0].astype(F32)
+        if qk_l2norm:
+            qt = qt * lax.rsqrt(jnp.sum(qt * qt) + L2NORM_EPS)
+            kt = kt * lax.rsqrt(jnp.sum(kt * kt) + L2NORM_EPS)
+        if scale is not None:
+            qt = qt * scale
+        s = s * jnp.exp(gt)
+        kv = jnp.sum(s * kt[:, None], axis=0)               # [BV]
+        delta = (vt - kv) * bt
+        s = s + kt[:, None] * delta[None, :]
+        o = jnp.sum(s * qt[:, None], axis=0)                # [BV]
+        if norm is not None:                                # BV = dv: the whole head is here
+            o = _gated_norm(o, z_ref[0, t, 0, :], w_ref[:], norm[0], norm[1], o_ref.dtype)
+        o_ref[0, t, 0, :] = o.astype(o_ref.dtype)
+        if keep_steps:
+            steps_ref[0, t + off, 0, :, :] = s
+        return s
+
+    if length <= unroll:
+        for t in range(length):
+            s = step(t, s)
+    else:
+        s = lax.fori_loop(0, length, step, s)
+    sout_ref[0, 0, :, :] = s
+
+
+def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: float | None = None,
+                  qk_l2norm: bool = False, steps_with_initial: bool = False, out_dtype=F32, inplace: bool = False,
+                  tiles: Tiles | None = None, interpret: bool = False, norm=None):
+    """See `fnx.pallas.gdn.api.gdn_recurrent`; shapes are checked there. norm: None or (z [B, T, HV, dv],
+    weight [dv], eps, act): the gated RMSNorm on o, in-kernel when tiles.fuse_norm (needs BV = dv)."""
+    bsz, length, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    rep = hv // hk
+    t = tiles or default_tiles(bsz, hv, dv, norm is not None)
+    if norm is not None and not t.fuse_norm:                # the kernel, then the norm as XLA ops
+        res = gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
+                            steps_with_initial=steps_with_initial, out_dtype=out_dtype, inplace=inplace, tiles=t,
+                            interpret=interpret)
+        return (rms_norm_gated(res[0], *norm),) + res[1:]
+    if norm is not None and t.block_v != dv:
+        raise ValueError(f"the fused gated norm needs block_v = dv = {dv}, got {t.block_v}")
+    bv = t.block_v
+    grid = (bsz, hv, dv // bv)
+    n_steps = length + (1 if steps_with_initial else 0)
+    qk_spec = pl.BlockSpec((1, length, 1, dk), lambda b, h, j: (b, 0, h // rep, 0))
+    gb_spec = pl.BlockSpec((1, length, 1), lambda b, h, j: (b, 0, h))
+    state_spec = pl.BlockSpec((1, 1, dk, bv), lambda b, h, j: (b, h, 0, j))
+    in_specs = [qk_spec, qk_spec, pl.BlockSpec((1, length, 1, bv), lambda b, h, j: (b, 0, h, j)),
+                gb_spec, gb_spec, state_spec]
+    out_specs = [pl.BlockSpec((1, length, 1, bv), lambda b, h, j: (b, 0, h, j)), state_spec]
+    out_shape = [jax.ShapeDtypeStruct((bsz, length, hv, dv), out_dtype),
+                 jax.ShapeDtypeStruct((bsz, hv, dk, dv), F32)]
+    if keep_steps:
+        out_specs.append(pl.BlockSpec((1, n_steps, 1, dk, bv), lambda b, h, j: (b, 0, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((bsz, n_steps, hv, dk, dv), F32))
+    operands = [q, k, v, g, beta, state]
+    if norm is not None:
+        in_specs += [pl.BlockSpec((1, length, 1, dv), lambda b, h, j: (b, 0, h, 0)),
+                     pl.BlockSpec((dv,), lambda b, h, j: (0,))]
+        operands += [norm[0], norm[1]]
+    kernel = functools.partial(_kernel, length=length, keep_steps=keep_steps, with_initial=steps_with_initial,
+                               qk_l2norm=qk_l2norm, scale=scale, unroll=t.unroll,
+                               norm=None if norm is None else (float(norm[2]), norm[3]))
+    res = pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={5: 1} if inplace else {},
+        compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret, name="gdn_recurrent",
+    )(*operands)
+    return tuple(res)

@@ -1,0 +1,45 @@
+"""Benchmark cases for the hyper-connection boundary at decode: M = 1, 5 (MTP verify), 32 tokens; 4 streams x
+2560, rank 320, with injection (a layer boundary: combine, then the next gated residual).
+
+Bytes floor = weights (Wdown + Wup + Winj + hc_norm) + activations (H, y, inj_prev in; H', x, inj out).
+FLOPs = 2 M (2 r + S) S D."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from fnx.pallas.bench import BenchCase, n_sets
+from fnx.pallas.hc import api
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    s, d, r = (4, 256, 32) if quick else (4, 2560, 320)
+    sd = s * d
+    dt = jnp.bfloat16
+    el = jnp.dtype(dt).itemsize
+    w_bytes = (2 * r * sd + s * sd + sd) * el
+    out = []
+    for m in ((1, 5) if quick else (1, 5, 32)):
+        act_bytes = (2 * m * sd + 2 * m * d + 2 * m * s) * el
+        nbytes = w_bytes + act_bytes
+        flops = 2 * m * (2 * r + s) * sd
+        sets = 2 if quick else n_sets(nbytes)
+        key = jax.random.PRNGKey(m)
+        arg_sets = []
+        for _ in range(sets):
+            ks = jax.random.split(key, 8)
+            key = ks[7]
+            arg_sets.append((
+                jax.random.normal(ks[0], (m, sd), dt), jax.random.normal(ks[1], (m, d), dt),
+                (2 * jax.nn.sigmoid(jax.random.normal(ks[2], (m, s)))).astype(dt),
+                (0.1 * jax.random.normal(ks[3], (sd,))).astype(dt),
+                (jax.random.normal(ks[4], (r, sd)) * sd ** -0.5).astype(dt),
+                (jax.random.normal(ks[5], (sd, r)) * r ** -0.5).astype(dt),
+                (jax.random.normal(ks[6], (s, sd)) * sd ** -0.5).astype(dt)))
+        for impl in ("pallas", "reference"):
+            out.append(BenchCase(
+                kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl=impl,
+                fn=lambda *a, _impl=impl: api.hc_boundary(*a, streams=s, eps=1e-6, impl=_impl),
+                arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
+    return out

@@ -1,0 +1,183 @@
+"""Hyper-connection layer boundary in Pallas (Triton lowering), for decode (M <= 32 tokens).
+
+Four steps, two of them Pallas kernels (the two weight streams need a grid-wide reduction between them):
+  pre  (XLA, one fusion): H' = H + inj_prev * y and each stream's 1 / rms, rstd [M, S] fp32.
+  down (Pallas): grid (R / BR + 1, S, KS). Program (n, j, ks) normalises its K range of stream j on the fly
+        (Hn = round(H' * rstd * (1 + w))) and multiplies it by rows [n*BR, (n+1)*BR) of Wdown (the last n reads
+        the S rows of Winj instead); fp32 split-K partials [S*KS, M, R+BR].
+  mid  (XLA, one fusion): sum the partials, round, / S, silu -> u [M, r]; inj = 2 sigmoid(round(.) / S).
+  up   (Pallas): grid (D / BD,). Program i computes m_j = sigmoid(round(u @ Wup_j[i*BD:(i+1)*BD].T)) for every
+        stream j, renormalises Hn_j for the same columns and writes x = round(mean_j round(m_j * Hn_j)).
+Tokens are padded to Mp = max(16, pow2(M)) rows so every dot is MMA-shaped."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands: IEEE, not TF32; bf16 operands: no effect
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    br: int = 16            # rows of Wdown per program (down)
+    bk: int = 128           # K chunk (down)
+    ks: int = 4             # K splits per stream (down)
+    bd: int = 32            # output columns per program (up)
+    bkr: int = 64           # low-rank chunk (up)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def choose_tiles(d: int, r: int) -> Tiles:
+    bk = _largest_pow2_divisor(d, 128)
+    chunks = d // bk
+    ks = max(k for k in (1, 2, 4, 5, 8) if chunks % k == 0)
+    bd = _largest_pow2_divisor(d, 32)
+    bkr = min(64, max(16, _pow2(r)))
+    return Tiles(bk=bk, ks=ks, bd=bd, bkr=bkr)
+
+
+def _down_kernel(h_ref, rstd_ref, wn_ref, wd_ref, wi_ref, out_ref, *, d, r, s, br, bk, n_chunks, n_down):
+    n, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rstd = rstd_ref[:, pl.dslice(j, 1)]                               # [Mp, 1]
+    mp = rstd.shape[0]
+    dt = h_ref.dtype
+    rows = jnp.arange(br, dtype=jnp.int32)
+
+    def hn_chunk(c):
+        col = j * d + (ks * n_chunks + c) * bk
+        hc = h_ref[:, pl.dslice(col, bk)].astype(F32)
+        w = wn_ref[pl.dslice(col, bk)].astype(F32)
+        return (hc * rstd * (1.0 + w[None, :])).astype(dt), col
+
+    def run(w_ref, row0, n_rows):
+        wrows = row0 + rows
+        ok = jnp.broadcast_to((wrows < n_rows)[:, None], (br, bk))
+        safe = jnp.where(wrows < n_rows, wrows, 0)
+
+        def body(c, acc):
+            hn, col = hn_chunk(c)
+            cols = col + jnp.arange(bk, dtype=jnp.int32)
+            w = plt.load(w_ref.at[safe[:, None], cols[None, :]], mask=ok, other=0.0).astype(dt)   # [br, bk]
+            return acc + jnp.dot(hn, w.T, precision=HIGHEST, preferred_element_type=F32)
+        acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((mp, br), F32))
+        out_ref[...] = acc
+
+    @pl.when(n < n_down)
+    def _():
+        run(wd_ref, n * br, r)
+
+    @pl.when(n == n_down)
+    def _():
+        run(wi_ref, 0, s)
+
+
+def _up_kernel(u_ref, h_ref, rstd_ref, wn_ref, wu_ref, x_ref, *, d, r, s, bd, bkr, n_rchunks):
+    i = pl.program_id(0)
+    dt = h_ref.dtype
+    mp = u_ref.shape[0]
+    dcols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+    acc = jnp.zeros((mp, bd), F32)
+    for j in range(s):                                                # S = 4 streams, unrolled
+        wrows = j * d + dcols
+
+        def body(c, z):
+            kc = c * bkr + jnp.arange(bkr, dtype=jnp.int32)
+            ok = jnp.broadcast_to((kc < r)[None, :], (bd, bkr))
+            w = plt.load(wu_ref.at[wrows[:, None], jnp.where(kc < r, kc, 0)[None, :]], mask=ok,
+                         other=0.0).astype(dt)                        # [bd, bkr]
+            u = u_ref[:, pl.dslice(c * bkr, bkr)]                     # [Mp, bkr]
+            return z + jnp.dot(u, w.T, precision=HIGHEST, preferred_element_type=F32)
+        z = lax.fori_loop(0, n_rchunks, body, jnp.zeros((mp, bd), F32))
+        m = jax.nn.sigmoid(z.astype(dt).astype(F32)).astype(dt)
+        col = j * d + i * bd
+        hc = h_ref[:, pl.dslice(col, bd)].astype(F32)
+        w = wn_ref[pl.dslice(col, bd)].astype(F32)
+        hn = (hc * rstd_ref[:, pl.dslice(j, 1)] * (1.0 + w[None, :])).astype(dt)
+        acc = acc + (m.astype(F32) * hn.astype(F32)).astype(dt).astype(F32)
+    x_ref[...] = (acc / s).astype(dt)
+
+
+def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
+                interpret: bool = False, tiles: Tiles | None = None):
+    """Same contract as reference.hc_boundary."""
+    dt = h.dtype
+    lead = h.shape[:-1]
+    sd = h.shape[-1]
+    s = streams
+    d = sd // s
+    r = w_down.shape[0]
+    m_tok = 1
+    for n in lead:
+        m_tok *= n
+    t = tiles or choose_tiles(d, r)
+    if d % (t.bk * t.ks) or d % t.bd:
+        raise ValueError(f"hc_boundary: D={d} must be a multiple of bk*ks={t.bk * t.ks} and bd={t.bd}")
+    mp = max(16, _pow2(m_tok))
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+
+    # pre: combine and per-stream 1/rms (one XLA fusion over M x S*D values)
+    h2 = h.reshape(m_tok, sd)
+    if y is not None:
+        h2 = h2 + (y.reshape(m_tok, 1, d) * inj_prev.reshape(m_tok, s, 1)).reshape(m_tok, sd)
+    x32 = h2.astype(F32).reshape(m_tok, s, d)
+    rstd = lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)               # [M, S]
+    hp = jnp.pad(h2, ((0, mp - m_tok), (0, 0)))
+    rstdp = jnp.pad(rstd, ((0, mp - m_tok), (0, 0)))
+
+    # down: split-K partials of Hn @ [Wdown; Winj].T
+    n_down = -(-r // t.br)
+    n_prog = n_down + (1 if w_inj is not None else 0)
+    wi = w_inj if w_inj is not None else w_down[:1]
+    n_chunks = d // t.bk // t.ks
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    parts = pl.pallas_call(
+        functools.partial(_down_kernel, d=d, r=r, s=s, br=t.br, bk=t.bk, n_chunks=n_chunks, n_down=n_down),
+        grid=(n_prog, s, t.ks),
+        in_specs=[whole, whole, whole, whole, whole],
+        out_specs=pl.BlockSpec((None, mp, t.br), lambda n, j, k: (j * t.ks + k, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((s * t.ks, mp, n_prog * t.br), F32),
+        interpret=interpret, name="hc_down", **params,
+    )(hp, rstdp, hc_norm, w_down, wi)
+
+    # mid: reduce the splits, then the model's own bf16 ops
+    a = jnp.sum(parts, axis=0)[:m_tok].astype(dt)
+    u = jax.nn.silu((a[:, :r].astype(F32) / s).astype(dt))
+    inj = None
+    if w_inj is not None:
+        ai = a[:, n_down * t.br: n_down * t.br + s]
+        inj = (2 * jax.nn.sigmoid((ai.astype(F32) / s).astype(dt))).reshape(*lead, s)
+    rp = -(-r // t.bkr) * t.bkr
+    up = jnp.pad(u, ((0, mp - m_tok), (0, rp - r)))
+
+    # up: sigmoid gates, renormalised streams, 4-stream mean
+    x = pl.pallas_call(
+        functools.partial(_up_kernel, d=d, r=r, s=s, bd=t.bd, bkr=t.bkr, n_rchunks=rp // t.bkr),
+        grid=(d // t.bd,),
+        in_specs=[whole, whole, whole, whole, whole],
+        out_specs=pl.BlockSpec((mp, t.bd), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((mp, d), dt),
+        interpret=interpret, name="hc_up", **params,
+    )(up, hp, rstdp, hc_norm, w_up)
+    return h2.reshape(h.shape), x[:m_tok].reshape(*lead, d), inj

@@ -1,0 +1,116 @@
+"""Benchmark cases for QSA sparse decode attention: B = 1, T = 1 (decode) and T = 5 (MTP k=4 verify), contexts of
+32K and 128K tokens, 512 selected blocks of 4 tokens plus a 3-token tail per query (2051 slots).
+
+Impls: "pallas" (the kernel), "reference" (fnx.pallas.qsa.reference: XLA gather + einsum) and "dense_masked"
+(what fnx.model.qsa.qsa_layer does without a kernel: masked attention over the whole cache).
+Bytes floor = the K and V rows of the distinct selected tokens (per KV head) + q + out (+ the index list). Each
+query row draws its own blocks here, so at T = 5 the floor is ~5x the T = 1 floor; real verify rows share most
+blocks, which only helps the kernel (L2 reuse).
+
+Also "qsa_index_scores" (the indexer scoring before top-k): bytes floor = the pooled block keys (NB x 128 x 2 B)
++ q + the fp32 scores written (L x NB x 4 B); FLOPs = 2 x L x 4 x 128 x NB."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnx.pallas.bench import BenchCase, n_sets
+from fnx.pallas.qsa import api
+
+HQ, HKV, HD, CR, TOPK = 24, 2, 256, 4, 512
+HI, DI = 4, 128
+
+
+def _indices(rng, bsz, length, ctx, topk, cr):
+    """[B, L, topk * cr + cr - 1]: random complete blocks before the query plus a full 3-token tail."""
+    n_blocks = (ctx - cr) // cr
+    idx = np.empty((bsz, length, topk * cr + cr - 1), np.int32)
+    for b in range(bsz):
+        for l in range(length):
+            blocks = rng.choice(n_blocks, size=topk, replace=False)
+            idx[b, l, : topk * cr] = (blocks[:, None] * cr + np.arange(cr)).reshape(-1)
+            idx[b, l, topk * cr:] = n_blocks * cr + np.arange(cr - 1)
+    return idx
+
+
+def _dense_masked(q, kc, vc, mask):
+    """The model's reference path (fnx.model.qsa.qsa_layer) for the same token set."""
+    dt = q.dtype
+    bsz, length, hq, hd = q.shape
+    hkv = kc.shape[1]
+    qh = q.reshape(bsz, length, hkv, hq // hkv, hd)
+    s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc, preferred_element_type=jnp.float32).astype(dt)
+    s = (s.astype(jnp.float32) * hd ** -0.5).astype(dt).astype(jnp.float32)
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    probs = jax.nn.softmax(s, axis=-1).astype(dt)
+    o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc, preferred_element_type=jnp.float32).astype(dt)
+    return o.reshape(bsz, length, hq, hd)
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    out = []
+    contexts = (4096,) if quick else (32768, 131072)
+    topk = 64 if quick else TOPK
+    rng = np.random.default_rng(0)
+    for ctx in contexts:
+        for length in (1, 5):
+            bsz = 1
+            idx0 = _indices(rng, bsz, length, ctx, topk, CR)
+            uniq = sum(len(np.unique(idx0[b])) for b in range(bsz))
+            n_sel = idx0.shape[-1]
+            nbytes = (uniq * HKV * HD * 2 * 2            # K and V rows of the distinct selected tokens, bf16
+                      + 2 * bsz * length * HQ * HD * 2     # q and out
+                      + idx0.size * 4)
+            flops = 4 * bsz * length * HQ * HD * n_sel
+            sets = 2 if quick else n_sets(nbytes)
+            key = jax.random.PRNGKey(ctx + length)
+            arg_sets, dense_sets = [], []
+            for i in range(sets):
+                k1, k2, k3, key = jax.random.split(key, 4)
+                q = jax.random.normal(k1, (bsz, length, HQ, HD), jnp.bfloat16)
+                kc = jax.random.normal(k2, (bsz, HKV, ctx, HD), jnp.bfloat16)
+                vc = jax.random.normal(k3, (bsz, HKV, ctx, HD), jnp.bfloat16)
+                ix = idx0 if i == 0 else _indices(rng, bsz, length, ctx, topk, CR)
+                mask = np.zeros((bsz, length, ctx), bool)
+                for b in range(bsz):
+                    for l in range(length):
+                        mask[b, l, ix[b, l]] = True
+                arg_sets.append((q, kc, vc, jnp.asarray(ix)))
+                dense_sets.append((q, kc, vc, jnp.asarray(mask)))
+            shape = f"B={bsz} T={length} ctx={ctx} n_sel={n_sel}"
+            extra = {"ctx": ctx, "T": length, "n_sel": n_sel, "distinct_tokens": int(uniq)}
+            for impl in ("pallas", "reference"):
+                out.append(BenchCase(
+                    kernel="qsa_decode_attention", shape=shape, impl=impl,
+                    fn=lambda q, k, v, i, _impl=impl: api.qsa_decode_attention(q, k, v, i, impl=_impl),
+                    arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra)))
+            out.append(BenchCase(
+                kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
+                arg_sets=dense_sets, bytes=nbytes, flops=flops,
+                extra=dict(extra, note="model reference path: reads the whole cache")))
+    out += score_cases(quick)
+    return out
+
+
+def score_cases(quick: bool) -> list[BenchCase]:
+    out = []
+    for ctx in ((4096,) if quick else (32768, 131072)):
+        nb = ctx // CR
+        for length in (1, 5):
+            nbytes = nb * DI * 2 + length * HI * DI * 2 + length * nb * 4
+            sets = 2 if quick else n_sets(nbytes)
+            key = jax.random.PRNGKey(7 * ctx + length)
+            arg_sets = []
+            for _ in range(sets):
+                k1, k2, key = jax.random.split(key, 3)
+                arg_sets.append((jax.random.normal(k1, (1, length, HI, DI), jnp.bfloat16),
+                                 jax.random.normal(k2, (1, nb, DI), jnp.bfloat16),
+                                 jnp.full((1, length), ctx - length, jnp.int32) + jnp.arange(length, dtype=jnp.int32)))
+            for impl in ("pallas", "reference"):
+                out.append(BenchCase(
+                    kernel="qsa_index_scores", shape=f"B=1 T={length} ctx={ctx} blocks={nb}", impl=impl,
+                    fn=lambda q, b, p, _impl=impl: api.qsa_index_scores(q, b, p, CR, impl=_impl),
+                    arg_sets=arg_sets, bytes=nbytes, flops=2 * length * HI * DI * nb, extra={"ctx": ctx, "T": length}))
+    return out

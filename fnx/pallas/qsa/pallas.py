@@ -1,0 +1,190 @@
+"""QSA sparse decode attention in Pallas (Triton lowering): flash-decoding over the selected-token axis.
+
+Grid (B*L, Hkv, n_splits). Program (bl, g, c) owns query token bl's heads of KV group g (the group's G query
+heads padded to a power of two >= 16, so both dots are MMA-shaped) and slots [c*iters*block_n, (c+1)*iters*block_n)
+of that token's index list. Each inner step loads block_n indices, gathers those K and V rows straight from the
+cache (rows with index -1 are masked: no memory traffic), and updates an online softmax. Each program writes
+its partial max m, sum l and unnormalised accumulator acc; `combine` merges the splits in jnp (a few KB).
+All G query heads of a KV head share one gather of K/V."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands: IEEE, not TF32; bf16 operands: no effect
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_n: int = 32        # selected tokens per inner step (power of two, >= 16)
+    iters: int = 1           # inner steps per program
+    n_splits: int = 64       # programs along the selected-token axis
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def choose_tiles(n_rows: int, hkv: int, n_sel: int, target_programs: int = 264) -> Tiles:
+    """Heuristic: enough programs (~2 per H200 SM) that one sequence fills the GPU, at least 32 slots each.
+    n_rows = B * L query tokens."""
+    block_n = 32 if n_sel >= 32 else 16
+    chunks = -(-n_sel // block_n)
+    want = max(1, -(-target_programs // (n_rows * hkv)))
+    n_splits = min(chunks, want)
+    iters = -(-chunks // n_splits)
+    n_splits = -(-chunks // iters)
+    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits)
+
+
+def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv, seq_len, hd, block_n, iters,
+            sm_scale):
+    bl, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    base = (bl // length * hkv + g) * seq_len
+    q = q_ref[...]                                                    # [Gp, hd]
+    dt = q.dtype
+    gp = q.shape[0]
+    cols = jnp.arange(hd, dtype=jnp.int32)
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = (c * iters + i) * block_n
+        ix = idx_ref[bl, pl.dslice(start, block_n)]                   # [block_n]
+        valid = ix >= 0
+        rows = base + jnp.where(valid, ix, 0)
+        at = (rows[:, None], cols[None, :])          # integer-array gather (the interpreter needs both arrays)
+        kv_mask = jnp.broadcast_to(valid[:, None], (block_n, hd))
+        k = plt.load(k_ref.at[at], mask=kv_mask, other=0.0)          # [block_n, hd]
+        v = plt.load(v_ref.at[at], mask=kv_mask, other=0.0)
+        s = jnp.dot(q, k.T, precision=HIGHEST, preferred_element_type=F32)          # [Gp, block_n]
+        s = (s.astype(dt).astype(F32) * sm_scale).astype(dt).astype(F32)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v.astype(dt), precision=HIGHEST,
+                                             preferred_element_type=F32)
+        return m_new, l, acc
+
+    init = (jnp.full((gp,), -jnp.inf, F32), jnp.zeros((gp,), F32), jnp.zeros((gp, hd), F32))
+    m, l, acc = jax.lax.fori_loop(0, iters, body, init)
+    m_ref[...] = m
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+
+def combine(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
+    """Merge the splits: m, l [..., n_splits, Gp], acc [..., n_splits, Gp, hd] -> o [..., Gp, hd] fp32."""
+    mx = jnp.max(m, axis=-2, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(m - mx)                                               # 0 for empty splits
+    den = jnp.sum(w * l, axis=-2)
+    num = jnp.sum(w[..., None] * acc, axis=-3)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx: jax.Array, *,
+                         interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
+    """Same contract as reference.qsa_decode_attention."""
+    bsz, length, hq, hd = q.shape
+    _, hkv, seq_len, hd_k = k_cache.shape
+    n_sel = idx.shape[-1]
+    if hq % hkv or hd_k != hd or hd & (hd - 1) or hd < 16:
+        raise ValueError(f"qsa_decode_attention: q {q.shape} and cache {k_cache.shape} need Hq % Hkv == 0, the same "
+                         "head_dim, and a power-of-two head_dim >= 16")
+    dt = q.dtype
+    grp = hq // hkv
+    gp = max(16, _pow2(grp))
+    rows = bsz * length
+    t = tiles or choose_tiles(rows, hkv, n_sel)
+    n_pad = t.n_splits * t.iters * t.block_n
+    qg = q.reshape(rows, hkv, grp, hd)
+    if gp != grp:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
+    ix = idx.reshape(rows, n_sel).astype(jnp.int32)
+    if n_pad != n_sel:
+        ix = jnp.pad(ix, ((0, 0), (0, n_pad - n_sel)), constant_values=-1)
+    kf = k_cache.astype(dt).reshape(bsz * hkv * seq_len, hd)
+    vf = v_cache.astype(dt).reshape(bsz * hkv * seq_len, hd)
+
+    kernel = functools.partial(_kernel, length=length, hkv=hkv, seq_len=seq_len, hd=hd, block_n=t.block_n,
+                               iters=t.iters, sm_scale=hd ** -0.5)
+    grid = (rows, hkv, t.n_splits)
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+    m, l, acc = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[pl.BlockSpec((None, None, gp, hd), lambda i, j, c: (i, j, 0, 0)), whole, whole, whole],
+        out_specs=[pl.BlockSpec((None, None, None, gp), lambda i, j, c: (i, j, c, 0)),
+                   pl.BlockSpec((None, None, None, gp), lambda i, j, c: (i, j, c, 0)),
+                   pl.BlockSpec((None, None, None, gp, hd), lambda i, j, c: (i, j, c, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((rows, hkv, t.n_splits, gp), F32),
+                   jax.ShapeDtypeStruct((rows, hkv, t.n_splits, gp), F32),
+                   jax.ShapeDtypeStruct((rows, hkv, t.n_splits, gp, hd), F32)],
+        interpret=interpret,
+        name="qsa_decode_attention",
+        **params,
+    )(qg, ix, kf, vf)
+    o = combine(m, l, acc)[:, :, :grp]                                # [rows, Hkv, G, hd]
+    return o.astype(dt).reshape(bsz, length, hq, hd)
+
+
+def _scores_kernel(q_ref, pos_ref, blk_ref, out_ref, *, n_blocks, hi, di, bn, cr, sqrt_di):
+    b, c = pl.program_id(0), pl.program_id(1)
+    pos = pos_ref[...]                                                # [Lp]
+    lp = pos.shape[0]
+    rows = c * bn + jnp.arange(bn, dtype=jnp.int32)
+    ok = rows < n_blocks
+    at = ((b * n_blocks + jnp.where(ok, rows, 0))[:, None], jnp.arange(di, dtype=jnp.int32)[None, :])
+    k = plt.load(blk_ref.at[at], mask=jnp.broadcast_to(ok[:, None], (bn, di)), other=0.0).astype(F32)   # [bn, di]
+    acc = jnp.zeros((lp, bn), F32)
+    for h in range(hi):
+        acc = acc + jnp.maximum(jnp.dot(q_ref[h], k.T, precision=HIGHEST, preferred_element_type=F32), 0.0)
+    s = acc / sqrt_di
+    valid = (rows * cr + cr - 1)[None, :] <= pos[:, None]
+    out_ref[...] = jnp.where(valid, s, -jnp.inf)
+
+
+def qsa_index_scores(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, cr: int, *,
+                     interpret: bool = False, bn: int = 128, num_warps: int = 4) -> jax.Array:
+    """Same contract as reference.qsa_index_scores. Grid (B, ceil(NB / bn)): each program streams bn block keys
+    once for every query row and indexer head of its sequence (rows padded to 16)."""
+    bsz, length, hi, di = q_idx.shape
+    n_blocks = blocks.shape[1]
+    if di & (di - 1) or di < 16:
+        raise ValueError(f"qsa_index_scores: indexer head_dim {di} must be a power of two >= 16")
+    lp = max(16, _pow2(length))
+    q = jnp.swapaxes(q_idx.astype(F32), 1, 2)                         # [B, Hi, L, di]
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, lp - length), (0, 0)))
+    pos = jnp.pad(positions.astype(jnp.int32), ((0, 0), (0, lp - length)), constant_values=-1)
+    n_prog = -(-n_blocks // bn)
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=2)
+    out = pl.pallas_call(
+        functools.partial(_scores_kernel, n_blocks=n_blocks, hi=hi, di=di, bn=bn, cr=cr,
+                          sqrt_di=float(np.sqrt(np.float32(di), dtype=np.float32))),
+        grid=(bsz, n_prog),
+        in_specs=[pl.BlockSpec((None, hi, lp, di), lambda b, c: (b, 0, 0, 0)),
+                  pl.BlockSpec((None, lp), lambda b, c: (b, 0)),
+                  pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec((None, lp, bn), lambda b, c: (b, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((bsz, lp, n_prog * bn), F32),
+        interpret=interpret, name="qsa_index_scores", **params,
+    )(q, pos, blocks.reshape(bsz * n_blocks, di))
+    return out[:, :length, :n_blocks]

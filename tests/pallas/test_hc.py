@@ -1,0 +1,85 @@
+"""Hyper-connection boundary: the Pallas kernel (interpret mode) against fnx.pallas.hc.reference, the model's
+gated_residual / boundary through the kernel, and the CUDA lowering at the released shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fnx.model import hyper
+from fnx.pallas.hc import api, reference
+from fnx.pallas.hc import pallas as kernel
+
+# x and inj: bf16 products and fp32 sums in another order (split-K) give a few ulp; H' is the same jnp ops.
+TOL = {jnp.bfloat16: 2e-2, jnp.float32: 1e-5}
+
+
+def _inputs(lead, s, d, r, dtype, seed, inject=True):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    n = lambda k, shape, sc=1.0: (sc * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+    h = n(ks[0], lead + (s * d,), 3.0)
+    y = n(ks[1], lead + (d,))
+    inj = (2 * jax.nn.sigmoid(jax.random.normal(ks[2], lead + (s,)))).astype(dtype)
+    p = {"hc_norm": n(ks[3], (s * d,), 0.1), "input_mix_weight_down": n(ks[4], (r, s * d), (s * d) ** -0.5),
+         "input_mix_weight_up": n(ks[5], (s * d, r), r ** -0.5)}
+    if inject:
+        p["block_inject_weight"] = n(ks[6], (s, s * d), (s * d) ** -0.5)
+    return h, y, inj, p
+
+
+def _args(p, inject):
+    return (p["hc_norm"], p["input_mix_weight_down"], p["input_mix_weight_up"],
+            p["block_inject_weight"] if inject else None)
+
+
+def _close(got, want, tol, what):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert got.shape == want.shape and np.all(np.isfinite(got)), what
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-6)
+    assert err < tol, (what, err)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("lead,with_y,inject,tiles", [
+    ((1, 1), True, True, None),
+    ((1, 5), True, True, kernel.Tiles(br=16, bk=16, ks=2, bd=16, bkr=16)),
+    ((3,), False, False, None),
+])
+def test_kernel_matches_reference(dtype, lead, with_y, inject, tiles):
+    h, y, inj, p = _inputs(lead, 4, 64, 24, dtype, np.random.randint(1 << 30), inject)
+    y, inj = (y, inj) if with_y else (None, None)
+    want = jax.jit(lambda *a: reference.hc_boundary(*a, streams=4, eps=1e-6))(h, y, inj, *_args(p, inject))
+    got = jax.jit(lambda *a: api.hc_boundary(*a, streams=4, eps=1e-6, impl="pallas_interpret", tiles=tiles))(
+        h, y, inj, *_args(p, inject))
+    _close(got[0], want[0], 1e-6, "H'")
+    _close(got[1], want[1], TOL[dtype], "x")
+    if inject:
+        _close(got[2], want[2], TOL[dtype], "inj")
+    else:
+        assert got[2] is None
+
+
+def test_model_wiring():
+    """hyper.gated_residual / hyper.boundary through the kernel agree with their jnp reference paths."""
+    h, y, inj, p = _inputs((1, 2), 4, 64, 24, jnp.bfloat16, np.random.randint(1 << 30))
+    x_r, i_r = hyper.gated_residual(p, h, 4, 1e-6, impl="reference")
+    x_k, i_k = jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6, impl="pallas_interpret"))(h)
+    _close(x_k, x_r, TOL[jnp.bfloat16], "x")
+    _close(i_k, i_r, TOL[jnp.bfloat16], "inj")
+    h_r = hyper.combine(h, y, inj)
+    h_k, x_k, _ = jax.jit(lambda h, y, i: hyper.boundary(p, h, y, i, 4, 1e-6, impl="pallas_interpret"))(h, y, inj)
+    np.testing.assert_array_equal(np.asarray(h_k, np.float32), np.asarray(h_r, np.float32))
+    _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_lowers_for_cuda_released_shapes(m):
+    """4 streams x 2560, rank 320, with injection."""
+    sd, d, r = 10240, 2560, 320
+    bf = jnp.bfloat16
+    sds = [jax.ShapeDtypeStruct((m, sd), bf), jax.ShapeDtypeStruct((m, d), bf), jax.ShapeDtypeStruct((m, 4), bf),
+           jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), bf), jax.ShapeDtypeStruct((sd, r), bf),
+           jax.ShapeDtypeStruct((4, sd), bf)]
+    f = jax.jit(lambda *a: kernel.hc_boundary(*a, streams=4, eps=1e-6))
+    text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.lower().count("triton") >= 2

@@ -1,0 +1,207 @@
+"""QSA sparse decode attention: token selection as indices (against the mask reference), the Pallas kernel in
+interpret mode (against fnx.pallas.qsa.reference), the model's decode path through the kernel, and the lowering
+for CUDA at the released shapes."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fnx.model import qsa
+from fnx.pallas.qsa import api, reference
+from fnx.pallas.qsa import pallas as kernel
+
+# bf16: one rounding of the output plus bf16 probabilities summed in a different order (~2 ulp at |o| <= 1)
+TOL = {jnp.bfloat16: 2e-2, jnp.float32: 2e-5}
+
+
+def _cfg(budget=16, cr=4, di=16):
+    return SimpleNamespace(indexer_compress_ratio=cr, block_topk=budget // cr, indexer_head_dim=di)
+
+
+def _mask_from_indices(idx, capacity):
+    idx = np.asarray(idx)
+    m = np.zeros(idx.shape[:2] + (capacity,), bool)
+    for b in range(idx.shape[0]):
+        for l in range(idx.shape[1]):
+            row = idx[b, l][idx[b, l] >= 0]
+            assert len(set(row.tolist())) == len(row), "a position appears twice"
+            m[b, l, row] = True
+    return m
+
+
+def _check_selection(q_idx, blocks, positions, capacity, cfg, impl="reference"):
+    idx = jax.jit(lambda *a: qsa.select_token_indices(*a, capacity, cfg, impl))(q_idx, blocks, positions)
+    mask = jax.jit(lambda *a: qsa.select_tokens(*a, capacity, cfg))(q_idx, blocks, positions)
+    np.testing.assert_array_equal(_mask_from_indices(idx, capacity), np.asarray(mask))
+    return np.asarray(idx)
+
+
+@pytest.mark.parametrize("capacity", [16, 18, 64, 66])   # dense regime (NB <= top-k) and sparse
+def test_indices_match_mask_every_position(capacity):
+    """Every query position 0..capacity-1: the budget boundary, tails of 0..3 tokens, B = 2."""
+    cfg = _cfg()
+    k1, k2 = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)))
+    bsz, nb = 2, capacity // cfg.indexer_compress_ratio
+    q_idx = jax.random.normal(k1, (bsz, capacity, 2, cfg.indexer_head_dim), jnp.float32)
+    blocks = jax.random.normal(k2, (bsz, nb, cfg.indexer_head_dim), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (bsz, capacity))
+    idx = _check_selection(q_idx, blocks, positions, capacity, cfg)
+    n_tail = (idx[..., -(cfg.indexer_compress_ratio - 1):] >= 0).sum(-1)
+    np.testing.assert_array_equal(n_tail, (np.asarray(positions) + 1) % cfg.indexer_compress_ratio)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+def test_exact_ties_pick_lower_blocks(impl):
+    """All scores 0 (every ReLU is zero): the lowest valid block indices win, as in the mask reference."""
+    cfg = _cfg()
+    capacity, di = 64, cfg.indexer_head_dim
+    blocks = jnp.ones((1, capacity // 4, di), jnp.float32)
+    q_idx = -jnp.ones((1, 3, 2, di), jnp.float32)
+    positions = jnp.array([[31, 40, 63]], jnp.int32)        # tail 0, 1 and 0 tokens
+    idx = _check_selection(q_idx, blocks, positions, capacity, cfg, impl)
+    for l in range(3):
+        chosen = sorted(set((idx[0, l, :16][idx[0, l, :16] >= 0] // 4).tolist()))
+        assert chosen == [0, 1, 2, 3]
+
+
+def test_budget_boundary_is_dense():
+    """A query with exactly top-k complete blocks sees every causal token; one block more drops one block."""
+    cfg = _cfg()
+    capacity = 64
+    k1, k2 = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)))
+    q_idx = jax.random.normal(k1, (1, 4, 2, 16), jnp.float32)
+    blocks = jax.random.normal(k2, (1, 16, 16), jnp.float32)
+    positions = jnp.array([[15, 18, 19, 20]], jnp.int32)   # 4, 4, 5, 5 complete blocks
+    idx = _check_selection(q_idx, blocks, positions, capacity, cfg)
+    counts = (idx >= 0).sum(-1)[0].tolist()
+    assert counts == [16, 19, 16, 17]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_index_scores_kernel(dtype):
+    """Indexer scores: the kernel against the reference (fp32 sums in another order: ~1 ulp), -inf exactly where
+    the reference has it, and the same selection."""
+    cfg = _cfg()
+    k1, k2 = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)))
+    capacity, length = 600, 5                                # 150 blocks: two programs of 128, ragged
+    q_idx = jax.random.normal(k1, (2, length, 2, 16), jnp.float32).astype(dtype)
+    blocks = jax.random.normal(k2, (2, capacity // 4, 16), jnp.float32).astype(dtype)
+    positions = jnp.array([[3, 300, 301, 302, 599], [100, 101, 102, 103, 104]], jnp.int32)
+    want = np.asarray(reference.qsa_index_scores(q_idx, blocks, positions, 4))
+    got = np.asarray(jax.jit(lambda *a: api.qsa_index_scores(*a, 4, impl="pallas_interpret"))(q_idx, blocks,
+                                                                                               positions))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
+    _check_selection(q_idx, blocks, positions, capacity, cfg, "pallas_interpret")
+
+
+def _inputs(dtype, bsz, length, hq, hkv, hd, seq, n_sel, seed):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (bsz, length, hq, hd), jnp.float32).astype(dtype)
+    kc = jax.random.normal(ks[1], (bsz, hkv, seq, hd), jnp.float32).astype(dtype)
+    vc = jax.random.normal(ks[2], (bsz, hkv, seq, hd), jnp.float32).astype(dtype)
+    rng = np.random.default_rng(seed)
+    idx = np.full((bsz, length, n_sel), -1, np.int32)
+    for b in range(bsz):
+        for l in range(length):
+            n = rng.integers(1, n_sel + 1)
+            idx[b, l, :n] = rng.choice(seq, size=n, replace=False)
+            rng.shuffle(idx[b, l])
+    idx[0, 0] = -1                                          # a row with nothing selected gives zeros
+    return q, kc, vc, jnp.asarray(idx)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("tiles", [None, kernel.Tiles(block_n=16, iters=2, n_splits=3)])
+def test_kernel_matches_reference(dtype, tiles):
+    seed = np.random.randint(1 << 30)
+    q, kc, vc, idx = _inputs(dtype, bsz=2, length=2, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=seed)
+    want = jax.jit(reference.qsa_decode_attention)(q, kc, vc, idx)
+    got = jax.jit(lambda *a: api.qsa_decode_attention(*a, impl="pallas_interpret", tiles=tiles))(q, kc, vc, idx)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_array_equal(got[0, 0], 0.0)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < TOL[dtype], err
+
+
+def test_reference_matches_masked_dense():
+    """The gather reference equals the model's masked dense softmax for the same token set."""
+    seed = np.random.randint(1 << 30)
+    q, kc, vc, idx = _inputs(jnp.bfloat16, bsz=1, length=3, hq=4, hkv=2, hd=16, seq=40, n_sel=20, seed=seed)
+    idx = idx.at[0, 0, 0].set(5)
+    mask = jnp.asarray(_mask_from_indices(idx, 40))
+
+    @jax.jit
+    def dense(q, kc, vc, mask):
+        dt = q.dtype
+        qh = q.reshape(1, 3, 2, 2, 16)
+        s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc, preferred_element_type=jnp.float32).astype(dt)
+        s = (s.astype(jnp.float32) * 0.25).astype(dt).astype(jnp.float32)
+        probs = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1).astype(dt)
+        return jnp.einsum("bgrlt,bgtd->blgrd", probs, vc, preferred_element_type=jnp.float32).astype(dt)
+    dense = dense(q, kc, vc, mask)
+    got = jax.jit(reference.qsa_decode_attention)(q, kc, vc, idx)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(dense.reshape(1, 3, 4, 16), np.float32),
+                               rtol=0, atol=1e-2)
+
+
+def _layer_setup(seed):
+    from fnx.config import ModelConfig
+    from fnx.model.transformer import make_meta
+    cfg = ModelConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, mrope_section=(2, 1, 1), indexer_n_heads=2, indexer_head_dim=16,
+                      indexer_budget=16, ple_layer_ids=())
+    ks = iter(jax.random.split(jax.random.PRNGKey(seed), 16))
+    dt = jnp.float32
+    w = lambda *s: 0.2 * jax.random.normal(next(ks), s, dt)
+    d, h, hkv, hd, hi, di = 64, 4, 2, 32, 2, 16
+    p = {"q_proj": w(2 * h * hd, d), "k_proj": w(hkv * hd, d), "v_proj": w(hkv * hd, d), "o_proj": w(d, h * hd),
+         "q_norm": w(hd), "k_norm": w(hd),
+         "indexer": {"index_qk_proj": w(hi * di + di, d), "q_layernorm": w(di), "k_layernorm": w(di)}}
+    cap = 96
+    st = {"k": w(1, hkv, cap, hd) * 5, "v": w(1, hkv, cap, hd) * 5, "idx_blocks": w(1, cap // 4, di) * 5,
+          "idx_ring": w(1, 4, di) * 5}
+    return cfg, p, st, make_meta, dt, next(ks)
+
+
+@pytest.mark.parametrize("length,pos", [(1, 70), (5, 61), (1, 11)])   # sparse T=1, sparse verify T=5, dense
+def test_qsa_layer_decode_through_kernel(length, pos):
+    cfg, p, st, make_meta, dt, kx = _layer_setup(np.random.randint(1 << 30))
+    x = jax.random.normal(kx, (1, length, 64), dt)
+    pos0 = jnp.array([pos], jnp.int32)
+    meta = make_meta(cfg, pos0, length, dt)
+    run = lambda impl: jax.jit(lambda x, st: qsa.qsa_layer(p, x, st, pos0, meta["cos"], meta["sin"],
+                                                           meta["rope_fn"], cfg, meta["n_valid"], impl=impl))
+    y_ref, st_ref, _ = run("reference")(x, st)
+    y_ker, st_ker, _ = run("pallas_interpret")(x, st)
+    np.testing.assert_allclose(np.asarray(y_ker), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
+    for k in st_ref:
+        np.testing.assert_array_equal(np.asarray(st_ker[k]), np.asarray(st_ref[k]))
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_index_scores_lower_for_cuda_released_shapes(length):
+    """65,536 blocks (262,144 tokens), 4 indexer heads x 128."""
+    sds = [jax.ShapeDtypeStruct((1, length, 4, 128), jnp.bfloat16),
+           jax.ShapeDtypeStruct((1, 65536, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, length), jnp.int32)]
+    f = jax.jit(lambda q, b, p: kernel.qsa_index_scores(q, b, p, 4))
+    assert "triton" in f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text().lower()
+
+
+@pytest.mark.parametrize("length", [1, 5])
+def test_lowers_for_cuda_released_shapes(length):
+    """Pallas -> Triton lowering at the released shapes: 24 q heads, 2 KV heads, hd 256, 262,144-token cache,
+    2048 + 3 selected slots."""
+    sds = [jax.ShapeDtypeStruct((1, length, 24, 256), jnp.bfloat16),
+           jax.ShapeDtypeStruct((1, 2, 262144, 256), jnp.bfloat16),
+           jax.ShapeDtypeStruct((1, 2, 262144, 256), jnp.bfloat16),
+           jax.ShapeDtypeStruct((1, length, 2051), jnp.int32)]
+    f = jax.jit(lambda q, k, v, i: kernel.qsa_decode_attention(q, k, v, i))
+    text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text.lower()
