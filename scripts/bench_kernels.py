@@ -127,6 +127,15 @@ def main(argv=None) -> int:
         name = dev.device_kind.lower().replace(" ", "_") + ".json"
         tune_gemv(api.CONFIG_DIR / name, args.quick, lambda s: print(s, flush=True))
     results = []
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sink = out.open("a")   # one JSON line per case as soon as it is timed: a run cut short keeps what it measured
+
+    def record(r):
+        results.append(r)
+        sink.write(json.dumps(r) + "\n")
+        sink.flush()
+
     for fam in args.only:
         if fam not in FAMILIES:
             raise SystemExit(f"unknown family {fam!r}; choose from {FAMILIES}")
@@ -148,19 +157,15 @@ def main(argv=None) -> int:
             except Exception as e:
                 r = {"kernel": c.kernel, "shape": c.shape, "impl": c.impl, "error": f"{type(e).__name__}: {e}"[:400]}
                 print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} ERROR {r['error'][:200]}", flush=True)
-                results.append({**meta, **r})
+                record({**meta, **r})
                 continue
             r = {**meta, **r}
-            results.append(r)
+            record(r)
             extra = " ".join(f"{k}={r[k]}" for k in ("layer", "tiles") if k in r)
             flops = f" {r['tflops']:7.1f} TF/s" if "tflops" in r and r.get("frac_flops", 0) > 0.05 else ""
             print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} {r['us']:9.2f} us {r['tbps']:6.3f} TB/s "
                   f"{r['frac_bw']:6.3f} of ceiling{flops} {extra}", flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("a") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
+    sink.close()
     print(json.dumps({"summary": "bench_kernels", "cases": len(results),
                       "errors": sum("error" in r for r in results), **meta}))
     return 0
