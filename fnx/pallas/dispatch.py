@@ -8,7 +8,7 @@ Backends, by name:
 
 `resolve(op, impl)`:
   impl None or "auto": the env var FNX_KERNELS when it names a backend for this op, otherwise "pallas" where it
-  can run, then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
+  can run and the op is in VERIFIED_ON_GPU, then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
   its reference) or a comma list "op=backend,..." ("gemv_fp8=reference,gdn_decode=pallas"); a backend named
   there that cannot run is an error, not a fallback. It is read when a function is traced, so set it before
   the first jitted call (or clear JAX's caches). Which backend ran is logged once per op.
@@ -27,6 +27,16 @@ import jax
 log = logging.getLogger("fnx.pallas")
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
+
+# Ops whose compiled kernel has passed its tests on a GPU (`pytest tests/pallas` on the H200 runs every kernel
+# test against the compiled kernel): only these are picked by "auto". Every other kernel is tested in interpret
+# mode and lowers for CUDA, but runs on a GPU only when named (impl= or FNX_KERNELS), until its GPU run passes.
+VERIFIED_ON_GPU = {
+    "gemv_bf16": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
+    "gemv_fp8": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
+    "gemv_bf16_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
+    "gemv_fp8_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
+}
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)
 
@@ -87,6 +97,12 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
                 raise ValueError(f"FNX_KERNELS={forced!r}: {op} supports {supported}")
             return resolve(op, forced, supported=supported)
         choice = "pallas" if "pallas" in supported and why_unavailable("pallas") is None else "reference"
+        if choice == "pallas" and op not in VERIFIED_ON_GPU:
+            if (op, "unverified") not in _logged:
+                _logged.add((op, "unverified"))
+                log.warning("fnx kernel %s: its compiled kernel has not passed its GPU tests yet, so 'auto' runs "
+                            "the reference; FNX_KERNELS=%s=pallas opts in", op, op)
+            choice = "reference"
     else:
         if impl not in supported:
             raise ValueError(f"{op}: unknown implementation {impl!r}; choose one of {('auto',) + supported}")
@@ -107,13 +123,14 @@ def env_choice(op: str) -> str | None:
         return None
     if "=" not in spec:
         return spec
+    choice = None
     for part in spec.split(","):
         name, sep, value = part.partition("=")
-        if not sep:
+        if not sep or not name.strip():
             raise ValueError(f"FNX_KERNELS={spec!r}: {part!r} is not op=backend")
         if name.strip() == op:
-            return value.strip()
-    return None
+            choice = value.strip()
+    return choice
 
 
 def interpret_flag(backend: str) -> bool:

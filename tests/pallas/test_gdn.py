@@ -15,6 +15,7 @@ import pytest
 
 from fnx.pallas.gdn import api, reference
 from fnx.pallas.gdn.pallas import Tiles
+from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
 B, HK, HV, DK, DV = 2, 2, 4, 32, 32
 TILES = Tiles(block_v=16)           # two column tiles per head, so the tiling itself is exercised
@@ -45,7 +46,7 @@ def test_512_steps_one_at_a_time():
     def decode(s0, xs):
         def step(s, x):
             qt, kt, vt, gt, bt = (a[:, None] for a in x)
-            o, s = api.gdn_recurrent(qt, kt, vt, gt, bt, s, impl="pallas_interpret", tiles=TILES, **KW)
+            o, s = api.gdn_recurrent(qt, kt, vt, gt, bt, s, impl=KERNEL, tiles=TILES, **KW)
             return s, o[:, 0]
         s, o = jax.lax.scan(step, s0, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
         return jnp.moveaxis(o, 0, 1), s
@@ -60,11 +61,11 @@ def test_512_steps_one_at_a_time():
 @pytest.mark.parametrize("length", [5, 11])   # 11 > Tiles.unroll: the in-kernel fori_loop
 def test_verify_snapshots_equal_stepwise_decoding(length):
     q, k, v, g, beta, s0 = inputs(seed(), length)
-    f = jax.jit(lambda *a: api.gdn_recurrent(*a, keep_steps=True, impl="pallas_interpret", tiles=TILES,
+    f = jax.jit(lambda *a: api.gdn_recurrent(*a, keep_steps=True, impl=KERNEL, tiles=TILES,
                                              steps_with_initial=True, out_dtype=jnp.bfloat16, **KW))
     o, s_fin, steps = f(q, k, v, g, beta, s0)
     assert o.dtype == jnp.bfloat16 and steps.shape == (B, length + 1, HV, DK, DV)
-    one = jax.jit(lambda *a: api.gdn_recurrent(*a, impl="pallas_interpret", tiles=TILES, **KW))
+    one = jax.jit(lambda *a: api.gdn_recurrent(*a, impl=KERNEL, tiles=TILES, **KW))
     s = s0
     np.testing.assert_array_equal(np.asarray(steps[:, 0]), np.asarray(s0))
     for t in range(length):
@@ -85,7 +86,7 @@ def test_masked_tokens_leave_the_state_exactly():
     in arithmetic; compared to 1e-6 because the interpreter's XLA:CPU fusions may round the two runs differently)."""
     length, keep = 5, np.array([2, 4])
     q, k, v, g, beta, s0 = inputs(seed(), length)
-    f = jax.jit(lambda *a, **kw: api.gdn_recurrent(*a, impl="pallas_interpret", tiles=TILES, **KW, **kw),
+    f = jax.jit(lambda *a, **kw: api.gdn_recurrent(*a, impl=KERNEL, tiles=TILES, **KW, **kw),
                 static_argnames=("keep_steps", "steps_with_initial"))
     _, _, steps = f(q, k, v, g, beta, s0, keep_steps=True, steps_with_initial=True)
     mask = jnp.arange(length)[None, :, None] < jnp.asarray(keep)[:, None, None]
@@ -97,7 +98,7 @@ def test_masked_tokens_leave_the_state_exactly():
 def test_inplace_and_no_gqa():
     q, k, v, g, beta, s0 = inputs(seed(), 3, hk=HV)
     o_ref, s_ref = reference.gdn_recurrent(q, k, v, g, beta, s0, **KW)
-    f = jax.jit(lambda *a: api.gdn_recurrent(*a, impl="pallas_interpret", inplace=True, **KW), donate_argnums=5)
+    f = jax.jit(lambda *a: api.gdn_recurrent(*a, impl=KERNEL, inplace=True, **KW), donate_argnums=5)
     o, s = f(q, k, v, g, beta, jnp.array(s0))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=1e-5, atol=1e-6)
@@ -115,7 +116,7 @@ def test_fused_gated_norm(dtype, act, fuse):
     norm = (z, w, 1e-6, act)
     o_ref, s_ref = reference.gdn_recurrent(q, k, v, g, beta, s0, out_dtype=dtype, norm=norm, **KW)
     tiles = Tiles(block_v=DV, fuse_norm=True) if fuse else TILES
-    o, s = jax.jit(lambda *a: api.gdn_recurrent(*a, impl="pallas_interpret", out_dtype=dtype, norm=norm, tiles=tiles,
+    o, s = jax.jit(lambda *a: api.gdn_recurrent(*a, impl=KERNEL, out_dtype=dtype, norm=norm, tiles=tiles,
                                                 **KW))(q, k, v, g, beta, s0)
     assert o.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 1.6e-2
@@ -143,7 +144,7 @@ def test_bad_shapes_are_clear_errors():
 def test_non_power_of_two_heads():
     q, k, v, g, beta, s0 = inputs(jax.random.key(0), 1, dk=24, dv=24)
     with pytest.raises(NotImplementedError, match="power-of-two"):
-        api.gdn_recurrent(q, k, v, g, beta, s0, impl="pallas_interpret")
+        api.gdn_recurrent(q, k, v, g, beta, s0, impl=KERNEL)
     o, _ = api.gdn_recurrent(q, k, v, g, beta, s0, impl="auto")         # auto takes the reference here
     assert o.shape == (B, 1, HV, 24)
 

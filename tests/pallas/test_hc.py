@@ -9,6 +9,7 @@ import pytest
 from fnx.model import hyper
 from fnx.pallas.hc import api, reference
 from fnx.pallas.hc import pallas as kernel
+from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
 # x and inj: bf16 products and fp32 sums in another order (split-K) give a few ulp; H' is the same jnp ops.
 TOL = {jnp.bfloat16: 2e-2, jnp.float32: 1e-5}
@@ -49,7 +50,7 @@ def test_kernel_matches_reference(dtype, lead, with_y, inject, tiles):
     h, y, inj, p = _inputs(lead, 4, 64, 24, dtype, np.random.randint(1 << 30), inject)
     y, inj = (y, inj) if with_y else (None, None)
     want = jax.jit(lambda *a: reference.hc_boundary(*a, streams=4, eps=1e-6))(h, y, inj, *_args(p, inject))
-    got = jax.jit(lambda *a: api.hc_boundary(*a, streams=4, eps=1e-6, impl="pallas_interpret", tiles=tiles))(
+    got = jax.jit(lambda *a: api.hc_boundary(*a, streams=4, eps=1e-6, impl=KERNEL, tiles=tiles))(
         h, y, inj, *_args(p, inject))
     _close(got[0], want[0], 1e-6, "H'")
     _close(got[1], want[1], TOL[dtype], "x")
@@ -63,11 +64,11 @@ def test_model_wiring():
     """hyper.gated_residual / hyper.boundary through the kernel agree with their jnp reference paths."""
     h, y, inj, p = _inputs((1, 2), 4, 64, 24, jnp.bfloat16, np.random.randint(1 << 30))
     x_r, i_r = hyper.gated_residual(p, h, 4, 1e-6, impl="reference")
-    x_k, i_k = jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6, impl="pallas_interpret"))(h)
+    x_k, i_k = jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6, impl=KERNEL))(h)
     _close(x_k, x_r, TOL[jnp.bfloat16], "x")
     _close(i_k, i_r, TOL[jnp.bfloat16], "inj")
     h_r = hyper.combine(h, y, inj)
-    h_k, x_k, _ = jax.jit(lambda h, y, i: hyper.boundary(p, h, y, i, 4, 1e-6, impl="pallas_interpret"))(h, y, inj)
+    h_k, x_k, _ = jax.jit(lambda h, y, i: hyper.boundary(p, h, y, i, 4, 1e-6, impl=KERNEL))(h, y, inj)
     np.testing.assert_array_equal(np.asarray(h_k, np.float32), np.asarray(h_r, np.float32))
     _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
 

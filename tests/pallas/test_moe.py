@@ -17,6 +17,7 @@ import pytest
 
 from fnx.model import moe, quant
 from fnx.pallas.moe import api, experts_pallas, reference, routing_pallas
+from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
 E, K, D, I = 16, 4, 256, 128
 BF16 = jnp.bfloat16
@@ -41,7 +42,7 @@ def _weights(fmt, i=0, dtype=BF16):
     return gu.astype(dtype), dn.astype(dtype)
 
 
-_run = jax.jit(lambda g, d, x, idx: experts_pallas.experts(g, d, x, idx, interpret=True, tiles=TILES))
+_run = jax.jit(lambda g, d, x, idx: experts_pallas.experts(g, d, x, idx, interpret=INTERPRET, tiles=TILES))
 
 
 def _close(got, want):
@@ -55,7 +56,7 @@ def _close(got, want):
 # ---- routing --------------------------------------------------------------------------------------------------
 
 def _check_route(logits, k, norm, dtype, exact=False):
-    w, ids = routing_pallas.route(logits, k, norm, dtype, interpret=True)
+    w, ids = routing_pallas.route(logits, k, norm, dtype, interpret=INTERPRET)
     w_ref, ids_ref = reference.route(logits, k, norm, dtype)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
     if exact:
@@ -80,7 +81,7 @@ def test_route_matches_model_route(m, e, k, norm):
     x = jax.random.normal(_key(m), (m, d), jnp.float32).astype(BF16)
     p = {"gate": (jax.random.normal(_key(e), (e, d), jnp.float32) * 0.3).astype(BF16)}
     logits, w_ref, ids_ref = moe.route(p, x, k, norm)
-    w, ids = api.route(logits, k, norm, BF16, impl="pallas_interpret")
+    w, ids = api.route(logits, k, norm, BF16, impl=KERNEL)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
     _assert_bf16_weights(w, w_ref)
     _check_route(logits, k, norm, jnp.float32)   # the fp32 weights before rounding, to an ulp
@@ -101,7 +102,7 @@ def test_route_ties():
     logits = jnp.stack(rows)
     _check_route(logits.astype(BF16), k, True, BF16, exact=True)
     _check_route(logits, k, False, jnp.float32, exact=True)
-    w, ids = routing_pallas.route(logits, k, False, jnp.float32, interpret=True)
+    w, ids = routing_pallas.route(logits, k, False, jnp.float32, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(ids[0]), np.arange(k))
     np.testing.assert_array_equal(np.asarray(ids[4][:2]), [5, 11])
 
@@ -173,7 +174,7 @@ def test_moe_block_pallas_matches_gather():
                            "down_proj": sh(ks[3], (D, I))},
          "shared_expert_gate": sh(ks[4], (1, D))}
     x = jax.random.normal(ks[5], (1, 1, D), jnp.float32).astype(BF16)     # one decode token, default tiles
-    y, logits, ids = moe.moe_block(p, x, K, True, impl="pallas_interpret")
+    y, logits, ids = moe.moe_block(p, x, K, True, impl=KERNEL)
     y_ref, logits_ref, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
     np.testing.assert_array_equal(np.asarray(logits, np.float32), np.asarray(logits_ref, np.float32))
@@ -184,14 +185,14 @@ def test_api_dispatch_errors():
     x = jnp.zeros((40, D), BF16)
     gu, dn = _weights("bf16", 5)
     with pytest.raises(NotImplementedError, match="T <= 32"):
-        api.experts(gu, dn, x, jnp.zeros((40, K), jnp.int32), impl="pallas_interpret")
+        api.experts(gu, dn, x, jnp.zeros((40, K), jnp.int32), impl=KERNEL)
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="cannot run here"):
             api.route(jnp.zeros((1, E)), K, True, impl="pallas")
         assert moe._auto_impl(1, K) == "gather"          # CPU: "auto" keeps the reference paths
     with pytest.raises(NotImplementedError, match="FP8 blocks"):
         experts_pallas.experts(quant.quantize_fp8_block(gu, (32, 32)), dn, x[:2], jnp.zeros((2, K), jnp.int32),
-                               interpret=True, tiles=TILES)
+                               interpret=INTERPRET, tiles=TILES)
 
 
 def test_lowers_for_cuda():

@@ -12,6 +12,7 @@ import pytest
 from fnx.model import qsa
 from fnx.pallas.qsa import api, reference
 from fnx.pallas.qsa import pallas as kernel
+from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
 # bf16: one rounding of the output plus bf16 probabilities summed in a different order (~2 ulp at |o| <= 1)
 TOL = {jnp.bfloat16: 2e-2, jnp.float32: 2e-5}
@@ -53,7 +54,7 @@ def test_indices_match_mask_every_position(capacity):
     np.testing.assert_array_equal(n_tail, (np.asarray(positions) + 1) % cfg.indexer_compress_ratio)
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+@pytest.mark.parametrize("impl", ["reference", KERNEL])
 def test_exact_ties_pick_lower_blocks(impl):
     """All scores 0 (every ReLU is zero): the lowest valid block indices win, as in the mask reference."""
     cfg = _cfg()
@@ -91,12 +92,12 @@ def test_index_scores_kernel(dtype):
     blocks = jax.random.normal(k2, (2, capacity // 4, 16), jnp.float32).astype(dtype)
     positions = jnp.array([[3, 300, 301, 302, 599], [100, 101, 102, 103, 104]], jnp.int32)
     want = np.asarray(reference.qsa_index_scores(q_idx, blocks, positions, 4))
-    got = np.asarray(jax.jit(lambda *a: api.qsa_index_scores(*a, 4, impl="pallas_interpret"))(q_idx, blocks,
+    got = np.asarray(jax.jit(lambda *a: api.qsa_index_scores(*a, 4, impl=KERNEL))(q_idx, blocks,
                                                                                                positions))
     np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-6)
-    _check_selection(q_idx, blocks, positions, capacity, cfg, "pallas_interpret")
+    _check_selection(q_idx, blocks, positions, capacity, cfg, KERNEL)
 
 
 def _inputs(dtype, bsz, length, hq, hkv, hd, seq, n_sel, seed):
@@ -121,7 +122,7 @@ def test_kernel_matches_reference(dtype, tiles):
     seed = np.random.randint(1 << 30)
     q, kc, vc, idx = _inputs(dtype, bsz=2, length=2, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=seed)
     want = jax.jit(reference.qsa_decode_attention)(q, kc, vc, idx)
-    got = jax.jit(lambda *a: api.qsa_decode_attention(*a, impl="pallas_interpret", tiles=tiles))(q, kc, vc, idx)
+    got = jax.jit(lambda *a: api.qsa_decode_attention(*a, impl=KERNEL, tiles=tiles))(q, kc, vc, idx)
     assert got.shape == want.shape and got.dtype == want.dtype
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.all(np.isfinite(got))
@@ -179,7 +180,7 @@ def test_qsa_layer_decode_through_kernel(length, pos):
     run = lambda impl: jax.jit(lambda x, st: qsa.qsa_layer(p, x, st, pos0, meta["cos"], meta["sin"],
                                                            meta["rope_fn"], cfg, meta["n_valid"], impl=impl))
     y_ref, st_ref, _ = run("reference")(x, st)
-    y_ker, st_ker, _ = run("pallas_interpret")(x, st)
+    y_ker, st_ker, _ = run(KERNEL)(x, st)
     np.testing.assert_allclose(np.asarray(y_ker), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
     for k in st_ref:
         np.testing.assert_array_equal(np.asarray(st_ker[k]), np.asarray(st_ref[k]))

@@ -1,0 +1,53 @@
+"""Backend choice: explicit, per op, never silent."""
+
+import logging
+
+import pytest
+
+from fnx.pallas import dispatch
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretend the compiled backend can run (dispatch only; nothing is compiled here)."""
+    monkeypatch.setattr(dispatch, "why_unavailable",
+                        lambda b: None if b in dispatch.BACKENDS else f"unknown backend {b!r}")
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+    dispatch._logged.clear()
+
+
+def test_auto_picks_only_gpu_verified_kernels(fake_gpu, monkeypatch, caplog):
+    assert dispatch.resolve("gemv_fp8") == "pallas"
+    with caplog.at_level(logging.WARNING, logger="fnx.pallas"):
+        assert dispatch.resolve("gdn_decode") == "reference"
+    assert "not passed its GPU tests" in caplog.text and "FNX_KERNELS=gdn_decode=pallas" in caplog.text
+    monkeypatch.setenv("FNX_KERNELS", "gdn_decode=pallas")
+    assert dispatch.resolve("gdn_decode") == "pallas"          # opting in by name
+    assert dispatch.resolve("gemv_fp8") == "pallas"             # ops not named keep "auto"
+    assert dispatch.resolve("gdn_decode", "reference") == "reference"   # an explicit impl wins over the env
+
+
+def test_env_and_force(monkeypatch):
+    monkeypatch.setenv("FNX_KERNELS", "reference")
+    assert dispatch.resolve("gemv_bf16") == "reference"
+    monkeypatch.setenv("FNX_KERNELS", "gemv_bf16")
+    with pytest.raises(ValueError, match="not op=backend|supports"):
+        dispatch.resolve("gemv_bf16")
+    monkeypatch.setenv("FNX_KERNELS", "gemv_bf16=pallas_interpret,bad")
+    with pytest.raises(ValueError, match="not op=backend"):
+        dispatch.resolve("gemv_bf16")
+    monkeypatch.delenv("FNX_KERNELS")
+    with dispatch.force("pallas_interpret"):
+        assert dispatch.resolve("anything") == "pallas_interpret"
+    assert dispatch.resolve("anything") == "reference"
+    with pytest.raises(ValueError, match="unknown backend"):
+        with dispatch.force("cuda"):
+            pass
+
+
+def test_named_backend_that_cannot_run_raises(monkeypatch):
+    monkeypatch.setattr(dispatch, "why_unavailable", lambda b: "no GPU here" if b == "pallas" else None)
+    with pytest.raises(ValueError, match="cannot run here: no GPU here"):
+        dispatch.resolve("gemv_fp8", "pallas")
+    with pytest.raises(ValueError, match="unknown implementation"):
+        dispatch.resolve("gemv_fp8", "triton")
