@@ -72,13 +72,24 @@ def quantize_tree(params, quant: str):
     from fnx.checkpoint.place import online_fp8
     from fnx.model import quant as q
 
+    def chunked(fn, leaf, rows: int = 64):
+        """fn over slices of the leading axes (at most `rows` experts at a time: quantizing all 512 experts of a
+        layer at once needs tens of GB of fp32 temporaries), fields concatenated back."""
+        if leaf.ndim <= 2 or leaf.shape[0] <= rows and leaf.ndim == 3:
+            return fn(leaf)
+        if leaf.ndim > 3:
+            parts = [chunked(fn, leaf[i], rows) for i in range(leaf.shape[0])]
+            return jax.tree.map(lambda *a: jnp.stack(a), *parts)
+        parts = [fn(leaf[i:i + rows]) for i in range(0, leaf.shape[0], rows)]
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
     def conv(path, leaf):
         names = tuple(getattr(p, "key", getattr(p, "name", "")) for p in path)
         names = tuple(n for n in names if isinstance(n, str))
         if quant == "fp8+nvfp4" and "experts" in names:
-            return q.quantize_nvfp4(leaf)
+            return chunked(q.quantize_nvfp4, leaf)
         if online_fp8(names):
-            return q.quantize_fp8_block(leaf)
+            return chunked(q.quantize_fp8_block, leaf)
         return leaf
 
     out = jax.tree_util.tree_map_with_path(conv, params)
