@@ -23,6 +23,7 @@ from fnx.engine.spec import accept
 from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
 from fnx.model.api import Model
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
+from fnx.model.ops import linear_argmax
 from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step
 from fnx.ple import ngram_ids
 
@@ -352,9 +353,10 @@ class Engine:
             active[r.slot] = True
         sp = SamplingArrays.stack(params)
         keys = row_keys(jnp.asarray(seeds), jnp.asarray(counters))
+        greedy = all(r.params.greedy for r in reqs)
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, jnp.asarray(hid, self.model.dtype), jnp.asarray(pair_tok),
-            jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot)
+            jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
         drafts = np.asarray(drafts)                                       # [S, k]
         verify = np.zeros((slots, k + 1), np.int32)
         hist = [[] for _ in range(slots)]
@@ -472,10 +474,13 @@ def _jit_decode(params, state, tokens, n_valid, ple_ids, sp, keys, seen, counts,
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "k"), donate_argnames=("mstate",))
-def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k, head=None, hot=None):
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "k", "greedy"), donate_argnames=("mstate",))
+def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k, head=None, hot=None,
+               greedy=False):
     """MTP catch-up on the pending pairs (committed), then k-1 chained draft steps (discarded).
     With a hot-token head [H, D] and its ids hot [H], drafts are drawn over that subset.
+    greedy (every row at temperature 0): each draft is the head's argmax through the fused GEMV-argmax (no
+    logits, no softmax or sort over the vocabulary), and its distribution is the one-hot greedy rows get anyway.
     Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V])."""
     vocab = params["lm_head"].shape[0]
 
@@ -483,22 +488,36 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
         if hot is None:
             return lg
         return jnp.full(lg.shape[:-1] + (vocab,), -jnp.inf, lg.dtype).at[..., hot].set(lg)
+
+    def onehot(tok):
+        return jnp.where(jnp.arange(vocab)[None, :] == tok[:, None], 0.0, -jnp.inf).astype(jnp.float32)
+
+    head_fn = None
+    if greedy:
+        def head_fn(out, rows):  # ids [B, L] over the full vocabulary
+            ids = linear_argmax(out, rows)
+            return ids if hot is None else hot[ids]
     logits, mstate, h = mtp_step(params, mp, mstate, hidden, pair_tok, cfg=cfg, n_valid=count, moe_impl=moe_impl,
-                                 head=head)
-    logits = widen(logits.astype(jnp.float32))
+                                 head=head, head_fn=head_fn)
+    if not greedy:
+        logits = widen(logits.astype(jnp.float32))
     last = lambda a: jnp.take_along_axis(a, (count - 1).reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa
     lg, hh = last(logits)[:, 0], last(h)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)             # [B, k+2, 2]
     draft_toks, draft_lps = [], []
     scratch = mstate
     for i in range(k):
-        tok, lp = sample(lg.astype(jnp.float32), sp, subkeys[:, i])
+        if greedy:
+            tok = lg.astype(jnp.int32)
+            lp = onehot(tok)
+        else:
+            tok, lp = sample(lg.astype(jnp.float32), sp, subkeys[:, i])
         draft_toks.append(tok)
         draft_lps.append(lp)
         if i + 1 < k:
             lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl,
-                                        head=head)
-            lg = widen(lgs[:, 0].astype(jnp.float32))
+                                        head=head, head_fn=head_fn)
+            lg = lgs[:, 0] if greedy else widen(lgs[:, 0].astype(jnp.float32))
     return mstate, jnp.stack(draft_toks, 1), jnp.stack(draft_lps, 1)
 
 

@@ -38,6 +38,14 @@ def linear(x: jax.Array, w, impl: str | None = None) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def linear_argmax(x: jax.Array, w, impl: str | None = None) -> jax.Array:
+    """argmax(x @ w.T) over the last axis, ids [...] int32, ties to the lowest id, for a 2-D (possibly quantized)
+    head: on a GPU at decode shapes the logits are never written (`fnx.pallas.gemv.api.linear_argmax`)."""
+    from fnx.pallas.gemv import api as gemv
+    fmt, raw = unpack_weight(w)
+    return gemv.linear_argmax(x, raw.pop("w"), fmt=fmt, impl=impl, **raw)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, group: int | None = None) -> jax.Array:
     """Zero-centred RMSNorm: fp32 inside, scale (1 + w), one rounding. `group` normalises each group separately."""
     x32 = x.astype(F32)
