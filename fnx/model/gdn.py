@@ -74,12 +74,28 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     return jnp.moveaxis(o, 1, 2), state
 
 
+def rec_after(aux: dict, n_keep: jax.Array) -> jax.Array:
+    """The recurrent state after the first n_keep [B] tokens of a `snapshots` call: the window re-run from its
+    input state with the tokens past n_keep made no-ops (g = 0: no decay, beta = 0: no write). The kept tokens
+    repeat the verify call's arithmetic exactly and a no-op token leaves the state bit for bit, so this equals
+    the state a token-by-token run would hold after n_keep tokens."""
+    k, g, beta = aux["k"], aux["g"], aux["beta"]
+    keep = (jnp.arange(g.shape[1])[None, :] < n_keep[:, None])[..., None]          # [B, L, 1]
+    g = jnp.where(keep, g, 0.0)
+    beta = jnp.where(keep, beta, 0.0)
+    _, rec = gdn_recurrent(k, k, aux["v"], g, beta, aux["rec0"], scale=k.shape[-1] ** -0.5, qk_l2norm=True,
+                           out_dtype=aux["v"].dtype)
+    return rec
+
+
 def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array, cfg, n_valid: jax.Array,
               snapshots: bool = False):
     """x [B, L, D]; n_valid [B]: tokens past n_valid are padding and leave the state untouched.
     Returns (y [B, L, D], conv_state, rec_state, aux). With `snapshots` the recurrence runs token by token and
-    aux holds what `rollback` needs to stop after any prefix: conv_x [B, K-1+L, C], rec_steps [B, L+1, Hv, dk, dv]
-    (index 0 is the state before the call)."""
+    aux holds what `rollback` needs to stop after any prefix: conv_x [B, K-1+L, C], and for `rec_after` the
+    state before the call rec0 [B, Hv, dk, dv] with the window's k [B, L, Hk, dk], v, g, beta. (Rollback replays
+    the kept prefix from rec0 instead of storing a state per token: 3 passes over the state instead of L + 3,
+    the bulk of a verify round's GDN traffic.)"""
     bsz, length, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -103,12 +119,11 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     if snapshots or length == 1:
         # decode / verify: fnx.pallas.gdn (op "gdn_decode"): q, k stay [B, L, Hk, dk], normed and scaled there,
         # and the output norm rides along (the kernel may fuse it)
-        res = gdn_recurrent(q, k, v, g, beta, rec_state, keep_steps=snapshots, scale=dk ** -0.5, qk_l2norm=True,
-                            steps_with_initial=True, out_dtype=x.dtype,
-                            norm=(z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type))
-        o, rec_state = res[0], res[1]
+        rec0 = rec_state
+        o, rec_state = gdn_recurrent(q, k, v, g, beta, rec_state, scale=dk ** -0.5, qk_l2norm=True,
+                                     out_dtype=x.dtype, norm=(z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type))
         if snapshots:
-            aux = {"conv_x": conv_x, "rec_steps": res[2]}
+            aux = {"conv_x": conv_x, "rec0": rec0, "k": k, "v": v, "g": g, "beta": beta}
     else:
         if hv != hk:
             q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))

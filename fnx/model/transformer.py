@@ -299,11 +299,12 @@ def rollback(cfg: ModelConfig, state: dict, aux: dict, n_keep: jax.Array) -> dic
     def fix(st, ax, scanned):
         st = dict(st)
         if "rec" in st:
+            rec_aux = {key: ax[key] for key in ("rec0", "k", "v", "g", "beta")}
             if scanned:
-                st["rec"] = jax.vmap(lambda steps: _take_step(steps, n_keep))(ax["rec_steps"])
+                st["rec"] = jax.vmap(lambda a: gdn.rec_after(a, n_keep))(rec_aux)
                 st["conv"] = jax.vmap(lambda cx: gdn.window_after(cx, n_keep, st["conv"].shape[-2]))(ax["conv_x"])
             else:
-                st["rec"] = _take_step(ax["rec_steps"], n_keep)
+                st["rec"] = gdn.rec_after(rec_aux, n_keep)
                 st["conv"] = gdn.window_after(ax["conv_x"], n_keep, st["conv"].shape[-2])
         if "idx_ring" in st:
             f = lambda buf: qsa.ring_after(buf, pos0, n_keep, cr)  # noqa: E731
@@ -318,11 +319,6 @@ def rollback(cfg: ModelConfig, state: dict, aux: dict, n_keep: jax.Array) -> dic
     width = state["ngram_ctx"].shape[1]
     ctx = gdn.window_after(aux["ngram_x"][..., None], n_keep, width)[..., 0]
     return {"pos": pos0 + n_keep, "ngram_ctx": ctx, "segments": segments}
-
-
-def _take_step(steps: jax.Array, n: jax.Array) -> jax.Array:
-    """steps [B, L+1, ...] -> steps[b, n[b]]."""
-    return jax.vmap(lambda s, k: lax.dynamic_index_in_dim(s, k, axis=0, keepdims=False))(steps, n)
 
 
 def _batch_axis_tree(cfg: ModelConfig, state: dict):
