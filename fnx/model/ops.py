@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnx.pallas.gdn.reference import rms_norm_gated  # noqa: F401  (the GDN output norm; the kernels fuse it)
+
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 
@@ -55,17 +57,6 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float, group: int | None = None) -
     if group is not None:
         y = y.reshape(x.shape)
     return (y * (1.0 + w.astype(F32))).astype(x.dtype)
-
-
-def rms_norm_gated(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float, act: str) -> jax.Array:
-    """GDN output norm (standard scale, not zero-centred): rounds after the norm and again after the gate."""
-    dt = x.dtype
-    x32 = x.astype(F32)
-    h = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dt)
-    h = w.astype(dt) * h
-    g32 = gate.astype(F32)
-    g = jax.nn.sigmoid(g32) if act == "sigmoid" else jax.nn.silu(g32)
-    return (h.astype(F32) * g).astype(dt)
 
 
 def scale(x: jax.Array, factor: float) -> jax.Array:

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from fnx.pallas.gemv.reference import dequantize as _dequantize
+from fnx.pallas.gemv.reference import e2m1_to_f32  # noqa: F401  (E2M1 codes -> fp32 from the bit fields)
+
 F32 = jnp.float32
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -89,34 +92,13 @@ def _expand_blocks(scale: jax.Array, out: int, inp: int, block: tuple[int, int])
     return s[..., :out, :inp]
 
 
-def e2m1_to_f32(codes: jax.Array) -> jax.Array:
-    """4-bit E2M1 codes (uint8 holding 0..15) -> fp32, built from the bit fields with integer ops.
-
-    Code s|ee|m: e = 0 is 0 or 0.5 (subnormal), otherwise 2^(e-1) * (1 + m/2); s is the sign."""
-    c = codes.astype(jnp.uint32)
-    sign, exp, man = (c >> 3) & 1, (c >> 1) & 3, c & 1
-    normal = ((exp + 126) << 23) | (man << 22)
-    sub = jnp.where(man == 1, jnp.uint32(0x3F000000), jnp.uint32(0))  # 0.5 or 0
-    bits = jnp.where(exp == 0, sub, normal) | (sign << 31)
-    return jax.lax.bitcast_convert_type(bits, F32)
-
-
-def unpack_e2m1(packed: jax.Array) -> jax.Array:
-    """uint8 [..., n/2] -> codes [..., n]: low nibble first."""
-    lo, hi = packed & 0xF, packed >> 4
-    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
 def dequantize(w, dtype=F32) -> jax.Array:
-    """The weight as a dense array of `dtype` (fp32 arithmetic, one rounding). Plain arrays are just cast."""
+    """The weight as a dense array of `dtype` (fp32 arithmetic, one rounding). Plain arrays are just cast.
+    The arithmetic is `fnx.pallas.gemv.reference.dequantize`, the kernels' ground truth."""
     if isinstance(w, Fp8Block):
-        out, inp = w.w.shape[-2:]
-        full = w.w.astype(F32) * _expand_blocks(w.scale_inv.astype(F32), out, inp, w.block)
-        return full.astype(dtype)
+        return _dequantize("fp8", w.w, w.scale_inv, block=w.block).astype(dtype)
     if isinstance(w, Nvfp4):
-        vals = e2m1_to_f32(unpack_e2m1(w.w))                                  # [..., out, in]
-        scale = jnp.repeat(w.scale.astype(F32), w.group, axis=-1)
-        return (vals * scale * w.scale_2.astype(F32)[..., None]).astype(dtype)
+        return _dequantize("nvfp4", w.w, w.scale, w.scale_2, group=w.group).astype(dtype)
     return jnp.asarray(w).astype(dtype)
 
 

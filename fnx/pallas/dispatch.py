@@ -88,15 +88,27 @@ def why_unavailable(backend: str) -> str | None:
     return f"unknown backend {backend!r}; choose one of {BACKENDS}"
 
 
-def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BACKENDS) -> str:
-    """The backend `op` will run with. Raises ValueError for a named backend that cannot run here."""
+class NotApplicable(NotImplementedError, ValueError):
+    """A kernel was named for a call it does not serve (a shape or format outside its implementation)."""
+
+
+def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BACKENDS,
+            not_applicable: str | None = None) -> str:
+    """The backend `op` will run with. Raises ValueError for a named backend that cannot run here.
+
+    not_applicable: why the kernel does not serve this particular call (None when it does). Auto, and a backend
+    chosen by FNX_KERNELS, then take the reference for this call; an explicit impl raises NotApplicable."""
     if impl in (None, "auto"):
         forced = _forced.get() or env_choice(op)
         if forced:
             if forced not in supported:
                 raise ValueError(f"FNX_KERNELS={forced!r}: {op} supports {supported}")
+            if not_applicable is not None:
+                forced = "reference"
             return resolve(op, forced, supported=supported)
         choice = "pallas" if "pallas" in supported and why_unavailable("pallas") is None else "reference"
+        if not_applicable is not None:
+            choice = "reference"
         if choice == "pallas" and op not in VERIFIED_ON_GPU:
             if (op, "unverified") not in _logged:
                 _logged.add((op, "unverified"))
@@ -109,6 +121,9 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
         reason = why_unavailable(impl)
         if reason is not None:
             raise ValueError(f"{op}: implementation {impl!r} cannot run here: {reason}")
+        if impl != "reference" and not_applicable is not None:
+            raise NotApplicable(f"{op}: the {impl!r} kernel does not apply to this call: {not_applicable}; "
+                                "use impl='reference' (auto picks it for such calls)")
         choice = impl
     if (op, choice) not in _logged:
         _logged.add((op, choice))

@@ -51,3 +51,15 @@ def test_named_backend_that_cannot_run_raises(monkeypatch):
         dispatch.resolve("gemv_fp8", "pallas")
     with pytest.raises(ValueError, match="unknown implementation"):
         dispatch.resolve("gemv_fp8", "triton")
+
+
+def test_a_call_the_kernel_does_not_serve(fake_gpu, monkeypatch):
+    """Auto and FNX_KERNELS take the reference for such a call; naming the kernel raises, saying why."""
+    why = "64 tokens > 32"
+    assert dispatch.resolve("gemv_fp8", None, not_applicable=why) == "reference"
+    monkeypatch.setenv("FNX_KERNELS", "gemv_fp8=pallas")
+    assert dispatch.resolve("gemv_fp8", None, not_applicable=why) == "reference"
+    assert dispatch.resolve("gemv_fp8", None) == "pallas"
+    with pytest.raises(dispatch.NotApplicable, match="does not apply to this call: 64 tokens"):
+        dispatch.resolve("gemv_fp8", "pallas", not_applicable=why)
+    assert dispatch.resolve("gemv_fp8", "reference", not_applicable=why) == "reference"

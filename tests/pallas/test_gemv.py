@@ -24,9 +24,9 @@ def _weights(fmt, n, k, key):
     return q.w, {"scale": q.scale, "scale_2": q.scale_2}, q
 
 
-def _tol(m):
-    # one bf16 rounding of the output (2^-8 relative) plus fp32 accumulation-order noise
-    return 8e-3
+# max error relative to max |reference|: one bf16 rounding of the output (2^-8 = 3.9e-3) plus fp32
+# accumulation-order noise
+TOL = 8e-3
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
@@ -39,14 +39,14 @@ def test_kernel_matches_fp32_reference(fmt, name, n, k):
         x = jax.random.normal(jax.random.fold_in(key, m), (m, k), F32).astype(jnp.bfloat16)
         t = api.heuristic_tiles(fmt, n, k, m)
         assert t is not None, (fmt, n, k)
-        # poison: the kernel's output buffer is fresh, so check for NaN/garbage via finiteness and values
+        # the kernel allocates its output (no buffer to poison): every element must be finite and match below
         y = gp.gemv(x, w, extra.get("scale"), extra.get("scale_2"), fmt=fmt, tiles=t, interpret=INTERPRET)
         assert y.shape == (m, n) and y.dtype == jnp.bfloat16
         ref = reference.linear_f32(x, quant.dequantize(q, F32) if fmt != "bf16" else w)
         err = np.abs(np.asarray(y, np.float32) - np.asarray(ref))
         scale = np.max(np.abs(np.asarray(ref)))
         assert np.all(np.isfinite(np.asarray(y, np.float32))), f"seed {seed}"
-        assert err.max() <= _tol(m) * scale, (fmt, name, m, err.max() / scale, f"seed {seed}")
+        assert err.max() <= TOL * scale, (fmt, name, m, err.max() / scale, f"seed {seed}")
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])

@@ -42,7 +42,8 @@ def test_fp8_dense_through_the_kernel_vs_bf16(tiny_dir, monkeypatch):
     top1 = float(np.mean(ref[:1, :16].argmax(-1) == got.argmax(-1)))
     kernel_vs_ref = float(np.abs(got - want_fp8_ref).max() / np.abs(want_fp8_ref).max())
     print(f"FP8 dense (kernel) vs bf16: KL {kl:.2e}, top-1 {top1:.3f}; kernel vs FP8 reference path {kernel_vs_ref:.2e}")
-    # measured 2026-11-30: KL 2.2e-2, top-1 0.875, kernel vs reference path 3.7e-2 (a tiny random bf16 model;
-    # the kernel scales fp32 partial dots where the reference rounds each dequantized weight to bf16)
-    assert kl < 5e-2 and top1 >= 0.8
-    assert 0 < kernel_vs_ref < 8e-2          # > 0: the kernel really ran for some projections
+    # measured 2026-11-30 (fixed inputs, so these are the values every run sees): KL 2.2e-2, top-1 0.875, kernel
+    # vs reference path 3.7e-2 (a tiny random bf16 model; the kernel scales fp32 partial dots where the reference
+    # rounds each dequantized weight to bf16). Bounds: the measured values with ~40% headroom.
+    assert kl < 3e-2 and top1 >= 0.8
+    assert 0 < kernel_vs_ref < 5.5e-2          # > 0: the kernel really ran for some projections

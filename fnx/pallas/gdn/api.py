@@ -49,11 +49,10 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
     if norm is not None and (len(norm) != 4 or norm[0].shape != v.shape or norm[1].shape != (dv,)
                              or norm[3] not in ("sigmoid", "silu")):
         raise ValueError(f"gdn_recurrent: norm must be (z {v.shape}, weight ({dv},), eps, 'sigmoid'|'silu')")
-    shape_ok = _is_pow2(dk) and _is_pow2(dv)          # the Triton lowering's tensors are powers of two
-    if not shape_ok and impl not in (None, "auto", "reference"):
-        raise NotImplementedError(f"gdn_recurrent {impl}: the kernel needs power-of-two head dims (dk={dk}, "
-                                  f"dv={dv}); use impl='reference' (auto picks it for these shapes)")
-    backend = dispatch.resolve(OP, impl, supported=dispatch.BACKENDS if shape_ok else ("reference",))
+    why = None                                        # the Triton lowering's tensors are powers of two
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
+    backend = dispatch.resolve(OP, impl, not_applicable=why)
     if backend == "reference":
         return reference.gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
                                        steps_with_initial=steps_with_initial, out_dtype=out_dtype,

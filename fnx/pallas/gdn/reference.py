@@ -40,8 +40,8 @@ def delta_rule_recurrent(q, k, v, g, beta, state, keep_steps: bool = False):
 
 
 def rms_norm_gated(x: jax.Array, gate: jax.Array, w: jax.Array, eps: float, act: str) -> jax.Array:
-    """A copy of `fnx.model.ops.rms_norm_gated` (kernels import nothing from the model; a test keeps them equal):
-    GDN output norm over the last axis, rounding to x.dtype after the norm, after the weight and after the gate."""
+    """The GDN output norm (standard scale, not zero-centred) over the last axis, rounding to x.dtype after the
+    norm, after the weight and after the gate; the model uses this one (`fnx.model.ops` re-exports it)."""
     dt = x.dtype
     x32 = x.astype(F32)
     h = (x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(dt)

@@ -121,14 +121,8 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
     "reference" rounds the fp32 dequantized weight to x.dtype, then an fp32-accumulated dot (the model's
     arithmetic); the kernel applies block scales to fp32 partial dots instead (one bf16 rounding of the
     weights apart; see reference.py)."""
-    op = f"gemv_{fmt}"
     why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, w_dtype=w.dtype)
-    if impl in (None, "auto"):
-        backend = dispatch.resolve(op, impl) if why is None else "reference"
-    else:
-        backend = dispatch.resolve(op, impl)
-        if backend != "reference" and why is not None:
-            raise ValueError(f"{op}: the Pallas kernel does not apply: {why}")
+    backend = dispatch.resolve(f"gemv_{fmt}", impl, not_applicable=why)
     if backend == "reference":
         return reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
     lead, k = x.shape[:-1], x.shape[-1]
@@ -143,14 +137,8 @@ def linear_argmax(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, 
     """Greedy ids argmax(x @ W.T) [...] int32 without writing the logits out (the lm_head / MTP draft head of
     greedy decoding). Ties go to the lowest id. The kernel compares fp32 logits; the reference compares the
     x.dtype-rounded logits the model returns, so near-ties closer than one bf16 step may pick differently."""
-    op = f"gemv_{fmt}_argmax"
     why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, argmax=True, w_dtype=w.dtype)
-    if impl in (None, "auto"):
-        backend = dispatch.resolve(op, impl) if why is None else "reference"
-    else:
-        backend = dispatch.resolve(op, impl)
-        if backend != "reference" and why is not None:
-            raise ValueError(f"{op}: the Pallas kernel does not apply: {why}")
+    backend = dispatch.resolve(f"gemv_{fmt}_argmax", impl, not_applicable=why)
     if backend == "reference":
         y = reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
         return reference.argmax_rows(y)

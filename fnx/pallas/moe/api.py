@@ -22,13 +22,12 @@ MAX_DECODE_TOKENS = experts_pallas.MAX_TOKENS
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl: str | None = None):
     """Router logits [T, E] -> (weights [T, K] `dtype` (default logits.dtype), expert ids [T, K] int32):
     fp32 softmax, top-k with ties to the lowest id, optional renormalisation."""
-    backend = dispatch.resolve("moe_route", impl)
     t, e = logits.shape
-    if backend != "reference" and (t > routing_pallas.MAX_TOKENS or e > routing_pallas.MAX_EXPERTS):
-        if impl not in (None, "auto"):
-            raise NotImplementedError(f"moe_route: the Pallas router takes T <= {routing_pallas.MAX_TOKENS} and "
-                                      f"E <= {routing_pallas.MAX_EXPERTS}; got T={t}, E={e}; use impl='reference'")
-        backend = "reference"
+    why = None
+    if t > routing_pallas.MAX_TOKENS or e > routing_pallas.MAX_EXPERTS:
+        why = f"the Pallas router takes T <= {routing_pallas.MAX_TOKENS} and E <= {routing_pallas.MAX_EXPERTS}; " \
+              f"got T={t}, E={e}"
+    backend = dispatch.resolve("moe_route", impl, not_applicable=why)
     if backend == "reference":
         return reference.route(logits, top_k, norm_topk_prob, dtype)
     return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend))
@@ -38,12 +37,11 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, impl: str | None = None
             tiles: experts_pallas.Tiles | None = None) -> jax.Array:
     """x [T, D], idx [T, K] -> per-(token, k) expert outputs [T, K, D] (x.dtype). gate_up [E, 2I, D] (gate rows
     then up rows), down [E, D, I]; plain arrays, FP8 128x128-block or NVFP4 (fnx.model.quant layouts)."""
-    backend = dispatch.resolve("moe_experts", impl)
-    if backend != "reference" and x.shape[0] > MAX_DECODE_TOKENS:
-        if impl not in (None, "auto"):
-            raise NotImplementedError(f"moe_experts: the Pallas decode kernel takes T <= {MAX_DECODE_TOKENS} "
-                                      f"tokens, got {x.shape[0]}; use the reference (or the model's 'grouped')")
-        backend = "reference"
+    why = None
+    if x.shape[0] > MAX_DECODE_TOKENS:
+        why = f"the Pallas decode kernel takes T <= {MAX_DECODE_TOKENS} tokens, got {x.shape[0]} (prefill runs " \
+              "the model's 'grouped' path)"
+    backend = dispatch.resolve("moe_experts", impl, not_applicable=why)
     if backend == "reference":
         return reference.experts(gate_up, down, x, idx)
     return experts_pallas.experts(gate_up, down, x, idx, interpret=dispatch.interpret_flag(backend), tiles=tiles)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnx.pallas.gemv import reference as gemv_reference
+
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
 
@@ -34,29 +36,16 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None):
 
 
 def _dequantize(w, dtype):
-    """fp32 dequantization rounded once to `dtype` (fnx.model.quant.dequantize)."""
+    """fp32 dequantization rounded once to `dtype` (fnx.model.quant.dequantize), by fnx.pallas.gemv's reference."""
     fmt = weight_format(w)
     if fmt == "fp8_block":
-        out, inp = w.w.shape[-2:]
-        s = jnp.repeat(jnp.repeat(w.scale_inv.astype(F32), w.block[0], axis=-2), w.block[1], axis=-1)
-        return (w.w.astype(F32) * s[..., :out, :inp]).astype(dtype)
+        return gemv_reference.dequantize("fp8", w.w, w.scale_inv, block=w.block).astype(dtype)
     if fmt == "nvfp4":
-        c = w.w.astype(jnp.uint32)
-        codes = jnp.stack([c & 0xF, c >> 4], axis=-1).reshape(*c.shape[:-1], 2 * c.shape[-1])
-        vals = e2m1_bits_to_f32(codes)
-        scale = jnp.repeat(w.scale.astype(F32), w.group, axis=-1)
-        return (vals * scale * w.scale_2.astype(F32)[..., None]).astype(dtype)
+        return gemv_reference.dequantize("nvfp4", w.w, w.scale, w.scale_2, group=w.group).astype(dtype)
     return jnp.asarray(w).astype(dtype)
 
 
-def e2m1_bits_to_f32(c: jax.Array) -> jax.Array:
-    """E2M1 codes (uint32 holding 0..15) -> fp32 from the bit fields with integer ops (no table, no fp4 type):
-    s|ee|m, e = 0 is 0 or 0.5, otherwise 2^(e-1) * (1 + m/2)."""
-    sign, exp, man = (c >> 3) & 1, (c >> 1) & 3, c & 1
-    normal = ((exp + 126) << 23) | (man << 22)
-    sub = jnp.where(man == 1, jnp.uint32(0x3F000000), jnp.uint32(0))
-    bits = jnp.where(exp == 0, sub, normal) | (sign << 31)
-    return lax.bitcast_convert_type(bits, F32)
+e2m1_bits_to_f32 = gemv_reference.e2m1_to_f32   # E2M1 codes -> fp32 from the bit fields, integer ops only
 
 
 def _take(w, idx):
