@@ -18,9 +18,12 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None) -> bool:
     for n in h.shape[:-1]:
         m *= n
     names = ("input_mix_weight_down", "input_mix_weight_up") + (("block_inject_weight",) if inject else ())
-    if m > hc_api.MAX_DECODE_TOKENS or any(quant.is_quantized(p[k]) for k in names):
-        return False
-    return hc_api.backend(impl) != "reference"
+    why = None
+    if m > hc_api.MAX_DECODE_TOKENS:
+        why = f"{m} tokens > {hc_api.MAX_DECODE_TOKENS}"
+    elif any(quant.is_quantized(p[k]) for k in names):
+        why = "quantized hyper-connection weights (the kernel takes dense ones)"
+    return hc_api.backend(impl, why) != "reference"
 
 
 def _kernel_call(p, h, y, inj, streams, eps, inject, impl):

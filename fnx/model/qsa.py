@@ -133,7 +133,9 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     vc = _scatter_time(st["v"], jnp.swapaxes(v, 1, 2), positions, axis=2)
 
     dt = x.dtype
-    if length <= qsa_api.MAX_DECODE_TOKENS and qsa_api.backend(impl) != "reference":
+    why = None if length <= qsa_api.MAX_DECODE_TOKENS else \
+        f"{length} tokens > {qsa_api.MAX_DECODE_TOKENS} (prefill runs the masked dense path)"
+    if qsa_api.backend(impl, why) != "reference":
         idx = select_token_indices(q_idx, blocks, positions, capacity, cfg, impl)      # [B, L, N]
         o = qsa_api.qsa_decode_attention(q, kc, vc, idx, impl=impl)
     else:

@@ -84,3 +84,12 @@ def test_lowers_for_cuda_released_shapes(m):
     f = jax.jit(lambda *a: kernel.hc_boundary(*a, streams=4, eps=1e-6))
     text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
     assert text.lower().count("triton") >= 2
+
+
+def test_named_kernel_on_a_call_it_does_not_serve_raises():
+    """More than 32 tokens: auto runs the jnp path, a named kernel is an error (never a silent fallback)."""
+    from fnx.pallas import dispatch
+    h, _, _, p = _inputs((2, 20), 4, 64, 24, jnp.bfloat16, np.random.randint(1 << 30))
+    hyper.gated_residual(p, h, 4, 1e-6)
+    with pytest.raises(dispatch.NotApplicable, match="40 tokens > 32"):
+        hyper.gated_residual(p, h, 4, 1e-6, impl=KERNEL)

@@ -9,9 +9,10 @@ OP = "hc_boundary"
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
 
 
-def backend(impl: str | None = None) -> str:
-    """The backend `hc_boundary(..., impl)` would run ("reference", "pallas", "pallas_interpret")."""
-    return dispatch.resolve(OP, impl)
+def backend(impl: str | None = None, not_applicable: str | None = None) -> str:
+    """The backend `hc_boundary(..., impl)` would run ("reference", "pallas", "pallas_interpret");
+    not_applicable: why the kernel does not serve this call (see `fnx.pallas.dispatch.resolve`)."""
+    return dispatch.resolve(OP, impl, not_applicable=not_applicable)
 
 
 def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,

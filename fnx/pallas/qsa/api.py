@@ -11,9 +11,10 @@ OP = "qsa_decode_attention"
 MAX_DECODE_TOKENS = 8        # the model routes calls with L <= this through the api (decode, MTP verify)
 
 
-def backend(impl: str | None = None) -> str:
-    """The backend `qsa_decode_attention(..., impl)` would run ("reference", "pallas", "pallas_interpret")."""
-    return dispatch.resolve(OP, impl)
+def backend(impl: str | None = None, not_applicable: str | None = None) -> str:
+    """The backend `qsa_decode_attention(..., impl)` would run ("reference", "pallas", "pallas_interpret");
+    not_applicable: why the kernel does not serve this call (see `fnx.pallas.dispatch.resolve`)."""
+    return dispatch.resolve(OP, impl, not_applicable=not_applicable)
 
 
 def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx: jax.Array,
