@@ -13,6 +13,7 @@ streaming, and reports TB/s and the fraction of the 4.3 TB/s measured ceiling.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import json
@@ -37,58 +38,79 @@ def _commit() -> str:
         return os.environ.get("FNX_COMMIT", "unknown")
 
 
-def gemv_candidates(fmt: str, n: int, k: int) -> list:
-    """A small, spread set of tile candidates: row tiles 32/64/128, K steps 128 (256 for NVFP4), K split for
-    about 1x, 2x and 4x the SM count in programs, 4 or 8 warps."""
+def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
+    """Tile candidates in two stages. Stage 1 (base None): the heuristic's row tile and split with each K step
+    (128; FP8 also 256 and 512, as several 128-column blocks per step; NVFP4 256 and 512) and, for NVFP4, each
+    decode variant. Stage 2: the best stage-1 K step and decode with row tiles 32/64/128 (16 too for narrow N), K
+    split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps."""
     from fnx.pallas.gemv import api
     from fnx.pallas.gemv import pallas as gp
-    out = []
-    bks = (256, 128) if fmt == "nvfp4" else (128,)
-    for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
-        for bk in bks[:1]:
-            if n % bn or k % bk:
-                continue
-            for target in (api.SMS, 2 * api.SMS, 4 * api.SMS):
-                for warps in ((4, 8) if target == 2 * api.SMS and bn == 64 else (4,)):
-                    t = gp.Tiles(bn, bk, api.split_for(n, bn, k, bk, target), warps, 3)
-                    if gp.check_tiles(fmt, n, k, t) is None and t not in out:
-                        out.append(t)
     heur = api.heuristic_tiles(fmt, n, k, 1)
-    if heur is not None and heur not in out:
-        out.append(heur)
+    out = [] if heur is None else [heur]
+    if base is None:
+        if heur is None:
+            return out
+        bks = {"nvfp4": (256, 512), "fp8": (128, 256, 512)}.get(fmt, (128, 256))
+        for bk in bks:
+            for dec in (gp.DECODES if fmt == "nvfp4" else ("f32",)):
+                if k % bk:
+                    continue
+                t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
+                if gp.check_tiles(fmt, n, k, t) is None and t not in out:
+                    out.append(t)
+        return out
+    out = []
+    for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
+        if n % bn:
+            continue
+        for target in (api.SMS, 2 * api.SMS, 4 * api.SMS):
+            for warps in ((4, 8) if target == 2 * api.SMS else (4,)):
+                t = gp.Tiles(bn, base.bk, api.split_for(n, bn, k, base.bk, target), warps, 3, base.dec)
+                if gp.check_tiles(fmt, n, k, t) is None and t not in out and t != base:
+                    out.append(t)
     return out
 
 
-def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0) -> dict:
-    """Time each candidate per (fmt, N, K) at M = 1 and keep the fastest (other M buckets use the nearest tuned
-    one); stops at `budget_s`, leaving the rest to the heuristic. Returns the config dict written."""
+def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0, fmts=("fp8", "bf16", "nvfp4"),
+              layer_filter: str | None = None) -> dict:
+    """Time the candidates per (fmt, N, K) at M = 1 (two stages, see gemv_candidates) and keep the fastest
+    (other M buckets use the nearest tuned one); stops at `budget_s`, leaving the rest to the heuristic. Entries
+    already in the config file stay unless re-tuned. Returns the config dict written."""
+    import re
+
     from fnx.pallas.bench import time_case
     from fnx.pallas.gemv import api, bench, shapes
-    best: dict = {}
+    best: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     t_start = time.time()
     shape_list = shapes.TEST if quick else shapes.RELEASED
-    for fmt in ("fp8", "bf16", "nvfp4"):
+    if layer_filter:
+        shape_list = [s for s in shape_list if re.search(layer_filter, s[0])]
+    m = 1
+    for fmt in fmts:
         for name, n, k in shape_list:
             if time.time() - t_start > budget_s:
                 log(f"tune: budget of {budget_s:.0f}s spent; {fmt} {name} and later keep the heuristic")
                 break
-            m = 1
             results = []
-            for t in gemv_candidates(fmt, n, k):
-                c = [x for x in bench.cases(quick, fmts=(fmt,), ms=(m,), impls=("pallas",), tiles=t,
-                                            only=(n, k))]
-                try:
-                    r = time_case(c[0], iters=5, warmup=1)
-                except Exception as e:  # a tile set that does not compile is skipped, and said
-                    log(f"  skip {t}: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                results.append((r["us"], t))
+
+            def run(cands):
+                for t in cands:
+                    c = bench.cases(quick, fmts=(fmt,), ms=(m,), impls=("pallas",), tiles=t, only=(n, k))
+                    try:
+                        r = time_case(c[0], iters=5, warmup=1)
+                    except Exception as e:  # a tile set that does not compile is skipped, and said
+                        log(f"  skip {t}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    log(f"  {fmt} {name} {t}: {r['us']:.1f} us {r['tbps']:.3f} TB/s")
+                    results.append((r["us"], t))
+
+            run(gemv_candidates(fmt, n, k))
             if not results:
                 continue
+            run(gemv_candidates(fmt, n, k, base=min(results, key=lambda r: r[0])[1]))
             us, t = min(results, key=lambda r: r[0])
             key = f"{fmt}:{n}:{k}:{api.m_bucket(m)}"
-            best[key] = {"bn": t.bn, "bk": t.bk, "split": t.split, "num_warps": t.num_warps,
-                         "num_stages": t.num_stages}
+            best[key] = dataclasses.asdict(t)
             heur = api.heuristic_tiles(fmt, n, k, m)
             h_us = next((u for u, tt in results if tt == heur), None)
             log(f"tune {key} ({name}): {us:.1f} us with {t}; heuristic {heur} "
@@ -96,11 +118,9 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0)
             if name == "lm_head":  # the fused argmax needs split == 1
                 r1 = [r for r in results if r[1].split == 1]
                 if r1:
-                    t1 = min(r1, key=lambda r: r[0])[1]
-                    best[key + ":argmax"] = {"bn": t1.bn, "bk": t1.bk, "split": 1, "num_warps": t1.num_warps,
-                                             "num_stages": t1.num_stages}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(best, indent=1, sort_keys=True) + "\n")
+                    best[key + ":argmax"] = dataclasses.asdict(min(r1, key=lambda r: r[0])[1])
+            out_path.parent.mkdir(parents=True, exist_ok=True)   # written after every shape: a cut run keeps it
+            out_path.write_text(json.dumps(best, indent=1, sort_keys=True) + "\n")
     api._tuned.cache_clear()
     return best
 
@@ -110,6 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", default=list(FAMILIES), help=f"families among {FAMILIES}")
     ap.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test, not a measurement")
     ap.add_argument("--tune", nargs="*", default=[], help="families to tune first (gemv)")
+    ap.add_argument("--tune-budget", type=float, default=200.0, help="seconds the GEMV tuner may spend")
+    ap.add_argument("--tune-fmts", nargs="*", default=["fp8", "bf16", "nvfp4"])
+    ap.add_argument("--tune-layers", default=None, help="regex over layer names: tune only those shapes")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--filter", default=None, help="regex: run only cases whose 'kernel impl shape extra' matches")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_kernels.jsonl"))
@@ -125,7 +148,8 @@ def main(argv=None) -> int:
     if "gemv" in args.tune:
         from fnx.pallas.gemv import api
         name = dev.device_kind.lower().replace(" ", "_") + ".json"
-        tune_gemv(api.CONFIG_DIR / name, args.quick, lambda s: print(s, flush=True))
+        tune_gemv(api.CONFIG_DIR / name, args.quick, lambda s: print(s, flush=True), args.tune_budget,
+                  tuple(args.tune_fmts), args.tune_layers)
     results = []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,13 @@
 # ./gpu_out) as logs and JSON lines; copy the JSON lines into benchmarks/results/ and the numbers into
 # BENCHMARKS.md.
 #
+# Several parts may follow one another in one call (each under its own timeout, env PART_S overrides):
 #   scripts/gpu_session.sh verify    # every kernel test against the compiled kernels (then update
 #                                    # fnx/pallas/dispatch.py VERIFIED_ON_GPU for the ops that pass)
-#   scripts/gpu_session.sh kernels   # bench_kernels over the released shapes (+ --tune gemv)
+#   scripts/gpu_session.sh tune      # GEMV tiles for the decode shapes (the table lands in $OUT: commit it as
+#                                    # fnx/pallas/gemv/configs/<device>.json)
+#   scripts/gpu_session.sh kernels   # bench_kernels (FAMS, FILTER) over the released shapes
+#   scripts/gpu_session.sh moe       # the MoE decode layer benchmark
 #   scripts/gpu_session.sh decode    # full-model decode / MTP round at 4 and 8 layers, kernels on, FP8 + NVFP4
 #   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
@@ -16,26 +20,40 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBU
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 ALL_KERNELS="gemv_nvfp4=pallas,moe_route=pallas,moe_experts=pallas,gdn_decode=pallas,qsa_decode_attention=pallas,qsa_index_scores=pallas,hc_boundary=pallas"
-part=${1:?part: verify | kernels | decode | mesh SPEC | ple}
+[ $# -gt 0 ] || { echo "parts: verify | tune | kernels | moe | decode | mesh SPEC | ple (several per call)" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+part=$1; shift
+echo "=== $part $(date +%T)"
 case "$part" in
   verify)
-    timeout 540 python -m pytest -q -p no:cacheprovider tests/pallas 2>&1 | tee "$OUT/verify.log" | tail -30 ;;
-  kernels)
-    timeout 560 python scripts/bench_kernels.py --tune gemv --iters 10 --out "$OUT/bench_kernels.jsonl" \
-      > "$OUT/bench_kernels.log" 2>&1
+    timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 tests/pallas 2>&1 \
+      | tee "$OUT/verify.log" | tail -30 ;;
+  tune)   # GEMV tiles for the shapes that carry the decode bytes; the table is kept in $OUT
+    timeout ${TUNE_S:-240} python scripts/bench_kernels.py --tune gemv --tune-budget $(( ${TUNE_S:-240} - 40 )) \
+      --tune-fmts fp8 nvfp4 bf16 --tune-layers "${TUNE_LAYERS:-in_proj_qkv|gdn.out_proj|lm_head|shared|hc.up}" \
+      --only --out "$OUT/bench_kernels.jsonl" > "$OUT/tune.log" 2>&1
     cp fnx/pallas/gemv/configs/*.json "$OUT/" 2>/dev/null
+    grep "^tune" "$OUT/tune.log" ;;
+  kernels)
+    timeout ${KERNELS_S:-400} python scripts/bench_kernels.py --iters 10 --only ${FAMS:-gemv gdn qsa hc} \
+      ${FILTER:+--filter "$FILTER"} --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_kernels.log" 2>&1
     grep -c "TB/s" "$OUT/bench_kernels.log"; tail -3 "$OUT/bench_kernels.log" ;;
+  moe)
+    timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe --out "$OUT/bench_kernels.jsonl" \
+      > "$OUT/bench_moe.log" 2>&1; grep -v "^#" "$OUT/bench_moe.log" | tail -26 ;;
   decode)
-    FNX_KERNELS=$ALL_KERNELS timeout 270 python scripts/bench_decode.py --layers 4,8 --contexts 8192 --reps 10 \
-      --quant fp8+nvfp4 --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/decode_fp8.log" | grep extrap
-    timeout 270 python scripts/bench_decode.py --layers 4,8 --contexts 8192 --reps 10 \
+    FNX_KERNELS=$ALL_KERNELS timeout ${DECODE_S:-270} python scripts/bench_decode.py --layers 4,8 --contexts 8192 \
+      --reps 10 --quant fp8+nvfp4 --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/decode_fp8.log" | grep extrap
+    [ -n "${DECODE_BF16:-}" ] && timeout 270 python scripts/bench_decode.py --layers 4,8 --contexts 8192 --reps 10 \
       --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/decode_bf16.log" | grep extrap ;;
   mesh)
-    spec=${2:?mesh spec, e.g. tp=2,ep=1}
-    timeout 560 python scripts/bench_decode.py --layers 4,8 --contexts 8192 --reps 10 --mesh "$spec" \
-      --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/mesh_${spec//[=,]/_}.log" | grep -v Warning | tail -4 ;;
+    spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
+    timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \
+      --mesh "$spec" --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/mesh_${spec//[=,]/_}.log" \
+      | grep -v Warning | tail -4 ;;
   ple)
-    timeout 560 python scripts/bench_ple.py --modes pageable --e2e --out "$OUT/bench_ple.jsonl" \
+    timeout ${PLE_S:-400} python scripts/bench_ple.py --modes pageable --e2e --out "$OUT/bench_ple.jsonl" \
       > "$OUT/ple.log" 2>&1; tail -20 "$OUT/ple.log" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
+done

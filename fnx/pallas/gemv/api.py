@@ -11,6 +11,7 @@ Tiles come from `configs/<device kind>.json` (written by `scripts/bench_kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -83,7 +84,7 @@ def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tile
             return t
     t = heuristic_tiles(fmt, n, k, m)
     if t is not None and argmax and t.split != 1:
-        t = gp.Tiles(t.bn, t.bk, 1, t.num_warps, t.num_stages)
+        t = dataclasses.replace(t, split=1)
     return t
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,14 @@ def weight_bytes(raw: dict) -> int:
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in raw.values())
 
 
+@functools.lru_cache(maxsize=1)   # the tuner times many tilings of one shape: build its weight sets once
+def weight_sets(fmt: str, n: int, k: int, quick: bool) -> tuple:
+    key = jax.random.PRNGKey(n * 7 + k)
+    one = make_weight(fmt, n, k, key)
+    count = 2 if quick else n_sets(weight_bytes(one))
+    return (one,) + tuple(make_weight(fmt, n, k, jax.random.fold_in(key, i)) for i in range(1, count))
+
+
 def cases(quick: bool = False, fmts=("bf16", "fp8", "nvfp4"), ms=(1, 8), impls=("pallas", "reference"),
           tiles=None, only=None) -> list[BenchCase]:
     """`tiles` (a Tiles) overrides the configured tiles for every case (used by the tuner). Without a GPU the
@@ -43,9 +53,8 @@ def cases(quick: bool = False, fmts=("bf16", "fp8", "nvfp4"), ms=(1, 8), impls=(
             if only is not None and (n, k) != tuple(only):
                 continue
             key = jax.random.PRNGKey(n * 7 + k)
-            one = make_weight(fmt, n, k, key)
-            per = weight_bytes(one)
-            sets = [one] + [make_weight(fmt, n, k, jax.random.fold_in(key, i)) for i in range(1, n_sets(per) if not quick else 2)]
+            sets = list(weight_sets(fmt, n, k, quick))
+            per = weight_bytes(sets[0])
             for m in ms:
                 x = jax.random.normal(jax.random.fold_in(key, 1000 + m), (m, k), F32).astype(jnp.bfloat16)
                 for impl in impls:

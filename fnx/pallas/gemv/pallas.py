@@ -41,6 +41,12 @@ class Tiles:
     split: int         # S, K slices (programs along grid axis 1)
     num_warps: int = 4
     num_stages: int = 3
+    dec: str = "f32"   # nvfp4 decode: "f32" (scales expanded by reshape, fp32 multiply), "f32g" (scales loaded
+                       # already expanded by a gather from L1), "bf16" (codes placed as bf16 bits, gathered
+                       # scales, bf16 multiply: e2m1 x e4m3 is exact in bf16)
+
+
+DECODES = ("f32", "f32g", "bf16")
 
 
 def _e2m1_f16(codes):
@@ -56,6 +62,19 @@ def _e2m1_f16(codes):
 
 
 E2M1_F16_SCALE = 2.0 ** 14
+
+
+def _e2m1_bf16(codes):
+    """uint8 E2M1 codes (0..15) -> their exact value as bfloat16, with integer ops and a bitcast.
+
+    The magnitude m3 = code & 7 is ee<<1 | m; shifted left by 6 it lands as bf16 exponent ee, mantissa top bit
+    m. Adding 126 to the exponent gives 2^(ee-1) * (1 + m/2), the E2M1 value for ee > 0; code 1 (0.5) becomes
+    exponent 126 with no mantissa, and code 0 stays 0."""
+    c = codes.astype(jnp.int32)
+    mag = c & 7
+    bits = (mag << 6) + jnp.where(mag > 1, 126 << 7, jnp.where(mag == 1, (126 << 7) - 64, 0))
+    bits = bits | ((c & 8) << 12)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), BF16)
 
 
 def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool):
@@ -79,12 +98,31 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
             xo = x2_ref[:, pl.ds(kb * half, half)]                      # odd columns
             packed = w_ref[pl.ds(row0, t.bn), pl.ds(kb * half, half)]    # [BN, BK/2] uint8
             ng = t.bk // 16
-            sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32) * E2M1_F16_SCALE   # [BN, BK/16]
-            sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
-            lo = (_e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
-            hi = (_e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
+            if t.dec == "f32":
+                sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32) * E2M1_F16_SCALE   # [BN, BK/16]
+                sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
+            else:  # each packed byte's scale, gathered in the weight tile's own shape (no reshape in registers)
+                rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
+                cols = lax.broadcasted_iota(jnp.int32, (t.bn, half), 1) // 8 + kb * ng
+                sc = sc_ref[rows, cols]
+            if t.dec == "bf16":
+                sc = sc.astype(BF16)
+                lo = _e2m1_bf16(packed & 0xF) * sc
+                hi = _e2m1_bf16(packed >> 4) * sc
+            else:
+                if t.dec == "f32g":
+                    sc = sc.astype(F32) * E2M1_F16_SCALE
+                lo = (_e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
+                hi = (_e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
             part = _dot(xe, lo, trans_b=True) + _dot(xo, hi, trans_b=True)
             return acc + part
+        if fmt == "fp8" and t.bk > 128:  # several 128-column blocks per step, each scaled on its own partial
+            for j in range(t.bk // 128):
+                c0 = col0 + j * 128
+                xk = x_ref[:, pl.ds(c0, 128)]
+                wk = w_ref[pl.ds(row0, t.bn), pl.ds(c0, 128)].astype(BF16)
+                acc = acc + _dot(xk, wk, trans_b=True) * s_ref[row0 // 128, c0 // 128]
+            return acc
         xk = x_ref[:, pl.ds(col0, t.bk)]                                 # [Mp, BK] bf16
         wk = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)].astype(BF16)  # [BN, BK]
         part = _dot(xk, wk, trans_b=True)                             # [Mp, BN] fp32
@@ -116,8 +154,10 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
         return f"bn={t.bn} does not divide N={n}"
     if k % (t.bk * t.split):
         return f"bk*split={t.bk * t.split} does not divide K={k}"
-    if fmt == "fp8" and (128 % t.bn or 128 % t.bk):
-        return "fp8 128x128 blocks need bn and bk to divide 128"
+    if fmt == "fp8" and (128 % t.bn or (128 % t.bk and t.bk % 128)):
+        return "fp8 128x128 blocks need bn to divide 128 and bk to divide 128 or be a multiple of it"
+    if t.dec not in DECODES:
+        return f"unknown nvfp4 decode {t.dec!r} (one of {DECODES})"
     if fmt == "nvfp4" and t.bk % 32:
         return "nvfp4 needs bk to be a multiple of 32"
     return None
