@@ -97,7 +97,7 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
                 for t in cands:
                     c = bench.cases(quick, fmts=(fmt,), ms=(m,), impls=("pallas",), tiles=t, only=(n, k))
                     try:
-                        r = time_case(c[0], iters=5, warmup=1)
+                        r = time_case(c[0], iters=10, warmup=1)
                     except Exception as e:  # a tile set that does not compile is skipped, and said
                         log(f"  skip {t}: {type(e).__name__}: {str(e)[:120]}")
                         continue

@@ -26,7 +26,7 @@ part=$1; shift
 echo "=== $part $(date +%T)"
 case "$part" in
   verify)
-    timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 tests/pallas 2>&1 \
+    timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 ${VERIFY_FILES:-tests/pallas} 2>&1 \
       | tee "$OUT/verify.log" | tail -30 ;;
   tune)   # GEMV tiles for the shapes that carry the decode bytes; the table is kept in $OUT
     timeout ${TUNE_S:-240} python scripts/bench_kernels.py --tune gemv --tune-budget $(( ${TUNE_S:-240} - 40 )) \
@@ -51,9 +51,12 @@ case "$part" in
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \
       --mesh "$spec" --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/mesh_${spec//[=,]/_}.log" \
       | grep -v Warning | tail -4 ;;
-  ple)
-    timeout ${PLE_S:-400} python scripts/bench_ple.py --modes pageable --e2e --out "$OUT/bench_ple.jsonl" \
-      > "$OUT/ple.log" 2>&1; tail -20 "$OUT/ple.log" ;;
+  ple)   # end to end per fetch variant on the full-size table, warm then cold (the table is written first)
+    timeout ${PLE_S:-300} python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --iters 100 \
+      --out "$OUT/bench_ple.jsonl" > "$OUT/ple.log" 2>&1
+    timeout 150 python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --e2e-cold --iters 50 \
+      --e2e-variants device,sync,pipeline --out "$OUT/bench_ple.jsonl" >> "$OUT/ple.log" 2>&1
+    grep -v "^reusing" "$OUT/ple.log" | tail -30 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 done

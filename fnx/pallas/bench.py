@@ -2,9 +2,9 @@
 BenchCase, and `time_case` times one on the current device.
 
 Timing: the case's function is applied once to each of its argument sets (distinct weights, so every
-application streams from HBM and XLA can merge nothing) inside one jitted program; a program over half the sets
-and one over all of them are timed and the slope is the time per application, so the ~70 us fixed cost of a
-jitted call cancels (see `time_case`).
+application streams from HBM and XLA can merge nothing) inside one jitted program; a program over the sets once
+and one over them many times (offset activations) are timed and the slope is the time per application, so the
+~70 us fixed cost of a jitted call cancels (see `time_case`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,24 @@ class BenchCase:
 
 
 def _program(case: BenchCase):
-    """One jitted program applying case.fn once to each argument set it is given (distinct sets: nothing to
+    """One jitted program applying case.fn once to each argument tuple it is given (distinct tuples: nothing to
     merge or hoist; every output is returned, so nothing is dead)."""
     return jax.jit(lambda all_args: [case.fn(*a) for a in all_args])
 
 
-def _median_time(f, sets, iters: int, warmup: int) -> float:
+def _varied(sets: list, reps: int) -> list:
+    """`sets` repeated `reps` times, the first argument (every family's small activation) offset per repetition,
+    made here, outside the timed program: repeated applications can be neither merged by XLA nor slowed by an
+    extra kernel that makes the copy."""
+    out = list(sets)
+    for r in range(1, reps):
+        for a in sets:
+            x = a[0]
+            out.append((jax.block_until_ready(x + jax.numpy.asarray(r * 2.0 ** -7, x.dtype)),) + tuple(a[1:]))
+    return out
+
+
+def _min_time(f, sets, iters: int, warmup: int) -> float:
     jax.block_until_ready(f(sets))
     for _ in range(warmup):
         jax.block_until_ready(f(sets))
@@ -47,25 +59,31 @@ def _median_time(f, sets, iters: int, warmup: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(f(sets))
         ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return float(np.min(ts))   # noise (host jitter, clock ramps) only ever adds
 
 
-def time_case(case: BenchCase, iters: int = 30, warmup: int = 3) -> dict:
-    """Time per application = (t(all n sets) - t(first n/2 sets)) / (n - n/2): the slope between two programs,
-    so the fixed cost of a jitted call (~70 us of dispatch and sync on the H200) cancels and only the kernels'
-    own time (launches included) remains. `n_sets` makes the first half alone exceed L2 twice over."""
+def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int = 64) -> dict:
+    """Time per application = (t(B) - t(A)) / (apps(B) - apps(A)), A the program over the n argument sets once
+    and B over them 1 + R times (R * n >= min_apps, later repetitions with offset activations): the slope
+    between two programs, so the fixed cost of a jitted call (~70 us of dispatch and sync on the H200) cancels,
+    and over enough applications that host jitter is a small fraction. Each program's time is its minimum over
+    `iters` calls. `n_sets` makes one pass over the sets exceed L2 four times over, so every application streams
+    from HBM. A slope that is not positive is an error, never a number."""
     sets = case.arg_sets
     n = len(sets)
     if n < 2:
         raise ValueError(f"{case.kernel} {case.shape}: the slope timing needs at least 2 argument sets")
-    half = n // 2
-    t0 = _median_time(_program(case), sets[:half], iters, warmup)
-    t1 = _median_time(_program(case), sets, iters, warmup)
-    t = max(t1 - t0, 1e-9) / (n - half)
+    reps = 1 + max(1, -(-min_apps // n))
+    t0 = _min_time(_program(case), sets, iters, warmup)
+    t1 = _min_time(_program(case), _varied(sets, reps), iters, warmup)
+    if t1 <= t0:
+        raise RuntimeError(f"{case.kernel} {case.shape} {case.impl}: {(reps - 1) * n} more applications did not "
+                           f"take longer ({t0 * 1e6:.1f} us vs {t1 * 1e6:.1f} us): timing noise, no result")
+    t = (t1 - t0) / ((reps - 1) * n)
     out = {"kernel": case.kernel, "shape": case.shape, "impl": case.impl, "us": round(t * 1e6, 2),
            "bytes": int(case.bytes), "tbps": round(case.bytes / t / 1e12, 3),
            "frac_bw": round(case.bytes / t / 1e12 / HBM_TBPS, 3),
-           "call_us": round(t1 * 1e6, 1), "sets": n}
+           "call_us": round(t0 * 1e6, 1), "sets": n, "apps": reps * n}
     if case.flops:
         out["tflops"] = round(case.flops / t / 1e12, 2)
         out["frac_flops"] = round(case.flops / t / 1e12 / BF16_TFLOPS, 3)
