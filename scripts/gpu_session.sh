@@ -11,7 +11,7 @@
 #                                    # fnx/pallas/gemv/configs/<device>.json)
 #   scripts/gpu_session.sh kernels   # bench_kernels (FAMS, FILTER) over the released shapes
 #   scripts/gpu_session.sh moe       # the MoE decode layer benchmark
-#   scripts/gpu_session.sh decode    # full-model decode / MTP round at 4 and 8 layers, kernels on, FP8 + NVFP4
+#   scripts/gpu_session.sh decode    # full-model decode / MTP round at 4 and 8 layers, verified kernels on
 #   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
 set -uo pipefail
@@ -19,12 +19,14 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-ALL_KERNELS="gemv_nvfp4=pallas,moe_route=pallas,moe_experts=pallas,gdn_decode=pallas,qsa_decode_attention=pallas,qsa_index_scores=pallas,hc_boundary=pallas"
 [ $# -gt 0 ] || { echo "parts: verify | tune | kernels | moe | decode | mesh SPEC | ple (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
 case "$part" in
+  failures)   # the named tests again, with their tracebacks
+    timeout ${FAIL_S:-90} python -m pytest -q -p no:cacheprovider --tb=short ${FAIL_TESTS:?} 2>&1 \
+      | tee "$OUT/failures.log" | grep -E "^E |Error|^FAILED|passed|failed" | head -40 ;;
   verify)
     timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 ${VERIFY_FILES:-tests/pallas} 2>&1 \
       | tee "$OUT/verify.log" | tail -30 ;;
@@ -41,11 +43,10 @@ case "$part" in
   moe)
     timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe --out "$OUT/bench_kernels.jsonl" \
       > "$OUT/bench_moe.log" 2>&1; grep -v "^#" "$OUT/bench_moe.log" | tail -26 ;;
-  decode)
-    FNX_KERNELS=$ALL_KERNELS timeout ${DECODE_S:-270} python scripts/bench_decode.py --layers 4,8 --contexts 8192 \
-      --reps 10 --quant fp8+nvfp4 --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/decode_fp8.log" | grep extrap
-    [ -n "${DECODE_BF16:-}" ] && timeout 270 python scripts/bench_decode.py --layers 4,8 --contexts 8192 --reps 10 \
-      --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/decode_bf16.log" | grep extrap ;;
+  decode)   # DECODE_QUANT bf16 | fp8 | fp8+nvfp4; DECODE_KERNELS a FNX_KERNELS value (empty: auto, the verified set)
+    FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers 4,8 \
+      --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} --out "$OUT/bench_decode.jsonl" 2>&1 \
+      | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \
@@ -54,7 +55,7 @@ case "$part" in
   ple)   # end to end per fetch variant on the full-size table, warm then cold (the table is written first)
     timeout ${PLE_S:-300} python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --iters 100 \
       --out "$OUT/bench_ple.jsonl" > "$OUT/ple.log" 2>&1
-    timeout 150 python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --e2e-cold --iters 50 \
+    timeout ${PLE_COLD_S:-150} python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --e2e-cold --iters 50 \
       --e2e-variants device,sync,pipeline --out "$OUT/bench_ple.jsonl" >> "$OUT/ple.log" 2>&1
     grep -v "^reusing" "$OUT/ple.log" | tail -30 ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -36,6 +36,9 @@ VERIFIED_ON_GPU = {
     "gemv_fp8": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
     "gemv_bf16_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
     "gemv_fp8_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
+    "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
+    "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
+    "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)
