@@ -19,12 +19,12 @@ def fake_gpu(monkeypatch):
 def test_auto_picks_only_gpu_verified_kernels(fake_gpu, monkeypatch, caplog):
     assert dispatch.resolve("gemv_fp8") == "pallas"
     with caplog.at_level(logging.WARNING, logger="fnx.pallas"):
-        assert dispatch.resolve("gdn_decode") == "reference"
-    assert "not passed its GPU tests" in caplog.text and "FNX_KERNELS=gdn_decode=pallas" in caplog.text
-    monkeypatch.setenv("FNX_KERNELS", "gdn_decode=pallas")
-    assert dispatch.resolve("gdn_decode") == "pallas"          # opting in by name
+        assert dispatch.resolve("moe_experts") == "reference"
+    assert "not passed its GPU tests" in caplog.text and "FNX_KERNELS=moe_experts=pallas" in caplog.text
+    monkeypatch.setenv("FNX_KERNELS", "moe_experts=pallas")
+    assert dispatch.resolve("moe_experts") == "pallas"          # opting in by name
     assert dispatch.resolve("gemv_fp8") == "pallas"             # ops not named keep "auto"
-    assert dispatch.resolve("gdn_decode", "reference") == "reference"   # an explicit impl wins over the env
+    assert dispatch.resolve("moe_experts", "reference") == "reference"   # an explicit impl wins over the env
 
 
 def test_env_and_force(monkeypatch):
