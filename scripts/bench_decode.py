@@ -9,6 +9,8 @@ with fewer layers (6 GDN + 2 QSA, the PLE layer among them, plus the MTP layer) 
 
     python scripts/bench_decode.py [--layers 4,8] [--contexts 1024,8192] [--k 4] [--quick]
     python scripts/bench_decode.py --tiny      # a tiny config: checks the script on the CPU
+    python scripts/bench_decode.py --ple-store pageable [--ple-table-gb 51.2]   # PLE rows from a host store:
+        the difference to the default (device) run is the PLE cost per step / round, end to end
     python scripts/bench_decode.py --mesh tp=1,ep=1 --mesh tp=2,ep=1 --mesh tp=1,ep=2   # several devices
         (fnx.parallel; one run per mesh, scaling efficiency against the first; NCCL_NVLS_ENABLE=0 on GPUs)
 """
@@ -128,7 +130,28 @@ def timeit(fn, n):
     return float(np.median(times)) * 1e3
 
 
-def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16"):
+class HostPle:
+    """The PLE rows of each timed call fetched from a host row store (`fnx.ple`), as the engine does with
+    `fnx.load(..., ple_store=MODE)`: n-gram ids of fresh random tokens on the host, `store.fetch`, the rows copied
+    to the device and passed to the step as `ple_rows` (the in-params table is then not read)."""
+
+    def __init__(self, store, consts, seed: int = 0, embed: int | None = None):
+        self.store, self.consts, self.embed = store, consts, embed
+        self.rng = np.random.default_rng(seed)
+
+    def rows(self, b: int, length: int):
+        from fnx.ple import initial_context, ngram_ids
+        tokens = self.rng.integers(0, 248320, size=(b, length))
+        ids, _ = ngram_ids(initial_context(b, self.consts), tokens, self.consts)
+        got = self.store.fetch(ids.reshape(b * length, -1))
+        rows = got.rows.reshape(b, length, -1)
+        if self.embed is not None:   # --tiny: the release-width synthetic rows cut to the tiny model's width
+            rows = rows[..., :self.embed]
+        return jnp.asarray(rows)
+
+
+def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
+            host_ple: HostPle | None = None):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -156,6 +179,12 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl=moe), donate_argnames=("state",))
     ids = lambda b, l: jnp.zeros((b, l, heads), jnp.int32) if cfg.ple_layer_ids else None  # noqa: E731
 
+    def ple(b, length):
+        """(ple_ids, ple_rows) for one call: zero ids for the in-params table, or rows fetched from the host."""
+        if host_ple is None or not cfg.ple_layer_ids:
+            return ids(b, length), None
+        return None, host_ple.rows(b, length)
+
     # decode at the largest context: prefill first (chunks of 2048)
     state = shard(init_state(cfg, 1, cap, dtype))
     chunk = min(2048, ctx)
@@ -170,7 +199,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         # positions keep advancing; capacity has 64 spare slots, rewind to stay inside
         s = holder["s"]
         s = dict(s, pos=jnp.full_like(s["pos"], ctx))
-        logits, s, _, _ = step_j(params, s, one, ids(1, 1))
+        pi, pr = ple(1, 1)
+        logits, s, _, _ = step_j(params, s, one, pi, ple_rows=pr)
         holder["s"] = s
         jax.block_until_ready(logits)
     res["decode_ms"] = timeit(dec, reps)
@@ -190,8 +220,9 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         mh["m"] = dict(m, pos=jnp.full((1,), ctx, jnp.int32))
         s = dict(holder["s"], pos=jnp.full((1,), ctx, jnp.int32))
         verify = jnp.concatenate([one, drafts], axis=1)
-        s, toks, n_acc, _, _ = _jit_verify(params, s, verify, jnp.ones((1,), bool), ids(1, k + 1), q, sp, keys,
-                                           cfg, moe, 0)
+        pi, pr = ple(1, k + 1)
+        s, toks, n_acc, _, _ = _jit_verify(params, s, verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp,
+                                           keys, cfg, moe, 0)
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)
@@ -211,7 +242,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             s = st_box["s"]
             s = dict(s, pos=jnp.zeros_like(s["pos"]))
             for a in range(0, c, ch):
-                logits, s, _, _ = step_j(params, s, jnp.ones((1, ch), jnp.int32), ids(1, ch))
+                pi, pr = ple(1, ch)
+                logits, s, _, _ = step_j(params, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr)
             st_box["s"] = s
             jax.block_until_ready(logits)
         st_box = {"s": st}
@@ -240,6 +272,12 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
                     help="weights: bf16, FP8 blocks for dense + experts, or FP8 dense + NVFP4 experts")
+    ap.add_argument("--ple-store", default="device", choices=("device", "pinned", "pageable", "swap", "direct"),
+                    help="device: the n-gram table in the params; else every call's rows are fetched from a host "
+                         "store of a synthetic FP8 table (scripts/bench_ple.py's) and passed as ple_rows")
+    ap.add_argument("--ple-table-gb", type=float, default=4.0,
+                    help="size of the synthetic host table (>= 47.7: the release's 51.2 GB)")
+    ap.add_argument("--ple-dir", default="/tmp/fnx_ple_bench", help="where the synthetic table is written")
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
@@ -251,6 +289,26 @@ def main():
                                                            capture_output=True, text=True).stdout.strip()
     device = jax.devices()[0]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    host_ple = None
+    if args.ple_store != "device":
+        import importlib.util
+        from fnx.ple.store import open_store
+        from fnx.ple.table import from_raw
+        spec = importlib.util.spec_from_file_location("bench_ple", os.path.join(os.path.dirname(__file__),
+                                                                               "bench_ple.py"))
+        bp = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bp)
+        os.makedirs(args.ple_dir, exist_ok=True)
+        path = bp.synthetic_table(os.path.join(args.ple_dir, f"ple_synthetic_{args.ple_table_gb:g}g.raw"),
+                                  args.ple_table_gb)
+        consts = bp.bench_consts(from_raw(path).rows)
+        store = open_store(path, args.ple_store, consts=consts)
+        embed = bench_config(4, args.tiny).ple_embed_dim
+        if embed > store.width * consts.num_heads:
+            raise SystemExit(f"the synthetic table's rows ({store.width * consts.num_heads}) are narrower than the "
+                             f"model's PLE width {embed}")
+        host_ple = HostPle(store, consts, embed=embed if embed != store.width * consts.num_heads else None)
+        print(f"PLE rows from a host {args.ple_store} store: {path}", flush=True)
     first = None
     for mesh_text in args.mesh or [None]:
         mcfg = None
@@ -264,15 +322,22 @@ def main():
             if mcfg is not None:  # kernels do not run per shard yet: a mesh traces the XLA reference paths
                 from fnx.pallas import dispatch
                 with dispatch.force("reference"):
-                    r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant)
+                    r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple)
             else:
-                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant)
+                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple)
             runs[n] = r
-            print(json.dumps({"mesh": mesh_text, "layers": n,
-                              **{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}}), flush=True)
+            line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
+                                                       for k, v in r.items()}}
+            print(json.dumps(line), flush=True)
+            with open(args.out, "a") as f:   # each layer count as soon as it ran: a run cut short keeps it
+                f.write(json.dumps({"record": "run", "date": datetime.date.today().isoformat(), "commit": commit,
+                                    "device": device.device_kind, "quant": args.quant, "ple_store": args.ple_store,
+                                    "kernels": os.environ.get("FNX_KERNELS", "auto"), "reps": args.reps,
+                                    **line}) + "\n")
         rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
                "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
                "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
+               "ple_store": args.ple_store,
                "kernels": "reference (mesh)" if mcfg else os.environ.get("FNX_KERNELS", "auto"),
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:

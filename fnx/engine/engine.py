@@ -21,7 +21,7 @@ import numpy as np
 
 from fnx.engine.spec import accept
 from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
-from fnx.model.api import Model
+from fnx.model.api import Model, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model.ops import linear_argmax
 from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step
@@ -130,6 +130,9 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng()
         self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "decode_steps": 0, "prefill_tokens": 0}
+        self._ple_missing: np.ndarray | None = None   # batch rows whose host PLE rows were zero-filled
+        self._hints = None                              # the prefill-hint thread (host PLE store only)
+        self._last_hint = None
         self.mesh = None
         if mesh is not None:
             self._place_on_mesh(mesh)
@@ -176,7 +179,30 @@ class Engine:
         req = Request(rid, prompt.astype(np.int32), params, seed, history=[int(t) for t in prompt])
         self.requests[rid] = req
         self.waiting.append(req)
+        if self.model.ple_store is not None and self.model.ngram is not None:
+            self._hint_prompt(req.prompt)
         return rid
+
+    def _hint_prompt(self, prompt: np.ndarray) -> None:
+        """Prefill hint: the n-gram ids of the whole prompt are computed and their rows prefetched
+        (`RowStore.prefetch`: madvise / MADV_POPULATE_READ, advisory) on a background thread, while the request
+        waits and its earlier chunks prefill, so the chunked prefill's own fetches find their pages resident."""
+        if self._hints is None:
+            import concurrent.futures as cf
+            self._hints = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnx-ple-hint")
+        store, ng, chunk = self.model.ple_store, self.model.ngram, max(self.prefill_chunk, 256)
+
+        def run():
+            try:
+                ctx = np.full((1, ng.ngram_size - 1), ng.eos_token_id, np.int64)
+                ids, _ = ngram_ids(ctx, prompt[None].astype(np.int64), ng)
+                ids = ids.reshape(-1, ids.shape[-1])
+                for lo in range(0, ids.shape[0], chunk):      # in prefill order, a chunk's rows at a time
+                    store.prefetch(ids[lo:lo + chunk])
+            except Exception as e:  # advisory only: the fetch itself reports real failures
+                log.warning("PLE prefetch hint failed (the prefill fetches the rows itself): %s", e)
+
+        self._last_hint = self._hints.submit(run)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -217,12 +243,33 @@ class Engine:
             if budget <= 0:
                 break
             before = r.prefilled
-            outs += self._prefill_chunk(r, budget)
+            outs += self._ple_failed(self._prefill_chunk(r, budget), [r], lambda r: 0)
             budget -= r.prefilled - before
         decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt) and not r.done
                     and r.pending is not None]
         if decoding:
-            outs += self._spec_round(decoding) if self.spec else self._decode(decoding)
+            step_outs = self._spec_round(decoding) if self.spec else self._decode(decoding)
+            outs += self._ple_failed(step_outs, decoding, lambda r: r.slot)
+        return outs
+
+    def _ple_failed(self, outs: list[Output], reqs: list[Request], row_of) -> list[Output]:
+        """After a step whose host PLE fetch zero-filled rows (past its deadline, or unreadable pages): with the
+        store's policy "fail", each request whose rows were missing ends here with finish_reason "error" (its
+        slot freed; what this step computed for it is dropped), and every other request goes on untouched (rows
+        of a batch never mix). With "degrade" the zero rows stand; both count in stats["ple_rows_missing"]."""
+        miss, self._ple_missing = self._ple_missing, None
+        if miss is None:
+            return outs
+        bad = {r.id for r in reqs if miss[row_of(r)]}
+        if not bad or self.model.ple_store.policy != "fail":
+            return outs
+        log.error("PLE rows missing (%s); ending %d request(s) with an error", self.model.ple_store.last_error,
+                  len(bad))
+        outs = [o for o in outs if o.request_id not in bad]
+        for rid in sorted(bad):
+            self.abort(rid)
+            outs.append(Output(rid, [], [], True, "error"))
+        self.stats["ple_failed_requests"] = self.stats.get("ple_failed_requests", 0) + len(bad)
         return outs
 
     def _admit(self):
@@ -239,7 +286,8 @@ class Engine:
                 self.seen, self.out_counts = _reset_row(self.seen, self.out_counts, i, jnp.asarray(row))
 
     def _ple_ids(self, histories: list[list[int]], tokens: np.ndarray) -> jnp.ndarray | None:
-        """n-gram ids [B, L, H] for `tokens` [B, L] that follow each row's history."""
+        """The PLE input for `tokens` [B, L] that follow each row's history: n-gram ids [B, L, H], or the rows
+        [B, L, E] when the model's table is in a host store (fetched here, on the host, before the step)."""
         ng = self.model.ngram
         if ng is None:
             return None
@@ -250,7 +298,15 @@ class Engine:
             if tail:
                 ctx[b, ctx_len - len(tail):] = tail
         ids, _ = ngram_ids(ctx, tokens.astype(np.int64), ng)
-        return jnp.asarray(ids.astype(np.int32))
+        store = self.model.ple_store
+        if store is None:
+            return jnp.asarray(ids.astype(np.int32))
+        b, length, heads = ids.shape
+        got = store.fetch(ids.reshape(b * length, heads), surface=False)   # failures are handled per request
+        if got.missing.any():
+            self._ple_missing = got.missing.reshape(b, length).any(axis=1)
+            self.stats["ple_rows_missing"] = self.stats.get("ple_rows_missing", 0) + int(got.missing.sum())
+        return jnp.asarray(got.rows.reshape(b, length, -1))
 
     def _bucket(self, n: int) -> int:
         b = 16
@@ -429,9 +485,11 @@ def _reset_row(seen, counts, slot, row):
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
-def _jit_prefill(params, state, slot, tokens, n_valid, ple_ids, cfg, moe_impl):
+def _jit_prefill(params, state, slot, tokens, n_valid, ple, cfg, moe_impl):
     sub = slot_take(cfg, state, slot)
-    logits, sub, hidden, _ = step(params, sub, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid)
+    ids, rows = ple_split(ple)
+    logits, sub, hidden, _ = step(params, sub, tokens, ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                                  ple_rows=rows)
     last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
     return slot_put(cfg, state, slot, sub), last, hidden
 
@@ -462,8 +520,10 @@ def _jit_sample_rows(logits, sp, keys, seen, counts, slots, n_logprobs):
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state", "seen", "counts"))
-def _jit_decode(params, state, tokens, n_valid, ple_ids, sp, keys, seen, counts, cfg, moe_impl, n_logprobs):
-    logits, state, _, _ = step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid)
+def _jit_decode(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg, moe_impl, n_logprobs):
+    ids, rows = ple_split(ple)
+    logits, state, _, _ = step(params, state, tokens, ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                               ple_rows=rows)
     tok, _ = sample(logits[:, 0], sp, keys, seen, counts)
     info = top_logprobs(logits[:, 0], tok, n_logprobs)
     rows = jnp.arange(tokens.shape[0])
@@ -522,14 +582,15 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state",))
-def _jit_verify(params, state, verify, active, ple_ids, q_lp, sp, keys, cfg, moe_impl, n_logprobs):
+def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_impl, n_logprobs):
     """Target on [pending, d_1..d_k]; speculative rejection sampling (greedy rows: longest matching prefix);
     rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs)."""
     width = verify.shape[1]
     k = width - 1
     n_valid = jnp.where(active, width, 0).astype(jnp.int32)
-    logits, full, hidden, aux = step(params, state, verify, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                                     snapshots=True)
+    ids, rows = ple_split(ple)
+    logits, full, hidden, aux = step(params, state, verify, ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                                     snapshots=True, ple_rows=rows)
     p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
     toks, n_acc = accept(p_lp, q_lp, verify[:, 1:], subkeys[:, k])

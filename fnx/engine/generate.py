@@ -151,6 +151,8 @@ class _GenerateFn:
     """A pure, jittable, vmappable generator: `fn(prompt [P], seed) -> (tokens [N], length)`."""
 
     def __init__(self, model: Model, max_new: int, sampling: SamplingParams):
+        from fnx.model.api import require_device_table
+        require_device_table(model, "the jitted generate")
         self.params, self.cfg, self.max_new = model.params, model.cfg, max_new
         self.sp = sampling
         self.tables = NgramDeviceTables.build(model.ngram) if model.ngram is not None else None

@@ -25,6 +25,8 @@ class Model:
     path: str | None = None
     tokenizer: object = field(default=None, repr=False)
     generation_config: dict = field(default_factory=dict, repr=False)
+    ple_store: object = field(default=None, repr=False)   # a fnx.ple RowStore when the n-gram table stays off
+                                                          # the device (params then hold no table)
 
     @property
     def dtype(self):
@@ -76,13 +78,32 @@ class Model:
         return self.__dict__["_ngram"]
 
 
-def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str | None = None) -> Model:
+def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str | None = None,
+         ple_store: str = "device", ple_options: dict | None = None) -> Model:
     """Read a checkpoint into an `fnx.Model`: an HF directory (config.json + safetensors; BF16, FP8 block or
     NVFP4, streamed onto the device; `quant="fp8"` quantizes the dense projections while loading) or a directory
     written by `fnx convert` (restored as converted). dtype defaults to bfloat16 for HF checkpoints and to the
-    converted dtype for converted ones."""
+    converted dtype for converted ones.
+
+    ple_store: where the PLE n-gram table lives. "device" (default) puts it in the params, in device memory.
+    "pinned", "pageable", "swap" or "direct" keep it on the host (`fnx.ple.open_store`: read-only mmap of the
+    checkpoint's own shards, anonymous swappable memory, pinned memory or O_DIRECT reads); the params then hold
+    no table and every step's rows are fetched on the host from the ids of its tokens (`Engine`, `extend`).
+    ple_options go to `open_store` (policy, deadline_s, io_threads, ...)."""
     from fnx.checkpoint import load_any
-    out = load_any(path, dtype=dtype, quant=quant, progress=progress)
+    from fnx.ple.store import MODES
+    if ple_store not in MODES:
+        raise ValueError(f"ple_store must be one of {MODES}, got {ple_store!r}")
+    host = ple_store != "device"
+    if ple_options and not host:
+        raise ValueError("ple_options apply to a host ple_store (pinned, pageable, swap, direct), not 'device'")
+    out = load_any(path, dtype=dtype, quant=quant, progress=progress, ngram_table="host" if host else "device")
+    store = None
+    if host:
+        if not out.cfg.ple_layer_ids:
+            raise ValueError(f"ple_store={ple_store!r}: {path} has no PLE layer (no n-gram table to keep)")
+        from fnx.ple.store import open_store
+        store = open_store(path, ple_store, cfg=out.cfg, **(ple_options or {}))
     tokenizer, gen_cfg = None, {}
     d = os.fspath(path)
     if os.path.isdir(d):
@@ -94,16 +115,37 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
             import json
             with open(gpath, encoding="utf-8") as f:
                 gen_cfg = json.load(f)
-    return Model(out.cfg, out.params, out.mtp, d, tokenizer, gen_cfg)
+    return Model(out.cfg, out.params, out.mtp, d, tokenizer, gen_cfg, store)
 
 
 def _is_quant(x) -> bool:
     return type(x).__name__ in ("Fp8Block", "Nvfp4")
 
 
+def ple_split(ple):
+    """A step's PLE input as (ple_ids, ple_rows): int32 n-gram ids [B, L, heads] for a table in the params, or
+    rows [B, L, embed] already fetched from a host store (decided by dtype, at trace time)."""
+    if ple is None or jnp.issubdtype(ple.dtype, jnp.integer):
+        return ple, None
+    return None, ple
+
+
+def ple_input(model: Model, ids: np.ndarray | None):
+    """ids [B, L, heads] -> what a step takes: the ids themselves (device table) or, with a host store, the rows
+    fetched now [B, L, heads * width] (a PLE fetch error surfaces here, before any device work)."""
+    if ids is None:
+        return None
+    if model.ple_store is None:
+        return jnp.asarray(ids.astype(np.int32))
+    b, length, heads = ids.shape
+    rows = model.ple_store.rows(ids.reshape(b * length, heads))
+    return jnp.asarray(rows.reshape(b, length, -1))
+
+
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
-def _jit_step(params, state, tokens, ple_ids, cfg, moe_impl="auto"):
-    return step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl)
+def _jit_step(params, state, tokens, ple, cfg, moe_impl="auto"):
+    ids, rows = ple_split(ple)
+    return step(params, state, tokens, ids, cfg=cfg, moe_impl=moe_impl, ple_rows=rows)
 
 
 def new_state(model: Model, batch: int, capacity: int) -> dict:
@@ -130,11 +172,11 @@ def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_
     capacity = _capacity(state)
     if capacity is not None and int(pos.max()) + tokens.shape[1] > capacity:
         raise ValueError(f"state holds {capacity} tokens; {int(pos.max())} used, {tokens.shape[1]} more requested")
-    ple_ids = None
+    ple = None
     if model.ngram is not None:
         ids, _ = ngram_ids(np.asarray(state["ngram_ctx"]).astype(np.int64), tokens, model.ngram)
-        ple_ids = jnp.asarray(ids.astype(np.int32))
-    logits, state, hidden, _ = _jit_step(model.params, state, jnp.asarray(tokens), ple_ids, model.cfg, moe_impl)
+        ple = ple_input(model, ids)
+    logits, state, hidden, _ = _jit_step(model.params, state, jnp.asarray(tokens), ple, model.cfg, moe_impl)
     return (logits, state, hidden) if return_hidden else (logits, state)
 
 
@@ -164,8 +206,19 @@ def forward(model: Model, token_ids, moe_impl: str = "auto", return_layers: bool
     return logits, {"hidden": aux["hidden"], "experts": aux["experts"], "final": hidden}
 
 
+def require_device_table(model: Model, what: str) -> None:
+    """Paths that compute n-gram ids inside a jitted program gather from the table in the params; a model whose
+    table lives in a host store cannot take them."""
+    if model.ple_store is not None:
+        raise NotImplementedError(
+            f"{what} computes the PLE n-gram ids on the device and gathers rows from a table in the params, but "
+            f"this model keeps its table in a host store (ple_store={model.ple_store.mode!r}). Load it with "
+            "ple_store='device', or use fnx.extend / the Engine, which fetch rows from the host store.")
+
+
 def _device_tables(model: Model):
     from fnx.model.ngram_device import NgramDeviceTables
+    require_device_table(model, "this function")
     return NgramDeviceTables.build(model.ngram) if model.ngram is not None else None
 
 

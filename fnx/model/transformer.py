@@ -200,8 +200,8 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
                                   cfg, n_valid)
         st.update(new)
     aux.update(a)
-    h = hyper.combine(h, y, inj)
-    x, inj = hyper.gated_residual(p["mlp_hyper_connection"], h, s, eps)
+    # the mixer's combine and the MLP's gated residual: one boundary (a single fused kernel at decode sizes)
+    h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps)
     y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
     return hyper.combine(h, y, inj), st, (aux if snapshots else {}), ids
 

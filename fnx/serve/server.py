@@ -61,6 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto",
                    help="split <think>...</think> output into reasoning_content (auto: when the tokenizer or the "
                         "chat template knows </think>)")
+    p.add_argument("--ple-store", choices=["device", "pinned", "pageable", "swap", "direct"], default="device",
+                   help="where the PLE n-gram table lives: in device memory (device), or on the host with its rows "
+                        "fetched per step: pinned host memory, a read-only mmap of the checkpoint's shards "
+                        "(pageable), swappable anonymous memory (swap) or O_DIRECT reads (direct)")
+    p.add_argument("--ple-policy", choices=["fail", "degrade"], default="fail",
+                   help="host PLE store: when rows cannot be read in time, end the affected request with an "
+                        "error (fail) or run it on zero rows and count it (degrade)")
+    p.add_argument("--ple-deadline-ms", type=float, default=None,
+                   help="host PLE store: per-fetch deadline; rows not read by then are zero-filled (see "
+                        "--ple-policy). Default: none")
     p.add_argument("--skip-warmup", action="store_true",
                    help="do not compile the engine's programs at start-up (the first requests then wait on "
                         "compiles; for development only)")
@@ -136,7 +146,13 @@ def main(argv=None) -> int:
         dtype = None  # a converted tree is restored in the dtype it was converted with
     t0 = time.perf_counter()
     try:
-        model = fnx.load(model_dir, dtype=dtype)
+        ple_opts = None
+        if args.ple_store != "device":
+            ple_opts = {"policy": args.ple_policy,
+                        "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
+        elif args.ple_deadline_ms is not None or args.ple_policy != "fail":
+            return _fail("--ple-policy and --ple-deadline-ms apply to a host --ple-store, not 'device'")
+        model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts)
     except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation
         return _fail(f"could not load {model_dir}: {e}")
     t_load = time.perf_counter() - t0
@@ -153,6 +169,7 @@ def main(argv=None) -> int:
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
+          f"PLE table: {args.ple_store}, "
           f"stop ids {sorted(engine.eos)}", flush=True)
 
     metrics = Metrics(name)

@@ -100,8 +100,10 @@ def test_route_ties():
         jnp.round(base[6]),                                         # many small-integer ties
     ]
     logits = jnp.stack(rows)
-    _check_route(logits.astype(BF16), k, True, BF16, exact=True)
-    _check_route(logits, k, False, jnp.float32, exact=True)
+    # ids are exact everywhere; the weights bit for bit in the interpreter, whose softmax sums in the reference's
+    # order. On the GPU the reference is XLA's own reduction, whose order differs: an fp32 ulp (rtol 5e-7).
+    _check_route(logits.astype(BF16), k, True, BF16, exact=INTERPRET)
+    _check_route(logits, k, False, jnp.float32, exact=INTERPRET)
     w, ids = routing_pallas.route(logits, k, False, jnp.float32, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(ids[0]), np.arange(k))
     np.testing.assert_array_equal(np.asarray(ids[4][:2]), [5, 11])
@@ -142,7 +144,8 @@ def test_experts_fp32_activations():
     got = _run(gu, dn, x, idx)
     want = reference.experts(gu, dn, x, idx)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-    assert err <= TOL[jnp.dtype(jnp.float32)], err
+    # on a GPU both XLA's and Triton's fp32 dots default to TF32 (10-bit mantissa): 4e-4 was seen on the H200
+    assert err <= (TOL[jnp.dtype(jnp.float32)] if INTERPRET else 2e-3), err
 
 
 @pytest.mark.parametrize("case", ["same_experts", "disjoint", "zeros"])

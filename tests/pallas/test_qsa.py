@@ -182,8 +182,12 @@ def test_qsa_layer_decode_through_kernel(length, pos):
     y_ref, st_ref, _ = run("reference")(x, st)
     y_ker, st_ker, _ = run(KERNEL)(x, st)
     np.testing.assert_allclose(np.asarray(y_ker), np.asarray(y_ref), rtol=1e-4, atol=1e-5)
-    for k in st_ref:
-        np.testing.assert_array_equal(np.asarray(st_ker[k]), np.asarray(st_ref[k]))
+    for k in st_ref:   # the cache writes are the same jnp code in both programs: bit-equal in the interpreter;
+        # on a GPU the two programs fuse differently and the fp32 state may differ by an ulp (seen on the H200)
+        if INTERPRET:
+            np.testing.assert_array_equal(np.asarray(st_ker[k]), np.asarray(st_ref[k]))
+        else:
+            np.testing.assert_allclose(np.asarray(st_ker[k]), np.asarray(st_ref[k]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("length", [1, 5])

@@ -93,3 +93,88 @@ def test_step_with_store_rows_equals_step_with_ids(tiny):
     pipe.close()
     assert store.stats["fetches"] >= 4 and store.stats["prefetch_calls"] >= 1
     store.close()
+
+
+# ---- the engine with the table in a host store ----------------------------------------------------------------
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8, 1, 60], [1, 2, 3, 250]]
+
+
+@pytest.mark.parametrize("mode", ["pageable", "pinned", "swap", "direct"])
+def test_engine_on_a_host_store_generates_what_the_device_table_does(tiny, mode):
+    """fnx.load(ple_store=mode) keeps the table out of the params; the engine fetches each step's rows on the host
+    and the tokens (greedy) are the ones the in-params table gives, with and without speculative rounds."""
+    host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store=mode)
+    assert host.ple_store.mode == mode
+    with pytest.raises(KeyError):
+        _params_table(host)
+    want = fnx.generate(tiny, PROMPTS, 10)
+    assert fnx.generate(host, PROMPTS, 10) == want
+    if tiny.mtp and mode == "pageable":
+        assert fnx.generate(host, PROMPTS, 10, speculative=2) == fnx.generate(tiny, PROMPTS, 10, speculative=2)
+    st_d, st_h = fnx.new_state(tiny, 1, 16), fnx.new_state(host, 1, 16)
+    np.testing.assert_array_equal(np.asarray(fnx.extend(tiny, st_d, [PROMPTS[0]])[0], np.float32),
+                                  np.asarray(fnx.extend(host, st_h, [PROMPTS[0]])[0], np.float32))
+    assert host.ple_store.stats["fetches"] > 0
+    host.ple_store.close()
+
+
+def test_device_only_paths_refuse_a_host_store(tiny):
+    host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="pageable")
+    with pytest.raises(NotImplementedError, match="host store"):
+        fnx.generate_jit(host, [1, 2, 3], 4)
+    with pytest.raises(ValueError, match="ple_store must be one of"):
+        fnx.load(tiny.path, ple_store="gpu")
+    host.ple_store.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "degrade"])
+def test_missing_rows_end_only_the_affected_request(tiny, policy, monkeypatch):
+    """Fault injection: the decode fetches of slot 0's request lose their rows (zero-filled, as after a deadline or
+    an unreadable page). policy fail: that request ends with finish_reason "error" and the other one finishes with
+    exactly its clean tokens; degrade: both finish, the zero rows counted."""
+    from fnx.engine.engine import Engine
+    from fnx.engine.sampling import SamplingParams
+    from fnx.ple.store import Fetch, PleFetchError
+
+    host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="pageable", ple_options={"policy": policy})
+    clean = fnx.generate(tiny, PROMPTS, 6)
+    real = host.ple_store.fetch
+
+    def lossy(ids, deadline_s=..., *, surface=True):
+        got = real(ids, deadline_s, surface=surface)
+        if ids.shape[0] == 2:            # a decode step of both slots, one token each: slot 0 loses its rows
+            rows, missing = got.rows.copy(), got.missing.copy()
+            rows[0], missing[0] = 0, True
+            return Fetch(rows, missing, PleFetchError("injected: rows unreadable"))
+        return got
+
+    monkeypatch.setattr(host.ple_store, "fetch", lossy)
+    eng = Engine(host, max_slots=2, capacity=32)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = [eng.submit(p, sp) for p in PROMPTS]
+    toks, reasons = {i: [] for i in ids}, {}
+    while eng.has_work():
+        for o in eng.step():
+            toks[o.request_id] += o.token_ids
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert eng.stats["ple_rows_missing"] >= 1
+    if policy == "fail":
+        assert reasons[ids[0]] == "error" and eng.stats["ple_failed_requests"] == 1
+        assert reasons[ids[1]] == "length" and toks[ids[1]] == clean[1][:6]
+    else:
+        assert reasons == {ids[0]: "length", ids[1]: "length"} and toks[ids[1]] == clean[1][:6]
+    host.ple_store.close()
+
+
+def test_submit_prefetches_the_prompt_rows(tiny):
+    """Prefill hint: on submit, the rows of the whole prompt are prefetched on a background thread."""
+    from fnx.engine.engine import Engine
+    host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="pageable")
+    eng = Engine(host, max_slots=1, capacity=64, prefill_chunk=8)
+    before = host.ple_store.stats["prefetch_calls"]
+    eng.submit(list(range(3, 43)))
+    eng._last_hint.result(timeout=60)
+    assert host.ple_store.stats["prefetch_calls"] >= before + 1
+    host.ple_store.close()

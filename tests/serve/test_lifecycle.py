@@ -1,4 +1,5 @@
-"""Start-up, the bounded queue (429), and graceful shutdown on SIGTERM, on a server of its own (1 slot, 1 queued)."""
+"""Start-up, the bounded queue (429), and graceful shutdown on SIGTERM, on a server of its own (1 slot, 1 queued,
+the n-gram table kept on the host: `--ple-store pageable`)."""
 
 import json
 import signal
@@ -44,7 +45,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 def small(serve_checkpoint, jax_cache, tmp_path_factory):
     s = Server(serve_checkpoint, tmp_path_factory.mktemp("logs") / "small.log", jax_cache,
                "--max-slots", "1", "--max-queue", "1", "--capacity", "1024", "--prefill-chunk", "16",
-               "--shutdown-timeout", "20")
+               "--shutdown-timeout", "20", "--ple-store", "pageable", "--ple-deadline-ms", "2000")
     yield s
     s.stop()
 
@@ -55,6 +56,13 @@ def first_event(lines):
     for line in lines:
         if line.startswith("data: "):
             return json.loads(line[6:])
+
+
+def test_host_ple_store_serves(small):
+    """The table stays in a read-only mmap of the checkpoint's shards; requests are served from its rows."""
+    assert "PLE table: pageable" in small.output()
+    r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, max_tokens=3), timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
 def test_queue_full_gets_429(small):
