@@ -13,7 +13,9 @@ The combine (jnp, deterministic): outs[t, k] = y[slot[t, k], t], then reference.
 
 Weights: dense arrays, FP8 E4M3 with fp32 scales per 128x128 block (a tile lies inside one block, so one
 scalar scale per tile), NVFP4 (nibbles decoded with integer ops, scales expanded per 16 values, the gate/up
-globals per row), each dequantized in fp32 and rounded once to x.dtype, exactly as the reference dequantizer."""
+globals per row), each dequantized in fp32 and rounded once to x.dtype, exactly as the reference dequantizer.
+NVFP4 tiles are never interleaved: the low nibbles (even columns) and high nibbles (odd columns) are dotted with
+the activations' even and odd columns, split outside the kernels."""
 
 from __future__ import annotations
 
@@ -52,7 +54,10 @@ def _e2m1(c):
 
 
 def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta):
-    """Rows [r0, r0+bn), input columns [k0, k0+bk) of expert e's matrix, dequantized and rounded to dt: [bn, bk]."""
+    """Rows [r0, r0+bn), input columns [k0, k0+bk) of expert e's matrix, dequantized and rounded to dt: [bn, bk].
+    NVFP4 returns the pair (even columns, odd columns), each [bn, bk/2]: the low and high nibbles of the packed
+    bytes as they lie, never interleaved in registers; the caller dots them with the even and odd activation
+    columns."""
     if fmt == "dense":
         (w_ref,) = refs
         return w_ref[e, pl.ds(r0, bn), pl.ds(k0, bk)].astype(dt)
@@ -68,10 +73,15 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta):
     p = w_ref[e, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
     sc = s_ref[e, pl.ds(r0, bn), pl.ds(k0 // group, bk // group)].astype(F32)          # [bn, bk/group]
     sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
-    s2 = s2_ref[e, pl.ds(r0, bn)].astype(F32)[:, None]
-    lo = (_e2m1(p & 0xF) * sc * s2).astype(dt)
-    hi = (_e2m1(p >> 4) * sc * s2).astype(dt)
-    return jax.lax.stack([lo, hi], axis=2).reshape(bn, bk)
+    sc = sc * s2_ref[e, pl.ds(r0, bn)].astype(F32)[:, None]
+    return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
+
+
+def _tile_dot(x_tiles, w):
+    """x @ w.T in fp32 for a dense tile w, or the sum over the even and odd halves for an NVFP4 pair."""
+    if isinstance(w, tuple):
+        return _dot_t(x_tiles[0], w[0]) + _dot_t(x_tiles[1], w[1])
+    return _dot_t(x_tiles[0], w)
 
 
 def _dot_t(a, b):
@@ -79,23 +89,28 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _gate_up_kernel(experts_ref, x_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk):
+def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk):
+    halves = fmt == "nvfp4"       # activations come as (even columns, odd columns)
+    x_refs, rest = (rest[:2], rest[2:]) if halves else (rest[:1], rest[1:])
     *w_refs, act_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
     e = experts_ref[s]
     dt = act_ref.dtype
+    kw = bk // 2 if halves else bk
 
     @pl.when(e < n_exp)
     def _():
-        rows = jax.lax.broadcasted_iota(jnp.int32, (mp, bk), 0)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (mp, kw), 0)
 
         def step(kk, carry):
             acc_g, acc_u = carry
             k0 = pl.multiple_of(kk * bk, bk)
-            xk = plgpu.load(x_ref.at[pl.ds(0, mp), pl.ds(k0, bk)], mask=rows < m, other=0.0).astype(dt)
+            c0 = k0 // 2 if halves else k0
+            xs = [plgpu.load(r.at[pl.ds(0, mp), pl.ds(c0, kw)], mask=rows < m, other=0.0).astype(dt)
+                  for r in x_refs]
             wg = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
             wu = _weight_tile(fmt, w_refs, e, inter + j * bn, bn, k0, bk, dt, meta)
-            return acc_g + _dot_t(xk, wg), acc_u + _dot_t(xk, wu)
+            return acc_g + _tile_dot(xs, wg), acc_u + _tile_dot(xs, wu)
 
         zero = jnp.zeros((mp, bn), F32)
         acc_g, acc_u = jax.lax.fori_loop(0, d // bk, step, (zero, zero))
@@ -106,19 +121,23 @@ def _gate_up_kernel(experts_ref, x_ref, *rest, fmt, meta, n_exp, m, mp, inter, d
         act_ref[s, :, pl.ds(j * bn, bn)] = a.astype(dt)
 
 
-def _down_kernel(experts_ref, act_ref, *rest, fmt, meta, n_exp, inter, bn, bk):
+def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk):
+    halves = fmt == "nvfp4"
+    a_refs, rest = (rest[:2], rest[2:]) if halves else (rest[:1], rest[1:])
     *w_refs, y_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
     e = experts_ref[s]
     dt = y_ref.dtype
+    kw = bk // 2 if halves else bk
 
     @pl.when(e < n_exp)
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            a = act_ref[s, :, pl.ds(k0, bk)]
+            c0 = k0 // 2 if halves else k0
+            a = [r[s, :, pl.ds(c0, kw)] for r in a_refs]
             w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
-            return acc + _dot_t(a, w)
+            return acc + _tile_dot(a, w)
 
         acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((y_ref.shape[1], bn), F32))
         y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
@@ -176,19 +195,23 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     mp = max(MIN_ROWS, _pow2(m))
     dt = x.dtype
     params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    # NVFP4: the activations split into their even and odd columns here (a copy of activations only), so each
+    # nibble of a packed byte meets its own contiguous activation tile
+    xs = (x[:, 0::2], x[:, 1::2]) if fmt1 == "nvfp4" else (x,)
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, x, *w1)
+    )(experts, *xs, *w1)
+    acts = (act[:, :, 0::2], act[:, :, 1::2]) if fmt2 == "nvfp4" else (act,)
     return pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2),
         out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
         grid=(s, d // bn2),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, act, *w2)
+    )(experts, *acts, *w2)
 
 
 def experts(gate_up, down, x: jax.Array, idx: jax.Array, *, interpret: bool = False,
