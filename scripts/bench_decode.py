@@ -151,7 +151,7 @@ class HostPle:
 
 
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
-            host_ple: HostPle | None = None):
+            host_ple: HostPle | None = None, ledger_calls: int = 0):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -205,6 +205,9 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         jax.block_until_ready(logits)
     res["decode_ms"] = timeit(dec, reps)
     res["decode_floor_ms"] = floor_bytes(cfg, params, 1) / PEAK_BW * 1e3
+    if ledger_calls:
+        from fnx.pallas import ledger
+        res["ledger_decode"] = ledger.profile(dec, ledger_calls)
 
     # one MTP round: catch-up + k-1 chained drafts, verify (k+1 tokens, snapshots), accept, rollback
     mstate = shard(init_mtp_state(cfg, 1, cap, dtype))
@@ -226,6 +229,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)
+    if ledger_calls:
+        res["ledger_mtp_round"] = ledger.profile(rnd, ledger_calls)
     res["mtp_round_floor_ms"] = (floor_bytes(cfg, params, k + 1) + k * floor_bytes(cfg, {"m": mp, "lm": params[
         "lm_head"]}, 1)) / PEAK_BW * 1e3
     del holder, mh, state
@@ -278,6 +283,9 @@ def main():
     ap.add_argument("--ple-table-gb", type=float, default=4.0,
                     help="size of the synthetic host table (>= 47.7: the release's 51.2 GB)")
     ap.add_argument("--ple-dir", default="/tmp/fnx_ple_bench", help="where the synthetic table is written")
+    ap.add_argument("--ledger", type=int, default=0, metavar="N",
+                    help="also profile N decode steps and N MTP rounds: kernels per call and the time per family "
+                         "(fnx.pallas.ledger)")
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
@@ -322,12 +330,20 @@ def main():
             if mcfg is not None:  # kernels do not run per shard yet: a mesh traces the XLA reference paths
                 from fnx.pallas import dispatch
                 with dispatch.force("reference"):
-                    r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple)
+                    r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple,
+                                args.ledger)
             else:
-                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple)
+                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}
+            for key in ("ledger_decode", "ledger_mtp_round"):
+                if key in r:
+                    led = r[key]
+                    print(f"# {key} ({n} layers): {led['launches_per_call']:.0f} kernels, busy "
+                          f"{led['busy_ms_per_call']:.3f} ms, idle {led.get('idle_ms_per_call', 0):.3f} ms; "
+                          + ", ".join(f"{f} {v['ms_per_call']:.3f} ms / {v['kernels_per_call']:.0f}"
+                                      for f, v in led["families"].items()), flush=True)
             print(json.dumps(line), flush=True)
             with open(args.out, "a") as f:   # each layer count as soon as it ran: a run cut short keeps it
                 f.write(json.dumps({"record": "run", "date": datetime.date.today().isoformat(), "commit": commit,

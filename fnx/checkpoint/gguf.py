@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 
 from fnx.checkpoint import gguf_quants
 from fnx.checkpoint.hf import CheckpointError, Plan, QuantSpec, plan_tensors
+from fnx.checkpoint.ngram_table import check_row_ids
 from fnx.config import ModelConfig
 
 ARCH = "qwen4exp"
@@ -333,12 +334,7 @@ class GgufTableView:
         return int(self.data.nbytes)
 
     def rows(self, ids) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"n-gram ids must be integers, got {ids.dtype}")
-        flat = ids.reshape(-1).astype(np.int64)
-        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
-            raise IndexError(f"n-gram ids must lie in [0, {self.shape[0]}), got [{flat.min()}, {flat.max()}]")
+        ids, flat = check_row_ids(ids, self.shape[0])
         packed = np.asarray(self.data).reshape(self.shape[0], -1)[flat]
         out = gguf_quants.dequantize(packed, self.qtype, (flat.size, self.shape[1]))
         return out.reshape(*ids.shape, self.shape[1])

@@ -11,6 +11,17 @@ import ml_dtypes
 import numpy as np
 
 
+def check_row_ids(ids, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids as an array, ids flattened to int64), after checking they are integers in [0, n_rows)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"n-gram ids must be integers, got {ids.dtype}")
+    flat = ids.reshape(-1).astype(np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= n_rows):
+        raise IndexError(f"n-gram ids must lie in [0, {n_rows}), got [{flat.min()}, {flat.max()}]")
+    return ids, flat
+
+
 @dataclass(frozen=True)
 class NgramTableView:
     shards: tuple            # one read-only [rows_per_shard, width] array per shard (memory-mapped views)
@@ -44,12 +55,7 @@ class NgramTableView:
 
     def rows(self, ids) -> np.ndarray:
         """ids [...] (any integer array) -> the stored rows [..., width] in the stored dtype."""
-        ids = np.asarray(ids)
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"n-gram ids must be integers, got {ids.dtype}")
-        flat = ids.reshape(-1).astype(np.int64)
-        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
-            raise IndexError(f"n-gram ids must lie in [0, {self.shape[0]}), got [{flat.min()}, {flat.max()}]")
+        ids, flat = check_row_ids(ids, self.shape[0])
         out = np.empty((flat.size, self.shape[1]), self.dtype)
         shard, local = np.divmod(flat, self.rows_per_shard)
         for s in np.unique(shard):

@@ -3,13 +3,13 @@ at a time, so a load never holds more than the tensor being converted."""
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 
 import ml_dtypes
 import numpy as np
+
+from fnx._safetensors import read_header
 
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
@@ -25,21 +25,11 @@ class SafetensorsError(ValueError):
 class SafetensorsFile:
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        size = os.path.getsize(self.path)
+        base, header, size = read_header(self.path, SafetensorsError)
         with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SafetensorsError(f"{self.path}: too short to be a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise SafetensorsError(f"{self.path}: header length {n} exceeds the file size {size}")
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise SafetensorsError(f"{self.path}: corrupt safetensors header ({exc})") from exc
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
         self.metadata = header.pop("__metadata__", {}) or {}
-        self._base = 8 + n
+        self._base = base
         self._entries = header
         for name, e in header.items():
             if e.get("dtype") not in DTYPES:

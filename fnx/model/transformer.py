@@ -179,31 +179,52 @@ def init_state(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) 
 # ---- forward -------------------------------------------------------------------------------------------------
 
 def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict, h: jax.Array, meta: dict,
-                  moe_impl: str, snapshots: bool = False):
+                  moe_impl: str, snapshots: bool = False, pending=None, defer: bool = False):
     """One decoder layer on the multi-stream hidden h [B, L, S*D].
-    Returns (h, new layer state, aux for rollback, router expert ids [B, L, K])."""
+    Returns (h, new layer state, aux for rollback, router expert ids [B, L, K]).
+
+    pending: (y, inj) of the previous layer's MLP not yet combined into h: the combine then runs inside this
+    layer's first hyper-connection boundary (one fused kernel at decode sizes instead of two launches).
+    defer: return (h, y, inj) in place of h, leaving this layer's last combine to the next boundary."""
     eps, s = cfg.rms_norm_eps, cfg.hc_count
     n_valid = meta["n_valid"]
     st, aux = dict(st), {}
+    # named scopes (no effect on the arithmetic) put the family into every op's name, so a profile's kernels can be
+    # attributed: fnx.pallas.ledger
     if has_ple:
-        rows = meta["ple_rows"]
-        if rows is None:  # the table lives in the params (on the device)
-            rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
-        out, st["ple_conv"], aux["ple_conv_x"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg, n_valid)
-        h = h + out
-    x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
+        with jax.named_scope("ple"):
+            if pending is not None:   # the PLE layer reads the combined hidden: no fusion across it
+                h, pending = hyper.combine(h, *pending), None
+            rows = meta["ple_rows"]
+            if rows is None:  # the table lives in the params (on the device)
+                rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
+            out, st["ple_conv"], aux["ple_conv_x"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg, n_valid)
+            h = h + out
+    with jax.named_scope("hc"):
+        if pending is None:
+            x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
+        else:                         # the previous layer's combine and this gated residual: one boundary
+            h, x, inj = hyper.boundary(p["attn_hyper_connection"], h, pending[0], pending[1], s, eps)
     if kind == LINEAR:
-        y, st["conv"], st["rec"], a = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg, n_valid,
-                                                    snapshots)
+        with jax.named_scope("gdn"):
+            y, st["conv"], st["rec"], a = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg, n_valid,
+                                                        snapshots)
     else:
-        y, new, a = qsa.qsa_layer(p["self_attn"], x, st, meta["pos0"], meta["cos"], meta["sin"], meta["rope_fn"],
-                                  cfg, n_valid)
+        with jax.named_scope("qsa"):
+            y, new, a = qsa.qsa_layer(p["self_attn"], x, st, meta["pos0"], meta["cos"], meta["sin"],
+                                      meta["rope_fn"], cfg, n_valid)
         st.update(new)
     aux.update(a)
     # the mixer's combine and the MLP's gated residual: one boundary (a single fused kernel at decode sizes)
-    h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps)
-    y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
-    return hyper.combine(h, y, inj), st, (aux if snapshots else {}), ids
+    with jax.named_scope("hc"):
+        h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps)
+    with jax.named_scope("moe"):
+        y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
+    if defer:
+        return (h, y, inj), st, (aux if snapshots else {}), ids
+    with jax.named_scope("hc"):
+        h = hyper.combine(h, y, inj)
+    return h, st, (aux if snapshots else {}), ids
 
 
 def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=None, ple_ids=None, ple_rows=None):
@@ -244,30 +265,35 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
 
     e = params["embed_tokens"][tokens]
     h = jnp.tile(e, (1, 1, cfg.hc_count))
+    # every layer leaves its last combine pending (carry = (h, y, inj)); the next layer's first boundary does it.
+    # Before layer 0 nothing is pending: y = 0, inj = 0 combine to h exactly (h + 0).
+    carry = (h, jnp.zeros(h.shape[:-1] + (cfg.hidden_size,), h.dtype), jnp.zeros(h.shape[:-1] + (cfg.hc_count,),
+                                                                               h.dtype))
     new_segments, aux_segments = [], []
     per_layer = [None] * cfg.num_hidden_layers                     # (hidden, expert ids) when collecting
     for seg, seg_params, seg_state in zip(layer_plan(cfg), params["segments"], state["segments"]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
-            h, st, aux, ids = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0],
-                                            seg_state[0], h, meta, moe_impl, snapshots)
+            carry, st, aux, ids = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0],
+                                                seg_state[0], carry[0], meta, moe_impl, snapshots, carry[1:], True)
             new_segments.append((st,))
             aux_segments.append((aux,))
             if collect:
-                per_layer[seg.start] = (h, ids)
+                per_layer[seg.start] = (hyper.combine(*carry), ids)
             continue
 
-        def body(h, xs, kinds=kinds):
+        def body(carry, xs, kinds=kinds):
             ps, sts = xs
             outs, auxes, seen = [], [], []
             for kind, p, st in zip(kinds, ps, sts):
-                h, st, aux, ids = decoder_layer(cfg, kind, False, p, st, h, meta, moe_impl, snapshots)
+                carry, st, aux, ids = decoder_layer(cfg, kind, False, p, st, carry[0], meta, moe_impl, snapshots,
+                                                    carry[1:], True)
                 outs.append(st)
                 auxes.append(aux)
-                seen.append((h, ids) if collect else ())
-            return h, (tuple(outs), tuple(auxes), tuple(seen))
+                seen.append((hyper.combine(*carry), ids) if collect else ())
+            return carry, (tuple(outs), tuple(auxes), tuple(seen))
 
-        h, (st, aux, seen) = lax.scan(body, h, (seg_params, seg_state))
+        carry, (st, aux, seen) = lax.scan(body, carry, (seg_params, seg_state))
         new_segments.append(st)
         aux_segments.append(aux)
         if collect:
@@ -275,8 +301,10 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
                 for j in range(seg.period):
                     per_layer[seg.start + g * seg.period + j] = jax.tree.map(lambda a: a[g], seen[j])
 
-    x = hyper.gated_residual(params["hyper_connection_mixer"], h, cfg.hc_count, cfg.rms_norm_eps, inject=False)
-    logits = linear(x, params["lm_head"])
+    with jax.named_scope("head"):   # the last layer's combine and the final mixer: one boundary
+        h, x, _ = hyper.boundary(params["hyper_connection_mixer"], carry[0], carry[1], carry[2], cfg.hc_count,
+                                 cfg.rms_norm_eps, inject=False)
+        logits = linear(x, params["lm_head"])
     ctx_x = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)
     width = state["ngram_ctx"].shape[1]
     new_state = {"pos": pos0 + meta["n_valid"], "ngram_ctx": gdn.window_after(ctx_x[..., None], meta["n_valid"],

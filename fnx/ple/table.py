@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
+from fnx._safetensors import read_header
 from fnx.ple.ngram import NgramConstants
 
 RAW_MAGIC = b"FNXPLE01"
@@ -125,20 +126,9 @@ class TableSource:
 
 
 def _safetensors_header(path: str) -> tuple[int, dict]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise TableError(f"{path}: too short to be a safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise TableError(f"{path}: header length {n} exceeds the file size {size}; the file is truncated")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise TableError(f"{path}: corrupt safetensors header ({exc})") from exc
+    base, header, _ = read_header(path, TableError)
     header.pop("__metadata__", None)
-    return 8 + n, header
+    return base, header
 
 
 def _checkpoint_files(path: str) -> list[str]:

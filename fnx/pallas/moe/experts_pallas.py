@@ -89,14 +89,20 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk):
-    halves = fmt == "nvfp4"       # activations come as (even columns, odd columns)
-    x_refs, rest = (rest[:2], rest[2:]) if halves else (rest[:1], rest[1:])
-    *w_refs, act_ref = rest
+def _unpack(experts_ref, rest, fmt, bk):
+    """A kernel's common start: (activation refs (even, odd columns for NVFP4, else one), weight refs, output ref,
+    slot, column block, expert id, activation columns per K step, K step -> its first activation column)."""
+    halves = fmt == "nvfp4"
+    a_refs, rest = (rest[:2], rest[2:]) if halves else (rest[:1], rest[1:])
+    *w_refs, out_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
-    e = experts_ref[s]
+    col = (lambda k0: k0 // 2) if halves else (lambda k0: k0)
+    return a_refs, w_refs, out_ref, s, j, experts_ref[s], (bk // 2 if halves else bk), col
+
+
+def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk):
+    x_refs, w_refs, act_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk)
     dt = act_ref.dtype
-    kw = bk // 2 if halves else bk
 
     @pl.when(e < n_exp)
     def _():
@@ -105,8 +111,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         def step(kk, carry):
             acc_g, acc_u = carry
             k0 = pl.multiple_of(kk * bk, bk)
-            c0 = k0 // 2 if halves else k0
-            xs = [plgpu.load(r.at[pl.ds(0, mp), pl.ds(c0, kw)], mask=rows < m, other=0.0).astype(dt)
+            xs = [plgpu.load(r.at[pl.ds(0, mp), pl.ds(col(k0), kw)], mask=rows < m, other=0.0).astype(dt)
                   for r in x_refs]
             wg = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
             wu = _weight_tile(fmt, w_refs, e, inter + j * bn, bn, k0, bk, dt, meta)
@@ -122,20 +127,14 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
 
 
 def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk):
-    halves = fmt == "nvfp4"
-    a_refs, rest = (rest[:2], rest[2:]) if halves else (rest[:1], rest[1:])
-    *w_refs, y_ref = rest
-    s, j = pl.program_id(0), pl.program_id(1)
-    e = experts_ref[s]
+    a_refs, w_refs, y_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk)
     dt = y_ref.dtype
-    kw = bk // 2 if halves else bk
 
     @pl.when(e < n_exp)
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            c0 = k0 // 2 if halves else k0
-            a = [r[s, :, pl.ds(c0, kw)] for r in a_refs]
+            a = [r[s, :, pl.ds(col(k0), kw)] for r in a_refs]
             w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
             return acc + _tile_dot(a, w)
 
