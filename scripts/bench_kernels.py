@@ -42,7 +42,8 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
     """Tile candidates in two stages. Stage 1 (base None): the heuristic's row tile and split with each K step
     (128; FP8 also 256 and 512, as several 128-column blocks per step; NVFP4 256 and 512) and, for NVFP4, each
     decode variant. Stage 2: the best stage-1 K step and decode with row tiles 32/64/128 (16 too for narrow N), K
-    split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps."""
+    split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps; and the stage-1 best with 4 or 5
+    pipeline stages."""
     from fnx.pallas.gemv import api
     from fnx.pallas.gemv import pallas as gp
     heur = api.heuristic_tiles(fmt, n, k, 1)
@@ -68,6 +69,10 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
                 t = gp.Tiles(bn, base.bk, api.split_for(n, bn, k, base.bk, target), warps, 3, base.dec)
                 if gp.check_tiles(fmt, n, k, t) is None and t not in out and t != base:
                     out.append(t)
+    for stages in (4, 5):   # deeper software pipelining: more loads in flight per program (latency-bound shapes)
+        t = dataclasses.replace(base, num_stages=stages)
+        if gp.check_tiles(fmt, n, k, t) is None and t not in out:
+            out.append(t)
     return out
 
 

@@ -487,9 +487,9 @@ def _reset_row(seen, counts, slot, row):
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
 def _jit_prefill(params, state, slot, tokens, n_valid, ple, cfg, moe_impl):
     sub = slot_take(cfg, state, slot)
-    ids, rows = ple_split(ple)
-    logits, sub, hidden, _ = step(params, sub, tokens, ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                                  ple_rows=rows)
+    ple_ids, ple_rows = ple_split(ple)
+    logits, sub, hidden, _ = step(params, sub, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                                  ple_rows=ple_rows)
     last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
     return slot_put(cfg, state, slot, sub), last, hidden
 
@@ -521,9 +521,9 @@ def _jit_sample_rows(logits, sp, keys, seen, counts, slots, n_logprobs):
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state", "seen", "counts"))
 def _jit_decode(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg, moe_impl, n_logprobs):
-    ids, rows = ple_split(ple)
-    logits, state, _, _ = step(params, state, tokens, ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                               ple_rows=rows)
+    ple_ids, ple_rows = ple_split(ple)
+    logits, state, _, _ = step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                               ple_rows=ple_rows)
     tok, _ = sample(logits[:, 0], sp, keys, seen, counts)
     info = top_logprobs(logits[:, 0], tok, n_logprobs)
     rows = jnp.arange(tokens.shape[0])
@@ -588,9 +588,9 @@ def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_imp
     width = verify.shape[1]
     k = width - 1
     n_valid = jnp.where(active, width, 0).astype(jnp.int32)
-    ids, rows = ple_split(ple)
-    logits, full, hidden, aux = step(params, state, verify, ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                                     snapshots=True, ple_rows=rows)
+    ple_ids, ple_rows = ple_split(ple)
+    logits, full, hidden, aux = step(params, state, verify, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
+                                     snapshots=True, ple_rows=ple_rows)
     p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
     toks, n_acc = accept(p_lp, q_lp, verify[:, 1:], subkeys[:, k])
