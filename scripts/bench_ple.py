@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 from fnx.ple import NgramConstants, initial_context, ngram_ids  # noqa: E402
 from fnx.ple import _linux as lx  # noqa: E402
 from fnx.ple.store import MODES, open_store  # noqa: E402
-from fnx.ple.table import RAW_HEADER, TableSource, from_raw, open_source, raw_header  # noqa: E402
+from fnx.ple.table import RAW_HEADER, TableError, TableSource, from_raw, open_source, raw_header  # noqa: E402
 
 WIDTH, HEADS = 160, 16
 RELEASE_ROWS = 320_001_536
@@ -95,7 +95,7 @@ def synthetic_table(path: str, gib: float, seed: int = 0) -> str:
 def from_raw_or_none(source):
     try:
         return from_raw(source)
-    except Exception:  # noqa: BLE001 - a checkpoint, not a raw row file
+    except (TableError, OSError):   # a checkpoint directory or safetensors file, not a raw row file
         return None
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from fnx.engine.spec import accept
 from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
-from fnx.model.api import Model, ple_split
+from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model.ops import linear_argmax
 from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step
@@ -256,7 +256,8 @@ class Engine:
         """After a step whose host PLE fetch zero-filled rows (past its deadline, or unreadable pages): with the
         store's policy "fail", each request whose rows were missing ends here with finish_reason "error" (its
         slot freed; what this step computed for it is dropped), and every other request goes on untouched (rows
-        of a batch never mix). With "degrade" the zero rows stand; both count in stats["ple_rows_missing"]."""
+        of a batch never mix). With "degrade" the zero rows stand. stats["ple_missing"] counts the sequence-steps
+        that had rows missing, under either policy."""
         miss, self._ple_missing = self._ple_missing, None
         if miss is None:
             return outs
@@ -298,15 +299,11 @@ class Engine:
             if tail:
                 ctx[b, ctx_len - len(tail):] = tail
         ids, _ = ngram_ids(ctx, tokens.astype(np.int64), ng)
-        store = self.model.ple_store
-        if store is None:
-            return jnp.asarray(ids.astype(np.int32))
-        b, length, heads = ids.shape
-        got = store.fetch(ids.reshape(b * length, heads), surface=False)   # failures are handled per request
-        if got.missing.any():
-            self._ple_missing = got.missing.reshape(b, length).any(axis=1)
-            self.stats["ple_rows_missing"] = self.stats.get("ple_rows_missing", 0) + int(got.missing.sum())
-        return jnp.asarray(got.rows.reshape(b, length, -1))
+        ple, missing = ple_input(self.model, ids)   # the ids, or with a host store the rows fetched now
+        if missing is not None:                      # handled per request after the step: _ple_failed
+            self._ple_missing = missing
+            self.stats["ple_missing"] = self.stats.get("ple_missing", 0) + int(missing.sum())
+        return ple
 
     def _bucket(self, n: int) -> int:
         b = 16

@@ -4,7 +4,6 @@ research code (no host round trip per token)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 from typing import Iterator
 
 import jax

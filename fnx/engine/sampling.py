@@ -3,8 +3,7 @@ request, and top-n logprobs. Per-row parameters are arrays, so one compiled prog
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp

@@ -131,15 +131,27 @@ def ple_split(ple):
 
 
 def ple_input(model: Model, ids: np.ndarray | None):
-    """ids [B, L, heads] -> what a step takes: the ids themselves (device table) or, with a host store, the rows
-    fetched now [B, L, heads * width] (a PLE fetch error surfaces here, before any device work)."""
+    """ids [B, L, heads] -> (what a step takes, missing). The input is the ids themselves for a table in the
+    params, or, with a host store, the rows fetched now [B, L, heads * width]. missing: None, or bool [B] for
+    the sequences some of whose rows could not be read (zero-filled: past the fetch deadline, or unreadable
+    pages); the caller decides per the store's policy (the Engine ends those requests under "fail", `extend`
+    raises). The store's own pending error is consumed here (under "degrade" it is logged once)."""
     if ids is None:
-        return None
-    if model.ple_store is None:
-        return jnp.asarray(ids.astype(np.int32))
+        return None, None
+    store = model.ple_store
+    if store is None:
+        return jnp.asarray(ids.astype(np.int32)), None
+    from fnx.ple.store import PleFetchError
     b, length, heads = ids.shape
-    rows = model.ple_store.rows(ids.reshape(b * length, heads))
-    return jnp.asarray(rows.reshape(b, length, -1))
+    got = store.fetch(ids.reshape(b * length, heads), surface=False)
+    missing = None
+    if got.missing.any():
+        missing = got.missing.reshape(b, length).any(axis=1)
+        try:
+            store.check()          # consumed: this call's caller handles the failure, not the next fetch
+        except PleFetchError:
+            pass
+    return jnp.asarray(got.rows.reshape(b, length, -1)), missing
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
@@ -175,7 +187,11 @@ def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_
     ple = None
     if model.ngram is not None:
         ids, _ = ngram_ids(np.asarray(state["ngram_ctx"]).astype(np.int64), tokens, model.ngram)
-        ple = ple_input(model, ids)
+        ple, missing = ple_input(model, ids)
+        if missing is not None and model.ple_store.policy == "fail":   # before the state is consumed
+            from fnx.ple.store import PleFetchError
+            raise PleFetchError(f"PLE rows of {int(missing.sum())} sequence(s) could not be read "
+                                f"({model.ple_store.last_error}); the state is unchanged")
     logits, state, hidden, _ = _jit_step(model.params, state, jnp.asarray(tokens), ple, model.cfg, moe_impl)
     return (logits, state, hidden) if return_hidden else (logits, state)
 

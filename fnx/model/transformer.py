@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnx.config import INDEXED, LINEAR, ModelConfig
+from fnx.config import LINEAR, ModelConfig
 from fnx.model import gdn, hyper, moe, ple, qsa
 from fnx.model.ops import apply_rope, linear, rope_tables
 
@@ -266,16 +266,17 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     e = params["embed_tokens"][tokens]
     h = jnp.tile(e, (1, 1, cfg.hc_count))
     # every layer leaves its last combine pending (carry = (h, y, inj)); the next layer's first boundary does it.
-    # Before layer 0 nothing is pending: y = 0, inj = 0 combine to h exactly (h + 0).
-    carry = (h, jnp.zeros(h.shape[:-1] + (cfg.hidden_size,), h.dtype), jnp.zeros(h.shape[:-1] + (cfg.hc_count,),
-                                                                               h.dtype))
+    # Before layer 0 nothing is pending (y None), unless a scanned segment comes first: a scan's carry needs
+    # arrays, and y = 0, inj = 0 combine to h exactly (h + 0).
+    carry = (h, None, None)
     new_segments, aux_segments = [], []
     per_layer = [None] * cfg.num_hidden_layers                     # (hidden, expert ids) when collecting
     for seg, seg_params, seg_state in zip(layer_plan(cfg), params["segments"], state["segments"]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
             carry, st, aux, ids = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0],
-                                                seg_state[0], carry[0], meta, moe_impl, snapshots, carry[1:], True)
+                                                seg_state[0], carry[0], meta, moe_impl, snapshots,
+                                                None if carry[1] is None else carry[1:], True)
             new_segments.append((st,))
             aux_segments.append((aux,))
             if collect:
@@ -293,6 +294,9 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
                 seen.append((hyper.combine(*carry), ids) if collect else ())
             return carry, (tuple(outs), tuple(auxes), tuple(seen))
 
+        if carry[1] is None:
+            carry = (carry[0], jnp.zeros(carry[0].shape[:-1] + (cfg.hidden_size,), carry[0].dtype),
+                     jnp.zeros(carry[0].shape[:-1] + (cfg.hc_count,), carry[0].dtype))
         carry, (st, aux, seen) = lax.scan(body, carry, (seg_params, seg_state))
         new_segments.append(st)
         aux_segments.append(aux)

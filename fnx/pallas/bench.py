@@ -92,5 +92,5 @@ def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int =
 
 
 def n_sets(bytes_per_set: int, l2_bytes: int = 60 << 20, min_sets: int = 4, max_sets: int = 64) -> int:
-    """How many distinct argument sets make half of the rotation exceed L2 twice over."""
+    """How many distinct argument sets make one pass over them exceed L2 four times over."""
     return int(min(max_sets, max(min_sets, -(-4 * l2_bytes // max(1, bytes_per_set)))))

@@ -159,7 +159,7 @@ def test_missing_rows_end_only_the_affected_request(tiny, policy, monkeypatch):
             toks[o.request_id] += o.token_ids
             if o.finished:
                 reasons[o.request_id] = o.finish_reason
-    assert eng.stats["ple_rows_missing"] >= 1
+    assert eng.stats["ple_missing"] >= 1
     if policy == "fail":
         assert reasons[ids[0]] == "error" and eng.stats["ple_failed_requests"] == 1
         assert reasons[ids[1]] == "length" and toks[ids[1]] == clean[1][:6]
@@ -177,4 +177,25 @@ def test_submit_prefetches_the_prompt_rows(tiny):
     eng.submit(list(range(3, 43)))
     eng._last_hint.result(timeout=60)
     assert host.ple_store.stats["prefetch_calls"] >= before + 1
+    host.ple_store.close()
+
+
+def test_extend_raises_on_missing_rows_before_touching_the_state(tiny, monkeypatch):
+    from fnx.ple.store import Fetch, PleFetchError
+    host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="pageable")
+    real = host.ple_store.fetch
+
+    def lossy(ids, deadline_s=..., *, surface=True):
+        got = real(ids, deadline_s, surface=surface)
+        return Fetch(got.rows * 0, np.ones_like(got.missing), PleFetchError("injected"))
+
+    state = fnx.new_state(host, 1, 16)
+    monkeypatch.setattr(host.ple_store, "fetch", lossy)
+    with pytest.raises(PleFetchError, match="could not be read"):
+        fnx.extend(host, state, [PROMPTS[0]])
+    monkeypatch.setattr(host.ple_store, "fetch", real)
+    logits, _ = fnx.extend(host, state, [PROMPTS[0]])        # the same state, still usable
+    st_d = fnx.new_state(tiny, 1, 16)
+    np.testing.assert_array_equal(np.asarray(logits, np.float32),
+                                  np.asarray(fnx.extend(tiny, st_d, [PROMPTS[0]])[0], np.float32))
     host.ple_store.close()
