@@ -43,8 +43,9 @@ case "$part" in
   moe)
     timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe --out "$OUT/bench_kernels.jsonl" \
       > "$OUT/bench_moe.log" 2>&1; grep -v "^#" "$OUT/bench_moe.log" | tail -26 ;;
-  decode)   # DECODE_QUANT bf16 | fp8 | fp8+nvfp4; DECODE_KERNELS a FNX_KERNELS value (empty: auto, the verified set)
-    FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers 4,8 --ledger 5 \
+  decode)   # DECODE_QUANT bf16 | fp8 | fp8+nvfp4; DECODE_KERNELS a FNX_KERNELS value (empty: auto, the verified set);
+            # DECODE_LAYERS (4,8: give DECODE_S >= 400 for both)
+    FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
       --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
   mesh)
