@@ -209,7 +209,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         from fnx.pallas import ledger
         res["ledger_decode"] = ledger.profile(dec, ledger_calls)
 
-    # one MTP round: catch-up + k-1 chained drafts, verify (k+1 tokens, snapshots), accept, rollback
+    # one MTP round: catch-up + k-1 chained drafts, verify (k+1 tokens, snapshots), accept, rollback; greedy rows
+    # (temperature 0), so both programs are the engine's greedy ones
     mstate = shard(init_mtp_state(cfg, 1, cap, dtype))
     mstate = dict(mstate, pos=jnp.full((1,), ctx, jnp.int32))
     sp = SamplingArrays.stack([SamplingParams()])
@@ -219,13 +220,13 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
 
     def rnd():
         m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
-                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k)
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k, greedy=True)
         mh["m"] = dict(m, pos=jnp.full((1,), ctx, jnp.int32))
         s = dict(holder["s"], pos=jnp.full((1,), ctx, jnp.int32))
         verify = jnp.concatenate([one, drafts], axis=1)
         pi, pr = ple(1, k + 1)
         s, toks, n_acc, _, _ = _jit_verify(params, s, verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp,
-                                           keys, cfg, moe, 0)
+                                           keys, cfg, moe, 0, greedy=True)
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnx.engine.spec import accept
+from fnx.engine.spec import accept, accept_greedy
 from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
 from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
@@ -421,7 +421,7 @@ class Engine:
         nlp = _n_logprobs(reqs)
         self.state, out_tok, n_acc, hidden, lp_info = _jit_verify(
             self.model.params, self.state, jnp.asarray(verify), jnp.asarray(active), ple, q_lp, sp, keys,
-            self.cfg, self.moe_impl, nlp)
+            self.cfg, self.moe_impl, nlp, greedy=greedy)
         out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
         self.stats["rounds"] += 1
         self.stats["row_rounds"] = self.stats.get("row_rounds", 0) + len(reqs)
@@ -538,16 +538,14 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     With a hot-token head [H, D] and its ids hot [H], drafts are drawn over that subset.
     greedy (every row at temperature 0): each draft is the head's argmax through the fused GEMV-argmax (no
     logits, no softmax or sort over the vocabulary), and its distribution is the one-hot greedy rows get anyway.
-    Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V])."""
+    Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V];
+    None when greedy: a greedy verify compares tokens and needs no distribution)."""
     vocab = params["lm_head"].shape[0]
 
     def widen(lg):  # subset logits -> full vocabulary, -inf outside the subset
         if hot is None:
             return lg
         return jnp.full(lg.shape[:-1] + (vocab,), -jnp.inf, lg.dtype).at[..., hot].set(lg)
-
-    def onehot(tok):
-        return jnp.where(jnp.arange(vocab)[None, :] == tok[:, None], 0.0, -jnp.inf).astype(jnp.float32)
 
     head_fn = None
     if greedy:
@@ -566,7 +564,7 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     for i in range(k):
         if greedy:
             tok = lg.astype(jnp.int32)
-            lp = onehot(tok)
+            lp = None
         else:
             tok, lp = sample(lg.astype(jnp.float32), sp, subkeys[:, i])
         draft_toks.append(tok)
@@ -575,22 +573,28 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
             lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl,
                                         head=head, head_fn=head_fn)
             lg = lgs[:, 0] if greedy else widen(lgs[:, 0].astype(jnp.float32))
-    return mstate, jnp.stack(draft_toks, 1), jnp.stack(draft_lps, 1)
+    return mstate, jnp.stack(draft_toks, 1), None if greedy else jnp.stack(draft_lps, 1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state",))
-def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_impl, n_logprobs):
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"), donate_argnames=("state",))
+def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_impl, n_logprobs, greedy=False):
     """Target on [pending, d_1..d_k]; speculative rejection sampling (greedy rows: longest matching prefix);
-    rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs)."""
+    rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs).
+    greedy (every row at temperature 0; q_lp may be None): the same tokens and counts from the target's argmax
+    and the longest matching prefix, without the filtered distributions (a sort over the vocabulary per
+    position) or any random draw."""
     width = verify.shape[1]
     k = width - 1
     n_valid = jnp.where(active, width, 0).astype(jnp.int32)
     ple_ids, ple_rows = ple_split(ple)
     logits, full, hidden, aux = step(params, state, verify, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
                                      snapshots=True, ple_rows=ple_rows)
-    p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
-    subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
-    toks, n_acc = accept(p_lp, q_lp, verify[:, 1:], subkeys[:, k])
+    if greedy:
+        toks, n_acc = accept_greedy(logits, verify[:, 1:])
+    else:
+        p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
+        subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
+        toks, n_acc = accept(p_lp, q_lp, verify[:, 1:], subkeys[:, k])
     n_keep = jnp.where(active, n_acc + 1, 0)
     state = rollback(cfg, full, aux, n_keep)
     chosen, vals, ids = jax.vmap(lambda lg, t: top_logprobs(lg, t, n_logprobs), in_axes=(1, 1), out_axes=1)(

@@ -10,6 +10,19 @@ import jax
 import jax.numpy as jnp
 
 
+def accept_greedy(logits: jax.Array, drafts: jax.Array):
+    """`accept` for rows that all decode greedily, from the target's logits [B, k+1, V] alone: a draft is accepted
+    while it equals the target's argmax, and the first mismatch (or the bonus position) takes the argmax. The
+    tokens and counts equal `accept` on the one-hot distributions greedy rows get (drafts after the emitted
+    window kept as they were), with no sort, softmax or random draw over the vocabulary."""
+    bsz, k = drafts.shape
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)                     # [B, k+1]
+    ok = drafts == target[:, :k]
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    toks = jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1)
+    return toks.at[jnp.arange(bsz), n_acc].set(target[jnp.arange(bsz), n_acc]), n_acc
+
+
 def accept(p_lp: jax.Array, q_lp: jax.Array, drafts: jax.Array, keys: jax.Array):
     """p_lp [B, k+1, V], q_lp [B, k, V] log-probabilities; drafts [B, k]; keys [B, 2] (one per row).
     Returns (tokens [B, k+1]: the first n_acc + 1 are emitted, n_acc [B])."""

@@ -167,20 +167,26 @@ def test_hot_token_and_fp8_draft_heads_are_lossless(tiny_models, tmp_path):
 
 
 def test_greedy_drafts_through_the_fused_argmax_match_the_sampling_drafts(tiny_models, monkeypatch):
-    """A greedy batch drafts through the fused head argmax (`_jit_draft(greedy=True)`): the same drafts, the same
-    acceptance and the same output as the general sampling program drafting at temperature 0."""
+    """A greedy batch drafts through the fused head argmax (`_jit_draft(greedy=True)`) and verifies by argmax
+    (`_jit_verify(greedy=True)`, no distributions): the same drafts, the same acceptance and the same output as
+    the general sampling programs at temperature 0."""
     import fnx.engine.engine as eng_mod
     model, _ = tiny_models("tiny-a")
     prompts = prompts_for(model, seed=3)
     runs = {}
-    real = eng_mod._jit_draft
+    real, real_verify = eng_mod._jit_draft, eng_mod._jit_verify
     for force_general in (False, True):
         seen = []
 
         def spy(*a, greedy=False, **kw):
             seen.append(greedy)
             return real(*a, greedy=False if force_general else greedy, **kw)
+
+        def spy_verify(*a, greedy=False, **kw):
+            seen.append(greedy)
+            return real_verify(*a, greedy=False if force_general else greedy, **kw)
         monkeypatch.setattr(eng_mod, "_jit_draft", spy)
+        monkeypatch.setattr(eng_mod, "_jit_verify", spy_verify)
         eng = Engine(model, max_slots=2, capacity=128, speculative=SpeculativeConfig(k=3))
         ids = [eng.submit(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
         outs = {i: [] for i in ids}

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnx.engine.spec import accept
+from fnx.engine.spec import accept, accept_greedy
 
 
 def _chi2_ok(counts, probs, n):
@@ -57,3 +57,25 @@ def test_greedy_rows_take_the_longest_matching_prefix():
     q = jnp.log(jax.nn.one_hot(drafts, vocab) + 1e-30)
     toks, n_acc = accept(p, q, drafts, jax.random.PRNGKey(0)[None])
     assert int(n_acc[0]) == 2 and np.asarray(toks)[0, :3].tolist() == [2, 4, 1]
+
+
+def test_greedy_acceptance_from_logits_equals_the_general_rule_on_one_hot_distributions():
+    """accept_greedy (argmax of the target logits, longest matching prefix) gives the tokens and counts of
+    `accept` on the one-hot distributions of greedy rows: every row's tokens, all k+1 positions, bit for bit,
+    over no match, partial matches and full acceptance, with tied logits (the lower id wins in both)."""
+    rng = np.random.default_rng(0)
+    bsz, k, vocab = 64, 4, 11
+    logits = rng.integers(-3, 3, size=(bsz, k + 1, vocab)).astype(np.float32)   # many exact ties
+    target = logits.argmax(-1)
+    drafts = rng.integers(0, vocab, size=(bsz, k))
+    n_match = rng.integers(0, k + 1, size=bsz)
+    for b in range(bsz):
+        drafts[b, :n_match[b]] = target[b, :n_match[b]]
+    p = np.where(np.arange(vocab) == target[..., None], 0.0, -np.inf).astype(np.float32)
+    q = np.where(np.arange(vocab) == drafts[..., None], 0.0, -np.inf).astype(np.float32)
+    keys = jax.random.split(jax.random.PRNGKey(1), bsz)
+    want_t, want_n = accept(jnp.asarray(p), jnp.asarray(q), jnp.asarray(drafts, jnp.int32), keys)
+    got_t, got_n = accept_greedy(jnp.asarray(logits, jnp.bfloat16), jnp.asarray(drafts, jnp.int32))
+    assert np.asarray(got_n).tolist() == np.asarray(want_n).tolist()
+    assert np.asarray(got_t).tolist() == np.asarray(want_t).tolist()
+    assert set(np.asarray(got_n).tolist()) == set(range(k + 1))

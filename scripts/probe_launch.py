@@ -1,0 +1,194 @@
+"""Where the idle time of a decode step goes: launch gaps, graph splits and host syncs, on the GPU.
+
+    python scripts/probe_launch.py --layers 4 --out gpu_out/probe            # released widths, 4 layers
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/probe_launch.py --label cb_off ...
+
+For one decode step (M = 1) and one MTP round it prints the unprofiled median time, the kernels per call, and
+from a profiler trace the gaps between consecutive device kernels: total, how many exceed 5 us, the largest
+ones with the kernels on either side, and the gap time grouped by the kernel that precedes it. It also counts
+the command buffers (CUDA graphs) in the compiled step's HLO and lists the ops left outside them. Each part is
+one JSON line in --out/probe.jsonl; the trace and the HLO text stay in --out for a closer look."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import re
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _bench_decode():
+    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(os.path.dirname(__file__),
+                                                                               "bench_decode.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def short(name: str) -> str:
+    """A kernel name without its numeric suffixes, so repeated kernels of one kind group together."""
+    return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))[:60]
+
+
+def gaps(kernels: list[dict], calls: int, top: int = 25) -> dict:
+    """Gaps between consecutive kernels (end of one to start of the next), within the calls' span."""
+    rows, by_prev = [], collections.Counter()
+    end, prev = None, None
+    for e in kernels:
+        s, t = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        if end is not None and s > end:
+            g = s - end
+            rows.append((g, short(prev["name"]), short(e["name"])))
+            by_prev[short(prev["name"])] += g
+        if end is None or t > end:
+            end, prev = t, e
+    rows.sort(reverse=True)
+    big = [r for r in rows if r[0] > 5.0]
+    n = max(calls, 1)
+    return {"gap_us_per_call": sum(r[0] for r in rows) / n, "gaps_over_5us_per_call": len(big) / n,
+            "gap_us_over_5us_per_call": sum(r[0] for r in big) / n,
+            "largest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in rows[:top]],
+            "gap_us_by_previous_kernel": {k: round(v / n, 1) for k, v in by_prev.most_common(top)}}
+
+
+def hlo_report(compiled_text: str) -> dict:
+    """Command-buffer computations in the optimized HLO and the instructions of the entry computation that are
+    not inside one (what XLA launches one by one)."""
+    comps = re.findall(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", compiled_text, re.M)
+    cb = [c for c in comps if "command_buffer" in c]
+    entry = compiled_text[compiled_text.find("\nENTRY "):]
+    entry = entry[:entry.find("\n}\n")]
+    outside = collections.Counter()
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"=\s*\S+\s+([\w\-]+)\(", line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+            continue
+        if op == "call" and "command_buffer" in line:
+            outside["(command buffer call)"] += 1
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        outside[f"{op}:{target.group(1)}" if target else op] += 1
+    return {"command_buffer_computations": len(cb), "entry_ops_outside_buffers": dict(outside.most_common(30))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tiny", action="store_true", help="tiny widths (a CPU smoke run)")
+    ap.add_argument("--calls", type=int, default=5, help="profiled calls")
+    ap.add_argument("--reps", type=int, default=30, help="unprofiled calls for the median")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
+    ap.add_argument("--out", default="gpu_out/probe")
+    ap.add_argument("--no-round", action="store_true", help="the decode step only")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    tag = re.sub(r"[^\w]+", "_", args.label).strip("_")[:40] or "default"
+
+    bd = _bench_decode()
+    from fnx.engine.engine import _jit_draft, _jit_verify
+    from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys
+    from fnx.model.mtp import init_mtp_state, mtp_param_shapes
+    from fnx.model.transformer import init_state, param_shapes, step
+    from fnx.pallas import ledger
+
+    cfg = bd.bench_config(args.layers, args.tiny)
+    dtype = jnp.bfloat16
+    params = bd.random_tree(param_shapes(cfg, dtype), jax.random.PRNGKey(0), dtype)
+    mshapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),
+                           is_leaf=lambda x: isinstance(x, tuple))
+    mp = bd.random_tree(mshapes, jax.random.PRNGKey(1), dtype)
+    ctx, heads = 1024, cfg.ngram_heads
+    state = init_state(cfg, 1, ctx + 64, dtype)
+    step_j = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
+    one = jnp.ones((1, 1), jnp.int32)
+    pid = jnp.zeros((1, 1, heads), jnp.int32) if cfg.ple_layer_ids else None
+    state = dict(state, pos=jnp.full_like(state["pos"], ctx))
+    hold = {"s": state}
+
+    def emit(rec):
+        rec = {"label": args.label, "layers": args.layers, "device": jax.devices()[0].device_kind, **rec}
+        print(json.dumps(rec), flush=True)
+        with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    text = step_j.lower(params, hold["s"], one, pid).compile().as_text()
+    with open(os.path.join(args.out, f"decode_hlo_{tag}.txt"), "w") as f:
+        f.write(text)
+    emit({"part": "decode hlo", **hlo_report(text)})
+
+    def dec():
+        s = dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx))
+        logits, hold["s"], _, _ = step_j(params, s, one, pid)
+        jax.block_until_ready(logits)
+
+    def timed(fn, reps):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return float(np.median(ts)) * 1e3
+
+    def profiled(name, fn):
+        d = os.path.join(args.out, f"trace_{name}_{tag}")
+        led = ledger.profile(fn, args.calls, log_dir=d)
+        import glob
+        import gzip
+        path = sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+        with gzip.open(path, "rt") as f:
+            kern = ledger.device_kernels(json.load(f))
+        return led, gaps(kern, args.calls)
+
+    ms = timed(dec, args.reps)
+    led, g = profiled("decode", dec)
+    emit({"part": "decode", "ms": ms, "kernels_per_call": led["launches_per_call"],
+          "busy_ms_per_call": led["busy_ms_per_call"], **g})
+    if args.no_round:
+        return
+    k = args.k
+    mstate = dict(init_mtp_state(cfg, 1, ctx + 64, dtype), pos=jnp.full((1,), ctx, jnp.int32))
+    sp = SamplingArrays.stack([SamplingParams()])
+    keys = row_keys(jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.uint32))
+    hid = jnp.zeros((1, k + 1, cfg.hc_dim), dtype)
+    mh = {"m": mstate}
+    pk = jnp.zeros((1, k + 1, heads), jnp.int32) if cfg.ple_layer_ids else None
+    parts = {}
+
+    def draft():
+        m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k, greedy=True)
+        mh["m"] = dict(m, pos=jnp.full((1,), ctx, jnp.int32))
+        parts["d"], parts["q"] = drafts, q
+        jax.block_until_ready(drafts)
+
+    def verify():
+        s = dict(hold["s"], pos=jnp.full((1,), ctx, jnp.int32))
+        v = jnp.concatenate([one, parts["d"]], axis=1)
+        s, toks, _, _, _ = _jit_verify(params, s, v, jnp.ones((1,), bool), pk, parts["q"], sp, keys, cfg, "auto", 0,
+                                       greedy=True)
+        hold["s"] = s
+        jax.block_until_ready(toks)
+
+    for name, fn in (("draft", draft), ("verify", verify)):
+        ms = timed(fn, args.reps)
+        led, g = profiled(name, fn)
+        emit({"part": name, "ms": ms, "kernels_per_call": led["launches_per_call"],
+              "busy_ms_per_call": led["busy_ms_per_call"],
+              "families": {f: round(v["ms_per_call"], 3) for f, v in led["families"].items()}, **g})
+
+
+if __name__ == "__main__":
+    main()
