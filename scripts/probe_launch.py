@@ -59,6 +59,18 @@ def gaps(kernels: list[dict], calls: int, top: int = 25) -> dict:
             "gap_us_by_previous_kernel": {k: round(v / n, 1) for k, v in by_prev.most_common(top)}}
 
 
+def host_events(trace: dict, calls: int, top: int = 30) -> dict:
+    """Total duration per call of each named host-side event (dispatch, execute, thunks, copies), largest first."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    tot = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and not re.search(r"/device:(GPU|TPU)", procs.get(e.get("pid"), "")):
+            tot[e.get("name", "")[:80]] += float(e.get("dur", 0.0))
+    return {k: round(v / 1e3 / max(calls, 1), 4) for k, v in tot.most_common(top)}
+
+
 def hlo_report(compiled_text: str) -> dict:
     """Command-buffer computations in the optimized HLO and the instructions of the entry computation that are
     not inside one (what XLA launches one by one)."""
@@ -147,10 +159,14 @@ def main():
         led = ledger.profile(fn, args.calls, log_dir=d)
         import glob
         import gzip
+        import shutil
         path = sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+        shutil.copy(path, os.path.join(args.out, f"trace_{name}_{tag}.json.gz"))
         with gzip.open(path, "rt") as f:
-            kern = ledger.device_kernels(json.load(f))
-        return led, gaps(kern, args.calls)
+            trace = json.load(f)
+        g = gaps(ledger.device_kernels(trace), args.calls)
+        g["host_ms_per_call_by_event"] = host_events(trace, args.calls)
+        return led, g
 
     ms = timed(dec, args.reps)
     led, g = profiled("decode", dec)
