@@ -78,6 +78,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0
     dtype: str = "bfloat16"
+    # runtime layout, not part of the checkpoint: stack runs of identical layer groups and run them under
+    # lax.scan (smaller programs, faster compiles), or keep every layer's params and state separate and unroll
+    # (no per-layer weight slices inside a loop: on a GPU a loop materialises a copy of every dense weight that
+    # a Pallas kernel reads, each step; BENCHMARKS.md "Third H200 session")
+    scan_layers: bool = True
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):

@@ -39,9 +39,9 @@ from fnx.model.transformer import init_state, param_shapes, step
 PEAK_BW = 4.3e12  # bytes/s: the best device copy measured on the H200 (GPU_NOTES.md); vendor peak is 4.8e12
 
 
-def bench_config(layers: int, tiny: bool) -> ModelConfig:
+def bench_config(layers: int, tiny: bool, scan: bool = True) -> ModelConfig:
     if tiny:
-        return ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        return ModelConfig(scan_layers=scan, vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=16, num_experts=16, num_experts_per_tok=4,
@@ -49,7 +49,8 @@ def bench_config(layers: int, tiny: bool) -> ModelConfig:
                            indexer_n_heads=4, indexer_head_dim=16, indexer_budget=64, ple_embed_dim=64,
                            ngram_vocab_size_base=1000, eos_token_id=511, mtp_num_hidden_layers=1)
     # released widths; the n-gram table shrunk (2M rows per head instead of 20M): a decode step reads 16 rows
-    return ModelConfig(num_hidden_layers=layers, ngram_vocab_size_base=2_000_000, mtp_num_hidden_layers=1)
+    return ModelConfig(num_hidden_layers=layers, ngram_vocab_size_base=2_000_000, mtp_num_hidden_layers=1,
+                       scan_layers=scan)
 
 
 def random_tree(shapes, key, dtype, shardings=None):
@@ -274,6 +275,8 @@ def main():
     ap.add_argument("--k", type=int, default=4, help="MTP draft tokens per round")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
+    ap.add_argument("--no-scan", action="store_true",
+                    help="every layer separate and unrolled (ModelConfig.scan_layers=False) instead of scanned groups")
     ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
     ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
@@ -327,7 +330,7 @@ def main():
         ndev = mcfg.size if mcfg else 1
         runs = {}
         for n in layer_counts:
-            cfg = bench_config(n, args.tiny)
+            cfg = bench_config(n, args.tiny, scan=not args.no_scan)
             if mcfg is not None:  # kernels do not run per shard yet: a mesh traces the XLA reference paths
                 from fnx.pallas import dispatch
                 with dispatch.force("reference"):
@@ -350,11 +353,12 @@ def main():
                 f.write(json.dumps({"record": "run", "date": datetime.date.today().isoformat(), "commit": commit,
                                     "device": device.device_kind, "quant": args.quant, "ple_store": args.ple_store,
                                     "kernels": os.environ.get("FNX_KERNELS", "auto"), "reps": args.reps,
+                                    "scan_layers": not args.no_scan, "mtp_round": "greedy",
                                     **line}) + "\n")
         rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
                "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
                "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
-               "ple_store": args.ple_store,
+               "ple_store": args.ple_store, "scan_layers": not args.no_scan, "mtp_round": "greedy",
                "kernels": "reference (mesh)" if mcfg else os.environ.get("FNX_KERNELS", "auto"),
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:

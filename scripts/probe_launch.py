@@ -104,6 +104,7 @@ def main():
     ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
     ap.add_argument("--out", default="gpu_out/probe")
     ap.add_argument("--no-round", action="store_true", help="the decode step only")
+    ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -116,7 +117,7 @@ def main():
     from fnx.model.transformer import init_state, param_shapes, step
     from fnx.pallas import ledger
 
-    cfg = bd.bench_config(args.layers, args.tiny)
+    cfg = bd.bench_config(args.layers, args.tiny, scan=not args.no_scan)
     dtype = jnp.bfloat16
     params = bd.random_tree(param_shapes(cfg, dtype), jax.random.PRNGKey(0), dtype)
     mshapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),

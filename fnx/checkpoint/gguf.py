@@ -362,10 +362,11 @@ def plan_gguf(path) -> Plan:
     return plan_tensors(plan, [src], problems)
 
 
-def load_gguf(path, dtype=None, quant: str | None = None, progress: bool = False, ngram_table: str = "device"):
+def load_gguf(path, dtype=None, quant: str | None = None, progress: bool = False, ngram_table: str = "device",
+              scan_layers: bool | None = None):
     """Plan, then stream a `qwen4exp` GGUF onto the device (dequantized to `dtype`, or online `quant`)."""
     import jax.numpy as jnp
     from fnx.checkpoint.place import stream_plan
     plan = plan_gguf(path)
     return stream_plan(plan, dtype=jnp.bfloat16 if dtype is None else dtype, quant=quant, progress=progress,
-                       ngram_table=ngram_table)
+                       ngram_table=ngram_table, scan_layers=scan_layers)

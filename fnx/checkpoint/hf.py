@@ -486,15 +486,17 @@ def _check_ple_buffer(cfg, layer, buf, arr, name, file):
 # ---- phase 2: stream ------------------------------------------------------------------------------------------
 
 def load_checkpoint(path, dtype=jnp.bfloat16, cfg: ModelConfig | None = None, quant: str | None = None,
-                    ngram_table: str = "device", progress: bool = False):
-    """Plan, then stream an HF checkpoint onto the device. Returns `fnx.checkpoint.place.Loaded`."""
+                    ngram_table: str = "device", progress: bool = False, scan_layers: bool | None = None):
+    """Plan, then stream an HF checkpoint onto the device. Returns `fnx.checkpoint.place.Loaded`.
+    scan_layers: the params layout (`ModelConfig.scan_layers`); None keeps the config's (scanned)."""
     from fnx.checkpoint.place import stream_plan
     if quant not in (None, *ONLINE_QUANT):
         raise ValueError(f"quant={quant!r} is not supported; choose None or one of {list(ONLINE_QUANT)}")
     if ngram_table not in ("device", "host"):
         raise ValueError(f"ngram_table must be 'device' or 'host', got {ngram_table!r}")
     plan = plan_checkpoint(path, cfg)
-    return stream_plan(plan, dtype=dtype, quant=quant, ngram_table=ngram_table, progress=progress)
+    return stream_plan(plan, dtype=dtype, quant=quant, ngram_table=ngram_table, progress=progress,
+                       scan_layers=scan_layers)
 
 
 def load_hf(path: str | os.PathLike, dtype=jnp.bfloat16, cfg: ModelConfig | None = None, progress=None,

@@ -176,8 +176,11 @@ def _write_expert(buf, fbo, value, e: int, row0: int):
 
 
 def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table: str = "device",
-                progress: bool = False) -> Loaded:
+                progress: bool = False, scan_layers: bool | None = None) -> Loaded:
+    """scan_layers: the params layout (`ModelConfig.scan_layers`); None keeps the config's."""
     cfg, spec = plan.cfg, plan.quant
+    if scan_layers is not None:
+        cfg = cfg.replace(scan_layers=bool(scan_layers))
     builder = TreeBuilder(cfg)
     t0 = time.perf_counter()
 

@@ -79,7 +79,7 @@ class Model:
 
 
 def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str | None = None,
-         ple_store: str = "device", ple_options: dict | None = None) -> Model:
+         ple_store: str = "device", ple_options: dict | None = None, scan_layers: bool | None = None) -> Model:
     """Read a checkpoint into an `fnx.Model`: an HF directory (config.json + safetensors; BF16, FP8 block or
     NVFP4, streamed onto the device; `quant="fp8"` quantizes the dense projections while loading) or a directory
     written by `fnx convert` (restored as converted). dtype defaults to bfloat16 for HF checkpoints and to the
@@ -89,7 +89,11 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     "pinned", "pageable", "swap" or "direct" keep it on the host (`fnx.ple.open_store`: read-only mmap of the
     checkpoint's own shards, anonymous swappable memory, pinned memory or O_DIRECT reads); the params then hold
     no table and every step's rows are fetched on the host from the ids of its tokens (`Engine`, `extend`).
-    ple_options go to `open_store` (policy, deadline_s, io_threads, ...)."""
+    ple_options go to `open_store` (policy, deadline_s, io_threads, ...).
+
+    scan_layers: False keeps every layer's params separate and unrolls the layers in every program (longer
+    compiles; on a GPU no per-step copies of the weights a scanned loop slices out); True stacks identical
+    layer groups under lax.scan; None (default) keeps the config's (scanned)."""
     from fnx.checkpoint import load_any
     from fnx.ple.store import MODES
     if ple_store not in MODES:
@@ -97,7 +101,8 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     host = ple_store != "device"
     if ple_options and not host:
         raise ValueError("ple_options apply to a host ple_store (pinned, pageable, swap, direct), not 'device'")
-    out = load_any(path, dtype=dtype, quant=quant, progress=progress, ngram_table="host" if host else "device")
+    out = load_any(path, dtype=dtype, quant=quant, progress=progress, ngram_table="host" if host else "device",
+                   scan_layers=scan_layers)
     store = None
     if host:
         if not out.cfg.ple_layer_ids:

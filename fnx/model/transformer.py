@@ -35,6 +35,8 @@ class Segment:
 @lru_cache(maxsize=None)
 def layer_plan(cfg: ModelConfig) -> tuple[Segment, ...]:
     types, n = cfg.layer_types, cfg.num_hidden_layers
+    if not cfg.scan_layers:
+        return tuple(Segment(i, 1, 1, False) for i in range(n))
     period = next(p for p in range(1, n + 1) if all(types[i] == types[i % p] for i in range(n)))
     special = set(cfg.ple_layers)
     groups = [(g * period, min(period, n - g * period)) for g in range(-(-n // period))]

@@ -39,6 +39,18 @@ VERIFIED_ON_GPU = {
     "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
+    "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
+    "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
+    "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
+    "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
+}
+
+# Verified ops whose kernel measured slower than the reference on the GPU: "auto" keeps the reference (logged
+# once); FNX_KERNELS=op=pallas still runs the kernel.
+SLOWER_THAN_REFERENCE = {
+    "moe_route": "H200, 2026-11-30: the MoE decode layer with the Pallas route + experts is slower than XLA "
+                 "(M=1 bf16 90 vs 73 us, FP8 96 vs 77, NVFP4 146 vs 94; BENCHMARKS.md)",
+    "moe_experts": "H200, 2026-11-30: see moe_route",
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)
@@ -117,6 +129,12 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
                 _logged.add((op, "unverified"))
                 log.warning("fnx kernel %s: its compiled kernel has not passed its GPU tests yet, so 'auto' runs "
                             "the reference; FNX_KERNELS=%s=pallas opts in", op, op)
+            choice = "reference"
+        elif choice == "pallas" and op in SLOWER_THAN_REFERENCE:
+            if (op, "slower") not in _logged:
+                _logged.add((op, "slower"))
+                log.info("fnx kernel %s: measured slower than its reference (%s), so 'auto' runs the reference; "
+                         "FNX_KERNELS=%s=pallas opts in", op, SLOWER_THAN_REFERENCE[op], op)
             choice = "reference"
     else:
         if impl not in supported:

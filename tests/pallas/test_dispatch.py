@@ -18,6 +18,7 @@ def fake_gpu(monkeypatch):
 
 def test_auto_picks_only_gpu_verified_kernels(fake_gpu, monkeypatch, caplog):
     assert dispatch.resolve("gemv_fp8") == "pallas"
+    monkeypatch.delitem(dispatch.VERIFIED_ON_GPU, "moe_experts")
     with caplog.at_level(logging.WARNING, logger="fnx.pallas"):
         assert dispatch.resolve("moe_experts") == "reference"
     assert "not passed its GPU tests" in caplog.text and "FNX_KERNELS=moe_experts=pallas" in caplog.text
@@ -63,3 +64,17 @@ def test_a_call_the_kernel_does_not_serve(fake_gpu, monkeypatch):
     with pytest.raises(dispatch.NotApplicable, match="does not apply to this call: 64 tokens"):
         dispatch.resolve("gemv_fp8", "pallas", not_applicable=why)
     assert dispatch.resolve("gemv_fp8", "reference", not_applicable=why) == "reference"
+
+
+def test_auto_keeps_the_reference_where_the_verified_kernel_measured_slower(fake_gpu, monkeypatch, caplog):
+    assert "moe_experts" in dispatch.VERIFIED_ON_GPU and "moe_experts" in dispatch.SLOWER_THAN_REFERENCE
+    with caplog.at_level(logging.INFO, logger="fnx.pallas"):
+        assert dispatch.resolve("moe_experts") == "reference"
+    assert "measured slower" in caplog.text
+    assert dispatch.resolve("qsa_decode_attention") == "pallas"      # verified and faster
+    assert dispatch.resolve("moe_experts", "pallas") == "pallas"      # named: runs the kernel
+    monkeypatch.setenv("FNX_KERNELS", "moe_experts=pallas")
+    assert dispatch.resolve("moe_experts") == "pallas"
+    monkeypatch.delitem(dispatch.SLOWER_THAN_REFERENCE, "moe_experts")
+    monkeypatch.delenv("FNX_KERNELS")
+    assert dispatch.resolve("moe_experts") == "pallas"

@@ -2,15 +2,25 @@
 2560, rank 320, with injection (a layer boundary: combine, then the next gated residual).
 
 Bytes floor = weights (Wdown + Wup + Winj + hc_norm) + activations (H, y, inj_prev in; H', x, inj out).
-FLOPs = 2 M (2 r + S) S D."""
+FLOPs = 2 M (2 r + S) S D.
+
+FNX_HC_SWEEP=1 replaces the cases by a sweep of the kernels' tiles (one field changed at a time from the default,
+plus a few pairs) at M = 1 and 5, Pallas only: what `choose_tiles` should pick, by measurement."""
 
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.hc import api
+
+SWEEP = ({}, {"bd": 16}, {"bd": 64}, {"bkr": 32}, {"bkr": 128}, {"num_warps": 2}, {"num_warps": 8},
+         {"num_stages": 1}, {"num_stages": 3}, {"br": 8}, {"br": 32}, {"ks": 10}, {"ks": 2}, {"bk": 64},
+         {"bd": 16, "num_warps": 2}, {"bd": 16, "bkr": 128}, {"bd": 16, "ks": 10}, {"br": 32, "ks": 10})
 
 
 def cases(quick: bool) -> list[BenchCase]:
@@ -37,6 +47,19 @@ def cases(quick: bool) -> list[BenchCase]:
                 (jax.random.normal(ks[4], (r, sd)) * sd ** -0.5).astype(dt),
                 (jax.random.normal(ks[5], (sd, r)) * r ** -0.5).astype(dt),
                 (jax.random.normal(ks[6], (s, sd)) * sd ** -0.5).astype(dt)))
+        if os.environ.get("FNX_HC_SWEEP") and m <= 5:
+            from fnx.pallas.hc.pallas import choose_tiles
+            base = choose_tiles(d, r)
+            for change in SWEEP:
+                t = dataclasses.replace(base, **change)
+                if d % (t.bk * t.ks) or d % t.bd:
+                    continue
+                out.append(BenchCase(
+                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="pallas",
+                    fn=lambda *a, _t=t: api.hc_boundary(*a, streams=s, eps=1e-6, impl="pallas", tiles=_t),
+                    arg_sets=arg_sets, bytes=nbytes, flops=flops,
+                    extra={"M": m, "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))
+            continue
         for impl in ("pallas", "reference"):
             out.append(BenchCase(
                 kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl=impl,
