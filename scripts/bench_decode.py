@@ -275,6 +275,8 @@ def main():
     ap.add_argument("--k", type=int, default=4, help="MTP draft tokens per round")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
+    ap.add_argument("--mesh-kernels", action="store_true",
+                    help="with --mesh: the GEMV kernels per shard (dispatch.on_mesh) instead of the reference paths")
     ap.add_argument("--no-scan", action="store_true",
                     help="every layer separate and unrolled (ModelConfig.scan_layers=False) instead of scanned groups")
     ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
@@ -331,9 +333,9 @@ def main():
         runs = {}
         for n in layer_counts:
             cfg = bench_config(n, args.tiny, scan=not args.no_scan)
-            if mcfg is not None:  # kernels do not run per shard yet: a mesh traces the XLA reference paths
+            if mcfg is not None:  # the XLA reference paths, or with --mesh-kernels the GEMV kernels per shard
                 from fnx.pallas import dispatch
-                with dispatch.force("reference"):
+                with dispatch.on_mesh(mcfg) if args.mesh_kernels else dispatch.force("reference"):
                     r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple,
                                 args.ledger)
             else:
@@ -359,7 +361,8 @@ def main():
                "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
                "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
                "ple_store": args.ple_store, "scan_layers": not args.no_scan, "mtp_round": "greedy",
-               "kernels": "reference (mesh)" if mcfg else os.environ.get("FNX_KERNELS", "auto"),
+               "kernels": ("gemv per shard (mesh)" if args.mesh_kernels else "reference (mesh)") if mcfg
+               else os.environ.get("FNX_KERNELS", "auto"),
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:
             a, b = sorted(layer_counts)[:2]

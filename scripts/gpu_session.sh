@@ -12,14 +12,16 @@
 #   scripts/gpu_session.sh kernels   # bench_kernels (FAMS, FILTER) over the released shapes
 #   scripts/gpu_session.sh moe       # the MoE decode layer benchmark
 #   scripts/gpu_session.sh decode    # full-model decode / MTP round at 4 and 8 layers, verified kernels on
-#   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first)
+#   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first; MESH_ARGS=--mesh-kernels
+#                                           # runs the GEMV kernels per shard)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
+#   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: verify | tune | kernels | moe | decode | mesh SPEC | ple (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | probe | mesh SPEC | ple (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -48,10 +50,16 @@ case "$part" in
     FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
       --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
+  probe)   # where a decode step's wall time goes: dispatch, chained steps, gaps, command buffers (one process
+           # per layer count; PROBE_ARGS e.g. "--no-scan" or "--dispatch-only")
+    for n in ${PROBE_LAYERS:-4 12}; do
+      timeout ${PROBE_S:-150} python scripts/probe_launch.py --layers $n --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 \
+        | grep '"part"' | cut -c1-600
+    done ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \
-      --mesh "$spec" --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/mesh_${spec//[=,]/_}.log" \
+      --mesh "$spec" ${MESH_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 | tee "$OUT/mesh_${spec//[=,]/_}.log" \
       | grep -v Warning | tail -4 ;;
   ple)   # PLE end to end on the full-size 51.2 GB table (written first, ~75 s): the real 4-layer model with its
          # rows from the host pageable store against the in-params table, then the stand-in step's fetch variants

@@ -132,7 +132,9 @@ def main():
     hold = {"s": state}
 
     def emit(rec):
-        rec = {"label": args.label, "layers": args.layers, "device": jax.devices()[0].device_kind, **rec}
+        rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan,
+               "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
+               "commit": os.environ.get("FNX_COMMIT", ""), **rec}
         print(json.dumps(rec), flush=True)
         with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -39,3 +39,17 @@ def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):
     rec = json.loads(res.read_text().splitlines()[0])
     # a time, or (tiny kernels timed on a shared CPU) the harness refusing a non-positive slope: never a fake number
     assert rec["kernel"] == "gemv_fp8" and ("us" in rec or "timing noise" in rec["error"])
+
+
+def test_probe_launch_writes_every_part(tmp_path):
+    """scripts/probe_launch.py on a tiny unscanned model: the HLO, dispatch and decode records (on the CPU there are
+    no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
+    parts use the engine's greedy programs, tested in tests/engine."""
+    _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "2", "--calls", "1",
+          "--no-round", "--out", str(tmp_path)], tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    parts = [r["part"] for r in recs]
+    assert parts == ["decode hlo", "decode dispatch", "decode"]
+    disp = recs[1]
+    assert disp["step_ms"] > 0 and disp["chained_ms_per_step"] > 0 and disp["param_leaves"] > 0
+    assert (tmp_path / "trace_decode_default.json.gz").exists()

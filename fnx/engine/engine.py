@@ -228,10 +228,12 @@ class Engine:
     # ---- one scheduling iteration ----------------------------------------------------------------------------
     def step(self) -> list[Output]:
         if self.mesh is not None:
-            # the Pallas kernels do not run per shard yet (no shard_map around them): a mesh traces the XLA
-            # reference paths, which the SPMD partitioner splits
+            # on a mesh every op traces its XLA reference path, which the SPMD partitioner splits; with
+            # FNX_MESH_KERNELS=1 the GEMV kernels run per shard instead (fnx/pallas/gemv/mesh.py: opt-in, it
+            # hangs on a tp=2,ep=2 mesh and fails to partition at tp=4 on the CPU; see fnx/parallel/README.md)
             from fnx.pallas import dispatch
-            with dispatch.force("reference"):
+            with dispatch.on_mesh(self.mesh) if os.environ.get("FNX_MESH_KERNELS") == "1" else \
+                    dispatch.force("reference"):
                 return self._step()
         return self._step()
 

@@ -45,15 +45,25 @@ VERIFIED_ON_GPU = {
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
 }
 
-# Verified ops whose kernel measured slower than the reference on the GPU: "auto" keeps the reference (logged
-# once); FNX_KERNELS=op=pallas still runs the kernel.
-SLOWER_THAN_REFERENCE = {
-    "moe_route": "H200, 2026-11-30: the MoE decode layer with the Pallas route + experts is slower than XLA "
-                 "(M=1 bf16 90 vs 73 us, FP8 96 vs 77, NVFP4 146 vs 94; BENCHMARKS.md)",
-    "moe_experts": "H200, 2026-11-30: see moe_route",
+# Verified ops that "auto" still leaves on the reference, with the measurement that says why (logged once);
+# FNX_KERNELS=op=pallas still runs the kernel.
+AUTO_KEEPS_REFERENCE = {
+    "moe_route": "measured slower: on the H200 the MoE decode layer with the Pallas route + experts is slower "
+                 "than XLA (M=1 bf16 90 vs 73 us, FP8 96 vs 77, NVFP4 146 vs 94; BENCHMARKS.md)",
+    "moe_experts": "measured slower: see moe_route",
+    "qsa_decode_attention": "not yet measured in the full model: the kernel beats the reference 2x at 32K "
+                            "context, but the first 4-layer decode that picked it was slower (3.19 vs 2.68 ms, "
+                            "confounded with other changes; BENCHMARKS.md, third H200 session)",
+    "qsa_index_scores": "see qsa_decode_attention",
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)
+_mesh: contextvars.ContextVar = contextvars.ContextVar("fnx_kernels_mesh", default=None)
+
+# Ops whose kernels run per shard on a device mesh (`on_mesh`): each is wrapped in a custom partitioning rule
+# that calls the kernel on every device's shard (and reduces across devices where the contraction is split).
+# Every other op takes its reference inside `on_mesh`, which the SPMD partitioner splits.
+MESH_READY = ("gemv_bf16", "gemv_fp8", "gemv_nvfp4")
 
 
 @contextlib.contextmanager
@@ -67,6 +77,23 @@ def force(backend: str):
         yield
     finally:
         _forced.reset(tok)
+
+
+@contextlib.contextmanager
+def on_mesh(mesh):
+    """Trace everything inside for params and state laid out on `mesh`: ops in MESH_READY run their kernel per
+    shard (`active_mesh()` tells them the mesh); every other op whose impl is auto takes its reference (a Pallas
+    call outside a per-shard wrapper would be gathered onto every device)."""
+    tok = _mesh.set(mesh)
+    try:
+        yield
+    finally:
+        _mesh.reset(tok)
+
+
+def active_mesh():
+    """The mesh of the enclosing `on_mesh`, or None."""
+    return _mesh.get()
 
 
 def gpu_compute_capability() -> int | None:
@@ -113,6 +140,8 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
 
     not_applicable: why the kernel does not serve this particular call (None when it does). Auto, and a backend
     chosen by FNX_KERNELS, then take the reference for this call; an explicit impl raises NotApplicable."""
+    if impl in (None, "auto") and _mesh.get() is not None and op not in MESH_READY:
+        return "reference"
     if impl in (None, "auto"):
         forced = _forced.get() or env_choice(op)
         if forced:
@@ -130,11 +159,11 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
                 log.warning("fnx kernel %s: its compiled kernel has not passed its GPU tests yet, so 'auto' runs "
                             "the reference; FNX_KERNELS=%s=pallas opts in", op, op)
             choice = "reference"
-        elif choice == "pallas" and op in SLOWER_THAN_REFERENCE:
-            if (op, "slower") not in _logged:
-                _logged.add((op, "slower"))
-                log.info("fnx kernel %s: measured slower than its reference (%s), so 'auto' runs the reference; "
-                         "FNX_KERNELS=%s=pallas opts in", op, SLOWER_THAN_REFERENCE[op], op)
+        elif choice == "pallas" and op in AUTO_KEEPS_REFERENCE:
+            if (op, "kept") not in _logged:
+                _logged.add((op, "kept"))
+                log.info("fnx kernel %s: 'auto' runs the reference (%s); FNX_KERNELS=%s=pallas opts in", op,
+                         AUTO_KEEPS_REFERENCE[op], op)
             choice = "reference"
     else:
         if impl not in supported:

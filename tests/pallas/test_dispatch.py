@@ -67,14 +67,14 @@ def test_a_call_the_kernel_does_not_serve(fake_gpu, monkeypatch):
 
 
 def test_auto_keeps_the_reference_where_the_verified_kernel_measured_slower(fake_gpu, monkeypatch, caplog):
-    assert "moe_experts" in dispatch.VERIFIED_ON_GPU and "moe_experts" in dispatch.SLOWER_THAN_REFERENCE
+    assert "moe_experts" in dispatch.VERIFIED_ON_GPU and "moe_experts" in dispatch.AUTO_KEEPS_REFERENCE
     with caplog.at_level(logging.INFO, logger="fnx.pallas"):
         assert dispatch.resolve("moe_experts") == "reference"
     assert "measured slower" in caplog.text
-    assert dispatch.resolve("qsa_decode_attention") == "pallas"      # verified and faster
+    assert dispatch.resolve("gdn_decode") == "pallas"                # verified, nothing against it
     assert dispatch.resolve("moe_experts", "pallas") == "pallas"      # named: runs the kernel
     monkeypatch.setenv("FNX_KERNELS", "moe_experts=pallas")
     assert dispatch.resolve("moe_experts") == "pallas"
-    monkeypatch.delitem(dispatch.SLOWER_THAN_REFERENCE, "moe_experts")
+    monkeypatch.delitem(dispatch.AUTO_KEEPS_REFERENCE, "moe_experts")
     monkeypatch.delenv("FNX_KERNELS")
     assert dispatch.resolve("moe_experts") == "pallas"

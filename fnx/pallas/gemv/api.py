@@ -128,6 +128,10 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
         return reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    if dispatch.active_mesh() is not None:      # params on a mesh: the kernel per shard (gemv/mesh.py)
+        from fnx.pallas.gemv import mesh as gm
+        aux = (scale,) if fmt == "fp8" else (scale, scale_2) if fmt == "nvfp4" else ()
+        return gm.partitioned(fmt, dispatch.interpret_flag(backend))(x2, w, *aux).reshape(*lead, -1)
     t = tiles_for(fmt, w.shape[0], k, x2.shape[0])
     y = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend))
     return y.reshape(*lead, -1)
