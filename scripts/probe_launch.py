@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import time
 from functools import partial
 
@@ -124,17 +125,23 @@ def main():
                            is_leaf=lambda x: isinstance(x, tuple))
     mp = bd.random_tree(mshapes, jax.random.PRNGKey(1), dtype)
     ctx, heads = 1024, cfg.ngram_heads
-    state = init_state(cfg, 1, ctx + 64 + 2 * args.reps + 8, dtype)
+    # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
+    cap = ctx + 64 + (3 * args.reps + 2 * args.calls + 8) * (args.k + 2)
+    state = init_state(cfg, 1, cap, dtype)
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
     one = jnp.ones((1, 1), jnp.int32)
     pid = jnp.zeros((1, 1, heads), jnp.int32) if cfg.ple_layer_ids else None
     state = dict(state, pos=jnp.full_like(state["pos"], ctx))
     hold = {"s": state}
 
+    commit = os.environ.get("FNX_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
     def emit(rec):
         rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-               "commit": os.environ.get("FNX_COMMIT", ""), **rec}
+               "commit": commit, **rec}
         print(json.dumps(rec), flush=True)
         with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -144,19 +151,11 @@ def main():
         f.write(text)
     emit({"part": "decode hlo", **hlo_report(text)})
 
-    def dec():
-        s = dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx))
-        logits, hold["s"], _, _ = step_j(params, s, one, pid)
+    def dec():   # positions advance (no per-call rewind: that would add a jitted op of host time to each call)
+        logits, hold["s"], _, _ = step_j(params, hold["s"], one, pid)
         jax.block_until_ready(logits)
 
-    def timed(fn, reps):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return float(np.median(ts)) * 1e3
+    timed = bd.timeit
 
     def profiled(name, fn):
         d = os.path.join(args.out, f"trace_{name}_{tag}")
@@ -205,7 +204,7 @@ def main():
     if args.no_round:
         return
     k = args.k
-    mstate = dict(init_mtp_state(cfg, 1, ctx + 64, dtype), pos=jnp.full((1,), ctx, jnp.int32))
+    mstate = dict(init_mtp_state(cfg, 1, cap, dtype), pos=jnp.full((1,), ctx, jnp.int32))
     sp = SamplingArrays.stack([SamplingParams()])
     keys = row_keys(jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.uint32))
     hid = jnp.zeros((1, k + 1, cfg.hc_dim), dtype)
@@ -216,14 +215,13 @@ def main():
     def draft():
         m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
                                   jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k, greedy=True)
-        mh["m"] = dict(m, pos=jnp.full((1,), ctx, jnp.int32))
+        mh["m"] = m
         parts["d"], parts["q"] = drafts, q
         jax.block_until_ready(drafts)
 
     def verify():
-        s = dict(hold["s"], pos=jnp.full((1,), ctx, jnp.int32))
         v = jnp.concatenate([one, parts["d"]], axis=1)
-        s, toks, _, _, _ = _jit_verify(params, s, v, jnp.ones((1,), bool), pk, parts["q"], sp, keys, cfg, "auto", 0,
+        s, toks, _, _, _ = _jit_verify(params, hold["s"], v, jnp.ones((1,), bool), pk, parts["q"], sp, keys, cfg, "auto", 0,
                                        greedy=True)
         hold["s"] = s
         jax.block_until_ready(toks)

@@ -25,7 +25,7 @@ from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model.ops import linear_argmax
 from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step
-from fnx.ple import ngram_ids
+from fnx.ple import initial_context, ngram_ids
 
 log = logging.getLogger("fnx.engine")
 
@@ -194,8 +194,7 @@ class Engine:
 
         def run():
             try:
-                ctx = np.full((1, ng.ngram_size - 1), ng.eos_token_id, np.int64)
-                ids, _ = ngram_ids(ctx, prompt[None].astype(np.int64), ng)
+                ids, _ = ngram_ids(initial_context(1, ng), prompt[None].astype(np.int64), ng)
                 ids = ids.reshape(-1, ids.shape[-1])
                 for lo in range(0, ids.shape[0], chunk):      # in prefill order, a chunk's rows at a time
                     store.prefetch(ids[lo:lo + chunk])
