@@ -25,12 +25,13 @@ def main():
     ap.add_argument("--capacity", type=int, default=8192, help="KV capacity of the state (tokens)")
     ap.add_argument("--shapes", default="1x1,1x512,8x1", help="comma-separated BATCHxTOKENS call shapes")
     ap.add_argument("--compile", action="store_true", help="also run XLA's compile for this machine's backend")
+    ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     args = ap.parse_args()
 
-    cfg = ModelConfig()  # the released shapes
+    cfg = ModelConfig(scan_layers=not args.no_scan)  # the released shapes
     plan = layer_plan(cfg)
     print(f"# {cfg.summary()}")
-    print(f"# plan: " + ", ".join(f"layers {s.start}-{s.layers[-1]} " + (f"scanned x{s.reps}" if s.scanned else "unrolled")
+    print("# plan: " + ", ".join(f"layers {s.start}-{s.layers[-1]} " + (f"scanned x{s.reps}" if s.scanned else "unrolled")
                                  for s in plan))
     params = param_shapes(cfg, jnp.bfloat16)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -53,7 +54,7 @@ def main():
             compile_s = round(time.perf_counter() - t3, 2)
         rec = {"shape": f"{b}x{t}", "capacity": args.capacity, "trace_s": round(t1 - t0, 2),
                "lower_s": round(t2 - t1, 2), "total_s": round(t2 - t0, 2), "stablehlo_lines": n_ops,
-               "compile_s": compile_s,
+               "compile_s": compile_s, "scan_layers": cfg.scan_layers,
                "jax": jax.__version__, "machine": platform.node() or "cpu", "backend": jax.default_backend(),
                "commit": commit}
         print(json.dumps(rec))

@@ -107,6 +107,10 @@ def main():
     ap.add_argument("--no-round", action="store_true", help="the decode step only")
     ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
+    ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
+    ap.add_argument("--kernel-variants", default="",
+                    help="';'-separated FNX_KERNELS values ('auto' for none) timed one after another in this "
+                         "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     tag = re.sub(r"[^\w]+", "_", args.label).strip("_")[:40] or "default"
@@ -126,7 +130,7 @@ def main():
     mp = bd.random_tree(mshapes, jax.random.PRNGKey(1), dtype)
     ctx, heads = 1024, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
-    cap = ctx + 64 + (3 * args.reps + 2 * args.calls + 8) * (args.k + 2)
+    cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8) * (args.k + 2)
     state = init_state(cfg, 1, cap, dtype)
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
     one = jnp.ones((1, 1), jnp.int32)
@@ -171,29 +175,53 @@ def main():
         g["host_ms_per_call_by_event"] = host_events(trace, args.calls)
         return led, g
 
-    # unprofiled: host time to dispatch one step, the step end to end, and steps kept in flight (each step's state
-    # feeds the next on the device, no host round trip between them: what an overlapped scheduler would get)
-    st = {"s": dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], 0))}
-    jax.block_until_ready(st["s"])
-    disp, tot = [], []
-    for i in range(args.reps + 2):
-        t = time.perf_counter()
-        logits, st["s"], _, _ = step_j(params, st["s"], one, pid)
-        t1 = time.perf_counter()
-        jax.block_until_ready(logits)
-        if i >= 2:
-            disp.append(t1 - t)
-            tot.append(time.perf_counter() - t)
-    n = args.reps
-    t = time.perf_counter()
-    for _ in range(n):
-        logits, st["s"], _, _ = step_j(params, st["s"], one, pid)
-    jax.block_until_ready(logits)
-    chained = (time.perf_counter() - t) / n
-    emit({"part": "decode dispatch", "dispatch_ms": float(np.median(disp)) * 1e3,
-          "step_ms": float(np.median(tot)) * 1e3, "chained_ms_per_step": chained * 1e3,
-          "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
-    hold["s"] = st["s"]
+    def dispatch_timings(step_fn, label=None):
+        """Unprofiled: host time to dispatch one step, the step end to end, and steps kept in flight (each step's
+        state feeds the next on the device, no host round trip between them: what an overlapped scheduler would
+        get; the median of `chains` runs of `reps` steps). Positions restart at the probe's context."""
+        st = {"s": dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx))}
+        jax.block_until_ready(st["s"])
+        disp, tot = [], []
+        for i in range(args.reps + 2):
+            t = time.perf_counter()
+            logits, st["s"], _, _ = step_fn(params, st["s"], one, pid)
+            t1 = time.perf_counter()
+            jax.block_until_ready(logits)
+            if i >= 2:
+                disp.append(t1 - t)
+                tot.append(time.perf_counter() - t)
+        chains = []
+        for _ in range(args.chains):
+            t = time.perf_counter()
+            for _ in range(args.reps):
+                logits, st["s"], _, _ = step_fn(params, st["s"], one, pid)
+            jax.block_until_ready(logits)
+            chains.append((time.perf_counter() - t) / args.reps)
+        emit({"part": "decode dispatch", **({"kernels": label} if label is not None else {}),
+              "dispatch_ms": float(np.median(disp)) * 1e3, "step_ms": float(np.median(tot)) * 1e3,
+              "chained_ms_per_step": float(np.median(chains)) * 1e3,
+              "chained_ms_all": [round(c * 1e3, 4) for c in chains],
+              "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
+        hold["s"] = st["s"]
+
+    dispatch_timings(step_j)
+    if args.kernel_variants:
+        # A/B of the kernel choice in the whole step: each variant is one FNX_KERNELS value, traced afresh
+        saved = os.environ.get("FNX_KERNELS")
+        try:
+            for variant in args.kernel_variants.split(";"):
+                os.environ["FNX_KERNELS"] = "" if variant == "auto" else variant
+                jax.clear_caches()
+                fn = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
+                compiled = fn.lower(params, hold["s"], one, pid).compile()   # one compile: its HLO and its calls
+                report = hlo_report(compiled.as_text())
+                emit({"part": "variant hlo", "kernels": variant, **report})
+                dispatch_timings(compiled, variant)
+        finally:
+            if saved is None:
+                os.environ.pop("FNX_KERNELS", None)
+            else:
+                os.environ["FNX_KERNELS"] = saved
     if args.dispatch_only:
         return
 
