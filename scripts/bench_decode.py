@@ -347,6 +347,8 @@ def main():
             from fnx.parallel import MeshConfig
             mcfg = MeshConfig.parse(mesh_text)
         ndev = mcfg.size if mcfg else 1
+        kernels_label = (("gemv per shard (mesh)" if args.mesh_kernels else "reference (mesh)") if mcfg
+                         else os.environ.get("FNX_KERNELS", "auto"))
         runs = {}
         for n in layer_counts:
             cfg = bench_config(n, args.tiny, scan=not args.no_scan)
@@ -371,15 +373,14 @@ def main():
             with open(args.out, "a") as f:   # each layer count as soon as it ran: a run cut short keeps it
                 f.write(json.dumps({"record": "run", "date": datetime.date.today().isoformat(), "commit": commit,
                                     "device": device.device_kind, "quant": args.quant, "ple_store": args.ple_store,
-                                    "kernels": os.environ.get("FNX_KERNELS", "auto"), "reps": args.reps,
+                                    "kernels": kernels_label, "reps": args.reps,
                                     "scan_layers": not args.no_scan, "mtp_round": "greedy",
                                     **line}) + "\n")
         rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
                "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
                "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
                "ple_store": args.ple_store, "scan_layers": not args.no_scan, "mtp_round": "greedy",
-               "kernels": ("gemv per shard (mesh)" if args.mesh_kernels else "reference (mesh)") if mcfg
-               else os.environ.get("FNX_KERNELS", "auto"),
+               "kernels": kernels_label,
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:
             a, b = sorted(layer_counts)[:2]

@@ -87,14 +87,27 @@ class Request:
     accepted: int = 0
 
 
+@dataclass
+class _Inflight:
+    """A decode step launched on the device whose tokens the host has not read yet."""
+    batch: list            # (request, slot) as launched
+    tokens: object         # [slots] int32 on the device
+    lp_info: object        # its logprob arrays, or None
+
+
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
-                 extra_eos: tuple[int, ...] = (), mesh=None):
+                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True):
         """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
         same output distribution (the acceptance rule is exact for any drafter).
-        mesh: run on several devices (`fnx.parallel`: a Mesh, a MeshConfig or "tp=2,ep=1")."""
+        mesh: run on several devices (`fnx.parallel`: a Mesh, a MeshConfig or "tp=2,ep=1").
+        overlap: plain decode steps are queued one ahead (the next step is launched before this step's tokens
+        reach the host, its tokens and PLE n-gram ids taken on the device), so the host's launch and bookkeeping
+        run while the device works; each step's tokens are emitted one `step()` later. The same tokens as
+        overlap=False. Not used with speculative decoding or a host PLE store (both need the tokens on the host
+        before the next program): those engines run every step synchronously."""
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
@@ -132,6 +145,13 @@ class Engine:
         self.stats = {"drafted": 0, "accepted": 0, "rounds": 0, "decode_steps": 0, "prefill_tokens": 0}
         self._ple_missing: np.ndarray | None = None   # batch rows whose host PLE rows were zero-filled
         self._hints = None                              # the prefill-hint thread (host PLE store only)
+        # overlapped decode: the step queued on the device whose outputs are not yet emitted
+        self.overlap = bool(overlap) and not self.spec and model.ple_store is None
+        self._inflight: _Inflight | None = None
+        self._ngram_tables = None
+        if self.overlap and model.ngram is not None:
+            from fnx.model.ngram_device import NgramDeviceTables
+            self._ngram_tables = NgramDeviceTables.build(model.ngram)
         self._last_hint = None
         self.mesh = None
         if mesh is not None:
@@ -156,6 +176,8 @@ class Engine:
             self.mtp_state, self.mtp_empty = put(self.mtp_state, parallel.state_shardings), put(
                 self.mtp_empty, parallel.state_shardings)
             self.hot, self.draft_head = rep(self.hot), rep(self.draft_head)
+        if self._ngram_tables is not None:
+            self._ngram_tables = rep(self._ngram_tables)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -214,7 +236,7 @@ class Engine:
             self.slots[req.slot] = None
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots)
+        return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
 
     def positions_used(self) -> int:
         """Cache positions held by running requests (prompt + generated), out of max_slots * capacity."""
@@ -248,7 +270,12 @@ class Engine:
             budget -= r.prefilled - before
         decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt) and not r.done
                     and r.pending is not None]
-        if decoding:
+        if self.overlap:
+            # queue this step behind the one in flight, then emit the one in flight while this one runs
+            prev, self._inflight = self._inflight, (self._decode_overlapped(decoding) if decoding else None)
+            if prev is not None:
+                outs += self._finish_inflight(prev)
+        elif decoding:
             step_outs = self._spec_round(decoding) if self.spec else self._decode(decoding)
             outs += self._ple_failed(step_outs, decoding, lambda r: r.slot)
         return outs
@@ -386,6 +413,49 @@ class Engine:
         self.stats["decode_steps"] += 1
         tok = np.asarray(tok)
         return [self._emit(r, [int(tok[r.slot])], [_lp(lp_info, r.slot, 0, r.params.logprobs)]) for r in reqs]
+
+    def _decode_overlapped(self, reqs: list[Request]) -> "_Inflight":
+        """Launch one decode step for `reqs` without waiting for anything: a request whose previous token is
+        still on the device (it was in the step in flight) takes it from there; one whose token the host already
+        emitted (its prefill just ended) passes it in. Sampling counters count the in-flight token, so the
+        random streams are those of the synchronous engine."""
+        slots = len(self.slots)
+        prev = self._inflight
+        in_prev = {id(r) for r, _ in prev.batch} if prev is not None else set()
+        host_tok = np.zeros((slots,), np.int32)
+        from_host = np.ones((slots,), bool)
+        n_valid = np.zeros((slots,), np.int32)
+        params = [SamplingParams()] * slots
+        seeds = np.zeros((slots,), np.uint32)
+        counters = np.zeros((slots,), np.uint32)
+        for r in reqs:
+            queued = id(r) in in_prev
+            if not queued:
+                host_tok[r.slot] = r.pending
+            from_host[r.slot] = not queued
+            n_valid[r.slot] = 1
+            params[r.slot] = r.params
+            seeds[r.slot], counters[r.slot] = r.seed, r.generated + queued
+        prev_tok = prev.tokens if prev is not None else jnp.zeros((slots,), jnp.int32)
+        nlp = _n_logprobs(reqs)
+        self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode_overlap(
+            self.model.params, self.state, prev_tok, jnp.asarray(host_tok), jnp.asarray(from_host),
+            jnp.asarray(n_valid), self._ngram_tables, SamplingArrays.stack(params),
+            row_keys(jnp.asarray(seeds), jnp.asarray(counters)), self.seen, self.out_counts, self.cfg,
+            self.moe_impl, nlp)
+        self.stats["decode_steps"] += 1
+        return _Inflight([(r, r.slot) for r in reqs], tok, lp_info)
+
+    def _finish_inflight(self, inf: "_Inflight") -> list[Output]:
+        """Bring a queued step's tokens to the host and emit them; requests that ended (or were aborted) after it
+        was launched drop what it computed for them."""
+        tok = np.asarray(inf.tokens)
+        outs = []
+        for r, slot in inf.batch:
+            if r.done or self.slots[slot] is not r:
+                continue
+            outs.append(self._emit(r, [int(tok[slot])], [_lp(inf.lp_info, slot, 0, r.params.logprobs)]))
+        return outs
 
     def _spec_round(self, reqs: list[Request]) -> list[Output]:
         k, slots, sd = self.k, len(self.slots), self.cfg.hc_dim
@@ -530,6 +600,18 @@ def _jit_decode(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg
     seen = jnp.where(active[:, None], seen2, seen)
     counts = jnp.where(active[:, None], counts2, counts)
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state", "seen", "counts"))
+def _jit_decode_overlap(params, state, prev_tok, host_tok, from_host, n_valid, tables, sp, keys, seen, counts, cfg,
+                        moe_impl, n_logprobs):
+    """`_jit_decode` for the overlapped engine: each row's token is the previous step's sample (still on the
+    device) or the one the host passes, and the PLE n-gram ids come from the state's n-gram context."""
+    from fnx.model.ngram_device import ngram_ids_device
+    tokens = jnp.where(from_host, host_tok, prev_tok)[:, None].astype(jnp.int32)
+    ids = ngram_ids_device(state["ngram_ctx"], tokens, tables) if tables is not None else None
+    return _jit_decode.__wrapped__(params, state, tokens, n_valid, ids, sp, keys, seen, counts, cfg, moe_impl,
+                                   n_logprobs)
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "k", "greedy"), donate_argnames=("mstate",))

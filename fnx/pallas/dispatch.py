@@ -8,7 +8,8 @@ Backends, by name:
 
 `resolve(op, impl)`:
   impl None or "auto": the env var FNX_KERNELS when it names a backend for this op, otherwise "pallas" where it
-  can run and the op is in VERIFIED_ON_GPU, then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
+  can run, the op is in VERIFIED_ON_GPU and not in AUTO_KEEPS_REFERENCE (kernels that lost to XLA in a
+  whole-model measurement), then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
   its reference) or a comma list "op=backend,..." ("gemv_fp8=reference,gdn_decode=pallas"); a backend named
   there that cannot run is an error, not a fallback. It is read when a function is traced, so set it before
   the first jitted call (or clear JAX's caches). Which backend ran is logged once per op.
@@ -47,14 +48,25 @@ VERIFIED_ON_GPU = {
 
 # Verified ops that "auto" still leaves on the reference, with the measurement that says why (logged once);
 # FNX_KERNELS=op=pallas still runs the kernel.
+_MODEL_AB = ("the whole bf16 decode step on the H200 (4 layers, 1K context, 2026-11-30, commit e7dd728, "
+             "`probe_launch.py --kernel-variants`; BENCHMARKS.md, fourth H200 session): device time per step "
+             "with every kernel on the reference 0.904 ms, with the verified kernels 1.170 ms")
 AUTO_KEEPS_REFERENCE = {
     "moe_route": "measured slower: on the H200 the MoE decode layer with the Pallas route + experts is slower "
-                 "than XLA (M=1 bf16 90 vs 73 us, FP8 96 vs 77, NVFP4 146 vs 94; BENCHMARKS.md)",
+                 "than XLA (M=1 bf16 90 vs 73 us, FP8 96 vs 77, NVFP4 146 vs 94; BENCHMARKS.md); in "
+                 "the whole step 1.303 vs 1.170 ms (" + _MODEL_AB + ")",
     "moe_experts": "measured slower: see moe_route",
-    "qsa_decode_attention": "not yet measured in the full model: the kernel beats the reference 2x at 32K "
-                            "context, but the first 4-layer decode that picked it was slower (3.19 vs 2.68 ms, "
-                            "confounded with other changes; BENCHMARKS.md, third H200 session)",
+    "qsa_decode_attention": "measured slower in the whole step at 1K context: 1.450 vs 1.170 ms (" + _MODEL_AB
+                            + "); the kernel beats the reference 2x at 32K context in isolation, so long "
+                            "contexts may want FNX_KERNELS=qsa_decode_attention=pallas",
     "qsa_index_scores": "see qsa_decode_attention",
+    "hc_boundary": "measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("
+                   + _MODEL_AB + ")",
+    "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
+                 "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
+    "gemv_bf16_argmax": "see gemv_bf16",
+    "gdn_decode": "no gain in the whole step: 1.170 ms with the kernel, 1.164 ms with its XLA reference ("
+                  + _MODEL_AB + ")",
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)

@@ -54,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="MTP speculative decoding with K draft tokens per round (1..8; 0: off). Requests with "
                         "repetition/presence/frequency penalties are refused while it is on")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="run every decode step synchronously (by default the next step is launched before this "
+                        "step's tokens reach the host, hiding the launch behind the device; same tokens)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; beyond slots + queue, requests get HTTP 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -163,13 +166,13 @@ def main(argv=None) -> int:
     if not eos:  # no generation_config: the chat format's end tokens
         eos = tuple(i for i in map(tokenizer.token_id, ("<|im_end|>", "<|endoftext|>")) if i is not None)
     engine = Engine(model, max_slots=args.max_slots, capacity=args.capacity, prefill_chunk=args.prefill_chunk,
-                    speculative=args.speculative or None, extra_eos=eos)
+                    speculative=args.speculative or None, extra_eos=eos, overlap=not args.no_overlap)
     name = args.served_model_name or model_dir.resolve().name
     print(f"fnx.serve: loaded {model_dir} in {t_load:.1f} s: {model!r}", flush=True)
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
-          f"PLE table: {args.ple_store}, "
+          f"PLE table: {args.ple_store}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)
 
     metrics = Metrics(name)

@@ -196,3 +196,61 @@ def test_greedy_drafts_through_the_fused_argmax_match_the_sampling_drafts(tiny_m
         assert seen and all(seen)          # every round of this all-greedy batch asked for the greedy program
         runs[force_general] = ([outs[i] for i in ids], eng.stats["accepted"], eng.stats["drafted"])
     assert runs[False] == runs[True]
+
+
+def _run_engine(eng, reqs, abort_id=None, abort_at=3):
+    """Submit (prompt, params) pairs, drive the engine to the end; abort `abort_id` once it has emitted
+    `abort_at` tokens. Returns {id: (tokens, logprobs, finish_reason)}."""
+    got = {}
+    for i, (p, sp) in enumerate(reqs):
+        eng.submit(p, sp, request_id=f"r{i}")
+        got[f"r{i}"] = ([], [], None)
+    aborted = False
+    while eng.has_work():
+        for o in eng.step():
+            toks, lps, _ = got[o.request_id]
+            toks += o.token_ids
+            lps += [(lp["logprob"], lp.get("top")) for lp in o.logprobs]
+            if o.finished:
+                got[o.request_id] = (toks, lps, o.finish_reason)
+        if abort_id and not aborted and len(got[abort_id][0]) >= abort_at:
+            eng.abort(abort_id)
+            aborted = True
+    return got
+
+
+def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
+    """The overlapped engine (each step launched before the previous step's tokens reach the host, tokens and
+    n-gram ids taken on the device) emits exactly what the synchronous one does: greedy and seeded sampling,
+    penalties, logprobs, stop tokens, EOS, slot reuse across 4 requests in 2 slots, and an abort mid-flight."""
+    model, _ = tiny_models("tiny-c")
+    rng = np.random.default_rng(9)
+    eos = model.cfg.ple_eos_token_id
+    prompts = [list(map(int, rng.integers(0, eos, size=n))) for n in (6, 23, 11, 4)]
+    prompts[1][7] = eos
+    greedy = fnx.generate(model, [prompts[0]], max_new_tokens=12, sampling=SamplingParams(ignore_eos=True))[0]
+    reqs = [
+        (prompts[0], SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(greedy[6],))),
+        (prompts[1], SamplingParams(max_tokens=9, temperature=0.9, top_p=0.95, seed=3, logprobs=2,
+                                    repetition_penalty=1.3, frequency_penalty=0.5, ignore_eos=True)),
+        (prompts[2], SamplingParams(max_tokens=7, temperature=1.2, seed=5, ignore_eos=True)),
+        (prompts[3], SamplingParams(max_tokens=10, temperature=0.7, seed=8, presence_penalty=0.4)),
+    ]
+    runs = []
+    for overlap in (False, True):
+        eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=8, overlap=overlap)
+        assert eng.overlap == overlap
+        runs.append(_run_engine(eng, reqs, abort_id="r2"))
+        assert not eng.has_work() and eng._inflight is None
+    sync, over = runs
+    assert over == sync
+    assert sync["r0"][2] == "stop" and sync["r0"][0][-1] == greedy[6]
+    assert sync["r1"][2] == "length" and len(sync["r1"][1]) == 9 and len(sync["r1"][1][0][1]) == 2
+    assert len(sync["r2"][0]) == 3 and sync["r2"][2] is None      # aborted after 3 tokens, in both engines
+
+
+def test_overlap_is_off_where_the_host_needs_each_token(tiny_models):
+    model, _ = tiny_models("tiny-a")
+    assert Engine(model, max_slots=1, capacity=64).overlap
+    assert not Engine(model, max_slots=1, capacity=64, speculative=2).overlap
+    assert not Engine(model, max_slots=1, capacity=64, overlap=False).overlap

@@ -71,7 +71,7 @@ def test_auto_keeps_the_reference_where_the_verified_kernel_measured_slower(fake
     with caplog.at_level(logging.INFO, logger="fnx.pallas"):
         assert dispatch.resolve("moe_experts") == "reference"
     assert "measured slower" in caplog.text
-    assert dispatch.resolve("gdn_decode") == "pallas"                # verified, nothing against it
+    assert dispatch.resolve("gemv_fp8") == "pallas"                  # verified, nothing against it
     assert dispatch.resolve("moe_experts", "pallas") == "pallas"      # named: runs the kernel
     monkeypatch.setenv("FNX_KERNELS", "moe_experts=pallas")
     assert dispatch.resolve("moe_experts") == "pallas"
