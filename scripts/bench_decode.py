@@ -155,8 +155,45 @@ class HostPle:
         return jnp.asarray(rows)
 
 
+def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list) -> dict:
+    """The Engine's plain decode, synchronous and overlapped (fnx.engine.Engine(overlap=...)): `slots` greedy
+    requests of a 64-token prompt; after every prefill has ended, the wall time of the next `tokens` engine
+    steps (ms per step, tokens/s). Same programs, so the difference is the host time the overlap hides."""
+    from fnx.engine import Engine
+    from fnx.model.api import Model
+    model = Model(cfg, params, mp)
+    out = {}
+    for slots in slots_list:
+        for overlap in (False, True):
+            eng = Engine(model, max_slots=slots, capacity=64 + 2 * tokens + 16, prefill_chunk=64 * slots,
+                         overlap=overlap)
+            rng = np.random.default_rng(0)
+
+            def run(n, timed):
+                reqs = [eng.requests[eng.submit(list(map(int, rng.integers(0, cfg.vocab_size, 64))),
+                                                SamplingParams(max_tokens=n, ignore_eos=True))]
+                        for _ in range(slots)]
+                while any(r.generated == 0 and not r.done for r in reqs):     # every prefill done
+                    eng.step()
+                t, steps = time.perf_counter(), 0
+                while eng.has_work():
+                    eng.step()
+                    steps += 1
+                return (time.perf_counter() - t) / steps * 1e3 if timed else None
+
+            run(4, False)                       # compiles
+            ms = run(tokens, True)
+            key = f"engine_b{slots}_{'overlap' if overlap else 'sync'}"
+            out[key + "_ms_per_step"] = ms
+            out[key + "_tok_s"] = slots / (ms / 1e3)
+            print(f"# engine decode, {slots} slots, {'overlapped' if overlap else 'synchronous'}: {ms:.3f} ms per "
+                  f"step, {slots / (ms / 1e3):.0f} tok/s", flush=True)
+            del eng
+    return out
+
+
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
-            host_ple: HostPle | None = None, ledger_calls: int = 0):
+            host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,)):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -277,6 +314,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         except jax.errors.JaxRuntimeError as exc:  # recorded, not hidden: the run goes on to the next context
             res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
         del st_box
+    if engine_tokens:
+        if mesh is not None or host_ple is not None or quant != "bf16":
+            raise SystemExit("--engine runs on one device with the bf16 in-params table")
+        res.update(engine_decode(cfg, params, mp, engine_tokens, engine_slots))
     try:
         devs = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         res["peak_mem_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / 1e9
@@ -309,6 +350,9 @@ def main():
     ap.add_argument("--ledger", type=int, default=0, metavar="N",
                     help="also profile N decode steps and N MTP rounds: kernels per call and the time per family "
                          "(fnx.pallas.ledger)")
+    ap.add_argument("--engine", type=int, default=0, metavar="N",
+                    help="also time N plain decode steps of fnx.engine.Engine, synchronous and overlapped")
+    ap.add_argument("--engine-slots", default="1,8", help="batch slots for --engine (comma list)")
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
@@ -358,7 +402,8 @@ def main():
                     r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple,
                                 args.ledger)
             else:
-                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger)
+                r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger,
+                            args.engine, [int(x) for x in args.engine_slots.split(",")])
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}

@@ -15,13 +15,14 @@
 #   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first; MESH_ARGS=--mesh-kernels
 #                                           # runs the GEMV kernels per shard)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
+#   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | probe | mesh SPEC | ple (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | mesh SPEC | ple (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -50,6 +51,10 @@ case "$part" in
     FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
       --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
+  engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
+    timeout ${ENGINE_S:-300} python scripts/bench_decode.py --layers ${ENGINE_LAYERS:-4} --contexts 1024 --reps 5 \
+      --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,8} --out "$OUT/bench_decode.jsonl" 2>&1 \
+      | tee "$OUT/engine.log" | grep -E "^# engine|Error" ;;
   probe)   # where a decode step's wall time goes: dispatch, chained steps, gaps, command buffers (one process
            # per layer count; PROBE_ARGS e.g. "--no-scan" or "--dispatch-only")
     for n in ${PROBE_LAYERS:-4 12}; do

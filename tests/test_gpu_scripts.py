@@ -46,10 +46,12 @@ def test_probe_launch_writes_every_part(tmp_path):
     no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
     parts use the engine's greedy programs, tested in tests/engine."""
     _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "2", "--calls", "1",
-          "--no-round", "--out", str(tmp_path)], tmp_path)
+          "--chains", "2", "--kernel-variants", "reference", "--no-round", "--out", str(tmp_path)], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     parts = [r["part"] for r in recs]
-    assert parts == ["decode hlo", "decode dispatch", "decode"]
+    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "decode"]
     disp = recs[1]
     assert disp["step_ms"] > 0 and disp["chained_ms_per_step"] > 0 and disp["param_leaves"] > 0
+    assert len(disp["chained_ms_all"]) == 2
+    assert recs[2]["kernels"] == recs[3]["kernels"] == "reference" and recs[3]["chained_ms_per_step"] > 0
     assert (tmp_path / "trace_decode_default.json.gz").exists()
