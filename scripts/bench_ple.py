@@ -145,11 +145,12 @@ def bench_mode(mode, source, consts, args, emit):
             emit(rec)
             if mode in ("device", "pinned"):
                 continue  # no cache to be cold in
-            for ahead in (None, args.ahead_ms):
+            store.evict()   # once whole (pages cached by the table's write sit in large folios), then per round
+            for ahead in (None, args.ahead_ms):   # only the rows about to be fetched
                 cold = []
                 for _ in range(max(3, iters // 2)):
                     ids = _ids_for(consts, rng, b, length)
-                    store.evict()
+                    store.evict(ids)
                     if ahead is not None:  # prefetch issued `ahead` ms before the fetch (overlap with layer 0)
                         store.prefetch(ids)
                         time.sleep(ahead / 1e3)
@@ -261,21 +262,32 @@ def bench_e2e(source, consts, args, emit):
                 return jb(x, r.rows), r.new_context
             variants["pipeline"] = run_pipe
 
-        for name, fn in variants.items():
+        # the host-side variants first, the in-graph callbacks (slow on a GPU, GPU_NOTES.md) last; each variant
+        # gets --e2e-variant-s seconds of timed rounds, so one slow variant cannot starve the others
+        order = ["device", "sync", "pipeline"] + [f"callback-{m}" for m in CALLBACKS]
+        for name in sorted(variants, key=lambda v: order.index(v) if v in order else len(order)):
+            fn = variants[name]
             try:
                 ctx = initial_context(b, consts)
                 times = []
+                budget_end = None
+                if args.e2e_cold and name != "device":
+                    host.evict()    # once whole, then each round's rows (see bench_mode)
                 for i, tokens in enumerate(tokens_seq):
-                    if args.e2e_cold and args.e2e_mode != "device":
-                        host.evict()
+                    if args.e2e_cold and name != "device":   # this round's rows only, not the whole table
+                        host.evict(ngram_ids(ctx, tokens, consts)[0].reshape(-1, HEADS))
                     s = time.perf_counter()
                     out, ctx = fn(ctx, tokens)
                     np.asarray(out)  # the round ends when its result is on the host (the next tokens)
                     if i >= 3:
                         times.append(time.perf_counter() - s)
+                        budget_end = budget_end or time.perf_counter() + args.e2e_variant_s
+                        if time.perf_counter() > budget_end and len(times) >= 5:
+                            break
                 results[(b, name)] = rec = {"mode": f"e2e {name}", "store": args.e2e_mode,
                                             "cache": "cold" if args.e2e_cold else "warm",
-                                            "shape": f"decode b{b} k{args.k}", **_stats(times)}
+                                            "shape": f"decode b{b} k{args.k}", "rounds": len(times),
+                                            **_stats(times)}
                 emit(rec)
             except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
                 emit({"mode": f"e2e {name}", "shape": f"decode b{b} k{args.k}", "error": repr(exc),
@@ -312,6 +324,8 @@ def main(argv=None):
     p.add_argument("--e2e", action="store_true", help="also time a jitted step per variant (stall vs device mode)")
     p.add_argument("--e2e-variants", default="device,sync,pipeline,callback-pure,callback-io,callback-buffer")
     p.add_argument("--e2e-mode", default="pageable", help="host store for the e2e variants")
+    p.add_argument("--e2e-variant-s", type=float, default=15.0,
+                   help="seconds of timed rounds per e2e variant (at least 5 rounds)")
     p.add_argument("--e2e-device-gib", type=float, default=4.0,
                    help="the e2e device baseline uses a synthetic table of at most this size (its round does not "
                         "depend on the table size)")

@@ -79,6 +79,15 @@ def view(addr: int, size: int, writable: bool = False) -> np.ndarray:
     return arr
 
 
+def resident(addr: int, size: int) -> np.ndarray:
+    """mincore(2): bool [pages] of [addr, addr + size) (addr page-aligned) whose pages are in memory."""
+    pages = -(-size // PAGE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+        raise _oserror("mincore")
+    return (np.frombuffer(vec, np.uint8) & 1).astype(bool)
+
+
 def madvise(addr: int, size: int, advice: int) -> None:
     if _libc.madvise(ctypes.c_void_p(addr), size, advice) != 0:
         raise _oserror(f"madvise(advice={advice})")

@@ -180,8 +180,9 @@ class RowStore:
         d["mode"], d["policy"] = self.mode, self.policy
         return d
 
-    def evict(self) -> None:
-        """Drop this store's cached pages so the next fetch is cold (benchmarks). Modes without a cache no-op."""
+    def evict(self, ids=None) -> None:
+        """Drop this store's cached pages so the next fetch is cold (benchmarks). Modes without a cache no-op.
+        ids [N, heads]: only the pages of these rows where the mode can (pageable); others drop everything."""
 
     def close(self) -> None:
         if self._closed:
@@ -385,10 +386,26 @@ class PageableStore(_MappedStore):
                     ok[sel] &= e.offset + (local[sel] + 1) * self.src.row_bytes <= size
         return ok
 
-    def evict(self):
-        for fd, addr, size in self._maps.values():
-            lx.madvise(addr, size, lx.MADV_DONTNEED)  # drop our page-table entries
-            lx.fadvise(fd, 0, 0, lx.POSIX_FADV_DONTNEED)  # then the (clean) page-cache pages
+    def evict(self, ids=None):
+        if ids is None:
+            for fd, addr, size in self._maps.values():
+                lx.madvise(addr, size, lx.MADV_DONTNEED)  # drop our page-table entries
+                lx.fadvise(fd, 0, 0, lx.POSIX_FADV_DONTNEED)  # then the (clean) page-cache pages
+            return
+        # only these rows' pages: a whole 51 GB table takes seconds to walk, a decode step's rows microseconds
+        flat, _, _ = self._check_ids(ids)
+        idx, local = self._locate(np.unique(flat))
+        rb = self.src.row_bytes
+        ranges = []
+        for e_i in np.unique(idx).tolist():
+            e = self.src.extents[e_i]
+            fd, base, _ = self._maps[e.path]
+            iov, _ = lx.page_ranges(base, e.offset + local[idx == e_i] * rb, rb)
+            ranges += [(fd, base, addr, length) for addr, length in iov.tolist()]
+        for _, _, addr, length in ranges:       # every mapping dropped first: the page cache frees only
+            lx.madvise(addr, length, lx.MADV_DONTNEED)   # pages no page table holds any more
+        for fd, base, addr, length in ranges:
+            lx.fadvise(fd, addr - base, length, lx.POSIX_FADV_DONTNEED)
 
     def _unmap(self):
         for fd, addr, size in self._maps.values():
@@ -445,7 +462,7 @@ class SwapStore(_MappedStore):
             lx.unmap(self._addr, self._size)
             raise
 
-    def evict(self):
+    def evict(self, ids=None):
         try:
             lx.madvise(self._addr, self._size, lx.MADV_PAGEOUT)  # only has an effect with swap
         except OSError as exc:

@@ -214,3 +214,26 @@ def test_process_madvise_fallback_is_logged_once(table, consts, caplog, monkeypa
                 np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
             assert not store._advisor.batched
     assert sum("process_madvise is unavailable" in r.message for r in caplog.records) == 1
+
+
+def test_evict_of_given_rows_drops_only_their_pages(table, consts):
+    """`evict(ids)` (the benchmarks' cold fetches) drops the page-cache pages of those rows and no others; the
+    rows read back unchanged afterwards."""
+    from fnx.ple import _linux as lx
+    with open_store(table["raw"], "pageable", consts=consts) as store:
+        fd, base, size = next(iter(store._maps.values()))
+        os.fsync(fd)    # the table was just written: dirty pages are not dropped
+        store.evict()   # and its pages sit in large folios from the write; faulted back in below, page by page
+        if lx.resident(base, size).any():
+            pytest.skip("this filesystem keeps the table's pages after POSIX_FADV_DONTNEED")
+        e, rb = store.src.extents[0], store.src.row_bytes
+        pages = lambda ids: np.unique((e.offset + np.unique(ids) * rb) // lx.PAGE)  # noqa: E731
+        ids, other = _ids(consts, seed=4, batch=1, length=2), _ids(consts, seed=5, batch=1, length=2)
+        want = store.rows(ids)
+        store.rows(other)
+        mine, theirs = pages(ids), np.setdiff1d(pages(other), pages(ids) + np.array([[-1], [0], [1]]))
+        assert len(theirs) and lx.resident(base, size)[mine].all()
+        store.evict(ids)
+        res = lx.resident(base, size)
+        assert not res[mine].any() and res[theirs].all()
+        np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
