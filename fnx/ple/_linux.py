@@ -172,6 +172,15 @@ def page_ranges(base: int, offsets: np.ndarray, length: int) -> tuple[np.ndarray
     Returns (iov [m, 2] uint64 of unique ranges, which [n] int index into iov for each input)."""
     start = (base + offsets) // PAGE * PAGE
     end = -(-(base + offsets + length) // PAGE) * PAGE
+    if len(start) > 1 and (start[1:] >= start[:-1]).all():
+        # sorted (a fetch's unique rows in one extent): groups of equal starts without a sort
+        new = np.empty(len(start), dtype=bool)
+        new[0] = True
+        np.not_equal(start[1:], start[:-1], out=new[1:])
+        firsts = np.flatnonzero(new)
+        span = np.maximum.reduceat(end, firsts) - start[firsts]
+        return (np.stack([start[firsts].astype(np.uint64), span.astype(np.uint64)], axis=1),
+                (np.cumsum(new) - 1).reshape(-1))
     uniq, which = np.unique(start, return_inverse=True)
     span = np.zeros(len(uniq), dtype=np.int64)
     np.maximum.at(span, which, end - start)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -107,8 +108,16 @@ class RowStore:
             codes = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
             lut = codes.astype(ml_dtypes.bfloat16).astype(src.scale.dtype) * src.scale
             self._lut = lut.astype(self.out_dtype)
+            # Two bytes at a time: a 65,536-entry table of output pairs (256 KiB for 16-bit outputs) halves the
+            # lookups; np.take on it is ~3x faster than indexing the 256-entry table (a decode fetch's rows: 26 ->
+            # 7 us on the CPU VM).
+            self._lut2 = None
+            if self.out_dtype.itemsize == 2 and src.row_bytes % 2 == 0 and sys.byteorder == "little":
+                l16 = self._lut.view(np.uint16).astype(np.uint32)
+                i = np.arange(65536, dtype=np.uint32)
+                self._lut2 = l16[i & 255] | (l16[i >> 8] << 16)
         else:
-            self._lut = None
+            self._lut = self._lut2 = None
 
     # -- public API ------------------------------------------------------------------------------------------
 
@@ -256,8 +265,10 @@ class RowStore:
 
     def _dequantize(self, raw: np.ndarray) -> np.ndarray:
         """raw [n, row_bytes] uint8 -> [n, width] out_dtype."""
+        if self._lut2 is not None:
+            return np.take(self._lut2, np.ascontiguousarray(raw).view(np.uint16)).view(self.out_dtype)
         if self._lut is not None:
-            return self._lut[raw]
+            return np.take(self._lut, raw)
         return raw.view(self.src.np_dtype).astype(self.out_dtype)
 
     # -- per mode ----------------------------------------------------------------------------------------------
