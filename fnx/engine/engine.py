@@ -148,6 +148,7 @@ class Engine:
         # overlapped decode: the step queued on the device whose outputs are not yet emitted
         self.overlap = bool(overlap) and not self.spec and model.ple_store is None
         self._inflight: _Inflight | None = None
+        self._sp_cache = None
         self._ngram_tables = None
         if self.overlap and model.ngram is not None:
             from fnx.model.ngram_device import NgramDeviceTables
@@ -251,7 +252,7 @@ class Engine:
         if self.mesh is not None:
             # on a mesh every op traces its XLA reference path, which the SPMD partitioner splits; with
             # FNX_MESH_KERNELS=1 the GEMV kernels run per shard instead (fnx/pallas/gemv/mesh.py: opt-in, it
-            # hangs on a tp=2,ep=2 mesh and fails to partition at tp=4 on the CPU; see fnx/parallel/README.md)
+            # hangs on the 4-device meshes tried on the CPU, tp=2,ep=2 and tp=4; see fnx/parallel/README.md)
             from fnx.pallas import dispatch
             with dispatch.on_mesh(self.mesh) if os.environ.get("FNX_MESH_KERNELS") == "1" else \
                     dispatch.force("reference"):
@@ -364,11 +365,12 @@ class Engine:
                 req.mtp_hidden = np.asarray(_row_at(hidden[0], n - 1).astype(jnp.float32))[None]
         if not final:
             return []
-        sp = SamplingArrays.stack([req.params])
-        keys = row_keys(jnp.asarray([req.seed], jnp.uint32), jnp.asarray([0], jnp.uint32))
+        sp = self._sampling_arrays([req.params])
+        keys = row_keys(np.asarray([req.seed], np.uint32), np.zeros((1,), np.uint32))
         tok, lp_info, self.seen, self.out_counts = _jit_sample_rows(
             last_logits, sp, keys, self.seen, self.out_counts, jnp.asarray([req.slot]),
             _n_logprobs([req]))
+        lp_info = _to_host(lp_info)
         return [self._emit(req, [int(tok[0])], [_lp(lp_info, 0, 0, req.params.logprobs)])]
 
     def _emit(self, req: Request, toks: list[int], lps: list[dict]) -> Output:
@@ -390,6 +392,14 @@ class Engine:
             self.requests.pop(req.id, None)
         return out
 
+    def _sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
+        """The per-row sampling parameters on the device, rebuilt only when the batch's parameters change (a
+        steady batch would otherwise pay seven host-to-device copies per step)."""
+        key = tuple(params)
+        if self._sp_cache is None or self._sp_cache[0] != key:
+            self._sp_cache = (key, SamplingArrays.stack(params))
+        return self._sp_cache[1]
+
     def _decode(self, reqs: list[Request]) -> list[Output]:
         slots = len(self.slots)
         tokens = np.zeros((slots, 1), np.int32)
@@ -408,10 +418,10 @@ class Engine:
         nlp = _n_logprobs(reqs)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode(
             self.model.params, self.state, jnp.asarray(tokens), jnp.asarray(n_valid), ple,
-            SamplingArrays.stack(params), row_keys(jnp.asarray(seeds), jnp.asarray(counters)), self.seen,
+            self._sampling_arrays(params), row_keys(seeds, counters), self.seen,
             self.out_counts, self.cfg, self.moe_impl, nlp)
         self.stats["decode_steps"] += 1
-        tok = np.asarray(tok)
+        tok, lp_info = np.asarray(tok), _to_host(lp_info)
         return [self._emit(r, [int(tok[r.slot])], [_lp(lp_info, r.slot, 0, r.params.logprobs)]) for r in reqs]
 
     def _decode_overlapped(self, reqs: list[Request]) -> "_Inflight":
@@ -440,8 +450,8 @@ class Engine:
         nlp = _n_logprobs(reqs)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode_overlap(
             self.model.params, self.state, prev_tok, jnp.asarray(host_tok), jnp.asarray(from_host),
-            jnp.asarray(n_valid), self._ngram_tables, SamplingArrays.stack(params),
-            row_keys(jnp.asarray(seeds), jnp.asarray(counters)), self.seen, self.out_counts, self.cfg,
+            jnp.asarray(n_valid), self._ngram_tables, self._sampling_arrays(params),
+            row_keys(seeds, counters), self.seen, self.out_counts, self.cfg,
             self.moe_impl, nlp)
         self.stats["decode_steps"] += 1
         return _Inflight([(r, r.slot) for r in reqs], tok, lp_info)
@@ -449,12 +459,12 @@ class Engine:
     def _finish_inflight(self, inf: "_Inflight") -> list[Output]:
         """Bring a queued step's tokens to the host and emit them; requests that ended (or were aborted) after it
         was launched drop what it computed for them."""
-        tok = np.asarray(inf.tokens)
+        tok, lp_info = np.asarray(inf.tokens), _to_host(inf.lp_info)
         outs = []
         for r, slot in inf.batch:
             if r.done or self.slots[slot] is not r:
                 continue
-            outs.append(self._emit(r, [int(tok[slot])], [_lp(inf.lp_info, slot, 0, r.params.logprobs)]))
+            outs.append(self._emit(r, [int(tok[slot])], [_lp(lp_info, slot, 0, r.params.logprobs)]))
         return outs
 
     def _spec_round(self, reqs: list[Request]) -> list[Output]:
@@ -475,8 +485,8 @@ class Engine:
             params[r.slot] = r.params
             seeds[r.slot], counters[r.slot] = r.seed, r.generated
             active[r.slot] = True
-        sp = SamplingArrays.stack(params)
-        keys = row_keys(jnp.asarray(seeds), jnp.asarray(counters))
+        sp = self._sampling_arrays(params)
+        keys = row_keys(seeds, counters)
         greedy = all(r.params.greedy for r in reqs)
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, jnp.asarray(hid, self.model.dtype), jnp.asarray(pair_tok),
@@ -494,6 +504,7 @@ class Engine:
             self.model.params, self.state, jnp.asarray(verify), jnp.asarray(active), ple, q_lp, sp, keys,
             self.cfg, self.moe_impl, nlp, greedy=greedy)
         out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
+        lp_info = _to_host(lp_info)
         self.stats["rounds"] += 1
         self.stats["row_rounds"] = self.stats.get("row_rounds", 0) + len(reqs)
         outs = []
@@ -523,6 +534,11 @@ MAX_LOGPROBS = 20
 def _n_logprobs(reqs) -> int:
     """0 or MAX_LOGPROBS: two compiled variants, whatever each request asks for (trimmed on the host)."""
     return MAX_LOGPROBS if any(r.params.logprobs for r in reqs) else 0
+
+
+def _to_host(info):
+    """A step's logprob arrays brought to the host once (not once per request)."""
+    return None if info is None else tuple(np.asarray(a) for a in info)
 
 
 def _lp(info, row, j, n) -> dict:

@@ -117,8 +117,10 @@ def filtered_logprobs(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
     return jnp.where(greedy[:, None], onehot, kept)
 
 
+@jax.jit
 def row_keys(seeds: jax.Array, counters: jax.Array) -> jax.Array:
-    """One PRNG key per row from its seed and a per-row counter (the number of tokens it has sampled)."""
+    """One PRNG key per row from its seed and a per-row counter (the number of tokens it has sampled). Jitted:
+    the engine calls it between programs, where an eager vmap would dispatch its PRNG ops one by one."""
     return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(seeds, counters)
 
 

@@ -101,6 +101,19 @@ def select_token_indices(q_idx: jax.Array, blocks: jax.Array, positions: jax.Arr
     return jnp.concatenate([tok, tail], axis=-1)
 
 
+def _kv_whole(y, hkv: int):
+    """With the GEMV kernels per shard (`dispatch.on_mesh`) and KV heads that tp does not divide (they are
+    replicated, fnx/parallel): keep the k/v projection's output whole. Otherwise the partitioner pushes the query
+    heads' split back through the GQA reshape as a split over part of the tp axis (2 KV heads over tp=4), which a
+    per-shard kernel's partition rule cannot express. Outside a mesh: y unchanged."""
+    from fnx.pallas import dispatch
+    mesh = dispatch.active_mesh()
+    if mesh is None or hkv % dict(mesh.shape).get("tp", 1) == 0:
+        return y
+    from jax.sharding import NamedSharding, PartitionSpec
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, PartitionSpec()))
+
+
 def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
               n_valid: jax.Array, impl: str | None = None):
     """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
@@ -126,8 +139,9 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     qg = linear(x, p["q_proj"]).reshape(bsz, length, h, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, length, h * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(linear(x, p["k_proj"]).reshape(bsz, length, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
-    v = linear(x, p["v_proj"]).reshape(bsz, length, hkv, hd)
+    k = rms_norm(_kv_whole(linear(x, p["k_proj"]), hkv).reshape(bsz, length, hkv, hd), p["k_norm"],
+                 cfg.rms_norm_eps)
+    v = _kv_whole(linear(x, p["v_proj"]), hkv).reshape(bsz, length, hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kc = _scatter_time(st["k"], jnp.swapaxes(k, 1, 2), positions, axis=2)
     vc = _scatter_time(st["v"], jnp.swapaxes(v, 1, 2), positions, axis=2)
