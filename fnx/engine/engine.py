@@ -150,7 +150,7 @@ class Engine:
         self._inflight: _Inflight | None = None
         self._sp_cache = None
         self._ngram_tables = None
-        if self.overlap and model.ngram is not None:
+        if (self.overlap or self.spec) and model.ple_store is None and model.ngram is not None:
             from fnx.model.ngram_device import NgramDeviceTables
             self._ngram_tables = NgramDeviceTables.build(model.ngram)
         self._last_hint = None
@@ -491,17 +491,27 @@ class Engine:
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, jnp.asarray(hid, self.model.dtype), jnp.asarray(pair_tok),
             jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
-        drafts = np.asarray(drafts)                                       # [S, k]
-        verify = np.zeros((slots, k + 1), np.int32)
-        hist = [[] for _ in range(slots)]
-        for r in reqs:
-            verify[r.slot, 0] = r.pending
-            verify[r.slot, 1:] = drafts[r.slot]
-            hist[r.slot] = r.history[:-1]
-        ple = self._ple_ids(hist, verify)
+        if self.model.ple_store is None:
+            # the verify window [pending, drafts] and its n-gram ids are built on the device: the verify program
+            # is launched right behind the draft program, with no host round trip between them
+            pending = np.zeros((slots,), np.int32)
+            for r in reqs:
+                pending[r.slot] = r.pending
+            verify, ple = _jit_verify_window(jnp.asarray(pending), drafts, self.state["ngram_ctx"],
+                                             self._ngram_tables)
+        else:   # a host PLE store needs the drafts on the host to fetch their rows
+            drafts = np.asarray(drafts)                                   # [S, k]
+            verify = np.zeros((slots, k + 1), np.int32)
+            hist = [[] for _ in range(slots)]
+            for r in reqs:
+                verify[r.slot, 0] = r.pending
+                verify[r.slot, 1:] = drafts[r.slot]
+                hist[r.slot] = r.history[:-1]
+            ple = self._ple_ids(hist, verify)
+            verify = jnp.asarray(verify)
         nlp = _n_logprobs(reqs)
         self.state, out_tok, n_acc, hidden, lp_info = _jit_verify(
-            self.model.params, self.state, jnp.asarray(verify), jnp.asarray(active), ple, q_lp, sp, keys,
+            self.model.params, self.state, verify, jnp.asarray(active), ple, q_lp, sp, keys,
             self.cfg, self.moe_impl, nlp, greedy=greedy)
         out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
         lp_info = _to_host(lp_info)
@@ -628,6 +638,15 @@ def _jit_decode_overlap(params, state, prev_tok, host_tok, from_host, n_valid, t
     ids = ngram_ids_device(state["ngram_ctx"], tokens, tables) if tables is not None else None
     return _jit_decode.__wrapped__(params, state, tokens, n_valid, ids, sp, keys, seen, counts, cfg, moe_impl,
                                    n_logprobs)
+
+
+@jax.jit
+def _jit_verify_window(pending, drafts, ngram_ctx, tables):
+    """The speculative round's verify tokens [S, k+1] = [pending, drafts] and their PLE n-gram ids (None without a
+    PLE layer), on the device."""
+    from fnx.model.ngram_device import ngram_ids_device
+    verify = jnp.concatenate([pending[:, None], drafts.astype(jnp.int32)], axis=1)
+    return verify, (ngram_ids_device(ngram_ctx, verify, tables) if tables is not None else None)
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "k", "greedy"), donate_argnames=("mstate",))
