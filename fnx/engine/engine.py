@@ -107,7 +107,8 @@ class Engine:
         reach the host, its tokens and PLE n-gram ids taken on the device), so the host's launch and bookkeeping
         run while the device works; each step's tokens are emitted one `step()` later. The same tokens as
         overlap=False. Not used with speculative decoding or a host PLE store (both need the tokens on the host
-        before the next program): those engines run every step synchronously."""
+        before the next program): those engines run every step synchronously (a speculative round's draft and
+        verify programs still run back to back: the verify window is built on the device)."""
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
