@@ -105,6 +105,8 @@ def main():
     ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
     ap.add_argument("--out", default="gpu_out/probe")
     ap.add_argument("--no-round", action="store_true", help="the decode step only")
+    ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
+                    help="weights: bf16, FP8 blocks for dense + experts, or FP8 dense + NVFP4 experts")
     ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
     ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
@@ -128,6 +130,8 @@ def main():
     mshapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),
                            is_leaf=lambda x: isinstance(x, tuple))
     mp = bd.random_tree(mshapes, jax.random.PRNGKey(1), dtype)
+    if args.quant != "bf16":   # FP8 blocks (and NVFP4 experts): the GEMV kernels' formats, for a whole-step A/B
+        params, mp = bd.quantize_tree(params, args.quant), bd.quantize_tree(mp, args.quant)
     ctx, heads = 1024, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
     cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8) * (args.k + 2)
@@ -143,7 +147,7 @@ def main():
         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 
     def emit(rec):
-        rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan,
+        rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan, "quant": args.quant,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
                "commit": commit, **rec}
         print(json.dumps(rec), flush=True)
