@@ -68,7 +68,7 @@ case "$part" in
       | grep -v Warning | tail -4 ;;
   ple)   # PLE end to end on the full-size 51.2 GB table (written first, ~75 s): the real 4-layer model with its
          # rows from the host pageable store against the in-params table, then the stand-in step's fetch variants
-    for store in device pageable; do
+    for store in ${PLE_DECODE_STORES-device pageable}; do   # PLE_DECODE_STORES= skips the real-model pair
       timeout ${PLE_S:-200} python scripts/bench_decode.py --layers 4 --contexts 1024 --reps 10 --ple-store $store \
         --ple-table-gb 51.2 --out "$OUT/bench_decode.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/ple.log" | tail -2
     done
