@@ -182,7 +182,21 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list) -> dict
                 return (time.perf_counter() - t) / steps * 1e3 if timed else None
 
             run(4, False)                       # compiles
-            ms = run(tokens, True)
+            prof_dir = os.environ.get("FNX_ENGINE_PROFILE")   # a directory: cProfile of each timed run, as text
+            if prof_dir:
+                import cProfile
+                import io
+                import pstats
+                prof = cProfile.Profile()
+                ms = prof.runcall(run, tokens, True)
+                os.makedirs(prof_dir, exist_ok=True)
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+                with open(os.path.join(prof_dir, f"engine_b{slots}_{'overlap' if overlap else 'sync'}.txt"),
+                          "w") as f:
+                    f.write(buf.getvalue())
+            else:
+                ms = run(tokens, True)
             key = f"engine_b{slots}_{'overlap' if overlap else 'sync'}"
             out[key + "_ms_per_step"] = ms
             out[key + "_tok_s"] = slots / (ms / 1e3)

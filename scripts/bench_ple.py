@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import platform
@@ -39,6 +40,8 @@ RELEASE_ROWS = 320_001_536
 
 
 def _commit():
+    if os.environ.get("FNX_COMMIT"):      # the device machine's copy of the tree may carry a stale .git
+        return os.environ["FNX_COMMIT"]
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=5).stdout.strip()
@@ -267,6 +270,10 @@ def bench_e2e(source, consts, args, emit):
         order = ["device", "sync", "pipeline"] + [f"callback-{m}" for m in CALLBACKS]
         for name in sorted(variants, key=lambda v: order.index(v) if v in order else len(order)):
             fn = variants[name]
+            # a variant that stalls (a fetch blocked in the kernel, a deadlock) prints every thread's stack
+            # instead of dying silently under the caller's timeout
+            print(f"# e2e {name} b{b}: starting", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback_later(max(60.0, 4 * args.e2e_variant_s), repeat=True, file=sys.stderr)
             try:
                 ctx = initial_context(b, consts)
                 times = []
@@ -292,6 +299,8 @@ def bench_e2e(source, consts, args, emit):
             except Exception as exc:  # noqa: BLE001 - report and go on with the other variants
                 emit({"mode": f"e2e {name}", "shape": f"decode b{b} k{args.k}", "error": repr(exc),
                       "trace": traceback.format_exc(limit=3)})
+            finally:
+                faulthandler.cancel_dump_traceback_later()
         if pipe is not None:
             pipe.close()
         host.close()

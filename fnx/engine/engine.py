@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnx.engine.spec import accept, accept_greedy
-from fnx.engine.sampling import SamplingArrays, SamplingParams, filtered_logprobs, row_keys, sample, top_logprobs
+from fnx.engine.sampling import (SamplingArrays, SamplingParams, filtered_logprobs, greedy_tokens, row_keys, sample,
+                                 top_logprobs)
 from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model.ops import linear_argmax
@@ -403,24 +404,18 @@ class Engine:
 
     def _decode(self, reqs: list[Request]) -> list[Output]:
         slots = len(self.slots)
-        tokens = np.zeros((slots, 1), np.int32)
-        n_valid = np.zeros((slots,), np.int32)
+        packed = np.zeros((4, slots), np.uint32)     # token, n_valid, seed, counter per row: one host-to-device copy
         hist = [[] for _ in range(slots)]
         params = [SamplingParams()] * slots
-        seeds = np.zeros((slots,), np.uint32)
-        counters = np.zeros((slots,), np.uint32)
         for r in reqs:
-            tokens[r.slot, 0] = r.pending
-            n_valid[r.slot] = 1
+            packed[:, r.slot] = (r.pending, 1, r.seed, r.generated)
             hist[r.slot] = r.history[:-1]
             params[r.slot] = r.params
-            seeds[r.slot], counters[r.slot] = r.seed, r.generated
-        ple = self._ple_ids(hist, tokens)
+        ple = self._ple_ids(hist, packed[0].astype(np.int32)[:, None])
         nlp = _n_logprobs(reqs)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode(
-            self.model.params, self.state, jnp.asarray(tokens), jnp.asarray(n_valid), ple,
-            self._sampling_arrays(params), row_keys(seeds, counters), self.seen,
-            self.out_counts, self.cfg, self.moe_impl, nlp)
+            self.model.params, self.state, jnp.asarray(packed), ple, self._sampling_arrays(params), self.seen,
+            self.out_counts, self.cfg, self.moe_impl, nlp, greedy=all(r.params.greedy for r in reqs))
         self.stats["decode_steps"] += 1
         tok, lp_info = np.asarray(tok), _to_host(lp_info)
         return [self._emit(r, [int(tok[r.slot])], [_lp(lp_info, r.slot, 0, r.params.logprobs)]) for r in reqs]
@@ -433,27 +428,20 @@ class Engine:
         slots = len(self.slots)
         prev = self._inflight
         in_prev = {id(r) for r, _ in prev.batch} if prev is not None else set()
-        host_tok = np.zeros((slots,), np.int32)
-        from_host = np.ones((slots,), bool)
-        n_valid = np.zeros((slots,), np.int32)
+        # per row: host token, from-host flag, n_valid, seed, counter (one host-to-device copy per step)
+        packed = np.zeros((5, slots), np.uint32)
+        packed[1] = 1
         params = [SamplingParams()] * slots
-        seeds = np.zeros((slots,), np.uint32)
-        counters = np.zeros((slots,), np.uint32)
         for r in reqs:
             queued = id(r) in in_prev
-            if not queued:
-                host_tok[r.slot] = r.pending
-            from_host[r.slot] = not queued
-            n_valid[r.slot] = 1
+            packed[:, r.slot] = (0 if queued else r.pending, not queued, 1, r.seed, r.generated + queued)
             params[r.slot] = r.params
-            seeds[r.slot], counters[r.slot] = r.seed, r.generated + queued
         prev_tok = prev.tokens if prev is not None else jnp.zeros((slots,), jnp.int32)
         nlp = _n_logprobs(reqs)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode_overlap(
-            self.model.params, self.state, prev_tok, jnp.asarray(host_tok), jnp.asarray(from_host),
-            jnp.asarray(n_valid), self._ngram_tables, self._sampling_arrays(params),
-            row_keys(seeds, counters), self.seen, self.out_counts, self.cfg,
-            self.moe_impl, nlp)
+            self.model.params, self.state, prev_tok, jnp.asarray(packed), self._ngram_tables,
+            self._sampling_arrays(params), self.seen, self.out_counts, self.cfg, self.moe_impl, nlp,
+            greedy=all(r.params.greedy for r in reqs))
         self.stats["decode_steps"] += 1
         return _Inflight([(r, r.slot) for r in reqs], tok, lp_info)
 
@@ -614,12 +602,14 @@ def _jit_sample_rows(logits, sp, keys, seen, counts, slots, n_logprobs):
     return tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state", "seen", "counts"))
-def _jit_decode(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg, moe_impl, n_logprobs):
+def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg, moe_impl, n_logprobs, greedy):
     ple_ids, ple_rows = ple_split(ple)
     logits, state, _, _ = step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
                                ple_rows=ple_rows)
-    tok, _ = sample(logits[:, 0], sp, keys, seen, counts)
+    if greedy:      # every row at temperature 0: the argmax, no sort over the vocabulary (same tokens as sample)
+        tok = greedy_tokens(logits[:, 0], sp, seen, counts)
+    else:
+        tok, _ = sample(logits[:, 0], sp, keys, seen, counts)
     info = top_logprobs(logits[:, 0], tok, n_logprobs)
     rows = jnp.arange(tokens.shape[0])
     active = n_valid > 0
@@ -629,16 +619,30 @@ def _jit_decode(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs"), donate_argnames=("state", "seen", "counts"))
-def _jit_decode_overlap(params, state, prev_tok, host_tok, from_host, n_valid, tables, sp, keys, seen, counts, cfg,
-                        moe_impl, n_logprobs):
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
+         donate_argnames=("state", "seen", "counts"))
+def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_logprobs, greedy=False):
+    """One decode step of every slot. packed [4, S] uint32: token, n_valid, seed, counter per row (one copy from
+    the host); greedy (static) when every active row is at temperature 0."""
+    tokens = packed[0].astype(jnp.int32)[:, None]
+    keys = row_keys(packed[2], packed[3])
+    return _decode_core(params, state, tokens, packed[1].astype(jnp.int32), ple, sp, keys, seen, counts, cfg,
+                        moe_impl, n_logprobs, greedy)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
+         donate_argnames=("state", "seen", "counts"))
+def _jit_decode_overlap(params, state, prev_tok, packed, tables, sp, seen, counts, cfg, moe_impl, n_logprobs,
+                        greedy=False):
     """`_jit_decode` for the overlapped engine: each row's token is the previous step's sample (still on the
-    device) or the one the host passes, and the PLE n-gram ids come from the state's n-gram context."""
+    device) or the one the host passes, and the PLE n-gram ids come from the state's n-gram context. packed
+    [5, S] uint32: host token, from-host flag, n_valid, seed, counter per row."""
     from fnx.model.ngram_device import ngram_ids_device
-    tokens = jnp.where(from_host, host_tok, prev_tok)[:, None].astype(jnp.int32)
+    tokens = jnp.where(packed[1] != 0, packed[0].astype(jnp.int32), prev_tok)[:, None].astype(jnp.int32)
     ids = ngram_ids_device(state["ngram_ctx"], tokens, tables) if tables is not None else None
-    return _jit_decode.__wrapped__(params, state, tokens, n_valid, ids, sp, keys, seen, counts, cfg, moe_impl,
-                                   n_logprobs)
+    keys = row_keys(packed[3], packed[4])
+    return _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ids, sp, keys, seen, counts, cfg,
+                        moe_impl, n_logprobs, greedy)
 
 
 @jax.jit

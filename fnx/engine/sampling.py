@@ -134,6 +134,16 @@ def sample(logits: jax.Array, sp: SamplingArrays, keys: jax.Array, seen=None, ou
     return tok, lp
 
 
+def greedy_tokens(logits: jax.Array, sp: SamplingArrays, seen=None, out_counts=None) -> jax.Array:
+    """`sample`'s tokens when every row is at temperature 0: the argmax of the penalized logits (the one-hot row
+    `filtered_logprobs` gives greedy rows), without the sort, cumsum and scatter over the vocabulary that the
+    sampled rows need."""
+    logits = logits.astype(F32)
+    if seen is not None:
+        logits = apply_penalties(logits, sp, seen, out_counts)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def top_logprobs(logits: jax.Array, chosen: jax.Array, n: int):
     """Raw model log-probabilities: the chosen token's [B] and the top n [B, n] (values, ids)."""
     lp = jax.nn.log_softmax(logits.astype(F32), axis=-1)

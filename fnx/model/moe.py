@@ -69,7 +69,9 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
     starts_padded, starts = ends_padded - padded, jnp.cumsum(sizes) - sizes
     e_sorted = flat[order]
     dest = starts_padded[e_sorted] + jnp.arange(n) - starts[e_sorted]
-    n_blocks = -(-n // block) + n_exp
+    # blocks in use: sum over experts of ceil(size / block) <= ceil(n / block) + (experts with a token), and at most
+    # min(n, E) experts have one; the blocks past the used ones read expert E-1 and are never gathered back
+    n_blocks = -(-n // block) + min(n, n_exp)
     n_blocks += (-n_blocks) % blocks_per_step
     src = jnp.full((n_blocks * block,), n, jnp.int32).at[dest].set(order.astype(jnp.int32))
     block_expert = jnp.minimum(jnp.searchsorted(ends_padded, jnp.arange(n_blocks) * block, side="right"),
@@ -90,14 +92,23 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
     return out[dest][jnp.argsort(order)].reshape(t, k, -1)
 
 
+# Token counts up to here take the gather path under "auto": decode batches and MTP verify windows (slots x
+# (k+1)). The grouped matmul reads whole blocks per expert and loops over them (a while loop the host drives on a
+# GPU); at decode sizes nearly every pair has its own expert, so gather's T*K expert reads are about the distinct
+# experts' bytes, fused into the dots, with no loop. On the H200 (4 layers, bf16) 8 engine slots took 30.8 ms
+# per step on the grouped path, which read every expert (commit c74db63).
+GATHER_MAX_TOKENS = 64
+
+
 def _auto_impl(tokens: int, top_k: int) -> str:
     """Pallas decode kernels for T <= 32 tokens where fnx.pallas.dispatch says Pallas runs (a CUDA GPU, or
-    FNX_KERNELS naming it); otherwise gather for tiny T*K and the grouped matmul beyond."""
+    FNX_KERNELS naming it); otherwise gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64) and the grouped matmul
+    beyond."""
     from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
     if tokens <= moe_kernels.MAX_DECODE_TOKENS and dispatch.resolve("moe_experts", None) == "pallas":
         return "pallas"
-    return "gather" if tokens * top_k <= 64 else "grouped"
+    return "gather" if tokens <= GATHER_MAX_TOKENS or tokens * top_k <= 64 else "grouped"
 
 
 def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "auto"):

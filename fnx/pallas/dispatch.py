@@ -67,6 +67,10 @@ AUTO_KEEPS_REFERENCE = {
     "gemv_bf16_argmax": "see gemv_bf16",
     "gdn_decode": "no gain in the whole step: 1.170 ms with the kernel, 1.164 ms with its XLA reference ("
                   + _MODEL_AB + ")",
+    "gemv_fp8": "measured slower in the whole step with FP8 dense and NVFP4 expert weights: 1.060 ms with the FP8 "
+                "GEMV kernels, 0.955 ms with XLA's dequantize-and-dot (H200, 4 layers, 1K context, 2026-11-30, "
+                "commit c74db63, `probe_launch.py --quant fp8+nvfp4 --kernel-variants`)",
+    "gemv_fp8_argmax": "see gemv_fp8",
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)

@@ -37,7 +37,7 @@ class ExpertParallel:
     def _local_fn(self, tokens: int, top_k: int):
         impl = self.local
         if impl == "auto":
-            impl = "gather" if tokens * top_k <= 64 else "grouped"
+            impl = "gather" if tokens <= moe.GATHER_MAX_TOKENS or tokens * top_k <= 64 else "grouped"
         return {"gather": moe._expert_gather, "grouped": moe._expert_grouped, "ragged": moe._expert_ragged}[impl]
 
     def __call__(self, gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:

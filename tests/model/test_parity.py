@@ -86,3 +86,27 @@ def test_moe_paths_agree(cases):
     assert rel_err(a, b) < 1e-6 and rel_err(a, g) < 1e-6
     with pytest.raises(ValueError, match="unknown MoE implementation"):
         fnx.forward(c.model, ids, moe_impl="bogus")
+
+
+@pytest.mark.parametrize("pattern", ["distinct", "skewed", "one"])
+def test_grouped_blocks_cover_every_pair(pattern):
+    """The grouped path allocates ceil(T*K / block) + min(T*K, E) blocks, not one per expert: every (token, k)
+    pair still lands in a block of its own expert, whether each pair has its own expert, a few experts take most
+    pairs, or one expert takes them all (partial blocks everywhere)."""
+    import jax.numpy as jnp
+    from fnx.model import moe
+    rng = np.random.default_rng(7)
+    e, t, k, d, inter, block = 48, 11, 3, 16, 8, 4
+    gu = jnp.asarray(rng.standard_normal((e, 2 * inter, d)).astype(np.float32))
+    dn = jnp.asarray(rng.standard_normal((e, d, inter)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((t, d)).astype(np.float32))
+    if pattern == "distinct":
+        idx = rng.permutation(e)[:t * k].reshape(t, k)
+    elif pattern == "skewed":
+        idx = np.stack([rng.choice([1, 2, 5, 40], size=k, replace=False) for _ in range(t)])
+    else:
+        idx = np.full((t, k), e - 1)
+    idx = jnp.asarray(idx.astype(np.int32))
+    want = moe._expert_gather(gu, dn, x, idx)
+    got = moe._expert_grouped(gu, dn, x, idx, block=block, blocks_per_step=2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)

@@ -17,14 +17,14 @@ def fake_gpu(monkeypatch):
 
 
 def test_auto_picks_only_gpu_verified_kernels(fake_gpu, monkeypatch, caplog):
-    assert dispatch.resolve("gemv_fp8") == "pallas"
+    assert dispatch.resolve("gemv_nvfp4") == "pallas"
     monkeypatch.delitem(dispatch.VERIFIED_ON_GPU, "moe_experts")
     with caplog.at_level(logging.WARNING, logger="fnx.pallas"):
         assert dispatch.resolve("moe_experts") == "reference"
     assert "not passed its GPU tests" in caplog.text and "FNX_KERNELS=moe_experts=pallas" in caplog.text
     monkeypatch.setenv("FNX_KERNELS", "moe_experts=pallas")
     assert dispatch.resolve("moe_experts") == "pallas"          # opting in by name
-    assert dispatch.resolve("gemv_fp8") == "pallas"             # ops not named keep "auto"
+    assert dispatch.resolve("gemv_nvfp4") == "pallas"           # ops not named keep "auto"
     assert dispatch.resolve("moe_experts", "reference") == "reference"   # an explicit impl wins over the env
 
 
@@ -57,7 +57,7 @@ def test_named_backend_that_cannot_run_raises(monkeypatch):
 def test_a_call_the_kernel_does_not_serve(fake_gpu, monkeypatch):
     """Auto and FNX_KERNELS take the reference for such a call; naming the kernel raises, saying why."""
     why = "64 tokens > 32"
-    assert dispatch.resolve("gemv_fp8", None, not_applicable=why) == "reference"
+    assert dispatch.resolve("gemv_nvfp4", None, not_applicable=why) == "reference"
     monkeypatch.setenv("FNX_KERNELS", "gemv_fp8=pallas")
     assert dispatch.resolve("gemv_fp8", None, not_applicable=why) == "reference"
     assert dispatch.resolve("gemv_fp8", None) == "pallas"
@@ -71,7 +71,7 @@ def test_auto_keeps_the_reference_where_the_verified_kernel_measured_slower(fake
     with caplog.at_level(logging.INFO, logger="fnx.pallas"):
         assert dispatch.resolve("moe_experts") == "reference"
     assert "measured slower" in caplog.text
-    assert dispatch.resolve("gemv_fp8") == "pallas"                  # verified, nothing against it
+    assert dispatch.resolve("gemv_nvfp4") == "pallas"                # verified, nothing against it
     assert dispatch.resolve("moe_experts", "pallas") == "pallas"      # named: runs the kernel
     monkeypatch.setenv("FNX_KERNELS", "moe_experts=pallas")
     assert dispatch.resolve("moe_experts") == "pallas"
