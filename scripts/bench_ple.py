@@ -188,13 +188,19 @@ def bench_e2e(source, consts, args, emit):
     wp = jax.random.normal(key, (HEADS * WIDTH, hid), jnp.bfloat16) * 0.01
     emb = jax.random.normal(key, (4096, hid), jnp.bfloat16)
 
-    def part_a(tokens):
+    # the weights are arguments, not closed-over constants: XLA folds constants into the program, and compiling
+    # ~100 MB of them took over a minute per variant on the H200
+    wts = (w, wp, emb)
+
+    def part_a(tokens, wts=wts):
+        w, _, emb = wts
         x = emb[tokens % 4096]
         for i in range(args.a_layers):
             x = jnp.tanh(x @ w[i])
         return x
 
-    def part_b(x, rows):
+    def part_b(x, rows, wts=wts):
+        w, wp, _ = wts
         x = x + rows.astype(x.dtype) @ wp
         for i in range(args.b_layers):
             x = jnp.tanh(x @ w[args.a_layers + i])
@@ -224,12 +230,12 @@ def bench_e2e(source, consts, args, emit):
             table = dev.table
 
             @jax.jit
-            def whole_device(tbl, tokens, ids):
-                return part_b(part_a(tokens), dev.gather(tbl, ids))
+            def whole_device(tbl, tokens, ids, wts):
+                return part_b(part_a(tokens, wts), dev.gather(tbl, ids), wts)
 
             def run_device(ctx, tokens, dconsts=dconsts):
                 ids, ctx = ngram_ids(ctx, tokens, dconsts)
-                out = whole_device(table, jnp.asarray(tokens, jnp.int32), jnp.asarray(ids, jnp.int32))
+                out = whole_device(table, jnp.asarray(tokens, jnp.int32), jnp.asarray(ids, jnp.int32), wts)
                 return out, ctx
             variants["device"] = run_device
 
@@ -240,12 +246,12 @@ def bench_e2e(source, consts, args, emit):
 
             def make(method=method):
                 @jax.jit
-                def whole_cb(tokens, ids):
-                    return part_b(part_a(tokens), fetch_rows_in_graph(host, ids, method))
+                def whole_cb(tokens, ids, wts):
+                    return part_b(part_a(tokens, wts), fetch_rows_in_graph(host, ids, method), wts)
 
                 def run(ctx, tokens):
                     ids, ctx = ngram_ids(ctx, tokens, consts)
-                    return whole_cb(jnp.asarray(tokens, jnp.int32), jnp.asarray(ids, jnp.int32)), ctx
+                    return whole_cb(jnp.asarray(tokens, jnp.int32), jnp.asarray(ids, jnp.int32), wts), ctx
                 return run
             variants[f"callback-{method}"] = make()
 
@@ -254,15 +260,15 @@ def bench_e2e(source, consts, args, emit):
             def run_sync(ctx, tokens):  # fetch on the host, then launch: no overlap
                 ids, ctx = ngram_ids(ctx, tokens, consts)
                 rows = jax.device_put(host.rows(ids.reshape(-1, HEADS)).reshape(b, length, -1))
-                return jb(ja(jnp.asarray(tokens, jnp.int32)), rows), ctx
+                return jb(ja(jnp.asarray(tokens, jnp.int32), wts), rows, wts), ctx
             variants["sync"] = run_sync
         pipe = PrefetchPipeline(host) if "pipeline" in args.e2e_variants else None
         if pipe is not None:
             def run_pipe(ctx, tokens):  # two programs: A runs while the thread fetches
                 t = pipe.submit_tokens(ctx, tokens)
-                x = ja(jnp.asarray(tokens, jnp.int32))
+                x = ja(jnp.asarray(tokens, jnp.int32), wts)
                 r = pipe.take(t)
-                return jb(x, r.rows), r.new_context
+                return jb(x, r.rows, wts), r.new_context
             variants["pipeline"] = run_pipe
 
         # the host-side variants first, the in-graph callbacks (slow on a GPU, GPU_NOTES.md) last; each variant
