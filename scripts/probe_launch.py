@@ -115,7 +115,8 @@ def main():
                          "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    tag = re.sub(r"[^\w]+", "_", args.label).strip("_")[:40] or "default"
+    # the files of runs with different layers or weights must not overwrite each other's
+    tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}").strip("_")[:60]
 
     bd = _bench_decode()
     from fnx.engine.engine import _jit_draft, _jit_verify

@@ -54,4 +54,5 @@ def test_probe_launch_writes_every_part(tmp_path):
     assert disp["step_ms"] > 0 and disp["chained_ms_per_step"] > 0 and disp["param_leaves"] > 0
     assert len(disp["chained_ms_all"]) == 2
     assert recs[2]["kernels"] == recs[3]["kernels"] == "reference" and recs[3]["chained_ms_per_step"] > 0
-    assert (tmp_path / "trace_decode_default.json.gz").exists()
+    assert (tmp_path / "trace_decode_default_4l_bf16.json.gz").exists()
+    assert (tmp_path / "decode_hlo_default_4l_bf16.txt").exists()

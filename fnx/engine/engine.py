@@ -253,8 +253,8 @@ class Engine:
     def step(self) -> list[Output]:
         if self.mesh is not None:
             # on a mesh every op traces its XLA reference path, which the SPMD partitioner splits; with
-            # FNX_MESH_KERNELS=1 the GEMV kernels run per shard instead (fnx/pallas/gemv/mesh.py: opt-in, it
-            # hangs on the 4-device meshes tried on the CPU, tp=2,ep=2 and tp=4; see fnx/parallel/README.md)
+            # FNX_MESH_KERNELS=1 the GEMV kernels run per shard instead (fnx/pallas/gemv/mesh.py: opt-in, not
+            # yet measured on a GPU mesh; see fnx/parallel/README.md)
             from fnx.pallas import dispatch
             with dispatch.on_mesh(self.mesh) if os.environ.get("FNX_MESH_KERNELS") == "1" else \
                     dispatch.force("reference"):
@@ -402,22 +402,30 @@ class Engine:
             self._sp_cache = (key, SamplingArrays.stack(params))
         return self._sp_cache[1]
 
-    def _decode(self, reqs: list[Request]) -> list[Output]:
-        slots = len(self.slots)
-        # token, n_valid, seed, counter per row: one host-to-device copy, handed to the program as a NumPy array
-        # (jnp.asarray would dispatch an eager conversion first: 0.4 ms per step on the H200's host)
-        packed = np.zeros((4, slots), np.uint32)
-        hist = [[] for _ in range(slots)]
-        params = [SamplingParams()] * slots
+    def _row_inputs(self, reqs: list[Request], queued=frozenset()):
+        """A decode step's per-row inputs as one [5, slots] uint32 array (one host-to-device copy, handed to the
+        program as NumPy: jnp.asarray would dispatch an eager conversion first, 0.4 ms per step on the H200's
+        host): the host token, whether the token comes from the host (else from the step in flight), n_valid, the
+        seed and the sampling counter; and the rows' SamplingParams. `queued`: ids of the requests whose token is
+        still on the device; their counters count it."""
+        packed = np.zeros((5, len(self.slots)), np.uint32)
+        packed[1] = 1
+        params = [SamplingParams()] * len(self.slots)
         for r in reqs:
-            packed[:, r.slot] = (r.pending, 1, r.seed, r.generated)
-            hist[r.slot] = r.history[:-1]
+            q = id(r) in queued
+            packed[:, r.slot] = (0 if q else r.pending, not q, 1, r.seed, r.generated + q)
             params[r.slot] = r.params
+        return packed, params
+
+    def _decode(self, reqs: list[Request]) -> list[Output]:
+        packed, params = self._row_inputs(reqs)
+        hist = [[] for _ in range(len(self.slots))]
+        for r in reqs:
+            hist[r.slot] = r.history[:-1]
         ple = self._ple_ids(hist, packed[0].astype(np.int32)[:, None])
-        nlp = _n_logprobs(reqs)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode(
             self.model.params, self.state, packed, ple, self._sampling_arrays(params), self.seen,
-            self.out_counts, self.cfg, self.moe_impl, nlp, greedy=all(r.params.greedy for r in reqs))
+            self.out_counts, self.cfg, self.moe_impl, _n_logprobs(reqs), greedy=all(r.params.greedy for r in reqs))
         self.stats["decode_steps"] += 1
         tok, lp_info = _to_host((tok, lp_info))
         return [self._emit(r, [int(tok[r.slot])], [_lp(lp_info, r.slot, 0, r.params.logprobs)]) for r in reqs]
@@ -427,22 +435,12 @@ class Engine:
         still on the device (it was in the step in flight) takes it from there; one whose token the host already
         emitted (its prefill just ended) passes it in. Sampling counters count the in-flight token, so the
         random streams are those of the synchronous engine."""
-        slots = len(self.slots)
         prev = self._inflight
-        in_prev = {id(r) for r, _ in prev.batch} if prev is not None else set()
-        # per row: host token, from-host flag, n_valid, seed, counter (one host-to-device copy per step)
-        packed = np.zeros((5, slots), np.uint32)
-        packed[1] = 1
-        params = [SamplingParams()] * slots
-        for r in reqs:
-            queued = id(r) in in_prev
-            packed[:, r.slot] = (0 if queued else r.pending, not queued, 1, r.seed, r.generated + queued)
-            params[r.slot] = r.params
-        prev_tok = prev.tokens if prev is not None else jnp.zeros((slots,), jnp.int32)
-        nlp = _n_logprobs(reqs)
+        packed, params = self._row_inputs(reqs, {id(r) for r, _ in prev.batch} if prev is not None else set())
+        prev_tok = prev.tokens if prev is not None else jnp.zeros((len(self.slots),), jnp.int32)
         self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode_overlap(
             self.model.params, self.state, prev_tok, packed, self._ngram_tables,
-            self._sampling_arrays(params), self.seen, self.out_counts, self.cfg, self.moe_impl, nlp,
+            self._sampling_arrays(params), self.seen, self.out_counts, self.cfg, self.moe_impl, _n_logprobs(reqs),
             greedy=all(r.params.greedy for r in reqs))
         self.stats["decode_steps"] += 1
         return _Inflight([(r, r.slot) for r in reqs], tok, lp_info)
@@ -625,11 +623,12 @@ def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cf
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
          donate_argnames=("state", "seen", "counts"))
 def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_logprobs, greedy=False):
-    """One decode step of every slot. packed [4, S] uint32: token, n_valid, seed, counter per row (one copy from
-    the host); greedy (static) when every active row is at temperature 0."""
+    """One decode step of every slot. packed [5, S] uint32 (`Engine._row_inputs`): token, (unused here: every
+    token comes from the host), n_valid, seed, counter per row; greedy (static) when every active row is at
+    temperature 0."""
     tokens = packed[0].astype(jnp.int32)[:, None]
-    keys = row_keys(packed[2], packed[3])
-    return _decode_core(params, state, tokens, packed[1].astype(jnp.int32), ple, sp, keys, seen, counts, cfg,
+    keys = row_keys(packed[3], packed[4])
+    return _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ple, sp, keys, seen, counts, cfg,
                         moe_impl, n_logprobs, greedy)
 
 

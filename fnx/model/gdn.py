@@ -34,6 +34,23 @@ def window_after(xcat: jax.Array, n: jax.Array, width: int) -> jax.Array:
     return jax.vmap(lambda xc, k: lax.dynamic_slice_in_dim(xc, k, width, axis=0))(xcat, n)
 
 
+def unit_lower_inverse(a: jax.Array) -> jax.Array:
+    """(I + L)^-1 for L the strictly lower triangle of a [..., C, C] (the diagonal and above are ignored), by
+    matmuls only: with N = -L nilpotent (N^C = 0), (I - N)^-1 = I + N + ... + N^(C-1) = (I + N)(I + N^2)(I + N^4)
+    ... over ceil(log2 C) factors. A LAPACK triangular solve here would be a CPU custom call that waits on XLA's
+    intra-op thread pool from inside it; two devices of one process running it at once on a 2-core host
+    deadlocked the pool (the 2-process jax.distributed forward). Matmuls also suit the GPU's tensor cores better
+    than a batched trsm of 64 x 64 blocks."""
+    c = a.shape[-1]
+    n = -jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0)
+    mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)       # noqa: E731
+    inv, power = jnp.eye(c, dtype=a.dtype) + n, n
+    for _ in range(max(c - 1, 1).bit_length() - 1):
+        power = mm(power, power)
+        inv = inv + mm(inv, power)
+    return inv
+
+
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results."""
     b, length, h, dk = k.shape
@@ -55,8 +72,8 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * pair
     intra = mm(q, jnp.swapaxes(k, -1, -2)) * pair
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
-    solve = lambda rhs: lax.linalg.triangular_solve(ut, rhs, left_side=True, lower=True, unit_diagonal=True)
-    new_values, k_cumdecay = solve(v_beta), solve(decayed_k_beta)
+    inv = unit_lower_inverse(ut)
+    new_values, k_cumdecay = mm(inv, v_beta), mm(inv, decayed_k_beta)
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]     # [B, H, N, 1, 1]

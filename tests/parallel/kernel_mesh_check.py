@@ -3,7 +3,7 @@
         python tests/parallel/kernel_mesh_check.py [CKPT [MESH ...]]
 The GEMV kernels (interpret mode) per shard inside `dispatch.on_mesh`: every weight layout (rows split, columns
 split, rows over both axes, whole) and format (bf16, FP8 blocks, NVFP4) against the same kernel on one device;
-then, with CKPT, a prefill + decode step of the model on each MESH (default tp=2,ep=1 and tp=1,ep=2) against one
+then, with CKPT, a prefill + decode step of the model on each MESH (default tp=2,ep=1 and tp=2,ep=2) against one
 device. One JSON line per check."""
 
 from __future__ import annotations
@@ -88,4 +88,4 @@ def model_check(ckpt, meshes):
 if __name__ == "__main__":
     op_checks()
     if len(sys.argv) > 1:
-        model_check(sys.argv[1], sys.argv[2:] or ["tp=2,ep=1", "tp=1,ep=2"])
+        model_check(sys.argv[1], sys.argv[2:] or ["tp=2,ep=1", "tp=2,ep=2"])

@@ -91,16 +91,28 @@ def test_two_processes_share_one_mesh():
         assert out.strip().splitlines()[-1].startswith("ok"), out
 
 
-@pytest.mark.xfail(run=False, reason="the full sharded forward over 2 CPU processes (gloo) stalls: both processes "
-                   "wait inside execution with no CPU progress (tests/parallel/multiprocess_check.py; a sharded sum and "
-                   "process_allgather across the same processes work). Not yet diagnosed; see fnx/parallel/README.md")
-def test_two_processes_forward_equals_single_process():
-    raise AssertionError("run tests/parallel/multiprocess_check.py by hand")
+def test_two_processes_forward_equals_single_process(tmp_path):
+    """The tiny model's sharded prefill over a tp=2,ep=2 mesh spanning 2 CPU processes (jax.distributed, gloo), 2
+    devices each: the gathered logits equal process 0's own single-device forward. (This stalled until the GDN
+    chunked prefill stopped calling LAPACK's triangular solve, which waits on XLA's intra-op pool from inside a
+    custom call: 2 devices per process on a 2-core host deadlocked it.)"""
+    ckpt = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path / "par", PAR, seed=0)
+    port = _free_port()
+    env = dict(_env(2), FNX_MP_DUMP="240")       # a stall prints both processes' stacks and fails, not hangs
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/parallel/multiprocess_check.py"), str(ckpt),
+                               str(port), str(i), "tp=2,ep=2"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    rec = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert rec["processes"] == 2 and rec["devices"] == 4
+    assert rec["rel_err"] < TOL and rec["argmax_equal"], rec
 
 
 def test_gemv_kernels_run_per_shard(tmp_path):
     """The GEMV kernels (interpret mode) inside dispatch.on_mesh on 4 CPU devices: the op alone for every weight
-    layout and format, then the tiny bf16 model's prefill + decode on tp=2,ep=1 and tp=1,ep=2, all equal to the
+    layout and format, then the tiny bf16 model's prefill + decode on tp=2,ep=1 and tp=2,ep=2, all equal to the
     same kernels on one device, with the per-shard lowering actually built."""
     ckpt = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path / "par", PAR, seed=0)
     env = dict(_env(4), FNX_KERNELS="gemv_bf16=pallas_interpret,gemv_fp8=pallas_interpret,"
