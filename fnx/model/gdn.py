@@ -36,19 +36,35 @@ def window_after(xcat: jax.Array, n: jax.Array, width: int) -> jax.Array:
 
 def unit_lower_inverse(a: jax.Array) -> jax.Array:
     """(I + L)^-1 for L the strictly lower triangle of a [..., C, C] (the diagonal and above are ignored), by
-    matmuls only: with N = -L nilpotent (N^C = 0), (I - N)^-1 = I + N + ... + N^(C-1) = (I + N)(I + N^2)(I + N^4)
-    ... over ceil(log2 C) factors. A LAPACK triangular solve here would be a CPU custom call that waits on XLA's
-    intra-op thread pool from inside it; two devices of one process running it at once on a 2-core host
-    deadlocked the pool (the 2-process jax.distributed forward). Matmuls also suit the GPU's tensor cores better
-    than a batched trsm of 64 x 64 blocks."""
+    matmuls only: recursive 2 x 2 block inversion, [[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]], from
+    1 x 1 blocks up to C x C in ceil(log2 C) levels of batched matmuls. Every intermediate is a block of the
+    inverse itself, so nothing grows beyond the inverse's own entries (a Neumann-series product, also matmuls
+    only, lost 6x the tolerance on the trained fnx-mini model: the powers of L grow large and cancel).
+    Why not LAPACK's triangular solve: on the CPU it is a custom call that waits on XLA's intra-op pool from inside
+    it, and two devices of one process running it at once on a 2-core host deadlocked the pool (the 2-process
+    jax.distributed forward)."""
     c = a.shape[-1]
-    n = -jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0)
+    size = 1 << max(c - 1, 0).bit_length()                     # the next power of two (1 for c = 1)
+    m = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0)
+    if size != c:                                              # pad with identity rows: no coupling, unit diagonal
+        m = jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, size - c), (0, size - c)])
+    batch = m.shape[:-2]
     mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)       # noqa: E731
-    inv, power = jnp.eye(c, dtype=a.dtype) + n, n
-    for _ in range(max(c - 1, 1).bit_length() - 1):
-        power = mm(power, power)
-        inv = inv + mm(inv, power)
-    return inv
+    blocks = jnp.ones((*batch, size, 1, 1), a.dtype)            # the inverse's diagonal blocks, s x s each
+    s = 1
+    while s < size:
+        nb = size // (2 * s)
+        pairs = blocks.reshape(*batch, nb, 2, s, s)
+        inv_a, inv_b = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        # the coupling block of each pair: rows of its second half, columns of its first half
+        diag = jnp.diagonal(m.reshape(*batch, nb, 2 * s, nb, 2 * s), axis1=-4, axis2=-2)   # [..., 2s, 2s, nb]
+        x = jnp.moveaxis(diag, -1, -3)[..., s:, :s]                                      # [..., nb, s, s]
+        low = -mm(mm(inv_b, x), inv_a)
+        top = jnp.concatenate([inv_a, jnp.zeros_like(inv_a)], axis=-1)
+        bottom = jnp.concatenate([low, inv_b], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)                                 # [..., nb, 2s, 2s]
+        s *= 2
+    return blocks[..., 0, :c, :c]
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):

@@ -221,8 +221,9 @@ def _run_engine(eng, reqs, abort_id=None, abort_at=3):
 
 def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
     """The overlapped engine (each step launched before the previous step's tokens reach the host, tokens and
-    n-gram ids taken on the device) emits exactly what the synchronous one does: greedy and seeded sampling,
-    penalties, logprobs, stop tokens, EOS, slot reuse across 4 requests in 2 slots, and an abort mid-flight."""
+    n-gram ids taken on the device) emits the tokens the synchronous one does (logprobs to float rounding): greedy
+    and seeded sampling, penalties, logprobs, stop tokens, EOS, slot reuse across 4 requests in 2 slots, and an
+    abort mid-flight."""
     model, _ = tiny_models("tiny-c")
     rng = np.random.default_rng(9)
     eos = model.cfg.ple_eos_token_id
@@ -243,7 +244,19 @@ def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
         runs.append(_run_engine(eng, reqs, abort_id="r2"))
         assert not eng.has_work() and eng._inflight is None
     sync, over = runs
-    assert over == sync
+    # tokens, finish reasons and the logprobs' shape exactly; logprob values to float rounding: the engines run
+    # different compiled decode programs (the overlapped one takes its tokens and n-gram ids on the device), and
+    # each is deterministic, but they may round the same row differently in the last bit (seen: 1e-7 relative)
+    assert over.keys() == sync.keys()
+    for rid in sync:
+        (ts, ls, fs), (to, lo, fo) = sync[rid], over[rid]
+        assert to == ts and fo == fs and len(lo) == len(ls), rid
+        for (a, top_a), (b, top_b) in zip(ls, lo):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (rid, a, b)
+            assert (top_a is None) == (top_b is None)
+            if top_a is not None:
+                assert [i for i, _ in top_a] == [i for i, _ in top_b]
+                np.testing.assert_allclose([v for _, v in top_a], [v for _, v in top_b], rtol=1e-5, atol=1e-6)
     assert sync["r0"][2] == "stop" and sync["r0"][0][-1] == greedy[6]
     assert sync["r1"][2] == "length" and len(sync["r1"][1]) == 9 and len(sync["r1"][1][0][1]) == 2
     assert len(sync["r2"][0]) == 3 and sync["r2"][2] is None      # aborted after 3 tokens, in both engines
