@@ -175,14 +175,16 @@ class EngineThread(threading.Thread):
                 eng.step()
             self.warmup_log.append(f"prefill bucket {n:>5} tokens, logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
             del rid
-        if self.warmup and getattr(eng, "spec", None):
-            # speculative rounds compile a greedy draft program (fused argmax) and a sampling one: warm both
+        for lp in (0, LOGPROBS_BUCKET) if self.warmup else []:
+            # the plan's requests are greedy; a batch with a sampled row runs other programs (the decode step
+            # without its argmax-only shortcut; the speculative draft without the fused argmax): warm those too
             t = time.perf_counter()
-            eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.7, seed=0, ignore_eos=True),
-                       request_id="warmup-sampled")
+            eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.7, seed=0, logprobs=lp, ignore_eos=True),
+                       request_id=f"warmup-sampled-{lp}")
             while eng.has_work():
                 eng.step()
-            self.warmup_log.append(f"sampled speculative round: {time.perf_counter() - t:.2f} s")
+            self.warmup_log.append(f"sampled {'speculative round' if getattr(eng, 'spec', None) else 'decode'}, "
+                                   f"logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
         self.warmup_seconds = time.perf_counter() - t0
         for k in ("drafted", "accepted", "rounds", "decode_steps", "prefill_tokens", "row_rounds"):
             if k in eng.stats:

@@ -134,6 +134,22 @@ def test_metrics(server, client):
     assert CAPACITY == client.models.list().data[0].model_extra["max_model_len"]
 
 
+def _compiles_after_warmup(base: str) -> float:
+    return sum(float(line.split()[-1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
+               if line.startswith("fnx_compiles_after_warmup_total"))
+
+
+def test_warmup_covers_greedy_and_sampled_requests(server, client):
+    """Greedy and sampled requests, with and without top logprobs, run only programs the start-up warm-up compiled
+    (an all-greedy batch runs its own argmax-only decode program)."""
+    before = _compiles_after_warmup(server.base)
+    for temperature in (0, 0.8):
+        for logprobs in (None, 3):
+            client.completions.create(model=MODEL, prompt="warm programs", max_tokens=4, temperature=temperature,
+                                      seed=1, logprobs=logprobs)
+    assert _compiles_after_warmup(server.base) == before
+
+
 def test_tools_in_the_conversation(client, tok):
     """Tools and earlier tool calls reach the template; the reply is parsed with tool-call parsing on."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]   # short: 256 positions
