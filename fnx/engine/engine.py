@@ -486,8 +486,7 @@ class Engine:
             pending = np.zeros((slots,), np.int32)
             for r in reqs:
                 pending[r.slot] = r.pending
-            verify, ple = _jit_verify_window(jnp.asarray(pending), drafts, self.state["ngram_ctx"],
-                                             self._ngram_tables)
+            verify, ple = _jit_verify_window(pending, drafts, self.state["ngram_ctx"], self._ngram_tables)
         else:   # a host PLE store needs the drafts on the host to fetch their rows
             drafts = np.asarray(drafts)                                   # [S, k]
             verify = np.zeros((slots, k + 1), np.int32)
@@ -500,7 +499,7 @@ class Engine:
             verify = jnp.asarray(verify)
         nlp = _n_logprobs(reqs)
         self.state, out_tok, n_acc, hidden, lp_info = _jit_verify(
-            self.model.params, self.state, verify, jnp.asarray(active), ple, q_lp, sp, keys,
+            self.model.params, self.state, verify, active, ple, q_lp, sp, keys,
             self.cfg, self.moe_impl, nlp, greedy=greedy)
         out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
         lp_info = _to_host(lp_info)
