@@ -22,6 +22,7 @@ with fewer layers (6 GDN + 2 QSA, the PLE layer among them, plus the MTP layer) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -43,14 +44,15 @@ from fnx.model.transformer import init_state, param_shapes, step
 PEAK_BW = 4.3e12  # bytes/s: the best device copy measured on the H200 (GPU_NOTES.md); vendor peak is 4.8e12
 
 
-def bench_config(layers: int, tiny: bool, scan: bool = True) -> ModelConfig:
+def bench_config(layers: int, tiny: bool, scan: bool = True, ple_width: int | None = None) -> ModelConfig:
+    """ple_width: the PLE input width of the tiny config (a host store's rows are as wide as the release's)."""
     if tiny:
         return ModelConfig(scan_layers=scan, vocab_size=512, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.25, mrope_section=(2, 1, 1),
                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                            linear_value_head_dim=16, num_experts=16, num_experts_per_tok=4,
                            moe_intermediate_size=32, shared_expert_intermediate_size=32, hc_lowrank=16,
-                           indexer_n_heads=4, indexer_head_dim=16, indexer_budget=64, ple_embed_dim=64,
+                           indexer_n_heads=4, indexer_head_dim=16, indexer_budget=64, ple_embed_dim=ple_width or 64,
                            ngram_vocab_size_base=1000, eos_token_id=511, mtp_num_hidden_layers=1)
     # released widths; the n-gram table shrunk (2M rows per head instead of 20M): a decode step reads 16 rows
     return ModelConfig(num_hidden_layers=layers, ngram_vocab_size_base=2_000_000, mtp_num_hidden_layers=1,
@@ -140,8 +142,8 @@ class HostPle:
     `fnx.load(..., ple_store=MODE)`: n-gram ids of fresh random tokens on the host, `store.fetch`, the rows copied
     to the device and passed to the step as `ple_rows` (the in-params table is then not read)."""
 
-    def __init__(self, store, consts, seed: int = 0, embed: int | None = None):
-        self.store, self.consts, self.embed = store, consts, embed
+    def __init__(self, store, consts, seed: int = 0):
+        self.store, self.consts = store, consts
         self.rng = np.random.default_rng(seed)
 
     def rows(self, b: int, length: int):
@@ -149,24 +151,35 @@ class HostPle:
         tokens = self.rng.integers(0, 248320, size=(b, length))
         ids, _ = ngram_ids(initial_context(b, self.consts), tokens, self.consts)
         got = self.store.fetch(ids.reshape(b * length, -1))
-        rows = got.rows.reshape(b, length, -1)
-        if self.embed is not None:   # --tiny: the release-width synthetic rows cut to the tiny model's width
-            rows = rows[..., :self.embed]
-        return jnp.asarray(rows)
+        return jnp.asarray(got.rows.reshape(b, length, -1))
 
 
-def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list) -> dict:
+def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=None, fetches=()) -> dict:
     """The Engine's plain decode, synchronous and overlapped (fnx.engine.Engine(overlap=...)): `slots` greedy
     requests of a 64-token prompt; after every prefill has ended, the wall time of the next `tokens` engine
-    steps (ms per step, tokens/s). Same programs, so the difference is the host time the overlap hides."""
+    steps (ms per step, tokens/s). Same programs, so the difference is the host time the overlap hides.
+    With a host PLE store: also the engine on that store (always synchronous) with each `ple_fetch` variant in
+    `fetches`; its PLE stall is the difference to the synchronous in-params run (the same programs otherwise)."""
     from fnx.engine import Engine
     from fnx.model.api import Model
     model = Model(cfg, params, mp)
+    runs = [("sync", model, dict(overlap=False)), ("overlap", model, dict(overlap=True))]
+    if store is not None:
+        # the params' (shrunk) table stays, unread: the rows come from the store. The engine hashes the n-grams
+        # with the config's constants, so they are the table's own when it is the release's size (every row of
+        # the 51.2 GB file can be hit, as in serving), else the bench config's (ids in the first rows)
+        from fnx.ple import NgramConstants
+        release = ModelConfig(num_hidden_layers=4)
+        hcfg = cfg
+        if store.src.rows == NgramConstants.from_config(release, 0).num_rows:
+            hcfg = dataclasses.replace(cfg, ngram_vocab_size_base=release.ngram_vocab_size_base)
+        hosted = Model(hcfg, params, mp, ple_store=store)
+        runs += [(f"ple_{f}", hosted, dict(ple_fetch=f)) for f in fetches]
     out = {}
     for slots in slots_list:
-        for overlap in (False, True):
-            eng = Engine(model, max_slots=slots, capacity=64 + 2 * tokens + 16, prefill_chunk=64 * slots,
-                         overlap=overlap)
+        for label, mdl, kw in runs:
+            before = dict(store.stats) if store is not None else {}
+            eng = Engine(mdl, max_slots=slots, capacity=64 + 2 * tokens + 16, prefill_chunk=64 * slots, **kw)
             rng = np.random.default_rng(0)
 
             def run(n, timed):
@@ -192,22 +205,31 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list) -> dict
                 os.makedirs(prof_dir, exist_ok=True)
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
-                with open(os.path.join(prof_dir, f"engine_b{slots}_{'overlap' if overlap else 'sync'}.txt"),
-                          "w") as f:
+                with open(os.path.join(prof_dir, f"engine_b{slots}_{label}.txt"), "w") as f:
                     f.write(buf.getvalue())
             else:
                 ms = run(tokens, True)
-            key = f"engine_b{slots}_{'overlap' if overlap else 'sync'}"
+            key = f"engine_b{slots}_{label}"
             out[key + "_ms_per_step"] = ms
             out[key + "_tok_s"] = slots / (ms / 1e3)
-            print(f"# engine decode, {slots} slots, {'overlapped' if overlap else 'synchronous'}: {ms:.3f} ms per "
-                  f"step, {slots / (ms / 1e3):.0f} tok/s", flush=True)
+            extra = ""
+            if label.startswith("ple_"):
+                after = store.stats
+                n = max(after["fetches"] - before["fetches"], 1)
+                out[key + "_fetch_ms"] = (after["fetch_seconds"] - before["fetch_seconds"]) / n * 1e3
+                out[key + "_stall_ms"] = ms - out[f"engine_b{slots}_sync_ms_per_step"]
+                extra = (f" (PLE stall {out[key + '_stall_ms']:+.3f} ms against the in-params table; host fetch "
+                         f"{out[key + '_fetch_ms']:.3f} ms per fetch, prefill fetches included)")
+            print(f"# engine decode, {slots} slots, {label}: {ms:.3f} ms per step, {slots / (ms / 1e3):.0f} tok/s"
+                  + extra, flush=True)
+            eng.close()
             del eng
     return out
 
 
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
-            host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,)):
+            host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
+            engine_fetches=()):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -329,9 +351,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
         del st_box
     if engine_tokens:
-        if mesh is not None or host_ple is not None or quant != "bf16":
-            raise SystemExit("--engine runs on one device with the bf16 in-params table")
-        res.update(engine_decode(cfg, params, mp, engine_tokens, engine_slots))
+        if mesh is not None or quant != "bf16":
+            raise SystemExit("--engine runs on one device with bf16 weights")
+        res.update(engine_decode(cfg, params, mp, engine_tokens, engine_slots,
+                                 None if host_ple is None else host_ple.store, engine_fetches))
     try:
         devs = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         res["peak_mem_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / 1e9
@@ -367,6 +390,8 @@ def main():
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="also time N plain decode steps of fnx.engine.Engine, synchronous and overlapped")
     ap.add_argument("--engine-slots", default="1,8", help="batch slots for --engine (comma list)")
+    ap.add_argument("--engine-ple-fetch", default="pipeline,sync",
+                    help="with --engine and a host --ple-store: the Engine's ple_fetch variants to time (comma list)")
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
@@ -392,11 +417,11 @@ def main():
                                   args.ple_table_gb)
         consts = bp.bench_consts(from_raw(path).rows)
         store = open_store(path, args.ple_store, consts=consts)
-        embed = bench_config(4, args.tiny).ple_embed_dim
-        if embed > store.width * consts.num_heads:
-            raise SystemExit(f"the synthetic table's rows ({store.width * consts.num_heads}) are narrower than the "
+        embed = bench_config(4, args.tiny, ple_width=store.width * consts.num_heads).ple_embed_dim
+        if embed != store.width * consts.num_heads:
+            raise SystemExit(f"the synthetic table's rows ({store.width * consts.num_heads} wide) do not match the "
                              f"model's PLE width {embed}")
-        host_ple = HostPle(store, consts, embed=embed if embed != store.width * consts.num_heads else None)
+        host_ple = HostPle(store, consts)
         print(f"PLE rows from a host {args.ple_store} store: {path}", flush=True)
     first = None
     for mesh_text in args.mesh or [None]:
@@ -409,7 +434,8 @@ def main():
                          else os.environ.get("FNX_KERNELS", "auto"))
         runs = {}
         for n in layer_counts:
-            cfg = bench_config(n, args.tiny, scan=not args.no_scan)
+            cfg = bench_config(n, args.tiny, scan=not args.no_scan,
+                               ple_width=None if host_ple is None else host_ple.store.width * host_ple.consts.num_heads)
             if mcfg is not None:  # the XLA reference paths, or with --mesh-kernels the GEMV kernels per shard
                 from fnx.pallas import dispatch
                 with dispatch.on_mesh(mcfg) if args.mesh_kernels else dispatch.force("reference"):
@@ -417,7 +443,8 @@ def main():
                                 args.ledger)
             else:
                 r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger,
-                            args.engine, [int(x) for x in args.engine_slots.split(",")])
+                            args.engine, [int(x) for x in args.engine_slots.split(",")],
+                            [f for f in args.engine_ple_fetch.split(",") if f])
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}

@@ -174,6 +174,62 @@ def bench_mode(mode, source, consts, args, emit):
 # ---- end to end: the PLE stall per decode round around a jitted step ------------------------------------------
 
 
+def bench_first_touch(source, consts, args, emit):
+    """Where a pageable fetch of rows this process has never touched goes (what every decode step of a server
+    does: new tokens, new rows). Per decode shape, over --first-touch-trials sets of fresh random rows: the fetch
+    itself ("fresh") split into MADV_WILLNEED, MADV_POPULATE_READ and the copy (StoreStats); the same rows again
+    ("again": mapped and cached); and other fresh rows first read with pread(2) (page cache filled, nothing mapped in
+    this process) and then fetched ("after pread"): so page-cache misses (disk) and first mappings (page faults)
+    are told apart. Also the fraction of the table resident in the page cache (mincore on a sample)."""
+    store = open_store(source, "pageable", consts=consts)
+    try:
+        ext = store.src.extents
+        fds = {e.path: os.open(e.path, os.O_RDONLY) for e in ext}
+        starts = np.cumsum([0] + [e.rows for e in ext[:-1]])
+        rb = store.src.row_bytes
+        emit({"mode": "first-touch", "shape": "residency", "resident_fraction": store.resident_fraction()})
+        rng = np.random.default_rng(17)
+        for b in args.batch:
+            length = args.k + 1
+            t = {"fresh": [], "again": [], "pread": [], "after pread": []}
+            phases = {"willneed_seconds": 0.0, "populate_seconds": 0.0, "copy_seconds": 0.0}
+            for _ in range(args.first_touch_trials):
+                ids = _ids_for(consts, rng, b, length)
+                before = store.stats
+                s0 = time.perf_counter()
+                store.fetch(ids)
+                t["fresh"].append(time.perf_counter() - s0)
+                after = store.stats
+                for k in phases:
+                    phases[k] += after[k] - before[k]
+                s0 = time.perf_counter()
+                store.fetch(ids)
+                t["again"].append(time.perf_counter() - s0)
+                ids2 = _ids_for(consts, rng, b, length)
+                uniq = np.unique(ids2)
+                e_idx = np.searchsorted(starts, uniq, side="right") - 1
+                s0 = time.perf_counter()
+                for r, e in zip(uniq.tolist(), e_idx.tolist()):
+                    os.pread(fds[ext[e].path], rb, ext[e].offset + (r - int(starts[e])) * rb)
+                t["pread"].append(time.perf_counter() - s0)
+                s0 = time.perf_counter()
+                store.fetch(ids2)
+                t["after pread"].append(time.perf_counter() - s0)
+            n = args.first_touch_trials
+            rec = {"mode": "first-touch", "shape": f"decode b{b} k{args.k}", "rows": int(ids.size), "trials": n,
+                   **{f"{k.replace(' ', '_')}_median_us": float(np.median(v)) * 1e6 for k, v in t.items()},
+                   **{f"fresh_{k.replace('_seconds', '')}_us": v / n * 1e6 for k, v in phases.items()}}
+            emit(rec)
+            print(f"{'first-touch':>22} b{b} k{args.k} ({rec['rows']} rows): fresh {rec['fresh_median_us']:.0f} us "
+                  f"(willneed {rec['fresh_willneed_us']:.0f}, populate {rec['fresh_populate_us']:.0f}, copy "
+                  f"{rec['fresh_copy_us']:.0f}), again {rec['again_median_us']:.0f} us, pread of fresh rows "
+                  f"{rec['pread_median_us']:.0f} us then fetch {rec['after_pread_median_us']:.0f} us", flush=True)
+        for fd in fds.values():
+            os.close(fd)
+    finally:
+        store.close()
+
+
 def bench_e2e(source, consts, args, emit):
     """A stand-in step: program A (embedding + layer 0: `a_layers` matmuls) and program B (PLE projection of the
     rows + `b_layers` matmuls). Variants differ only in how the rows reach B; stall = round time - device."""
@@ -336,6 +392,9 @@ def main(argv=None):
     p.add_argument("--ahead-ms", type=float, default=1.0,
                    help="cold runs also time a fetch whose prefetch was issued this long before it")
     p.add_argument("--quick", action="store_true", help="small table, fewer iterations (< 3 min on the GPU host)")
+    p.add_argument("--first-touch", action="store_true",
+                   help="diagnose fetches of never-touched rows (pageable): disk reads vs first mappings")
+    p.add_argument("--first-touch-trials", type=int, default=30)
     p.add_argument("--e2e", action="store_true", help="also time a jitted step per variant (stall vs device mode)")
     p.add_argument("--e2e-variants", default="device,sync,pipeline,callback-pure,callback-io,callback-buffer")
     p.add_argument("--e2e-mode", default="pageable", help="host store for the e2e variants")
@@ -412,6 +471,12 @@ def main(argv=None):
             bench_mode(mode, source, consts, args, emit)
         except Exception as exc:  # noqa: BLE001 - one failing mode must not hide the others
             emit({"mode": mode, "shape": "failed", "error": repr(exc), "trace": traceback.format_exc(limit=4)})
+    if args.first_touch:
+        try:
+            bench_first_touch(source, consts, args, emit)
+        except Exception as exc:  # noqa: BLE001
+            emit({"mode": "first-touch", "shape": "failed", "error": repr(exc),
+                  "trace": traceback.format_exc(limit=4)})
     if args.e2e:
         try:
             bench_e2e(source, consts, args, emit)

@@ -15,6 +15,7 @@
 #   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first; MESH_ARGS=--mesh-kernels
 #                                           # runs the GEMV kernels per shard)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
+#   scripts/gpu_session.sh pleengine # the engine on a host PLE store, every fetch variant (PLE_FETCHES)
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 set -uo pipefail
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | mesh SPEC | ple (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -77,6 +78,14 @@ case "$part" in
     timeout ${PLE_COLD_S:-100} python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --e2e-cold --iters 50 \
       --e2e-variants device,sync,pipeline --out "$OUT/bench_ple.jsonl" >> "$OUT/ple.log" 2>&1
     grep -E "e2e|decode_ms" "$OUT/ple.log" | tail -30 ;;
+  pleengine)   # the Engine on a host store: every ple_fetch variant (PLE_FETCHES) against the in-params table, 4
+               # layers bf16, on the full-size table; first, where a fetch of never-touched rows goes (disk or faults)
+    timeout ${PLE_FT_S:-150} python scripts/bench_ple.py --table-gb 51.2 --modes , --first-touch \
+      --out "$OUT/bench_ple.jsonl" 2>&1 | tee -a "$OUT/pleengine.log" | grep -E "first-touch|rror"
+    timeout ${PLE_ENGINE_S:-420} python scripts/bench_decode.py --layers 4 --contexts 1024 --reps 5 \
+      --ple-store pageable --ple-table-gb 51.2 --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,16} \
+      --engine-ple-fetch ${PLE_FETCHES:-pipeline,sync,callback-buffer} --out "$OUT/bench_decode.jsonl" 2>&1 \
+      | grep -v Warning | tee -a "$OUT/pleengine.log" | grep -E "^# engine|rror" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 done

@@ -25,10 +25,22 @@ from fnx.engine.sampling import (SamplingArrays, SamplingParams, filtered_logpro
 from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model.ops import linear_argmax
-from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step
+from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step, step_back, step_front
 from fnx.ple import initial_context, ngram_ids
 
 log = logging.getLogger("fnx.engine")
+
+# How a host PLE store's rows reach the step (the engine's `ple_fetch`); measured on the H200 in BENCHMARKS.md
+PLE_FETCH = ("pipeline", "sync", "callback-pure", "callback-io", "callback-buffer")
+
+
+@dataclass(frozen=True)
+class _InGraphFetch:
+    """A static jit argument (equal for the same store object and method, so engines on one store share their
+    compiled programs): the step fetches its PLE rows from `store` through a host callback
+    (`fnx.ple.pipeline.fetch_rows_in_graph`) at the PLE layer."""
+    store: object
+    method: str
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,7 @@ class _Inflight:
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
-                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True):
+                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True, ple_fetch: str = "pipeline"):
         """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
         same output distribution (the acceptance rule is exact for any drafter).
@@ -109,7 +121,18 @@ class Engine:
         run while the device works; each step's tokens are emitted one `step()` later. The same tokens as
         overlap=False. Not used with speculative decoding or a host PLE store (both need the tokens on the host
         before the next program): those engines run every step synchronously (a speculative round's draft and
-        verify programs still run back to back: the verify window is built on the device)."""
+        verify programs still run back to back: the verify window is built on the device).
+        ple_fetch: how the rows of a host PLE store (`fnx.load(..., ple_store="pageable")` etc.) reach each step:
+          "pipeline" (default): the step runs as two programs split at the PLE layer; a host thread fetches the
+            rows and copies them to the device while the first program (embedding, layers before the PLE layer)
+            runs;
+          "sync": the rows are fetched on the host, then one program runs;
+          "callback-pure" / "callback-io" / "callback-buffer": one program that calls back into Python for the
+            rows at the PLE layer (jax.pure_callback / io_callback / buffer_callback). A failed callback fetch
+            cannot say which rows it lost, so every row of that step counts as missing.
+        Ignored without a host store (a table in device memory is gathered inside the step)."""
+        if ple_fetch not in PLE_FETCH:
+            raise ValueError(f"ple_fetch must be one of {PLE_FETCH}, got {ple_fetch!r}")
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
@@ -159,6 +182,23 @@ class Engine:
         self.mesh = None
         if mesh is not None:
             self._place_on_mesh(mesh)
+        self.ple_fetch = ple_fetch
+        self._pipe = self._cb = None
+        if model.ple_store is not None and model.ngram is not None:
+            if ple_fetch == "pipeline":
+                from fnx.ple.pipeline import PrefetchPipeline
+                # on a mesh the rows stay NumPy and the back program places them; else they go to the device
+                self._pipe = PrefetchPipeline(model.ple_store, to_device=self.mesh is None)
+            elif ple_fetch.startswith("callback-"):
+                self._cb = _InGraphFetch(model.ple_store, ple_fetch.split("-", 1)[1])
+
+    def close(self) -> None:
+        """Stop the engine's host threads (the PLE pipeline, prompt hints). The model and its store stay open."""
+        if self._pipe is not None:
+            self._pipe.close()
+        if self._hints is not None:
+            self._hints.shutdown(wait=True)
+            self._hints = None
 
     def _place_on_mesh(self, mesh):
         """Params and state placed by `fnx.parallel`'s rules; the jitted programs follow the placement (XLA
@@ -317,9 +357,8 @@ class Engine:
                 row[req.prompt] = True
                 self.seen, self.out_counts = _reset_row(self.seen, self.out_counts, i, jnp.asarray(row))
 
-    def _ple_ids(self, histories: list[list[int]], tokens: np.ndarray) -> jnp.ndarray | None:
-        """The PLE input for `tokens` [B, L] that follow each row's history: n-gram ids [B, L, H], or the rows
-        [B, L, E] when the model's table is in a host store (fetched here, on the host, before the step)."""
+    def _host_ids(self, histories: list[list[int]], tokens: np.ndarray) -> np.ndarray | None:
+        """The n-gram ids [B, L, H] of `tokens` [B, L] that follow each row's history (None without PLE)."""
         ng = self.model.ngram
         if ng is None:
             return None
@@ -330,11 +369,44 @@ class Engine:
             if tail:
                 ctx[b, ctx_len - len(tail):] = tail
         ids, _ = ngram_ids(ctx, tokens.astype(np.int64), ng)
-        ple, missing = ple_input(self.model, ids)   # the ids, or with a host store the rows fetched now
+        return ids
+
+    def _note_missing(self, missing: np.ndarray | None) -> None:
         if missing is not None:                      # handled per request after the step: _ple_failed
             self._ple_missing = missing
             self.stats["ple_missing"] = self.stats.get("ple_missing", 0) + int(missing.sum())
-        return ple
+
+    def _run_ple(self, histories: list[list[int]], tokens: np.ndarray, whole, front=None, back=None):
+        """Run one step program for `tokens` [B, L] with its PLE input, the way `ple_fetch` says.
+        whole(ple, cb): the one-program step, ple = n-gram ids [B, L, H] (table in the params, or the in-graph
+        callback `cb` fetches their rows), rows [B, L, E] (fetched here, "sync"), or None (no PLE layer).
+        front() / back(handover, rows): the two programs of "pipeline", the rows fetched and copied by the
+        pipeline thread while front() runs on the device."""
+        ids = self._host_ids(histories, tokens)
+        store = self.model.ple_store
+        if ids is None or store is None:
+            return whole(None if ids is None else jnp.asarray(ids.astype(np.int32)), None)
+        if self._pipe is not None and front is not None:
+            ticket = self._pipe.submit_ids(ids)
+            handover = front()
+            got = self._pipe.take(ticket)
+            self._note_missing(self._consume(got.flagged) if got.flagged.any() else None)
+            return back(handover, got.rows)
+        if self._cb is not None:
+            out = whole(ids.astype(np.int32), self._cb)
+            jax.block_until_ready(out)               # the callback's failures are known once the step ran
+            if store.consume_pending() is not None:  # which rows failed is not known: the whole batch
+                self._note_missing(np.ones(ids.shape[0], bool))
+            return out
+        ple, missing = ple_input(self.model, ids)    # "sync": the rows fetched now, on the host
+        self._note_missing(missing)
+        return whole(ple, None)
+
+    def _consume(self, flagged: np.ndarray) -> np.ndarray:
+        """A fetch zero-filled rows: this step's caller handles it per request, so the store's pending error
+        (which would fail the next fetch under policy "fail") is consumed here."""
+        self.model.ple_store.consume_pending()
+        return flagged
 
     def _bucket(self, n: int) -> int:
         b = 16
@@ -350,9 +422,13 @@ class Engine:
         tokens = np.zeros((1, length), np.int32)
         tokens[0, :n] = chunk
         hist = req.history[:start]
-        ple = self._ple_ids([hist], tokens)
-        self.state, last_logits, hidden = _jit_prefill(self.model.params, self.state, req.slot, jnp.asarray(tokens),
-                                                       jnp.asarray([n], jnp.int32), ple, self.cfg, self.moe_impl)
+        nv = np.asarray([n], np.int32)
+        args = (self.model.params, self.state, req.slot, tokens, nv)
+        self.state, last_logits, hidden = self._run_ple(
+            [hist], tokens,
+            lambda ple, cb: _jit_prefill(*args, ple, self.cfg, self.moe_impl, ple_cb=cb),
+            lambda: _jit_prefill_front(*args, self.cfg, self.moe_impl),
+            lambda fr, rows: _jit_prefill(*args, rows, self.cfg, self.moe_impl, front=fr))
         req.prefilled += n
         self.stats["prefill_tokens"] += n
         final = req.prefilled == len(req.prompt)
@@ -422,10 +498,18 @@ class Engine:
         hist = [[] for _ in range(len(self.slots))]
         for r in reqs:
             hist[r.slot] = r.history[:-1]
-        ple = self._ple_ids(hist, packed[0].astype(np.int32)[:, None])
-        self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode(
-            self.model.params, self.state, packed, ple, self._sampling_arrays(params), self.seen,
-            self.out_counts, self.cfg, self.moe_impl, _n_logprobs(reqs), greedy=all(r.params.greedy for r in reqs))
+        tokens = packed[0].astype(np.int32)[:, None]
+        sp, nlp, greedy = self._sampling_arrays(params), _n_logprobs(reqs), all(r.params.greedy for r in reqs)
+
+        def whole(ple, cb=None, front=None):
+            return _jit_decode(self.model.params, self.state, packed, ple, sp, self.seen, self.out_counts, self.cfg,
+                               self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front)
+
+        self.state, tok, lp_info, self.seen, self.out_counts = self._run_ple(
+            hist, tokens, whole,
+            lambda: _jit_front(self.model.params, self.state, tokens, packed[2].astype(np.int32), self.cfg,
+                               self.moe_impl),
+            lambda fr, rows: whole(rows, front=fr))
         self.stats["decode_steps"] += 1
         tok, lp_info = _to_host((tok, lp_info))
         return [self._emit(r, [int(tok[r.slot])], [_lp(lp_info, r.slot, 0, r.params.logprobs)]) for r in reqs]
@@ -487,6 +571,14 @@ class Engine:
             for r in reqs:
                 pending[r.slot] = r.pending
             verify, ple = _jit_verify_window(pending, drafts, self.state["ngram_ctx"], self._ngram_tables)
+        nlp = _n_logprobs(reqs)
+
+        def run_verify(verify, ple, cb=None, front=None):
+            return _jit_verify(self.model.params, self.state, verify, active, ple, q_lp, sp, keys,
+                               self.cfg, self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front)
+
+        if self.model.ple_store is None:
+            self.state, out_tok, n_acc, hidden, lp_info = run_verify(verify, ple)
         else:   # a host PLE store needs the drafts on the host to fetch their rows
             drafts = np.asarray(drafts)                                   # [S, k]
             verify = np.zeros((slots, k + 1), np.int32)
@@ -495,12 +587,12 @@ class Engine:
                 verify[r.slot, 0] = r.pending
                 verify[r.slot, 1:] = drafts[r.slot]
                 hist[r.slot] = r.history[:-1]
-            ple = self._ple_ids(hist, verify)
-            verify = jnp.asarray(verify)
-        nlp = _n_logprobs(reqs)
-        self.state, out_tok, n_acc, hidden, lp_info = _jit_verify(
-            self.model.params, self.state, verify, active, ple, q_lp, sp, keys,
-            self.cfg, self.moe_impl, nlp, greedy=greedy)
+            n_valid = np.where(active, k + 1, 0).astype(np.int32)
+            self.state, out_tok, n_acc, hidden, lp_info = self._run_ple(
+                hist, verify, lambda ple, cb: run_verify(verify, ple, cb),
+                lambda: _jit_front(self.model.params, self.state, verify, n_valid, self.cfg, self.moe_impl,
+                                   snapshots=True),
+                lambda fr, rows: run_verify(verify, rows, front=fr))
         out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
         lp_info = _to_host(lp_info)
         self.stats["rounds"] += 1
@@ -567,12 +659,34 @@ def _reset_row(seen, counts, slot, row):
     return seen.at[slot].set(row), counts.at[slot].set(0)
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))
-def _jit_prefill(params, state, slot, tokens, n_valid, ple, cfg, moe_impl):
-    sub = slot_take(cfg, state, slot)
+def _step_any(params, state, tokens, ple, front, ple_cb, **kw):
+    """`step` on a PLE input (ids, or rows from a host store), or its second half `step_back` continuing
+    `front`; with ple_cb (an _InGraphFetch) the ids' rows are fetched by a host callback inside the program."""
     ple_ids, ple_rows = ple_split(ple)
-    logits, sub, hidden, _ = step(params, sub, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                                  ple_rows=ple_rows)
+    if ple_cb is not None and ple_ids is not None:
+        from fnx.ple.pipeline import fetch_rows_in_graph
+        ple_ids, ple_rows = None, fetch_rows_in_graph(ple_cb.store, ple_ids, ple_cb.method)
+    if front is None:
+        return step(params, state, tokens, ple_ids, ple_rows=ple_rows, **kw)
+    return step_back(params, state, tokens, front, ple_ids, ple_rows=ple_rows, **kw)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "snapshots"))
+def _jit_front(params, state, tokens, n_valid, cfg, moe_impl, snapshots=False):
+    """The first of a step's two programs when a host store's rows are fetched meanwhile (`step_front`)."""
+    return step_front(params, state, tokens, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid, snapshots=snapshots)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl"))
+def _jit_prefill_front(params, state, slot, tokens, n_valid, cfg, moe_impl):
+    return step_front(params, slot_take(cfg, state, slot), tokens, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "ple_cb"), donate_argnames=("state",))
+def _jit_prefill(params, state, slot, tokens, n_valid, ple, cfg, moe_impl, ple_cb=None, front=None):
+    sub = slot_take(cfg, state, slot)
+    logits, sub, hidden, _ = _step_any(params, sub, tokens, ple, front, ple_cb, cfg=cfg, moe_impl=moe_impl,
+                                       n_valid=n_valid)
     last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
     return slot_put(cfg, state, slot, sub), last, hidden
 
@@ -602,10 +716,10 @@ def _jit_sample_rows(logits, sp, keys, seen, counts, slots, n_logprobs):
     return tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 
-def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg, moe_impl, n_logprobs, greedy):
-    ple_ids, ple_rows = ple_split(ple)
-    logits, state, _, _ = step(params, state, tokens, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                               ple_rows=ple_rows)
+def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cfg, moe_impl, n_logprobs, greedy,
+                 ple_cb=None, front=None):
+    logits, state, _, _ = _step_any(params, state, tokens, ple, front, ple_cb, cfg=cfg, moe_impl=moe_impl,
+                                    n_valid=n_valid)
     if greedy:      # every row at temperature 0: the argmax, no sort over the vocabulary (same tokens as sample)
         tok = greedy_tokens(logits[:, 0], sp, seen, counts)
     else:
@@ -619,16 +733,17 @@ def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cf
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy", "ple_cb"),
          donate_argnames=("state", "seen", "counts"))
-def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_logprobs, greedy=False):
+def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_logprobs, greedy=False, ple_cb=None,
+                front=None):
     """One decode step of every slot. packed [5, S] uint32 (`Engine._row_inputs`): token, (unused here: every
     token comes from the host), n_valid, seed, counter per row; greedy (static) when every active row is at
-    temperature 0."""
+    temperature 0. front: the hand-over of `_jit_front` (then this is the step's second program)."""
     tokens = packed[0].astype(jnp.int32)[:, None]
     keys = row_keys(packed[3], packed[4])
     return _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ple, sp, keys, seen, counts, cfg,
-                        moe_impl, n_logprobs, greedy)
+                        moe_impl, n_logprobs, greedy, ple_cb, front)
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
@@ -700,8 +815,9 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     return mstate, jnp.stack(draft_toks, 1), None if greedy else jnp.stack(draft_lps, 1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"), donate_argnames=("state",))
-def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_impl, n_logprobs, greedy=False):
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy", "ple_cb"), donate_argnames=("state",))
+def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_impl, n_logprobs, greedy=False,
+                ple_cb=None, front=None):
     """Target on [pending, d_1..d_k]; speculative rejection sampling (greedy rows: longest matching prefix);
     rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs).
     greedy (every row at temperature 0; q_lp may be None): the same tokens and counts from the target's argmax
@@ -710,9 +826,8 @@ def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_imp
     width = verify.shape[1]
     k = width - 1
     n_valid = jnp.where(active, width, 0).astype(jnp.int32)
-    ple_ids, ple_rows = ple_split(ple)
-    logits, full, hidden, aux = step(params, state, verify, ple_ids, cfg=cfg, moe_impl=moe_impl, n_valid=n_valid,
-                                     snapshots=True, ple_rows=ple_rows)
+    logits, full, hidden, aux = _step_any(params, state, verify, ple, front, ple_cb, cfg=cfg, moe_impl=moe_impl,
+                                          n_valid=n_valid, snapshots=True)
     if greedy:
         toks, n_acc = accept_greedy(logits, verify[:, 1:])
     else:

@@ -58,9 +58,10 @@ def generate(model: Model, prompts, max_new_tokens: int = 32, sampling: Sampling
     """
     ids, as_text, single = _as_prompts(model, prompts)
     sampling = replace(sampling or SamplingParams(), max_tokens=max_new_tokens)
+    own = engine is None
     engine = engine or _engine_for(model, ids, max_new_tokens, speculative, max_slots, prefill_chunk)
     rids = [engine.submit(p, sampling) for p in ids]
-    events = _drive(engine)
+    events = _drive(engine, own)
     if stream:
         return events
     if progress:
@@ -119,11 +120,16 @@ def chat(model: Model, messages: list[dict], max_new_tokens: int = 256, sampling
     return model.tokenizer.decode(out)
 
 
-def _drive(engine: Engine) -> Iterator[Output]:
-    while engine.has_work():
-        for ev in engine.step():
-            if ev.token_ids or ev.finished:
-                yield ev
+def _drive(engine: Engine, own: bool = False) -> Iterator[Output]:
+    """Step the engine until it is idle; an engine made for this call (own) is closed after."""
+    try:
+        while engine.has_work():
+            for ev in engine.step():
+                if ev.token_ids or ev.finished:
+                    yield ev
+    finally:
+        if own:
+            engine.close()
 
 
 # ---- the jitted loop ---------------------------------------------------------------------------------------------

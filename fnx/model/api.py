@@ -146,16 +146,12 @@ def ple_input(model: Model, ids: np.ndarray | None):
     store = model.ple_store
     if store is None:
         return jnp.asarray(ids.astype(np.int32)), None
-    from fnx.ple.store import PleFetchError
     b, length, heads = ids.shape
     got = store.fetch(ids.reshape(b * length, heads), surface=False)
     missing = None
     if got.missing.any():
         missing = got.missing.reshape(b, length).any(axis=1)
-        try:
-            store.check()          # consumed: this call's caller handles the failure, not the next fetch
-        except PleFetchError:
-            pass
+        store.consume_pending()    # consumed: this call's caller handles the failure, not the next fetch
     return jnp.asarray(got.rows.reshape(b, length, -1)), missing
 
 

@@ -244,6 +244,21 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
             "n_valid": n_valid.astype(jnp.int32)}
 
 
+def ple_split_point(cfg: ModelConfig) -> int | None:
+    """How many leading segments of `layer_plan(cfg)` run before the first PLE layer (None without PLE): the
+    point where `step_front` hands over to `step_back`, so that a host store's rows can be fetched while the
+    device runs the embedding and the layers before the PLE layer."""
+    if not cfg.ple_layers:
+        return None
+    first = min(cfg.ple_layers)
+    return next(i for i, seg in enumerate(layer_plan(cfg)) if first in seg.layers)
+
+
+def _check_ple(cfg, ple_ids, ple_rows):
+    if cfg.ple_layer_ids and ple_ids is None and ple_rows is None:
+        raise ValueError("this config has a PLE layer: pass ple_ids (from fnx.ple.ngram_ids) or ple_rows")
+
+
 def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
          moe_impl: str = "auto", ple_rows: jax.Array | None = None, n_valid: jax.Array | None = None,
          snapshots: bool = False, collect: bool = False):
@@ -257,23 +272,60 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     collect: also return every layer's output hidden [layers, B, L, S*D] (all hyper-connection streams) and its
     routed expert ids [layers, B, L, K] in aux["hidden"] / aux["experts"].
     Returns logits [B, L, V], the new state, the pre-mixer hidden [B, L, S*D] (what the MTP layer reads) and aux
-    (the rollback material with snapshots, the per-layer outputs with collect; else empty)."""
+    (the rollback material with snapshots, the per-layer outputs with collect; else empty).
+
+    The same computation as `step_back(..., step_front(...))`, which splits it at the PLE layer."""
+    _check_ple(cfg, ple_ids, ple_rows)
+    nseg = len(layer_plan(cfg))
+    front = _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, 0, nseg, ple_ids, ple_rows,
+                 None)
+    return _finish(params, state, tokens, front, cfg, snapshots, collect)
+
+
+def step_front(params: dict, state: dict, tokens: jax.Array, *, cfg: ModelConfig, moe_impl: str = "auto",
+               n_valid: jax.Array | None = None, snapshots: bool = False) -> dict:
+    """The first half of `step`, split at the PLE layer: the embedding and every segment before the one holding
+    the first PLE layer (`ple_split_point`). Needs no PLE input, so it can run while a host store's rows are
+    fetched. Returns the hand-over pytree `step_back` takes (the pending hidden, the new states and rollback
+    material of the segments run). The state itself is not changed."""
+    split = ple_split_point(cfg)
+    if split is None:
+        raise ValueError("step_front splits the step at the PLE layer; this config has none (use step)")
+    out = _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, False, 0, split, None, None, None)
+    return {k: v for k, v in out.items() if k not in ("meta", "layers")}   # meta holds a function: not an output
+
+
+def step_back(params: dict, state: dict, tokens: jax.Array, front: dict, ple_ids: jax.Array | None = None, *,
+              cfg: ModelConfig, moe_impl: str = "auto", ple_rows: jax.Array | None = None,
+              n_valid: jax.Array | None = None, snapshots: bool = False):
+    """The second half of `step`: the segments from the PLE layer on, the head, and the new state, continuing
+    `front` (from `step_front` on the same state, tokens, n_valid and snapshots). Returns what `step` returns."""
+    _check_ple(cfg, ple_ids, ple_rows)
+    split = ple_split_point(cfg)
+    out = _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, False, split, len(layer_plan(cfg)),
+               ple_ids, ple_rows, front)
+    return _finish(params, state, tokens, out, cfg, snapshots, False)
+
+
+def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, hi, ple_ids, ple_rows, front):
+    """Segments [lo, hi) of the layer plan, continuing `front` (None: from the embedding)."""
     bsz, length = tokens.shape
     dtype = params["embed_tokens"].dtype
     pos0 = state["pos"]
     meta = make_meta(cfg, pos0, length, dtype, n_valid, ple_ids, ple_rows)
-    if cfg.ple_layer_ids and ple_ids is None and ple_rows is None:
-        raise ValueError("this config has a PLE layer: pass ple_ids (from fnx.ple.ngram_ids) or ple_rows")
-
-    e = params["embed_tokens"][tokens]
-    h = jnp.tile(e, (1, 1, cfg.hc_count))
-    # every layer leaves its last combine pending (carry = (h, y, inj)); the next layer's first boundary does it.
-    # Before layer 0 nothing is pending (y None), unless a scanned segment comes first: a scan's carry needs
-    # arrays, and y = 0, inj = 0 combine to h exactly (h + 0).
-    carry = (h, None, None)
-    new_segments, aux_segments = [], []
-    per_layer = [None] * cfg.num_hidden_layers                     # (hidden, expert ids) when collecting
-    for seg, seg_params, seg_state in zip(layer_plan(cfg), params["segments"], state["segments"]):
+    if front is None:
+        e = params["embed_tokens"][tokens]
+        h = jnp.tile(e, (1, 1, cfg.hc_count))
+        # every layer leaves its last combine pending (carry = (h, y, inj)); the next layer's first boundary does
+        # it. Before layer 0 nothing is pending (y None), unless a scanned segment comes first: a scan's carry
+        # needs arrays, and y = 0, inj = 0 combine to h exactly (h + 0).
+        front = {"carry": (h, None, None), "segments": [], "aux": [],
+                 "layers": [None] * cfg.num_hidden_layers if collect else None}
+    carry = front["carry"]
+    new_segments, aux_segments = list(front["segments"]), list(front["aux"])
+    per_layer = front.get("layers")                                  # (hidden, expert ids) when collecting
+    plan = layer_plan(cfg)
+    for seg, seg_params, seg_state in zip(plan[lo:hi], params["segments"][lo:hi], state["segments"][lo:hi]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
             carry, st, aux, ids = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0],
@@ -306,7 +358,12 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
             for g in range(seg.reps):
                 for j in range(seg.period):
                     per_layer[seg.start + g * seg.period + j] = jax.tree.map(lambda a: a[g], seen[j])
+    return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": per_layer, "meta": meta}
 
+
+def _finish(params, state, tokens, out, cfg, snapshots, collect):
+    carry, meta = out["carry"], out["meta"]
+    pos0 = state["pos"]
     with jax.named_scope("head"):   # the last layer's combine and the final mixer: one boundary
         h, x, _ = hyper.boundary(params["hyper_connection_mixer"], carry[0], carry[1], carry[2], cfg.hc_count,
                                  cfg.rms_norm_eps, inject=False)
@@ -315,9 +372,10 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     width = state["ngram_ctx"].shape[1]
     new_state = {"pos": pos0 + meta["n_valid"], "ngram_ctx": gdn.window_after(ctx_x[..., None], meta["n_valid"],
                                                                               width)[..., 0],
-                 "segments": new_segments}
-    aux = {"segments": aux_segments, "pos0": pos0, "ngram_x": ctx_x} if snapshots else {}
+                 "segments": out["segments"]}
+    aux = {"segments": out["aux"], "pos0": pos0, "ngram_x": ctx_x} if snapshots else {}
     if collect:
+        per_layer = out["layers"]
         aux["hidden"] = jnp.stack([hl for hl, _ in per_layer])
         aux["experts"] = jnp.stack([ids for _, ids in per_layer])
     return logits, new_state, h, aux

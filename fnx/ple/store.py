@@ -73,6 +73,11 @@ class StoreStats:
     prefetch_calls: int = 0
     prefetch_ranges: int = 0
     advise_syscalls: int = 0
+    # where a mapped store's fetch time goes: MADV_WILLNEED, MADV_POPULATE_READ (page faults, and the reads of
+    # pages not in the page cache), and the copy out of the mapping
+    willneed_seconds: float = 0.0
+    populate_seconds: float = 0.0
+    copy_seconds: float = 0.0
     fetch_seconds: float = 0.0
     max_fetch_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -180,6 +185,18 @@ class RowStore:
     def check(self) -> None:
         """Raise (policy fail) or log once (policy degrade) a failure left by an earlier fetch."""
         self._surface_pending()
+
+    def consume_pending(self) -> BaseException | None:
+        """Return and clear a failure an earlier fetch left pending, without raising: for a caller that handles
+        the failure itself (the engine ends the affected requests). Under policy degrade it is logged once, as
+        `check()` does."""
+        with self._lock:
+            err, self._pending = self._pending, None
+        if err is not None and self.policy != "fail":
+            lx.log_once(f"degrade-{self.mode}", logging.WARNING,
+                        "fnx.ple: %s store is degraded (policy=degrade): %s; continuing with zero rows where reads "
+                        "fail (see store.stats and store.last_error)", self.mode, err)
+        return err
 
     @property
     def stats(self) -> dict:
@@ -324,15 +341,16 @@ class _MappedStore(RowStore):
     def _gather(self, uniq):
         idx, local = self._locate(uniq)
         ok = np.ones(len(uniq), dtype=bool)
+        t0 = t1 = t2 = time.perf_counter()
         if self.guard:
             iov, which = lx.page_ranges(0, self._addresses(idx, local), self.src.row_bytes)
             self._advisor.advise(iov, lx.MADV_WILLNEED)  # start every read; failures show up below
+            t1 = time.perf_counter()
             if self._populate:
                 ok = ~self._advisor.advise(iov, lx.MADV_POPULATE_READ)[which]
             else:
                 ok = self._size_ok(idx, local)
-            with self._lock:
-                self._stats.advise_syscalls = self._advisor.syscalls
+            t2 = time.perf_counter()
         raw = np.zeros((len(uniq), self.src.row_bytes), dtype=np.uint8)
         if len(self._views) == 1:
             sel = np.flatnonzero(ok)
@@ -341,7 +359,24 @@ class _MappedStore(RowStore):
             for e in np.unique(idx[ok]).tolist():
                 sel = np.flatnonzero((idx == e) & ok)
                 raw[sel] = self._views[e][local[sel]]
+        t3 = time.perf_counter()
+        with self._lock:
+            st = self._stats
+            st.willneed_seconds += t1 - t0
+            st.populate_seconds += t2 - t1
+            st.copy_seconds += t3 - t2
+            if self.guard:
+                st.advise_syscalls = self._advisor.syscalls
         return raw, ok
+
+    def resident_fraction(self, sample: int = 4096, seed: int = 0) -> float:
+        """The fraction of `sample` random rows whose first page is in memory (mincore): how warm the page cache
+        is for this table, without touching it."""
+        rng = np.random.default_rng(seed)
+        rows = rng.integers(0, self.src.rows, size=min(sample, self.src.rows))
+        idx, local = self._locate(np.sort(rows))
+        addr = self._addresses(idx, local) // lx.PAGE * lx.PAGE
+        return float(np.mean([lx.resident(int(a), lx.PAGE)[0] for a in addr]))
 
     def _prefetch(self, uniq):
         if not self.guard:

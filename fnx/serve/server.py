@@ -74,6 +74,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ple-deadline-ms", type=float, default=None,
                    help="host PLE store: per-fetch deadline; rows not read by then are zero-filled (see "
                         "--ple-policy). Default: none")
+    p.add_argument("--ple-fetch", choices=["pipeline", "sync", "callback-pure", "callback-io", "callback-buffer"],
+                   default="pipeline",
+                   help="host PLE store: how each step's rows reach the device: fetched by a host thread while the "
+                        "layers before the PLE layer run (pipeline, the fastest on the H200), fetched before the "
+                        "step (sync), or by a host callback inside the step (callback-*)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="do not compile the engine's programs at start-up (the first requests then wait on "
                         "compiles; for development only)")
@@ -153,8 +158,8 @@ def main(argv=None) -> int:
         if args.ple_store != "device":
             ple_opts = {"policy": args.ple_policy,
                         "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
-        elif args.ple_deadline_ms is not None or args.ple_policy != "fail":
-            return _fail("--ple-policy and --ple-deadline-ms apply to a host --ple-store, not 'device'")
+        elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "pipeline":
+            return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not 'device'")
         model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts)
     except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation
         return _fail(f"could not load {model_dir}: {e}")
@@ -166,13 +171,14 @@ def main(argv=None) -> int:
     if not eos:  # no generation_config: the chat format's end tokens
         eos = tuple(i for i in map(tokenizer.token_id, ("<|im_end|>", "<|endoftext|>")) if i is not None)
     engine = Engine(model, max_slots=args.max_slots, capacity=args.capacity, prefill_chunk=args.prefill_chunk,
-                    speculative=args.speculative or None, extra_eos=eos, overlap=not args.no_overlap)
+                    speculative=args.speculative or None, extra_eos=eos, overlap=not args.no_overlap,
+                    ple_fetch=args.ple_fetch)
     name = args.served_model_name or model_dir.resolve().name
     print(f"fnx.serve: loaded {model_dir} in {t_load:.1f} s: {model!r}", flush=True)
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
-          f"PLE table: {args.ple_store}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
+          f"PLE table: {args.ple_store}{'' if args.ple_store == 'device' else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)
 
     metrics = Metrics(name)

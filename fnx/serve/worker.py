@@ -126,6 +126,7 @@ class EngineThread(threading.Thread):
                     eng.abort(rid)
                 self._live.clear()
                 self._publish()
+                eng.close()
                 return
             if eng.has_work() and self.failed is None:
                 t = time.perf_counter()

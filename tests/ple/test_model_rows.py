@@ -128,11 +128,12 @@ def test_device_only_paths_refuse_a_host_store(tiny):
     host.ple_store.close()
 
 
-@pytest.mark.parametrize("policy", ["fail", "degrade"])
-def test_missing_rows_end_only_the_affected_request(tiny, policy, monkeypatch):
+@pytest.mark.parametrize("policy,fetch", [("fail", "pipeline"), ("degrade", "sync")])
+def test_missing_rows_end_only_the_affected_request(tiny, policy, fetch, monkeypatch):
     """Fault injection: the decode fetches of slot 0's request lose their rows (zero-filled, as after a deadline or
     an unreadable page). policy fail: that request ends with finish_reason "error" and the other one finishes with
-    exactly its clean tokens; degrade: both finish, the zero rows counted."""
+    exactly its clean tokens; degrade: both finish, the zero rows counted. The rows reach the step through the
+    pipeline thread or a fetch before the step."""
     from fnx.engine.engine import Engine
     from fnx.engine.sampling import SamplingParams
     from fnx.ple.store import Fetch, PleFetchError
@@ -150,7 +151,7 @@ def test_missing_rows_end_only_the_affected_request(tiny, policy, monkeypatch):
         return got
 
     monkeypatch.setattr(host.ple_store, "fetch", lossy)
-    eng = Engine(host, max_slots=2, capacity=32)
+    eng = Engine(host, max_slots=2, capacity=32, ple_fetch=fetch)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ids = [eng.submit(p, sp) for p in PROMPTS]
     toks, reasons = {i: [] for i in ids}, {}
@@ -198,4 +199,64 @@ def test_extend_raises_on_missing_rows_before_touching_the_state(tiny, monkeypat
     st_d = fnx.new_state(tiny, 1, 16)
     np.testing.assert_array_equal(np.asarray(logits, np.float32),
                                   np.asarray(fnx.extend(tiny, st_d, [PROMPTS[0]])[0], np.float32))
+    host.ple_store.close()
+
+
+def test_the_step_split_at_the_ple_layer_equals_the_step(tiny):
+    """step_back(step_front(...)) is step: the same logits, state and rollback material, bit for bit."""
+    from fnx.model.transformer import layer_plan, ple_split_point, step_back, step_front
+    cfg = tiny.cfg
+    split = ple_split_point(cfg)
+    assert split is not None and cfg.ple_layers[0] in layer_plan(cfg)[split].layers
+    toks = jnp.asarray(_tokens(tiny, 2, 5, 7), jnp.int32)
+    ids, _ = ngram_ids(initial_context(2, tiny.ngram), np.asarray(toks), tiny.ngram)
+    ids = jnp.asarray(ids, jnp.int32)
+    state = init_state(cfg, 2, 16, tiny.dtype)
+    n_valid = jnp.asarray([5, 3], jnp.int32)
+    whole = jax.jit(lambda s: step(tiny.params, s, toks, ids, cfg=cfg, n_valid=n_valid, snapshots=True))(state)
+    front = jax.jit(lambda s: step_front(tiny.params, s, toks, cfg=cfg, n_valid=n_valid, snapshots=True))(state)
+    halves = jax.jit(lambda s, f: step_back(tiny.params, s, toks, f, ids, cfg=cfg, n_valid=n_valid,
+                                            snapshots=True))(state, front)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(halves), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_engine_fetch_variants_generate_the_same_tokens(tiny):
+    """Every `ple_fetch` variant (the default pipeline is covered above) gives the device table's greedy tokens,
+    and a callback fetch that fails ends the step's requests under policy fail (it cannot say which rows)."""
+    from fnx.engine.engine import Engine
+    from fnx.engine.sampling import SamplingParams
+    want = fnx.generate(tiny, PROMPTS, 6)
+    host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="pageable")
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(fetch):
+        eng = Engine(host, max_slots=2, capacity=32, ple_fetch=fetch)
+        ids = [eng.submit(p, sp) for p in PROMPTS]
+        toks, reasons = {i: [] for i in ids}, {}
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.token_ids
+                reasons.update({o.request_id: o.finish_reason} if o.finished else {})
+        eng.close()
+        return [toks[i] for i in ids], [reasons[i] for i in ids], eng.stats
+
+    for fetch in ("sync", "callback-pure", "callback-io", "callback-buffer"):
+        toks, reasons, _ = run(fetch)
+        assert toks == [w[:6] for w in want] and reasons == ["length", "length"], fetch
+    with pytest.raises(ValueError, match="ple_fetch must be one of"):
+        Engine(host, ple_fetch="async")
+
+    real = host.ple_store._gather
+
+    def broken(uniq):
+        if len(uniq) <= 2 * host.ngram.num_heads:      # decode steps: the rows are lost
+            raise OSError("injected: unreadable page")
+        return real(uniq)
+
+    host.ple_store._gather = broken
+    toks, reasons, stats = run("callback-io")
+    assert reasons == ["error", "error"] and stats["ple_failed_requests"] == 2
+    host.ple_store._gather = real
+    host.ple_store.check()          # nothing left pending: the engine consumed the failure
     host.ple_store.close()
