@@ -25,13 +25,14 @@ from fnx.engine.sampling import (SamplingArrays, SamplingParams, filtered_logpro
 from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model.ops import linear_argmax
-from fnx.model.transformer import init_state, rollback, slot_put, slot_take, step, step_back, step_front
+from fnx.model.transformer import (front_inputs, init_state, rollback, slot_put, slot_take, step, step_back,
+                                   step_front)
 from fnx.ple import initial_context, ngram_ids
 
 log = logging.getLogger("fnx.engine")
 
 # How a host PLE store's rows reach the step (the engine's `ple_fetch`); measured on the H200 in BENCHMARKS.md
-PLE_FETCH = ("pipeline", "sync", "callback-pure", "callback-io", "callback-buffer")
+PLE_FETCH = ("pipeline", "split", "sync", "callback-pure", "callback-io", "callback-buffer")
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class Engine:
           "pipeline" (default): the step runs as two programs split at the PLE layer; a host thread fetches the
             rows and copies them to the device while the first program (embedding, layers before the PLE layer)
             runs;
+          "split": the same two programs, the rows fetched on the engine's own thread right after the first
+            program is launched (no thread hand-off);
           "sync": the rows are fetched on the host, then one program runs;
           "callback-pure" / "callback-io" / "callback-buffer": one program that calls back into Python for the
             rows at the PLE layer (jax.pure_callback / io_callback / buffer_callback). A failed callback fetch
@@ -385,13 +388,18 @@ class Engine:
         ids = self._host_ids(histories, tokens)
         store = self.model.ple_store
         if ids is None or store is None:
-            return whole(None if ids is None else jnp.asarray(ids.astype(np.int32)), None)
+            return whole(None if ids is None else ids.astype(np.int32), None)
         if self._pipe is not None and front is not None:
             ticket = self._pipe.submit_ids(ids)
             handover = front()
             got = self._pipe.take(ticket)
             self._note_missing(self._consume(got.flagged) if got.flagged.any() else None)
             return back(handover, got.rows)
+        if self.ple_fetch == "split" and front is not None:
+            handover = front()                       # queued on the device; the fetch runs meanwhile
+            ple, missing = ple_input(self.model, ids)
+            self._note_missing(missing)
+            return back(handover, ple)
         if self._cb is not None:
             out = whole(ids.astype(np.int32), self._cb)
             jax.block_until_ready(out)               # the callback's failures are known once the step ran
@@ -427,7 +435,8 @@ class Engine:
         self.state, last_logits, hidden = self._run_ple(
             [hist], tokens,
             lambda ple, cb: _jit_prefill(*args, ple, self.cfg, self.moe_impl, ple_cb=cb),
-            lambda: _jit_prefill_front(*args, self.cfg, self.moe_impl),
+            lambda: _jit_prefill_front(*front_inputs(self.cfg, self.model.params, self.state), req.slot, tokens, nv,
+                                       self.cfg, self.moe_impl),
             lambda fr, rows: _jit_prefill(*args, rows, self.cfg, self.moe_impl, front=fr))
         req.prefilled += n
         self.stats["prefill_tokens"] += n
@@ -507,8 +516,8 @@ class Engine:
 
         self.state, tok, lp_info, self.seen, self.out_counts = self._run_ple(
             hist, tokens, whole,
-            lambda: _jit_front(self.model.params, self.state, tokens, packed[2].astype(np.int32), self.cfg,
-                               self.moe_impl),
+            lambda: _jit_front(*front_inputs(self.cfg, self.model.params, self.state), tokens,
+                               packed[2].astype(np.int32), self.cfg, self.moe_impl),
             lambda fr, rows: whole(rows, front=fr))
         self.stats["decode_steps"] += 1
         tok, lp_info = _to_host((tok, lp_info))
@@ -590,8 +599,8 @@ class Engine:
             n_valid = np.where(active, k + 1, 0).astype(np.int32)
             self.state, out_tok, n_acc, hidden, lp_info = self._run_ple(
                 hist, verify, lambda ple, cb: run_verify(verify, ple, cb),
-                lambda: _jit_front(self.model.params, self.state, verify, n_valid, self.cfg, self.moe_impl,
-                                   snapshots=True),
+                lambda: _jit_front(*front_inputs(self.cfg, self.model.params, self.state), verify, n_valid, self.cfg,
+                                   self.moe_impl, snapshots=True),
                 lambda fr, rows: run_verify(verify, rows, front=fr))
         out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
         lp_info = _to_host(lp_info)

@@ -136,23 +136,23 @@ def ple_split(ple):
 
 
 def ple_input(model: Model, ids: np.ndarray | None):
-    """ids [B, L, heads] -> (what a step takes, missing). The input is the ids themselves for a table in the
-    params, or, with a host store, the rows fetched now [B, L, heads * width]. missing: None, or bool [B] for
+    """ids [B, L, heads] -> (what a step takes, missing), as NumPy. The input is the ids themselves (int32) for a
+    table in the params, or, with a host store, the rows fetched now [B, L, heads * width]. missing: None, or bool [B] for
     the sequences some of whose rows could not be read (zero-filled: past the fetch deadline, or unreadable
     pages); the caller decides per the store's policy (the Engine ends those requests under "fail", `extend`
     raises). The store's own pending error is consumed here (under "degrade" it is logged once)."""
     if ids is None:
         return None, None
     store = model.ple_store
-    if store is None:
-        return jnp.asarray(ids.astype(np.int32)), None
+    if store is None:   # NumPy: a jitted step copies it in with its call (no eager conversion dispatched first)
+        return ids.astype(np.int32), None
     b, length, heads = ids.shape
     got = store.fetch(ids.reshape(b * length, heads), surface=False)
     missing = None
     if got.missing.any():
         missing = got.missing.reshape(b, length).any(axis=1)
         store.consume_pending()    # consumed: this call's caller handles the failure, not the next fetch
-    return jnp.asarray(got.rows.reshape(b, length, -1)), missing
+    return got.rows.reshape(b, length, -1), missing
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("state",))

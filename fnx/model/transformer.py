@@ -254,6 +254,16 @@ def ple_split_point(cfg: ModelConfig) -> int | None:
     return next(i for i, seg in enumerate(layer_plan(cfg)) if first in seg.layers)
 
 
+def front_inputs(cfg: ModelConfig, params: dict, state: dict) -> tuple[dict, dict]:
+    """The parts of params and state `step_front` reads (the embedding and the segments before the PLE layer), so
+    the first program's call hands over a few arrays, not every layer's."""
+    split = ple_split_point(cfg)
+    if split is None:
+        raise ValueError("this config has no PLE layer to split the step at")
+    return ({"embed_tokens": params["embed_tokens"], "segments": params["segments"][:split]},
+            {"pos": state["pos"], "ngram_ctx": state["ngram_ctx"], "segments": state["segments"][:split]})
+
+
 def _check_ple(cfg, ple_ids, ple_rows):
     if cfg.ple_layer_ids and ple_ids is None and ple_rows is None:
         raise ValueError("this config has a PLE layer: pass ple_ids (from fnx.ple.ngram_ids) or ple_rows")
@@ -287,7 +297,8 @@ def step_front(params: dict, state: dict, tokens: jax.Array, *, cfg: ModelConfig
     """The first half of `step`, split at the PLE layer: the embedding and every segment before the one holding
     the first PLE layer (`ple_split_point`). Needs no PLE input, so it can run while a host store's rows are
     fetched. Returns the hand-over pytree `step_back` takes (the pending hidden, the new states and rollback
-    material of the segments run). The state itself is not changed."""
+    material of the segments run). The state itself is not changed. params and state may be cut to what this half
+    reads (`front_inputs`)."""
     split = ple_split_point(cfg)
     if split is None:
         raise ValueError("step_front splits the step at the PLE layer; this config has none (use step)")

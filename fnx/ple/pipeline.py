@@ -153,10 +153,11 @@ class PipelineRows:
 
 
 class Ticket:
-    __slots__ = ("seq", "event", "result", "exc")
+    __slots__ = ("seq", "event", "result", "exc", "submitted")
 
     def __init__(self, seq):
         self.seq, self.event, self.result, self.exc = seq, threading.Event(), None, None
+        self.submitted = 0.0
 
 
 class PrefetchPipeline:
@@ -187,6 +188,9 @@ class PrefetchPipeline:
         self._seq = itertools.count()
         self._closed = False
         self.hints_done = 0
+        # where a step's time goes: submit -> the thread starts it (queue), the thread's ids + fetch + copy (host),
+        # and how long take() blocked the caller (wait: what the overlap did not hide)
+        self.stats = {"steps": 0, "queue_seconds": 0.0, "host_seconds": 0.0, "wait_seconds": 0.0}
         self._thread = threading.Thread(target=self._run, name="fnx-ple-pipeline", daemon=True)
         self._thread.start()
 
@@ -204,7 +208,11 @@ class PrefetchPipeline:
     def take(self, ticket: Ticket, timeout: float | None = None) -> PipelineRows:
         """Wait for a ticket's rows. Raises what the thread raised (bad ids, closed store) and, under the store's
         fail policy, a PleFetchError on the step after the one whose rows were zero-filled."""
-        if not ticket.event.wait(timeout):
+        import time
+        start = time.perf_counter()
+        ready = ticket.event.wait(timeout)
+        self.stats["wait_seconds"] += time.perf_counter() - start
+        if not ready:
             raise TimeoutError(f"PLE rows of ticket {ticket.seq} not ready after {timeout} s")
         if ticket.exc is not None:
             raise ticket.exc
@@ -238,8 +246,10 @@ class PrefetchPipeline:
     def _submit(self, job) -> Ticket:
         if self._closed:
             raise RuntimeError("the PLE pipeline is closed")
+        import time
         self._slots.acquire()
         t = Ticket(next(self._seq))
+        t.submitted = time.perf_counter()
         self._queue.put((0, t.seq, job + (t,)))
         return t
 
@@ -262,6 +272,7 @@ class PrefetchPipeline:
                 continue
             ticket = job[-1]
             start = time.perf_counter()
+            self.stats["queue_seconds"] += start - ticket.submitted
             try:
                 new_ctx = None
                 if kind == "tokens":
@@ -277,6 +288,8 @@ class PrefetchPipeline:
                 missing = fetch.missing.reshape(b, length)
                 ticket.result = PipelineRows(rows, missing, missing.any(axis=1), fetch.error, new_ctx,
                                              time.perf_counter() - start)
+                self.stats["steps"] += 1
+                self.stats["host_seconds"] += ticket.result.host_seconds
                 if fetch.error is None:
                     try:
                         self.store.check()  # under fail, an earlier failure is raised to this step's take()

@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ple-deadline-ms", type=float, default=None,
                    help="host PLE store: per-fetch deadline; rows not read by then are zero-filled (see "
                         "--ple-policy). Default: none")
-    p.add_argument("--ple-fetch", choices=["pipeline", "sync", "callback-pure", "callback-io", "callback-buffer"],
+    p.add_argument("--ple-fetch", choices=["pipeline", "split", "sync", "callback-pure", "callback-io", "callback-buffer"],
                    default="pipeline",
                    help="host PLE store: how each step's rows reach the device: fetched by a host thread while the "
                         "layers before the PLE layer run (pipeline, the fastest on the H200), fetched before the "

@@ -241,7 +241,7 @@ def test_engine_fetch_variants_generate_the_same_tokens(tiny):
         eng.close()
         return [toks[i] for i in ids], [reasons[i] for i in ids], eng.stats
 
-    for fetch in ("sync", "callback-pure", "callback-io", "callback-buffer"):
+    for fetch in ("split", "sync", "callback-pure", "callback-io", "callback-buffer"):
         toks, reasons, _ = run(fetch)
         assert toks == [w[:6] for w in want] and reasons == ["length", "length"], fetch
     with pytest.raises(ValueError, match="ple_fetch must be one of"):
