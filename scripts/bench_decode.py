@@ -190,6 +190,8 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
                 while any(r.generated == 0 and not r.done for r in reqs):     # every prefill done
                     eng.step()
                 times = []
+                eng.stats.pop("ple_host_seconds", None)
+                eng.stats.pop("ple_calls", None)
                 while eng.has_work():
                     t = time.perf_counter()
                     eng.step()
@@ -233,6 +235,10 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
                 out[key + "_stall_ms"] = ms - out[f"engine_b{slots}_sync_ms_per_step"]
                 extra = (f" (PLE stall {out[key + '_stall_ms']:+.3f} ms against the in-params table; host fetch "
                          f"{out[key + '_fetch_ms']:.3f} ms per fetch, prefill fetches included)") + extra
+            if "ple_host_seconds" in eng.stats:     # reset when the timed decode steps began
+                calls, ph = eng.stats["ple_calls"], eng.stats["ple_host_seconds"]
+                out.update({f"{key}_host_{k}_ms": v / calls * 1e3 for k, v in ph.items()})
+                extra += " {host per step: " + ", ".join(f"{k} {v / calls * 1e3:.3f}" for k, v in ph.items()) + " ms}"
             print(f"# engine decode, {slots} slots, {label}: {ms:.3f} ms per step, {slots / (ms / 1e3):.0f} tok/s"
                   + extra, flush=True)
             eng.close()

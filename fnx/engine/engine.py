@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -385,30 +386,49 @@ class Engine:
         callback `cb` fetches their rows), rows [B, L, E] (fetched here, "sync"), or None (no PLE layer).
         front() / back(handover, rows): the two programs of "pipeline", the rows fetched and copied by the
         pipeline thread while front() runs on the device."""
+        t0 = time.perf_counter()
         ids = self._host_ids(histories, tokens)
         store = self.model.ple_store
         if ids is None or store is None:
             return whole(None if ids is None else ids.astype(np.int32), None)
+        t1 = time.perf_counter()
+        handover = None
         if self._pipe is not None and front is not None:
             ticket = self._pipe.submit_ids(ids)
             handover = front()
+            t2 = time.perf_counter()
             got = self._pipe.take(ticket)
             self._note_missing(self._consume(got.flagged) if got.flagged.any() else None)
-            return back(handover, got.rows)
-        if self.ple_fetch == "split" and front is not None:
+            ple = got.rows
+        elif self.ple_fetch == "split" and front is not None:
             handover = front()                       # queued on the device; the fetch runs meanwhile
+            t2 = time.perf_counter()
             ple, missing = ple_input(self.model, ids)
             self._note_missing(missing)
-            return back(handover, ple)
-        if self._cb is not None:
+        elif self._cb is not None:
+            t2 = t1
             out = whole(ids.astype(np.int32), self._cb)
             jax.block_until_ready(out)               # the callback's failures are known once the step ran
             if store.consume_pending() is not None:  # which rows failed is not known: the whole batch
                 self._note_missing(np.ones(ids.shape[0], bool))
+            self._ple_time(t0, t1, t2, t2, time.perf_counter())
             return out
-        ple, missing = ple_input(self.model, ids)    # "sync": the rows fetched now, on the host
-        self._note_missing(missing)
-        return whole(ple, None)
+        else:
+            t2 = t1
+            ple, missing = ple_input(self.model, ids)    # "sync": the rows fetched now, on the host
+            self._note_missing(missing)
+        t3 = time.perf_counter()
+        out = whole(ple, None) if handover is None else back(handover, ple)
+        self._ple_time(t0, t1, t2, t3, time.perf_counter())
+        return out
+
+    def _ple_time(self, *t):
+        """Host seconds of the steps with a host PLE store, by phase: n-gram ids, the first program's launch,
+        getting the rows (fetch, or waiting for the pipeline thread), the (second) program's launch."""
+        acc = self.stats.setdefault("ple_host_seconds", {"ids": 0.0, "front": 0.0, "rows": 0.0, "launch": 0.0})
+        for k, a, b in zip(("ids", "front", "rows", "launch"), t, t[1:]):
+            acc[k] += b - a
+        self.stats["ple_calls"] = self.stats.get("ple_calls", 0) + 1
 
     def _consume(self, flagged: np.ndarray) -> np.ndarray:
         """A fetch zero-filled rows: this step's caller handles it per request, so the store's pending error
