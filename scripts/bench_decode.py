@@ -173,6 +173,10 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
         hcfg = cfg
         if store.src.rows == NgramConstants.from_config(release, 0).num_rows:
             hcfg = dataclasses.replace(cfg, ngram_vocab_size_base=release.ngram_vocab_size_base)
+        need = NgramConstants.from_config(hcfg, 0).num_rows
+        if store.src.rows < need:
+            raise SystemExit(f"--engine on a host store hashes into {need:,} rows; the synthetic table has "
+                             f"{store.src.rows:,}: give --ple-table-gb >= {need * store.src.row_bytes / 2**30:.1f}")
         hosted = Model(hcfg, params, mp, ple_store=store)
         runs += [(f"ple_{f}", hosted, dict(ple_fetch=f)) for f in fetches]
     out = {}
