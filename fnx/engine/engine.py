@@ -32,8 +32,9 @@ from fnx.ple import initial_context, ngram_ids
 
 log = logging.getLogger("fnx.engine")
 
-# How a host PLE store's rows reach the step (the engine's `ple_fetch`); measured on the H200 in BENCHMARKS.md
-PLE_FETCH = ("pipeline", "split", "sync", "callback-pure", "callback-io", "callback-buffer")
+# How a host PLE store's rows reach the step (the engine's `ple_fetch`), the default first: every variant was
+# measured in the engine on the H200 (BENCHMARKS.md, "The engine on a host PLE store"); "sync" was the fastest
+PLE_FETCH = ("sync", "pipeline", "split", "callback-pure", "callback-io", "callback-buffer")
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class _Inflight:
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
-                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True, ple_fetch: str = "pipeline"):
+                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True, ple_fetch: str = "sync"):
         """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
         same output distribution (the acceptance rule is exact for any drafter).
@@ -125,12 +126,14 @@ class Engine:
         before the next program): those engines run every step synchronously (a speculative round's draft and
         verify programs still run back to back: the verify window is built on the device).
         ple_fetch: how the rows of a host PLE store (`fnx.load(..., ple_store="pageable")` etc.) reach each step:
-          "pipeline" (default): the step runs as two programs split at the PLE layer; a host thread fetches the
-            rows and copies them to the device while the first program (embedding, layers before the PLE layer)
+          "sync" (default, the fastest measured on the H200): the rows are fetched on the host, then one program
             runs;
+          "pipeline": the step runs as two programs split at the PLE layer; a host thread fetches the rows and
+            copies them to the device while the first program (embedding, layers before the PLE layer) runs;
           "split": the same two programs, the rows fetched on the engine's own thread right after the first
-            program is launched (no thread hand-off);
-          "sync": the rows are fetched on the host, then one program runs;
+            program is launched (no thread hand-off). Both lose to "sync" on the H200 host: a second launch
+            costs more host time (0.5-1.4 ms, more while the device is busy) than the first program's device time
+            they can hide the fetch behind;
           "callback-pure" / "callback-io" / "callback-buffer": one program that calls back into Python for the
             rows at the PLE layer (jax.pure_callback / io_callback / buffer_callback). A failed callback fetch
             cannot say which rows it lost, so every row of that step counts as missing.

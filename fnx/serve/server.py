@@ -74,11 +74,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ple-deadline-ms", type=float, default=None,
                    help="host PLE store: per-fetch deadline; rows not read by then are zero-filled (see "
                         "--ple-policy). Default: none")
-    p.add_argument("--ple-fetch", choices=["pipeline", "split", "sync", "callback-pure", "callback-io", "callback-buffer"],
-                   default="pipeline",
-                   help="host PLE store: how each step's rows reach the device: fetched by a host thread while the "
-                        "layers before the PLE layer run (pipeline, the fastest on the H200), fetched before the "
-                        "step (sync), or by a host callback inside the step (callback-*)")
+    p.add_argument("--ple-fetch", choices=["sync", "pipeline", "split", "callback-pure", "callback-io",
+                                           "callback-buffer"], default="sync",
+                   help="host PLE store: how each step's rows reach the device: fetched before the step (sync, the "
+                        "fastest measured on the H200), while the layers before the PLE layer run as a separate "
+                        "program (pipeline: by a host thread; split: by the engine thread), or by a host callback "
+                        "inside the step (callback-*)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="do not compile the engine's programs at start-up (the first requests then wait on "
                         "compiles; for development only)")
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
         if args.ple_store != "device":
             ple_opts = {"policy": args.ple_policy,
                         "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
-        elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "pipeline":
+        elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "sync":
             return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not 'device'")
         model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts)
     except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation

@@ -222,7 +222,7 @@ def test_the_step_split_at_the_ple_layer_equals_the_step(tiny):
 
 
 def test_engine_fetch_variants_generate_the_same_tokens(tiny):
-    """Every `ple_fetch` variant (the default pipeline is covered above) gives the device table's greedy tokens,
+    """Every `ple_fetch` variant (the default, sync, is covered above) gives the device table's greedy tokens,
     and a callback fetch that fails ends the step's requests under policy fail (it cannot say which rows)."""
     from fnx.engine.engine import Engine
     from fnx.engine.sampling import SamplingParams
@@ -241,7 +241,7 @@ def test_engine_fetch_variants_generate_the_same_tokens(tiny):
         eng.close()
         return [toks[i] for i in ids], [reasons[i] for i in ids], eng.stats
 
-    for fetch in ("split", "sync", "callback-pure", "callback-io", "callback-buffer"):
+    for fetch in ("pipeline", "split", "callback-pure", "callback-io", "callback-buffer"):
         toks, reasons, _ = run(fetch)
         assert toks == [w[:6] for w in want] and reasons == ["length", "length"], fetch
     with pytest.raises(ValueError, match="ple_fetch must be one of"):
