@@ -378,6 +378,13 @@ class Engine:
         ids, _ = ngram_ids(ctx, tokens.astype(np.int64), ng)
         return ids
 
+    def _context_tail(self, history: list[int], end: int) -> list[int]:
+        """The tokens of history[:end] the n-gram ids of the next tokens depend on (the last ngram_size - 1), without
+        copying the whole history every step."""
+        ng = self.model.ngram
+        n = ng.ngram_size - 1 if ng is not None else 0
+        return history[max(end - n, 0):end] if n else []
+
     def _note_missing(self, missing: np.ndarray | None) -> None:
         if missing is not None:                      # handled per request after the step: _ple_failed
             self._ple_missing = missing
@@ -452,7 +459,7 @@ class Engine:
         length = self._bucket(n)
         tokens = np.zeros((1, length), np.int32)
         tokens[0, :n] = chunk
-        hist = req.history[:start]
+        hist = self._context_tail(req.history, start)
         nv = np.asarray([n], np.int32)
         args = (self.model.params, self.state, req.slot, tokens, nv)
         self.state, last_logits, hidden = self._run_ple(
@@ -529,7 +536,7 @@ class Engine:
         packed, params = self._row_inputs(reqs)
         hist = [[] for _ in range(len(self.slots))]
         for r in reqs:
-            hist[r.slot] = r.history[:-1]
+            hist[r.slot] = self._context_tail(r.history, len(r.history) - 1)
         tokens = packed[0].astype(np.int32)[:, None]
         sp, nlp, greedy = self._sampling_arrays(params), _n_logprobs(reqs), all(r.params.greedy for r in reqs)
 
@@ -618,7 +625,7 @@ class Engine:
             for r in reqs:
                 verify[r.slot, 0] = r.pending
                 verify[r.slot, 1:] = drafts[r.slot]
-                hist[r.slot] = r.history[:-1]
+                hist[r.slot] = self._context_tail(r.history, len(r.history) - 1)
             n_valid = np.where(active, k + 1, 0).astype(np.int32)
             self.state, out_tok, n_acc, hidden, lp_info = self._run_ple(
                 hist, verify, lambda ple, cb: run_verify(verify, ple, cb),
