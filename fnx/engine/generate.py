@@ -37,10 +37,16 @@ def _encode(model: Model, text: str) -> list[int]:
     return ids
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def _engine_for(model, prompts, max_new_tokens, speculative, max_slots, prefill_chunk):
+    """An engine sized for this call, its shapes rounded up (slots to 1, 2, 4 or 8, the context to a power of two
+    of at least 256), so that a session's further calls reuse the compiled programs instead of compiling anew."""
     k = speculative.k if isinstance(speculative, SpeculativeConfig) else (speculative or 0)
-    capacity = max(len(p) for p in prompts) + max_new_tokens + k + 1
-    return Engine(model, max_slots=max_slots or min(len(prompts), 8), capacity=max(capacity, 8),
+    need = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    return Engine(model, max_slots=max_slots or _pow2(min(len(prompts), 8)), capacity=max(_pow2(need), 256),
                   prefill_chunk=prefill_chunk, speculative=speculative, extra_eos=model.eos_token_ids)
 
 
