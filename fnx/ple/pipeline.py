@@ -12,6 +12,10 @@ Two routes:
   step receives the rows as `ple_rows` (`fnx.model.transformer.step(..., ple_rows=...)`). At most `slots` steps
   are in flight (double buffering by default); `hint_prompt` prefetches a whole prompt's rows on admission,
   window by window, behind any step fetch.
+
+The engine runs either route (`Engine(ple_fetch="pipeline" | "callback-*")`), but its default is "sync" (fetch,
+then one program): on the H200 a second program's launch cost more host time than the overlap won
+(BENCHMARKS.md, "The engine on a host PLE store").
 """
 
 from __future__ import annotations
