@@ -46,7 +46,16 @@ def main():
     res["device_put_rows_us"] = per_call(lambda: jax.device_put(rows_np))
     res["jnp_asarray_small_us"] = per_call(lambda: jnp.asarray(small_np))
     # the device busy for ~20 ms: does a launch with a NumPy argument wait behind it?
+    donate = jax.jit(lambda p, a: (a + 1, p[0][0, 0]), donate_argnums=(1,))
+    box = {"a": jax.device_put(small_np)}
+
+    def donated():
+        box["a"], out = donate(params, box["a"])
+        return out
     for name, fn in (("numpy", lambda: g(params, small_np, rows_np)), ("device", lambda: g(params, small_dev, rows_dev)),
+                     ("device_few_leaves", lambda: f(params[:4], small_dev)),
+                     ("device_30_leaves", lambda: f(params[:30], small_dev)),
+                     ("donated", donated),
                      ("device_put", lambda: jax.device_put(rows_np))):
         times = []
         for _ in range(20):
