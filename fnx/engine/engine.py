@@ -18,6 +18,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from fnx.engine.spec import accept, accept_greedy
@@ -541,8 +542,13 @@ class Engine:
         sp, nlp, greedy = self._sampling_arrays(params), _n_logprobs(reqs), all(r.params.greedy for r in reqs)
 
         def whole(ple, cb=None, front=None):
-            return _jit_decode(self.model.params, self.state, packed, ple, sp, self.seen, self.out_counts, self.cfg,
-                               self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front)
+            pk, rows = packed, None
+            if isinstance(ple, np.ndarray) and not np.issubdtype(ple.dtype, np.integer):
+                # host rows: appended to the row inputs as uint32 words, so the launch copies one NumPy array in,
+                # not two (each NumPy argument costs a launch ~0.1 ms of host time on the H200)
+                pk, rows, ple = _pack_rows(packed, ple), (str(ple.dtype), ple.shape[-1]), None
+            return _jit_decode(self.model.params, self.state, pk, ple, sp, self.seen, self.out_counts, self.cfg,
+                               self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front, packed_rows=rows)
 
         self.state, tok, lp_info, self.seen, self.out_counts = self._run_ple(
             hist, tokens, whole,
@@ -772,13 +778,29 @@ def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cf
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy", "ple_cb"),
+def _pack_rows(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """[5, S] uint32 row inputs + host PLE rows [S, 1, E] (2- or 4-byte floats) -> [5 + E * itemsize / 4, S]."""
+    words = np.ascontiguousarray(rows).reshape(rows.shape[0], -1).view(np.uint32)
+    return np.concatenate([packed, words.T])
+
+
+def _unpack_rows(packed, spec):
+    """The rows `_pack_rows` appended, back as [S, 1, E] of their dtype (spec: (dtype name, E))."""
+    dtype, width = jnp.dtype(spec[0]), spec[1]
+    words = packed[5:].T                                               # [S, E * itemsize / 4] uint32
+    return lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], 1, width)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy", "ple_cb", "packed_rows"),
          donate_argnames=("state", "seen", "counts"))
 def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_logprobs, greedy=False, ple_cb=None,
-                front=None):
+                front=None, packed_rows=None):
     """One decode step of every slot. packed [5, S] uint32 (`Engine._row_inputs`): token, (unused here: every
     token comes from the host), n_valid, seed, counter per row; greedy (static) when every active row is at
-    temperature 0. front: the hand-over of `_jit_front` (then this is the step's second program)."""
+    temperature 0. front: the hand-over of `_jit_front` (then this is the step's second program).
+    packed_rows (static (dtype, width)): host PLE rows follow in packed[5:] (`_pack_rows`), ple is None."""
+    if packed_rows is not None:
+        ple = _unpack_rows(packed, packed_rows)
     tokens = packed[0].astype(jnp.int32)[:, None]
     keys = row_keys(packed[3], packed[4])
     return _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ple, sp, keys, seen, counts, cfg,
