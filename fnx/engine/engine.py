@@ -543,7 +543,8 @@ class Engine:
 
         def whole(ple, cb=None, front=None):
             pk, rows = packed, None
-            if isinstance(ple, np.ndarray) and not np.issubdtype(ple.dtype, np.integer):
+            if isinstance(ple, np.ndarray) and not np.issubdtype(ple.dtype, np.integer) and \
+                    ple.nbytes <= PACK_ROWS_MAX_BYTES:
                 # host rows: appended to the row inputs as uint32 words, so the launch copies one NumPy array in,
                 # not two (each NumPy argument costs a launch ~0.1 ms of host time on the H200)
                 pk, rows, ple = _pack_rows(packed, ple), (str(ple.dtype), ple.shape[-1]), None
@@ -776,6 +777,12 @@ def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cf
     seen = jnp.where(active[:, None], seen2, seen)
     counts = jnp.where(active[:, None], counts2, counts)
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
+
+
+# Host PLE rows up to this size ride in the decode step's packed row inputs. Measured on the H200 (BENCHMARKS.md):
+# at 1 slot (5 KB of rows) the launch took 0.15 ms less; at 16 slots (80 KB) it was not faster, so larger blocks
+# stay a separate argument.
+PACK_ROWS_MAX_BYTES = 16384
 
 
 def _pack_rows(packed: np.ndarray, rows: np.ndarray) -> np.ndarray:
