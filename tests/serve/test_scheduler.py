@@ -45,6 +45,9 @@ class FakeEngine:
         self.waiting = deque(r for r in self.waiting if r.id != rid)
         self.slots = [None if (s is not None and s.id == rid) else s for s in self.slots]
 
+    def close(self):          # the worker closes its engine when it stops
+        self.closed = True
+
     def step(self):
         time.sleep(0.001)
         if self.explode:
