@@ -95,6 +95,63 @@ def hlo_report(compiled_text: str) -> dict:
     return {"command_buffer_computations": len(cb), "entry_ops_outside_buffers": dict(outside.most_common(30))}
 
 
+def hlo_fusions(text: str) -> dict:
+    """Per instruction of an optimized HLO module that launches something (fusion, custom call, copy, ...): its
+    op_name metadata, the opcodes of the computation it calls, and its result shape; keyed by the instruction name
+    with '.' and '-' as '_' (the form kernel names take in a profile)."""
+    bodies, cur = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if m:
+            cur = bodies.setdefault(m.group(1), collections.Counter())
+            continue
+        if line.startswith("}"):
+            cur = None
+            continue
+        if cur is not None:
+            op = re.search(r"=\s*\S+(?:\{[^}]*\})?\s+([\w\-]+)\(", line)
+            if op and op.group(1) not in ("parameter", "constant", "bitcast", "get-tuple-element", "tuple"):
+                cur[op.group(1)] += 1
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+        if not m or m.group(3) not in ("fusion", "custom-call", "copy", "dynamic-update-slice", "scatter", "sort",
+                                       "reduce", "dot", "gather", "concatenate", "convolution", "all-reduce"):
+            continue
+        calls = re.search(r"calls=%?([\w.\-]+)", line)
+        opname = re.search(r'op_name="([^"]*)"', line)
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        body = bodies.get(calls.group(1)) if calls else None
+        out[re.sub(r"[.\-]", "_", m.group(1))] = {
+            "op": m.group(3) + (f":{target.group(1)}" if target else ""), "shape": m.group(2)[:60],
+            "op_name": (opname.group(1) if opname else "")[-140:],
+            "body": dict(body.most_common(8)) if body else {}}
+    return out
+
+
+def kernel_table(kernels: list[dict], calls: int, fusions: dict) -> list[dict]:
+    """Device kernels grouped by name: launches and microseconds per call, in first-launch order, each with what
+    `hlo_fusions` knows of the instruction it came from (matched on the name, then without trailing digits)."""
+    rows: dict[str, dict] = {}
+    for e in kernels:
+        name = e.get("name", "")
+        r = rows.setdefault(name, {"kernel": name[:80], "n": 0, "us": 0.0})
+        r["n"] += 1
+        r["us"] += float(e.get("dur", 0.0))
+    out = []
+    for name, r in rows.items():
+        key = re.sub(r"[.\-]", "_", name)
+        info = fusions.get(key) or fusions.get(re.sub(r"_\d+$", "", key)) or {}
+        if not info:   # a profile may add a kernel suffix after the instruction name (e.g. "fusion_12_1")
+            for k in (key.rsplit("_", 1)[0], key.split(":")[0]):
+                if k in fusions:
+                    info = fusions[k]
+                    break
+        out.append({"kernel": r["kernel"], "per_call": r["n"] / calls, "us_per_call": round(r["us"] / calls, 2),
+                    **info})
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -110,6 +167,9 @@ def main():
     ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
     ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
+    ap.add_argument("--kernel-table", action="store_true",
+                    help="profile the decode step and list every kernel it launches (time per call, the HLO "
+                         "instruction it comes from, its op_name and fused opcodes) to --out/kernel_table_*.jsonl")
     ap.add_argument("--kernel-variants", default="",
                     help="';'-separated FNX_KERNELS values ('auto' for none) timed one after another in this "
                          "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
@@ -227,6 +287,23 @@ def main():
                 os.environ.pop("FNX_KERNELS", None)
             else:
                 os.environ["FNX_KERNELS"] = saved
+    if args.kernel_table:
+        led = ledger.profile(dec, args.calls, log_dir=os.path.join(args.out, f"trace_table_{tag}"))
+        import gzip
+        with gzip.open(led["trace"], "rt") as f:
+            trace = json.load(f)
+        table = kernel_table(ledger.device_kernels(trace), args.calls, hlo_fusions(text))
+        path = os.path.join(args.out, f"kernel_table_{tag}.jsonl")
+        with open(path, "w") as f:
+            for row in table:
+                f.write(json.dumps(row) + "\n")
+        matched = sum(1 for r in table if r.get("op"))
+        emit({"part": "kernel table", "kernels_per_call": led["launches_per_call"],
+              "busy_ms_per_call": led["busy_ms_per_call"], "distinct_kernels": len(table),
+              "matched_to_hlo": matched, "file": os.path.basename(path)})
+        for row in sorted(table, key=lambda r: -r["us_per_call"])[:40]:
+            print(f"{row['us_per_call']:8.2f} us x{row['per_call']:.0f} {row['kernel'][:40]:40s} "
+                  f"{row.get('op', '?'):22s} {row.get('op_name', '')[-70:]}", flush=True)
     if args.dispatch_only:
         return
 
