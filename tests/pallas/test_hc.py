@@ -45,6 +45,10 @@ def _close(got, want, tol, what):
     ((1, 1), True, True, None),
     ((1, 5), True, True, kernel.Tiles(br=16, bk=16, ks=2, bd=16, bkr=16)),
     ((3,), False, False, None),
+    # one token: the two M = 1 kernels (hc_boundary_m1), default and small tiles, with and without the combine
+    ((1,), False, True, None),
+    ((1, 1), True, False, kernel.Tiles1(bn=1, bk=16, bd=8, bkr=8)),
+    ((1, 1), True, True, kernel.Tiles1(bn=4, bk=32, bd=32, bkr=4)),
 ])
 def test_kernel_matches_reference(dtype, lead, with_y, inject, tiles):
     h, y, inj, p = _inputs(lead, 4, 64, 24, dtype, np.random.randint(1 << 30), inject)
@@ -71,6 +75,17 @@ def test_model_wiring():
     h_k, x_k, _ = jax.jit(lambda h, y, i: hyper.boundary(p, h, y, i, 4, 1e-6, impl=KERNEL))(h, y, inj)
     np.testing.assert_array_equal(np.asarray(h_k, np.float32), np.asarray(h_r, np.float32))
     _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
+
+
+def test_one_token_kernels_match_reference_tightly_in_fp32():
+    """fp32 at M = 1: only the summation order differs from the reference (tolerance 1e-5), so a wrong index or
+    a missed rounding step cannot hide in bf16's tolerance."""
+    h, y, inj, p = _inputs((1, 1), 4, 128, 32, jnp.float32, np.random.randint(1 << 30))
+    want = reference.hc_boundary(h, y, inj, *_args(p, True), streams=4, eps=1e-6)
+    got = kernel.hc_boundary_m1(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
+                                tiles=kernel.Tiles1(bn=2, bk=32, bd=16, bkr=8))
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        _close(g, w, 1e-5, what)
 
 
 @pytest.mark.parametrize("m", [1, 32])

@@ -5,7 +5,7 @@ Bytes floor = weights (Wdown + Wup + Winj + hc_norm) + activations (H, y, inj_pr
 FLOPs = 2 M (2 r + S) S D.
 
 FNX_HC_SWEEP=1 replaces the cases by a sweep of the kernels' tiles (one field changed at a time from the default,
-plus a few pairs) at M = 1 and 5, Pallas only: what `choose_tiles` should pick, by measurement."""
+plus a few pairs): the one-token kernels' Tiles1 at M = 1 (and the reference), the multi-token Tiles at M = 5: what `choose_tiles` should pick, by measurement."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ from fnx.pallas.hc import api
 SWEEP = ({}, {"bd": 16}, {"bd": 64}, {"bkr": 32}, {"bkr": 128}, {"num_warps": 2}, {"num_warps": 8},
          {"num_stages": 1}, {"num_stages": 3}, {"br": 8}, {"br": 32}, {"ks": 10}, {"ks": 2}, {"bk": 64},
          {"bd": 16, "num_warps": 2}, {"bd": 16, "bkr": 128}, {"bd": 16, "ks": 10}, {"br": 32, "ks": 10})
+
+# the one-token kernels (Tiles1), swept at M = 1
+SWEEP1 = ({}, {"bn": 1}, {"bn": 4}, {"bk": 256}, {"bk": 128}, {"bd": 8}, {"bd": 32}, {"bkr": 32},
+          {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 4}, {"bn": 4, "num_warps": 8},
+          {"bn": 1, "bk": 256}, {"bd": 32, "num_warps": 8})
 
 
 def cases(quick: bool) -> list[BenchCase]:
@@ -47,6 +52,23 @@ def cases(quick: bool) -> list[BenchCase]:
                 (jax.random.normal(ks[4], (r, sd)) * sd ** -0.5).astype(dt),
                 (jax.random.normal(ks[5], (sd, r)) * r ** -0.5).astype(dt),
                 (jax.random.normal(ks[6], (s, sd)) * sd ** -0.5).astype(dt)))
+        if os.environ.get("FNX_HC_SWEEP") and m == 1:
+            from fnx.pallas.hc.pallas import choose_tiles1
+            base = choose_tiles1(s, d, r)
+            for change in SWEEP1:
+                t = dataclasses.replace(base, **change)
+                if r % t.bn or s % t.bn or d % t.bk or d % t.bd or r % t.bkr:
+                    continue
+                out.append(BenchCase(
+                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="pallas",
+                    fn=lambda *a, _t=t: api.hc_boundary(*a, streams=s, eps=1e-6, impl="pallas", tiles=_t),
+                    arg_sets=arg_sets, bytes=nbytes, flops=flops,
+                    extra={"M": m, "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))
+            out.append(BenchCase(
+                kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
+                fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
+                arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
+            continue
         if os.environ.get("FNX_HC_SWEEP") and m <= 5:
             from fnx.pallas.hc.pallas import choose_tiles
             base = choose_tiles(d, r)
