@@ -23,9 +23,8 @@ SWEEP = ({}, {"bd": 16}, {"bd": 64}, {"bkr": 32}, {"bkr": 128}, {"num_warps": 2}
          {"bd": 16, "num_warps": 2}, {"bd": 16, "bkr": 128}, {"bd": 16, "ks": 10}, {"br": 32, "ks": 10})
 
 # the one-token kernels (Tiles1), swept at M = 1
-SWEEP1 = ({}, {"bn": 1}, {"bn": 4}, {"bk": 256}, {"bk": 128}, {"bd": 8}, {"bd": 32}, {"bkr": 32},
-          {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 4}, {"bn": 4, "num_warps": 8},
-          {"bn": 1, "bk": 256}, {"bd": 32, "num_warps": 8})
+SWEEP1 = ({}, {"bn": 1}, {"bn": 4}, {"bd": 4}, {"bd": 16}, {"num_warps": 2}, {"num_warps": 8},
+          {"bn": 1, "num_warps": 2}, {"bd": 4, "num_warps": 2}, {"bd": 16, "num_warps": 8}, {"bn": 4, "num_warps": 8})
 
 
 def cases(quick: bool) -> list[BenchCase]:
@@ -57,7 +56,7 @@ def cases(quick: bool) -> list[BenchCase]:
             base = choose_tiles1(s, d, r)
             for change in SWEEP1:
                 t = dataclasses.replace(base, **change)
-                if r % t.bn or s % t.bn or d % t.bk or d % t.bd or r % t.bkr:
+                if r % t.bn or s % t.bn or d % t.bd:
                     continue
                 out.append(BenchCase(
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="pallas",

@@ -117,158 +117,167 @@ def _up_kernel(u_ref, h_ref, rstd_ref, wn_ref, wu_ref, x_ref, *, d, r, s, bd, bk
     x_ref[...] = (acc / s).astype(dt)
 
 
-# ---- one token (M = 1): two kernels, no XLA step between them --------------------------------------------------
+# ---- one token (M = 1): two kernels, no XLA step between them, no loops -------------------------------------------
 #
 # The multi-token design above pads the token to 16 MMA rows and runs two XLA fusions beside its kernels: four
-# launches per boundary. At M = 1 (the plain decode step) the dots are GEMVs, so these kernels do them with
-# vector multiplies and sums instead, and fold the combine, the norm, silu, the gates and the mix into the two
-# weight streams:
-#   down1: grid ((r + S) / bn,). Every program rebuilds H' = H + round(inj_prev * y) and each stream's rstd
-#          (a pass over the S*D activations, from L2), then streams its bn rows of [Wdown; Winj] against
-#          Hn = round(H' * rstd * (1 + w)), chunk by chunk. Out: the rows' fp32 sums, rstd, and (the Winj
-#          programs) inj = 2 sigmoid(round(round(.) / S)).
-#   up1:   grid (D / bd,). Program i takes columns [i*bd, (i+1)*bd) of every stream: u = silu(round(round(a) / S))
-#          from down1's sums, the gates m = sigmoid(round(u @ Wup[cols].T)), Hn for the same columns, and
-#          x = round(mean_j round(m_j * Hn_j)); it also writes those columns of H'.
+# launches per boundary. At M = 1 (the plain decode step) the dots are GEMVs, so these kernels do them with vector
+# multiplies and sums, and fold the combine, the norm, silu, the gates and the mix into the two weight streams.
+# Each program issues all its loads at once (one masked tile, no loop): a first version that looped over K chunks
+# took ~12 us per kernel on the H200, bound by one DRAM latency per iteration.
+#   down1: grid ((r + S) / bn, S). Program (n, j) loads stream j of H (and y, inj_prev) as one [nc, bk] tile
+#          (D = nc * bk, nc padded to a power of two), builds H' = H + round(inj_prev_j * y), its rstd and
+#          Hn_j = round(H'_j * rstd * (1 + w_j)), and multiplies Hn_j by its bn rows of [Wdown; Winj] (the stream's
+#          D columns of each): fp32 partial sums [S, r + S], one per stream; rstd [.., S].
+#   up1:   grid (D / bd,). Program i sums the S partials of every row, u = silu(round(round(a) / S)) [r], the gates
+#          m = sigmoid(round(u @ Wup[cols].T)) for its columns [i*bd, (i+1)*bd) of every stream (one [S, bd, r]
+#          tile), Hn for the same columns, x = round(mean_j round(m_j * Hn_j)), and those columns of H'; program 0
+#          also finishes inj = 2 sigmoid(round(round(a_inj) / S)).
 # (One kernel is not possible without a grid-wide barrier: every gate needs all r values of u.)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tiles1:
     bn: int = 2             # rows of [Wdown; Winj] per program (down1); divides r and S
-    bk: int = 512           # columns per chunk (down1); divides D
-    bd: int = 16            # columns of each stream per program (up1); divides D
-    bkr: int = 64           # low-rank chunk (up1); divides r
+    bd: int = 8             # columns of each stream per program (up1); divides D
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
 
 
 def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
-    return Tiles1(bn=bn, bk=_largest_pow2_divisor(d, 512), bd=_largest_pow2_divisor(d, 16),
-                  bkr=_largest_pow2_divisor(r, 64))
+    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8))
 
 
-def _combined(h_ref, y_ref, inj_ref, c0, bk, dt, s):
-    """Columns [c0, c0+bk) of H' for every stream, [S, bk] in dt (the reference's roundings)."""
-    hc = h_ref[:, pl.dslice(c0, bk)]
-    if y_ref is None:
-        return hc
-    prod = (y_ref[pl.dslice(c0, bk)].astype(F32)[None, :] * inj_ref[...].astype(F32)[:, None]).astype(dt)
-    return (hc.astype(F32) + prod.astype(F32)).astype(dt)
+def _rnd(x, dt):
+    return x.astype(dt).astype(F32)
 
 
-def _rstd(h_ref, y_ref, inj_ref, d, bk, dt, s, eps):
-    def body(c, acc):
-        hc = _combined(h_ref, y_ref, inj_ref, c * bk, bk, dt, s).astype(F32)
-        return acc + jnp.sum(hc * hc, axis=1)
-    ss = lax.fori_loop(0, d // bk, body, jnp.zeros((s,), F32))
-    return lax.rsqrt(ss / d + eps)                                          # [S]
-
-
-def _down1_kernel(*refs, s, d, r, bn, bk, eps, has_y, has_inj):
+def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
     wn_ref, wd_ref = next(it), next(it)
     wi_ref = next(it) if has_inj else None
-    a_ref, rstd_ref = next(it), next(it)
-    injo_ref = next(it) if has_inj else None
-    n = pl.program_id(0)
+    part_ref, rstd_ref = next(it), next(it)
+    n, j = pl.program_id(0), pl.program_id(1)
     dt = h_ref.dtype
-    rstd = _rstd(h_ref, y_ref, inj_ref, d, bk, dt, s, eps)
+    rp = _pow2(nc)
+    col = jnp.arange(rp, dtype=jnp.int32)[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]   # [rp, bk]
+    ok = col < d
+    col = jnp.where(ok, col, 0)
+    off = j * d + col
+    hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
+    if has_y:
+        yv = plt.load(y_ref.at[col], mask=ok, other=0.0).astype(F32)
+        hc = _rnd(hc + _rnd(yv * inj_ref[j].astype(F32), dt), dt)
+    ss = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)       # [1, 1]
+    rstd = lax.rsqrt(ss / d + eps)
     rstd_ref[...] = rstd
+    w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
+    hn = _rnd(hc * rstd * (1.0 + w), dt)                                                 # [rp, bk]
+    rows = jnp.arange(bn, dtype=jnp.int32)[:, None, None]
     n_down = r // bn
 
-    def rows(w_ref, row0):                                                  # [bn] fp32 sums of bn rows
-        def body(c, acc):
-            hn = (_combined(h_ref, y_ref, inj_ref, c * bk, bk, dt, s).astype(F32) * rstd[:, None]
-                  * (1.0 + wn_ref[:, pl.dslice(c * bk, bk)].astype(F32))).astype(dt)
-            w = w_ref[pl.dslice(row0, bn), :, pl.dslice(c * bk, bk)]      # [bn, S, bk]
-            return acc + w.astype(F32) * hn.astype(F32)[None]
-        acc = lax.fori_loop(0, d // bk, body, jnp.zeros((bn, s, bk), F32))
-        return jnp.sum(jnp.sum(acc, axis=2), axis=1)
+    def dot(w_ref, row0):
+        wt = plt.load(w_ref.at[(row0 + rows) * (s * d) + off[None]], mask=jnp.broadcast_to(ok[None], (bn, rp, bk)),
+                      other=0.0)                                                         # [bn, rp, bk]
+        return jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)               # [bn]
 
     @pl.when(n < n_down)
     def _():
-        a_ref[...] = rows(wd_ref, n * bn)
+        part_ref[...] = dot(wd_ref, n * bn)
 
     if has_inj:
         @pl.when(n >= n_down)
         def _():
-            a = rows(wi_ref, (n - n_down) * bn)
-            a_ref[...] = a
-            v = ((a.astype(dt).astype(F32) / s).astype(dt)).astype(F32)
-            injo_ref[...] = (2.0 * jax.nn.sigmoid(v).astype(dt).astype(F32)).astype(dt)
+            part_ref[...] = dot(wi_ref, (n - n_down) * bn)
 
 
-def _up1_kernel(*refs, s, d, r, bd, bkr, has_y):
+def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
     it = iter(refs)
-    a_ref, rstd_ref, h_ref = next(it), next(it), next(it)
+    part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
     wn_ref, wu_ref, x_ref = next(it), next(it), next(it)
     ho_ref = next(it) if has_y else None
+    injo_ref = next(it) if has_inj else None
     i = pl.program_id(0)
     dt = h_ref.dtype
-    c0 = i * bd
-
-    def body(c, z):
-        v = ((a_ref[pl.dslice(c * bkr, bkr)].astype(dt).astype(F32) / s).astype(dt)).astype(F32)
-        sg = jax.nn.sigmoid(v).astype(dt).astype(F32)
-        u = (v * sg).astype(dt).astype(F32)                                 # silu, rounded like the model's
-        w = wu_ref[:, pl.dslice(c0, bd), pl.dslice(c * bkr, bkr)]          # [S, bd, bkr]
-        return z + jnp.sum(w.astype(F32) * u[None, None, :], axis=2)
-    z = lax.fori_loop(0, r // bkr, body, jnp.zeros((s, bd), F32))
-    m = jax.nn.sigmoid(z.astype(dt).astype(F32)).astype(dt).astype(F32)      # [S, bd]
-    hc = _combined(h_ref, y_ref, inj_ref, c0, bd, dt, s)
-    rstd = rstd_ref[0, :]
-    hn = (hc.astype(F32) * rstd[:, None] * (1.0 + wn_ref[:, pl.dslice(c0, bd)].astype(F32))).astype(dt)
-    prod = (m * hn.astype(F32)).astype(dt).astype(F32)
-    x_ref[...] = (jnp.sum(prod, axis=0) / s).astype(dt)
+    rp = _pow2(r)
+    sj = jnp.arange(s, dtype=jnp.int32)
+    k = jnp.arange(rp, dtype=jnp.int32)
+    kok = k < r
+    kk = jnp.where(kok, k, 0)
+    parts = plt.load(part_ref.at[sj[:, None] * n_rows + kk[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
+                     other=0.0)                                                          # [S, rp]
+    v = _rnd(_rnd(jnp.sum(parts, axis=0), dt) / s, dt)
+    u = _rnd(v * _rnd(jax.nn.sigmoid(v), dt), dt)                                        # silu, rounded like the model
+    cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+    rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
+    wt = plt.load(wu_ref.at[rows[:, :, None] * r + kk[None, None, :]],
+                  mask=jnp.broadcast_to(kok[None, None, :], (s, bd, rp)), other=0.0)     # [S, bd, rp]
+    z = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                               # [S, bd]
+    m = _rnd(jax.nn.sigmoid(_rnd(z, dt)), dt)
+    hc = plt.load(h_ref.at[rows])                                                        # [S, bd]
+    if has_y:
+        yv = plt.load(y_ref.at[cols]).astype(F32)
+        injp = plt.load(inj_ref.at[sj]).astype(F32)
+        hc = (hc.astype(F32) + _rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
+    rstd = plt.load(rstd_ref.at[sj])                                                     # [S] (program row 0)
+    w = plt.load(wn_ref.at[rows]).astype(F32)
+    hn = _rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
+    x_ref[...] = (jnp.sum(_rnd(m * hn, dt), axis=0) / s).astype(dt)
     if has_y:
         ho_ref[...] = hc
+    if has_inj:
+        @pl.when(i == 0)
+        def _():
+            pi = plt.load(part_ref.at[sj[:, None] * n_rows + r + sj[None, :]])          # [S streams, S rows]
+            vi = _rnd(_rnd(jnp.sum(pi, axis=0), dt) / s, dt)
+            injo_ref[...] = (2.0 * _rnd(jax.nn.sigmoid(vi), dt)).astype(dt)
 
 
 def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
                    interpret: bool = False, tiles: Tiles1 | None = None):
-    """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims): two kernels, see above."""
+    """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims): two kernels, see above.
+    S must be a power of two (the streams are one tile axis)."""
     dt = h.dtype
     lead, sd, s = h.shape[:-1], h.shape[-1], streams
     d, r = sd // s, w_down.shape[0]
     t = tiles or choose_tiles1(s, d, r)
-    if r % t.bn or s % t.bn or d % t.bk or d % t.bd or r % t.bkr:
-        raise ValueError(f"hc_boundary (M = 1): r={r}, S={s}, D={d} do not fit the tiles {t}")
+    if s != _pow2(s) or r % t.bn or s % t.bn or d % t.bd:
+        raise ValueError(f"hc_boundary (M = 1): S={s} (a power of two), r={r}, D={d} do not fit the tiles {t}")
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
     has_y, has_inj = y is not None, w_inj is not None
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    h2 = h.reshape(s, d)
-    acts = (h2,) + ((y.reshape(d), inj_prev.reshape(s)) if has_y else ())
-    wn = hc_norm.reshape(s, d)
+    flat = lambda a: a.reshape(-1)  # noqa: E731
+    acts = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ())
+    bk = _largest_pow2_divisor(d, 512)
     n_down = r // t.bn
     n_prog = n_down + (s // t.bn if has_inj else 0)
-    outs = [jax.ShapeDtypeStruct((n_prog * t.bn,), F32), jax.ShapeDtypeStruct((n_prog, s), F32)]
-    specs = [pl.BlockSpec((t.bn,), lambda n: (n,)), pl.BlockSpec((None, s), lambda n: (n, 0))]
-    if has_inj:
-        outs.append(jax.ShapeDtypeStruct((s,), dt))
-        specs.append(pl.BlockSpec((t.bn,), lambda n: (jnp.maximum(n - n_down, 0),)))
-    down = pl.pallas_call(
-        functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, bk=t.bk, eps=eps, has_y=has_y, has_inj=has_inj),
-        grid=(n_prog,), in_specs=[whole] * (len(acts) + 2 + has_inj), out_specs=specs, out_shape=outs,
+    n_rows = n_prog * t.bn
+    part, rstd = pl.pallas_call(
+        functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, bk=bk, nc=d // bk, eps=eps, has_y=has_y,
+                          has_inj=has_inj),
+        grid=(n_prog, s), in_specs=[whole] * (len(acts) + 2 + has_inj),
+        out_specs=[pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))],
+        out_shape=[jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)],
         interpret=interpret, name="hc_down1", **params,
-    )(*acts, wn, w_down.reshape(r, s, d), *((w_inj.reshape(s, s, d),) if has_inj else ()))
-    a, rstd = down[0], down[1]
-    outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s, d), dt)] if has_y else [])
-    specs = [pl.BlockSpec((t.bd,), lambda i: (i,))] + ([pl.BlockSpec((s, t.bd), lambda i: (0, i))] if has_y else [])
+    )(*acts, flat(hc_norm), flat(w_down), *((flat(w_inj),) if has_inj else ()))
+    outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s, d), dt)] if has_y else []) + (
+        [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
+    specs = [pl.BlockSpec((t.bd,), lambda i: (i,))] + (
+        [pl.BlockSpec((s, t.bd), lambda i: (0, i))] if has_y else []) + (
+        [pl.BlockSpec((s,), lambda i: (0,))] if has_inj else [])
     up = pl.pallas_call(
-        functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, bkr=t.bkr, has_y=has_y),
+        functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj),
         grid=(d // t.bd,), in_specs=[whole] * (len(acts) + 4), out_specs=specs, out_shape=outs,
         interpret=interpret, name="hc_up1", **params,
-    )(a, rstd, *acts, wn, w_up.reshape(s, d, r))
+    )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up))
     x = up[0].reshape(*lead, d)
     h_new = up[1].reshape(h.shape) if has_y else h
-    inj = down[2].reshape(*lead, s) if has_inj else None
+    inj = up[-1].reshape(*lead, s) if has_inj else None
     return h_new, x, inj
 
 
