@@ -163,8 +163,7 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
     dt = h_ref.dtype
     rp = _pow2(nc)
     col = jnp.arange(rp, dtype=jnp.int32)[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]   # [rp, bk]
-    ok = col < d
-    col = jnp.where(ok, col, 0)
+    ok = col < d            # offsets stay affine (no clamping where): Triton then vectorises the masked loads
     off = j * d + col
     hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
     if has_y:
@@ -206,7 +205,7 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
     sj = jnp.arange(s, dtype=jnp.int32)
     k = jnp.arange(rp, dtype=jnp.int32)
     kok = k < r
-    kk = jnp.where(kok, k, 0)
+    kk = k                  # unclamped, as above
     parts = plt.load(part_ref.at[sj[:, None] * n_rows + kk[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
                      other=0.0)                                                          # [S, rp]
     v = _rnd(_rnd(jnp.sum(parts, axis=0), dt) / s, dt)
