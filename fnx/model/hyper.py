@@ -10,9 +10,9 @@ from fnx.model.ops import linear, rms_norm, div
 from fnx.pallas.hc import api as hc_api
 
 
-def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None) -> bool:
+def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: int) -> bool:
     """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), unquantized weights, and a
-    kernel backend resolved for "hc_boundary"."""
+    kernel backend resolved for "hc_boundary_m1" (one token) or "hc_boundary" (2..32 tokens)."""
     from fnx.model import quant
     m = 1
     for n in h.shape[:-1]:
@@ -23,7 +23,9 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None) -> bool:
         why = f"{m} tokens > {hc_api.MAX_DECODE_TOKENS}"
     elif any(quant.is_quantized(p[k]) for k in names):
         why = "quantized hyper-connection weights (the kernel takes dense ones)"
-    return hc_api.backend(impl, why) != "reference"
+    elif m == 1 and streams & (streams - 1):
+        why = f"{streams} streams (the one-token kernels need a power of two)"
+    return hc_api.backend(impl, why, tokens=m) != "reference"
 
 
 def _kernel_call(p, h, y, inj, streams, eps, inject, impl):
@@ -35,7 +37,7 @@ def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, 
              impl: str | None = None):
     """combine(h, y, inj) then gated_residual on the result, fused into one kernel call at decode.
     Returns (h' [..., S*D], x [..., D], inj' [..., S] or None without `inject`)."""
-    if _kernel_ok(p, h, inject, impl):
+    if _kernel_ok(p, h, inject, impl, streams):
         return _kernel_call(p, h, y, inj, streams, eps, inject, impl)
     h = combine(h, y, inj)
     out = gated_residual(p, h, streams, eps, inject, impl="reference")
@@ -44,9 +46,9 @@ def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, 
 
 def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None):
     """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S].
-    Decode-sized calls whose `impl` (fnx.pallas.dispatch, op "hc_boundary") resolves to a kernel run
+    Decode-sized calls whose `impl` (fnx.pallas.dispatch, ops "hc_boundary_m1" / "hc_boundary") resolves to a kernel run
     fnx.pallas.hc; otherwise the jnp below, which is the reference."""
-    if _kernel_ok(p, h, inject, impl):
+    if _kernel_ok(p, h, inject, impl, streams):
         _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl)
         return (x, inj) if inject else x
     d = h.shape[-1] // streams

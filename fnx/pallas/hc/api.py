@@ -5,14 +5,21 @@ from __future__ import annotations
 from fnx.pallas import dispatch
 from fnx.pallas.hc import reference
 
-OP = "hc_boundary"
+OP = "hc_boundary"            # 2..32 tokens: pallas.hc_boundary (padded MMA tiles, two kernels + two XLA steps)
+OP_M1 = "hc_boundary_m1"      # one token: pallas.hc_boundary_m1 (two kernels, nothing between them)
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
 
 
-def backend(impl: str | None = None, not_applicable: str | None = None) -> str:
-    """The backend `hc_boundary(..., impl)` would run ("reference", "pallas", "pallas_interpret");
-    not_applicable: why the kernel does not serve this call (see `fnx.pallas.dispatch.resolve`)."""
-    return dispatch.resolve(OP, impl, not_applicable=not_applicable)
+def op_for(tokens: int) -> str:
+    """The dispatch op name of a boundary over `tokens` tokens (FNX_KERNELS names them separately: the
+    one-token kernels are on under auto, the multi-token ones measured slower than XLA and are not)."""
+    return OP_M1 if tokens == 1 else OP
+
+
+def backend(impl: str | None = None, not_applicable: str | None = None, tokens: int = 1) -> str:
+    """The backend `hc_boundary(..., impl)` would run for `tokens` tokens ("reference", "pallas",
+    "pallas_interpret"); not_applicable: why the kernel does not serve this call (`fnx.pallas.dispatch.resolve`)."""
+    return dispatch.resolve(op_for(tokens), impl, not_applicable=not_applicable)
 
 
 def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
@@ -22,9 +29,15 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     h [..., S*D] (stream-major); y [..., D] and inj_prev [..., S] (or both None: no combine); hc_norm [S*D];
     w_down [r, S*D]; w_up [S*D, r]; w_inj [S, S*D] or None (the final mixer). Weights in the checkpoint layout.
     Returns (H' = h + inj_prev * y [..., S*D], x [..., D] the next sublayer's input, inj [..., S] or None)."""
-    which = dispatch.resolve(OP, impl)
+    tokens = 1
+    for n in h.shape[:-1]:
+        tokens *= n
+    which = dispatch.resolve(op_for(tokens), impl)
     if which == "reference":
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
     from fnx.pallas.hc import pallas as kernel
+    if tokens == 1 and not isinstance(tiles, kernel.Tiles):
+        return kernel.hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
+                                     interpret=dispatch.interpret_flag(which), tiles=tiles)
     return kernel.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                               interpret=dispatch.interpret_flag(which), tiles=tiles)
