@@ -40,7 +40,7 @@ VERIFIED_ON_GPU = {
     "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
-    "hc_boundary_m1": "H200, 2026-11-30, commits 4761459 and PENDING: tests/pallas/test_hc.py (all 18)",
+    "hc_boundary_m1": "H200, 2026-11-30, commits 4761459 and 4ccfef6: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",

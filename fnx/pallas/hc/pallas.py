@@ -139,7 +139,8 @@ def _up_kernel(u_ref, h_ref, rstd_ref, wn_ref, wu_ref, x_ref, *, d, r, s, bd, bk
 class Tiles1:
     bn: int = 2             # rows of [Wdown; Winj] per program (down1); divides r and S
     bd: int = 8             # columns of each stream per program (up1); divides D
-    num_warps: int = 2      # H200 sweep (FNX_HC_SWEEP=1, commit 4761459): 28.1 us per boundary, 33.8 with 4 warps
+    num_warps: int = 4      # H200: in the whole step 4 warps beat 2 (down1 + up1 6.5 + 5.6 us against 6.5 + 7.0),
+                            # although the isolated sweep (FNX_HC_SWEEP=1) had 2 warps ahead (28.1 vs 33.8 us)
     num_stages: int = 1
 
 
@@ -165,6 +166,16 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
     col = jnp.arange(rp, dtype=jnp.int32)[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]   # [rp, bk]
     ok = col < d            # offsets stay affine (no clamping where): Triton then vectorises the masked loads
     off = j * d + col
+    # the weight tile first, so its DRAM reads are in flight while the activations are loaded and normalised; a
+    # Winj program reads Winj, the others Wdown (two masked loads, one of them touching no memory)
+    rows = jnp.arange(bn, dtype=jnp.int32)[:, None, None]
+    n_down = r // bn
+    is_down = n < n_down
+    m3 = jnp.broadcast_to(ok[None], (bn, rp, bk))
+    wt = plt.load(wd_ref.at[(n * bn + rows) * (s * d) + off[None]], mask=m3 & is_down, other=0.0)
+    if has_inj:
+        wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
+                           mask=m3 & jnp.logical_not(is_down), other=0.0)                # [bn, rp, bk]
     hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
     if has_y:
         yv = plt.load(y_ref.at[col], mask=ok, other=0.0).astype(F32)
@@ -174,22 +185,7 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
     rstd_ref[...] = rstd
     w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
     hn = _rnd(hc * rstd * (1.0 + w), dt)                                                 # [rp, bk]
-    rows = jnp.arange(bn, dtype=jnp.int32)[:, None, None]
-    n_down = r // bn
-
-    def dot(w_ref, row0):
-        wt = plt.load(w_ref.at[(row0 + rows) * (s * d) + off[None]], mask=jnp.broadcast_to(ok[None], (bn, rp, bk)),
-                      other=0.0)                                                         # [bn, rp, bk]
-        return jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)               # [bn]
-
-    @pl.when(n < n_down)
-    def _():
-        part_ref[...] = dot(wd_ref, n * bn)
-
-    if has_inj:
-        @pl.when(n >= n_down)
-        def _():
-            part_ref[...] = dot(wi_ref, (n - n_down) * bn)
+    part_ref[...] = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)          # [bn]
 
 
 def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
@@ -206,14 +202,14 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
     k = jnp.arange(rp, dtype=jnp.int32)
     kok = k < r
     kk = k                  # unclamped, as above
+    cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+    rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
+    wt = plt.load(wu_ref.at[rows[:, :, None] * r + kk[None, None, :]],                  # first: in flight early
+                  mask=jnp.broadcast_to(kok[None, None, :], (s, bd, rp)), other=0.0)     # [S, bd, rp]
     parts = plt.load(part_ref.at[sj[:, None] * n_rows + kk[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
                      other=0.0)                                                          # [S, rp]
     v = _rnd(_rnd(jnp.sum(parts, axis=0), dt) / s, dt)
     u = _rnd(v * _rnd(jax.nn.sigmoid(v), dt), dt)                                        # silu, rounded like the model
-    cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
-    rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
-    wt = plt.load(wu_ref.at[rows[:, :, None] * r + kk[None, None, :]],
-                  mask=jnp.broadcast_to(kok[None, None, :], (s, bd, rp)), other=0.0)     # [S, bd, rp]
     z = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                               # [S, bd]
     m = _rnd(jax.nn.sigmoid(_rnd(z, dt)), dt)
     hc = plt.load(h_ref.at[rows])                                                        # [S, bd]
