@@ -40,7 +40,7 @@ VERIFIED_ON_GPU = {
     "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
-    "hc_boundary_m1": "H200, 2026-11-30, commits 4761459 and 4ccfef6: tests/pallas/test_hc.py (all 18)",
+    "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
@@ -61,8 +61,8 @@ AUTO_KEEPS_REFERENCE = {
                             + "); the kernel beats the reference 2x at 32K context in isolation, so long "
                             "contexts may want FNX_KERNELS=qsa_decode_attention=pallas",
     "qsa_index_scores": "see qsa_decode_attention",
-    # the one-token boundary (hc_boundary_m1) is on: 0.880 / 0.887 ms per chained step against 0.904 / 0.970 with
-    # the reference (H200, 4 layers, commit 4761459, BENCHMARKS.md "Sixth H200 session")
+    # the one-token boundary (hc_boundary_m1) is on: 0.865 / 0.869 / 0.866 ms per chained step against 0.902 /
+    # 0.906 with the reference (H200, 4 layers bf16, commit 140df28; BENCHMARKS.md "Sixth H200 session")
     "hc_boundary": "the multi-token boundary (2-32 tokens) measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("
                    + _MODEL_AB + ")",
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
