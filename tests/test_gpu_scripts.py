@@ -46,13 +46,52 @@ def test_probe_launch_writes_every_part(tmp_path):
     no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
     parts use the engine's greedy programs, tested in tests/engine."""
     _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "2", "--calls", "1",
-          "--chains", "2", "--kernel-variants", "reference", "--no-round", "--out", str(tmp_path)], tmp_path)
+          "--chains", "2", "--kernel-variants", "reference", "--kernel-table", "--no-round", "--out", str(tmp_path)],
+         tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     parts = [r["part"] for r in recs]
-    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "decode"]
+    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "decode"]
+    assert recs[4]["kernels_per_call"] == 0 and (tmp_path / recs[4]["file"]).exists()   # no device lanes on a CPU
     disp = recs[1]
     assert disp["step_ms"] > 0 and disp["chained_ms_per_step"] > 0 and disp["param_leaves"] > 0
     assert len(disp["chained_ms_all"]) == 2
     assert recs[2]["kernels"] == recs[3]["kernels"] == "reference" and recs[3]["chained_ms_per_step"] > 0
     assert (tmp_path / "trace_decode_default_4l_bf16.json.gz").exists()
     assert (tmp_path / "decode_hlo_default_4l_bf16.txt").exists()
+
+
+def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
+    """--kernel-table's parsing: kernel events grouped by name per call, matched to the optimized HLO instruction
+    they come from ('.' and '-' as '_' in a profile), with the instruction's op_name and its fused opcodes; a kernel
+    with no instruction of its name (a Pallas kernel names itself) keeps only its time."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("probe_launch", ROOT / "scripts" / "probe_launch.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    hlo = "\n".join([
+        "%fused_computation.3 (param_0: bf16[8]) -> bf16[8] {",
+        "  %param_0 = bf16[8]{0} parameter(0)",
+        "  %convert.1 = f32[8]{0} convert(%param_0)",
+        "  %multiply.2 = f32[8]{0} multiply(%convert.1, %convert.1)",
+        "  ROOT %convert.2 = bf16[8]{0} convert(%multiply.2)",
+        "}",
+        "",
+        "ENTRY %main.9 (p: bf16[8]) -> bf16[8] {",
+        "  %p = bf16[8]{0} parameter(0)",
+        '  %loop_multiply_fusion.3 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fused_computation.3, '
+        'metadata={op_name="jit(step)/hc/mul" source_file="x.py" source_line=3}',
+        '  ROOT %copy.7 = bf16[8]{0} copy(%loop_multiply_fusion.3), metadata={op_name="jit(step)/gdn/copy"}',
+        "}",
+    ])
+    fusions = probe.hlo_fusions(hlo)
+    assert fusions["loop_multiply_fusion_3"]["op"] == "fusion"
+    assert fusions["loop_multiply_fusion_3"]["op_name"] == "jit(step)/hc/mul"
+    assert fusions["loop_multiply_fusion_3"]["body"] == {"convert": 2, "multiply": 1}
+    assert fusions["copy_7"]["op"] == "copy"
+    events = [{"name": "loop_multiply_fusion_3", "ts": 0, "dur": 2.0}, {"name": "copy_7", "ts": 3, "dur": 1.0},
+              {"name": "hc_down1", "ts": 5, "dur": 4.0}] * 2
+    table = {r["kernel"]: r for r in probe.kernel_table(events, 2, fusions)}
+    assert table["loop_multiply_fusion_3"]["per_call"] == 1 and table["loop_multiply_fusion_3"]["us_per_call"] == 2.0
+    assert table["loop_multiply_fusion_3"]["body"] == {"convert": 2, "multiply": 1}
+    assert table["copy_7"]["op_name"] == "jit(step)/gdn/copy"
+    assert table["hc_down1"]["us_per_call"] == 4.0 and "op" not in table["hc_down1"]
