@@ -167,6 +167,8 @@ def main():
     ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
     ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
+    ap.add_argument("--fuse", action="store_true",
+                    help="fuse each sublayer's input projections (fnx.model.fuse) in the target and MTP params")
     ap.add_argument("--kernel-table", action="store_true",
                     help="profile the decode step and list every kernel it launches (time per call, the HLO "
                          "instruction it comes from, its op_name and fused opcodes) to --out/kernel_table_*.jsonl")
@@ -176,7 +178,8 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     # the files of runs with different layers or weights must not overwrite each other's
-    tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}").strip("_")[:60]
+    tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}{'_fused' if args.fuse else ''}"
+                 ).strip("_")[:60]
 
     bd = _bench_decode()
     from fnx.engine.engine import _jit_draft, _jit_verify
@@ -193,6 +196,9 @@ def main():
     mp = bd.random_tree(mshapes, jax.random.PRNGKey(1), dtype)
     if args.quant != "bf16":   # FP8 blocks (and NVFP4 experts): the GEMV kernels' formats, for a whole-step A/B
         params, mp = bd.quantize_tree(params, args.quant), bd.quantize_tree(mp, args.quant)
+    if args.fuse:
+        from fnx.model.fuse import fuse_mtp, fuse_projections
+        params, mp = fuse_projections(cfg, params), fuse_mtp(mp)
     ctx, heads = 1024, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
     cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8) * (args.k + 2)
@@ -209,6 +215,7 @@ def main():
 
     def emit(rec):
         rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan, "quant": args.quant,
+               "fused_projections": args.fuse,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
                "commit": commit, **rec}
         print(json.dumps(rec), flush=True)

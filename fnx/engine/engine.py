@@ -115,7 +115,8 @@ class _Inflight:
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
-                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True, ple_fetch: str = "sync"):
+                 extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True, ple_fetch: str = "sync",
+                 fuse_projections: bool = False):
         """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
         same output distribution (the acceptance rule is exact for any drafter).
@@ -138,13 +139,26 @@ class Engine:
           "callback-pure" / "callback-io" / "callback-buffer": one program that calls back into Python for the
             rows at the PLE layer (jax.pure_callback / io_callback / buffer_callback). A failed callback fetch
             cannot say which rows it lost, so every row of that step counts as missing.
-        Ignored without a host store (a table in device memory is gathered inside the step)."""
+        Ignored without a host store (a table in device memory is gathered inside the step).
+        fuse_projections: run each sublayer's input projections as one product over row-concatenated weights
+        (`fnx.model.fuse`: fewer, larger GEMVs per layer; the same values). The engine then holds its own copy of
+        those weights (the dense projections, not the experts), so drop other references to the model to avoid
+        keeping both. Not on a device mesh (the mesh rules shard the separate weights). Off by default until
+        measured on a GPU."""
         if ple_fetch not in PLE_FETCH:
             raise ValueError(f"ple_fetch must be one of {PLE_FETCH}, got {ple_fetch!r}")
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if fuse_projections:
+            if mesh is not None:
+                raise ValueError("fuse_projections is not supported on a device mesh (fnx.parallel shards the "
+                                 "separate projection weights by name)")
+            import dataclasses as _dc
+            from fnx.model.fuse import fuse_projections as _fuse
+            model = _dc.replace(model, params=_fuse(model.cfg, model.params))
+        self.fused = bool(fuse_projections)
         self.model, self.cfg = model, model.cfg
         if isinstance(speculative, int):
             speculative = SpeculativeConfig(speculative)
@@ -162,6 +176,9 @@ class Engine:
         self.eos = set(eos if isinstance(eos, tuple) else (() if eos is None else (eos,))) | set(extra_eos)
         if self.spec:
             self.mtp = mtp_params(self.cfg, model.mtp, dtype)
+            if fuse_projections:
+                from fnx.model.fuse import fuse_mtp
+                self.mtp = fuse_mtp(self.mtp)
             hot = speculative.hot_ids(self.cfg.vocab_size)
             self.hot = None if hot is None else jnp.asarray(hot)
             self.draft_head = None if hot is None else model.params["lm_head"][self.hot]

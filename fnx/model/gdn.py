@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnx.model.fuse import linears
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated, softplus
 from fnx.pallas.gdn.api import gdn_recurrent
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
@@ -132,10 +133,8 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     bsz, length, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = linear(x, p["in_proj_qkv"])
-    z = linear(x, p["in_proj_z"]).reshape(bsz, length, hv, dv)
-    b = linear(x, p["in_proj_b"])
-    a = linear(x, p["in_proj_a"])
+    qkv, z, b, a = linears(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))   # fused or not
+    z = z.reshape(bsz, length, hv, dv)
     conv, conv_x = causal_conv(qkv, conv_state, p["conv1d"])
     conv_state = window_after(conv_x, n_valid, conv_state.shape[1])
     conv = jax.nn.silu(conv)

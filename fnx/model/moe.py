@@ -12,18 +12,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnx.model import quant
+from fnx.model.fuse import linears
 from fnx.model.ops import F32, HIGHEST, linear
 
 
 def route(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool):
     """x [T, D] -> router logits [T, E] (x.dtype), weights [T, K] (x.dtype), expert ids [T, K] (int32).
     Ties go to the lower expert id."""
-    logits = linear(x, p["gate"])
+    return route_logits(linear(x, p["gate"]), top_k, norm_topk_prob, x.dtype)
+
+
+def route_logits(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype):
+    """`route` from the router logits [T, E]."""
     probs = jax.nn.softmax(logits.astype(F32), axis=-1)
     w, idx = lax.top_k(probs, top_k)
     if norm_topk_prob:
         w = w / jnp.sum(w, axis=-1, keepdims=True)
-    return logits, w.astype(x.dtype), idx
+    return logits, w.astype(dtype), idx
 
 
 def _expert_gather(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -118,12 +123,14 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
     ex = p["experts"]
     if impl == "auto":
         impl = _auto_impl(xt.shape[0], top_k)
+    # the router and the shared expert's projections read the same input: one product when fused
+    logits, s_gate, s_up, s_sig = linears(xt, p, ("gate", "shared_expert/gate_proj", "shared_expert/up_proj",
+                                                  "shared_expert_gate"))
     if isinstance(impl, str) and impl in ("pallas", "pallas_interpret"):
         from fnx.pallas.moe import api as moe_kernels
-        logits = linear(xt, p["gate"])
         w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=impl)
     else:
-        logits, w, idx = route(p, xt, top_k, norm_topk_prob)
+        _, w, idx = route_logits(logits, top_k, norm_topk_prob, xt.dtype)
     if callable(impl):  # a mesh-aware expert runner (fnx.parallel.ExpertParallel): per-shard experts + one psum
         outs = impl(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "gather":
@@ -139,8 +146,7 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
                          "'pallas' or 'pallas_interpret'")
     # weight each expert output (rounded), then sum over k in fp32 and round once
     routed = jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(x.dtype)
-    se = p["shared_expert"]
-    s = linear(jax.nn.silu(linear(xt, se["gate_proj"])) * linear(xt, se["up_proj"]), se["down_proj"])
-    s = jax.nn.sigmoid(linear(xt, p["shared_expert_gate"])) * s
+    s = linear(jax.nn.silu(s_gate) * s_up, p["shared_expert"]["down_proj"])
+    s = jax.nn.sigmoid(s_sig) * s
     y = routed + s
     return y.reshape(shape), logits.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], top_k)

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from fnx.model.gdn import causal_conv, window_after
-from fnx.model.ops import linear, rms_norm, div
+from fnx.model.fuse import linears
+from fnx.model.ops import rms_norm, div
 
 
 def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg, n_valid: jax.Array):
@@ -19,8 +20,8 @@ def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg
     eps = cfg.rms_norm_eps
     split = h.shape[:-1] + (s, d)
     e = rows.astype(h.dtype)
-    key = rms_norm(linear(e, p["key_proj"]), p["norm_key"], eps, group=d).reshape(split)
-    value = linear(e, p["value_proj"])
+    key, value = linears(e, p, ("key_proj", "value_proj"))                  # fused or not
+    key = rms_norm(key, p["norm_key"], eps, group=d).reshape(split)
     query = rms_norm(h, p["norm_query"], eps, group=d).reshape(split)
     gate = div(jnp.sum(key * query, axis=-1), d ** 0.5)             # [B, L, S]
     gate = jnp.sqrt(jnp.maximum(jnp.abs(gate), jnp.asarray(1e-6, h.dtype))) * jnp.sign(gate)

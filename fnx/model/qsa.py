@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnx.model.fuse import linears
 from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm, scale
 from fnx.pallas.qsa import api as qsa_api
 
@@ -128,7 +129,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     capacity = st["k"].shape[2]
 
     ix = p["indexer"]
-    qk = linear(x, ix["index_qk_proj"])
+    qk, qg, kp, vp = linears(x, p, ("indexer/index_qk_proj", "q_proj", "k_proj", "v_proj"))   # fused or not
     q_idx = rms_norm(qk[..., : hi * di].reshape(bsz, length, hi, di), ix["q_layernorm"], cfg.rms_norm_eps)
     q_idx = apply_rope(q_idx, cos, sin)
     kraw = qk[..., hi * di:]
@@ -136,12 +137,11 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     ring = ring_after(buf, pos0, n_valid, cfg.indexer_compress_ratio)
     blocks = _scatter_time(st["idx_blocks"], pooled, block_ids, axis=1)
 
-    qg = linear(x, p["q_proj"]).reshape(bsz, length, h, 2 * hd)
+    qg = qg.reshape(bsz, length, h, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, length, h * hd)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(_kv_whole(linear(x, p["k_proj"]), hkv).reshape(bsz, length, hkv, hd), p["k_norm"],
-                 cfg.rms_norm_eps)
-    v = _kv_whole(linear(x, p["v_proj"]), hkv).reshape(bsz, length, hkv, hd)
+    k = rms_norm(_kv_whole(kp, hkv).reshape(bsz, length, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
+    v = _kv_whole(vp, hkv).reshape(bsz, length, hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kc = _scatter_time(st["k"], jnp.swapaxes(k, 1, 2), positions, axis=2)
     vc = _scatter_time(st["v"], jnp.swapaxes(v, 1, 2), positions, axis=2)
