@@ -18,12 +18,13 @@
 #   scripts/gpu_session.sh pleengine # the engine on a host PLE store, every fetch variant (PLE_FETCHES)
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
+#   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | table | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -61,6 +62,12 @@ case "$part" in
     for n in ${PROBE_LAYERS:-4 12}; do
       timeout ${PROBE_S:-150} python scripts/probe_launch.py --layers $n --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 \
         | grep '"part"' | cut -c1-600
+    done ;;
+  table)   # every kernel of the 4-layer decode step (probe_launch --kernel-table), separate and fused projections,
+           # and the chained step time of each in its own process (--fuse is a params change, not a kernel variant)
+    for f in "" --fuse; do
+      timeout ${TABLE_S:-150} python scripts/probe_launch.py --layers 4 --dispatch-only --no-round --kernel-table \
+        --calls 3 --chains 5 $f --out "$OUT/probe" 2>&1 | grep -E '"part"|^ +[0-9.]+ us' | cut -c1-300 | head -30
     done ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
