@@ -51,6 +51,17 @@ def cases(tiny, tmp_path_factory):
     return get
 
 
+def prefill_then_decode(model, ids, prefill: int, capacity: int):
+    """Logits [B, L, V] of ids [B, L]: the first `prefill` tokens in one `fnx.extend` call, then one token per call."""
+    st = fnx.new_state(model, ids.shape[0], capacity)
+    lg, st = fnx.extend(model, st, ids[:, :prefill])
+    seq = [np.asarray(lg)]
+    for t in range(prefill, ids.shape[1]):
+        lg, st = fnx.extend(model, st, ids[:, t:t + 1])
+        seq.append(np.asarray(lg))
+    return np.concatenate(seq, axis=1)
+
+
 def rel_err(a, b):
     """max |a - b| / max |b|: the worst logit error relative to the logit scale."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

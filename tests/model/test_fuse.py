@@ -9,7 +9,7 @@ import pytest
 
 import fnx
 from fnx.model import fuse, quant
-from tests.model.conftest import rel_err
+from tests.model.conftest import prefill_then_decode, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +58,7 @@ def test_fused_forward_and_decode_equal_the_separate_weights(tiny, tmp_path):
     # each output row is the same dot, but the CPU's fp32 matmul blocks its sums differently for a wider weight:
     # a few ulp per layer (2.3e-6 over 12 layers), far under the 5e-5 the parity tests allow against transformers
     assert rel_err(fnx.forward(fused, ids), fnx.forward(model, ids)) < 1e-5
-    outs = []
-    for m in (model, fused):
-        st = fnx.new_state(m, 2, 32)
-        lg, st = fnx.extend(m, st, ids[:, :15])
-        seq = [np.asarray(lg)]
-        for t in range(15, 19):
-            lg, st = fnx.extend(m, st, ids[:, t:t + 1])
-            seq.append(np.asarray(lg))
-        outs.append(np.concatenate(seq, axis=1))
-    assert rel_err(outs[1], outs[0]) < 1e-5
+    assert rel_err(prefill_then_decode(fused, ids, 15, 32), prefill_then_decode(model, ids, 15, 32)) < 1e-5
 
 
 def test_online_fp8_fuses_by_format(ckpt):

@@ -7,7 +7,7 @@ import pytest
 
 import fnx
 from fnx.model.transformer import layer_plan
-from tests.model.conftest import rel_err
+from tests.model.conftest import prefill_then_decode, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +36,7 @@ def test_scanned_and_unrolled_agree(twelve):
     ids = rng.integers(0, scanned.cfg.vocab_size, size=(2, 23))
     a, b = fnx.forward(scanned, ids), fnx.forward(flat, ids)
     assert rel_err(b, a) < 1e-6
-    sa, sb = fnx.new_state(scanned, 2, 40), fnx.new_state(flat, 2, 40)
-    outs = []
-    for st_model, st in ((scanned, sa), (flat, sb)):
-        seq = []
-        lg, st = fnx.extend(st_model, st, ids[:, :17])
-        seq.append(np.asarray(lg))
-        for t in range(17, 23):
-            lg, st = fnx.extend(st_model, st, ids[:, t:t + 1])
-            seq.append(np.asarray(lg))
-        outs.append(np.concatenate(seq, axis=1))
-    assert rel_err(outs[1], outs[0]) < 1e-6
+    assert rel_err(prefill_then_decode(flat, ids, 17, 40), prefill_then_decode(scanned, ids, 17, 40)) < 1e-6
 
 
 def test_speculative_decode_agrees(twelve):

@@ -51,35 +51,28 @@ def cases(quick: bool) -> list[BenchCase]:
                 (jax.random.normal(ks[4], (r, sd)) * sd ** -0.5).astype(dt),
                 (jax.random.normal(ks[5], (sd, r)) * r ** -0.5).astype(dt),
                 (jax.random.normal(ks[6], (s, sd)) * sd ** -0.5).astype(dt)))
-        if os.environ.get("FNX_HC_SWEEP") and m == 1:
-            from fnx.pallas.hc.pallas import choose_tiles1
-            base = choose_tiles1(s, d, r)
-            for change in SWEEP1:
-                t = dataclasses.replace(base, **change)
-                if r % t.bn or s % t.bn or d % t.bd:
-                    continue
-                out.append(BenchCase(
-                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="pallas",
-                    fn=lambda *a, _t=t: api.hc_boundary(*a, streams=s, eps=1e-6, impl="pallas", tiles=_t),
-                    arg_sets=arg_sets, bytes=nbytes, flops=flops,
-                    extra={"M": m, "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))
-            out.append(BenchCase(
-                kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
-                fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
-                arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
-            continue
         if os.environ.get("FNX_HC_SWEEP") and m <= 5:
-            from fnx.pallas.hc.pallas import choose_tiles
-            base = choose_tiles(d, r)
-            for change in SWEEP:
+            from fnx.pallas.hc import pallas as kernel
+            if m == 1:   # the one-token kernels (Tiles1), with the reference beside them
+                base, sweep = kernel.choose_tiles1(s, d, r), SWEEP1
+                fits = lambda t: not (r % t.bn or s % t.bn or d % t.bd)  # noqa: E731
+            else:
+                base, sweep = kernel.choose_tiles(d, r), SWEEP
+                fits = lambda t: not (d % (t.bk * t.ks) or d % t.bd)  # noqa: E731
+            for change in sweep:
                 t = dataclasses.replace(base, **change)
-                if d % (t.bk * t.ks) or d % t.bd:
+                if not fits(t):
                     continue
                 out.append(BenchCase(
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="pallas",
                     fn=lambda *a, _t=t: api.hc_boundary(*a, streams=s, eps=1e-6, impl="pallas", tiles=_t),
                     arg_sets=arg_sets, bytes=nbytes, flops=flops,
                     extra={"M": m, "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))
+            if m == 1:
+                out.append(BenchCase(
+                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
+                    fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
+                    arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
             continue
         for impl in ("pallas", "reference"):
             out.append(BenchCase(
