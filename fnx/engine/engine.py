@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as _replace
 from functools import partial
 
 import jax
@@ -155,9 +155,8 @@ class Engine:
             if mesh is not None:
                 raise ValueError("fuse_projections is not supported on a device mesh (fnx.parallel shards the "
                                  "separate projection weights by name)")
-            import dataclasses as _dc
             from fnx.model.fuse import fuse_projections as _fuse
-            model = _dc.replace(model, params=_fuse(model.cfg, model.params))
+            model = _replace(model, params=_fuse(model.cfg, model.params))
         self.fused = bool(fuse_projections)
         self.model, self.cfg = model, model.cfg
         if isinstance(speculative, int):

@@ -200,13 +200,12 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
     rp = _pow2(r)
     sj = jnp.arange(s, dtype=jnp.int32)
     k = jnp.arange(rp, dtype=jnp.int32)
-    kok = k < r
-    kk = k                  # unclamped, as above
+    kok = k < r             # offsets below stay unclamped (affine), as in down1
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
-    wt = plt.load(wu_ref.at[rows[:, :, None] * r + kk[None, None, :]],                  # first: in flight early
+    wt = plt.load(wu_ref.at[rows[:, :, None] * r + k[None, None, :]],                  # first: in flight early
                   mask=jnp.broadcast_to(kok[None, None, :], (s, bd, rp)), other=0.0)     # [S, bd, rp]
-    parts = plt.load(part_ref.at[sj[:, None] * n_rows + kk[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
+    parts = plt.load(part_ref.at[sj[:, None] * n_rows + k[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
                      other=0.0)                                                          # [S, rp]
     v = _rnd(_rnd(jnp.sum(parts, axis=0), dt) / s, dt)
     u = _rnd(v * _rnd(jax.nn.sigmoid(v), dt), dt)                                        # silu, rounded like the model
