@@ -38,29 +38,51 @@ def _commit() -> str:
         return os.environ.get("FNX_COMMIT", "unknown")
 
 
-def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
-    """Tile candidates in two stages. Stage 1 (base None): the heuristic's row tile and split with each K step
-    (128; FP8 also 256 and 512, as several 128-column blocks per step; NVFP4 256 and 512) and, for NVFP4, each
-    decode variant. Stage 2: the best stage-1 K step and decode with row tiles 32/64/128 (16 too for narrow N), K
-    split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps; and the stage-1 best with 4 or 5
-    pipeline stages."""
+def wide_candidates(fmt: str, n: int, k: int) -> list:
+    """Whole-K-per-program tiles (modes "fma" and "dot", bf16 and FP8): row tiles 4-32 ("dot" needs 16+), the
+    widest K chunk of 512 / 256 / 128 that divides K, 4 warps."""
+    from fnx.pallas.gemv import pallas as gp
+    if fmt not in gp.WIDE_FORMATS:
+        return []
+    bk = next((b for b in (512, 256, 128, 64) if k % b == 0), None)
+    if bk is None:
+        return []
+    out = [gp.Tiles(bn, bk, 1, 4, 1, mode="fma") for bn in (4, 8, 16, 32)]
+    out += [gp.Tiles(bn, bk, 1, 4, 1, mode="dot") for bn in (16, 32)]
+    return [t for t in out if gp.check_tiles(fmt, n, k, t) is None]
+
+
+def gemv_candidates(fmt: str, n: int, k: int, base=None, wide: bool = True) -> list:
+    """Tile candidates in two stages. Stage 1 (base None): the configured tiles (tuned or heuristic), the
+    heuristic's row tile and split with each K step (128; FP8 also 256 and 512, as several 128-column blocks per
+    step; NVFP4 256 and 512) and, for NVFP4, each decode variant; with `wide`, the whole-K modes too
+    (`wide_candidates`). Stage 2 around the stage-1 best: for a looped best, row tiles 32/64/128 (16 too for
+    narrow N), K split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps, 4 or 5 pipeline stages;
+    for a whole-K best, half and double its row tile, 2 and 8 warps, and the other K chunks."""
     from fnx.pallas.gemv import api
     from fnx.pallas.gemv import pallas as gp
     heur = api.heuristic_tiles(fmt, n, k, 1)
     out = [] if heur is None else [heur]
     if base is None:
-        if heur is None:
-            return out
-        bks = {"nvfp4": (256, 512), "fp8": (128, 256, 512)}.get(fmt, (128, 256))
-        for bk in bks:
-            for dec in (gp.DECODES if fmt == "nvfp4" else ("f32",)):
-                if k % bk:
-                    continue
-                t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
-                if gp.check_tiles(fmt, n, k, t) is None and t not in out:
-                    out.append(t)
-        return out
+        conf = api.tiles_for(fmt, n, k, 1)
+        if conf is not None and conf not in out:
+            out.insert(0, conf)
+        if heur is not None:
+            bks = {"nvfp4": (256, 512), "fp8": (128, 256, 512)}.get(fmt, (128, 256))
+            for bk in bks:
+                for dec in (gp.DECODES if fmt == "nvfp4" else ("f32",)):
+                    if k % bk:
+                        continue
+                    t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
+                    if gp.check_tiles(fmt, n, k, t) is None and t not in out:
+                        out.append(t)
+        return out + ([t for t in wide_candidates(fmt, n, k) if t not in out] if wide else [])
     out = []
+    if base.mode != "loop":
+        opts = [dataclasses.replace(base, num_warps=w) for w in (2, 8)]
+        opts += [dataclasses.replace(base, bn=b) for b in (base.bn // 2, base.bn * 2)]
+        opts += [dataclasses.replace(base, bk=b) for b in (128, 256, 512, 1024) if b != base.bk]
+        return [t for t in opts if t.bn >= 1 and gp.check_tiles(fmt, n, k, t) is None]
     for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
         if n % bn:
             continue
@@ -85,9 +107,12 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
 
     from fnx.pallas.bench import time_case
     from fnx.pallas.gemv import api, bench, shapes
+    from fnx.pallas.gemv import pallas as gp
     best: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
     t_start = time.time()
-    shape_list = shapes.TEST if quick else shapes.RELEASED
+    shape_list = shapes.TEST if quick else shapes.RELEASED + shapes.FUSED
+    seen: set = set()      # (N, K) pairs shared by two layers (gdn.out_proj, qsa.o_proj) are tuned once
+    shape_list = [s for s in shape_list if not ((s[1], s[2]) in seen or seen.add((s[1], s[2])))]
     if layer_filter:
         shape_list = [s for s in shape_list if re.search(layer_filter, s[0])]
     m = 1
@@ -109,12 +134,14 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
                     log(f"  {fmt} {name} {t}: {r['us']:.1f} us {r['tbps']:.3f} TB/s")
                     results.append((r["us"], t))
 
+            key = f"{fmt}:{n}:{k}:{api.m_bucket(m)}"
             run(gemv_candidates(fmt, n, k))
             if not results:
                 continue
-            run(gemv_candidates(fmt, n, k, base=min(results, key=lambda r: r[0])[1]))
+            first = min(results, key=lambda r: r[0])[1]
+            if not (key in best and first == gp.Tiles(**best[key])):   # a tuned best needs no second stage
+                run(gemv_candidates(fmt, n, k, base=first))
             us, t = min(results, key=lambda r: r[0])
-            key = f"{fmt}:{n}:{k}:{api.m_bucket(m)}"
             best[key] = dataclasses.asdict(t)
             heur = api.heuristic_tiles(fmt, n, k, m)
             h_us = next((u for u, tt in results if tt == heur), None)

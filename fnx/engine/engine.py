@@ -789,9 +789,10 @@ def _decode_core(params, state, tokens, n_valid, ple, sp, keys, seen, counts, cf
     info = top_logprobs(logits[:, 0], tok, n_logprobs)
     rows = jnp.arange(tokens.shape[0])
     active = n_valid > 0
-    seen2, counts2 = _update_counts(seen, counts, rows, tok)
-    seen = jnp.where(active[:, None], seen2, seen)
-    counts = jnp.where(active[:, None], counts2, counts)
+    # scatters that leave inactive rows as they were: the buffers update in place (a where over [S, V] between
+    # old and new arrays made XLA copy both whole every step)
+    seen = seen.at[rows, tok].max(active)
+    counts = counts.at[rows, tok].add(active.astype(counts.dtype))
     return state, tok, jax.tree.map(lambda a: a[:, None], info), seen, counts
 
 

@@ -90,6 +90,63 @@ def test_nvfp4_decodes_are_exact_and_agree_bit_for_bit():
         np.testing.assert_array_equal(o, outs[0])
 
 
+WIDE = [gp.Tiles(4, 64, 1, mode="fma"), gp.Tiles(16, 128, 1, mode="fma", num_warps=2),
+        gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(32, 64, 1, mode="dot", num_warps=8)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("name,n,k", [s for s in shapes.TEST if s[0] != "deep"])   # (deep: only more chunks)
+def test_whole_k_modes_match_fp32_reference(fmt, name, n, k):
+    """The whole-K-per-program kernels ("fma" on CUDA cores, "dot" on tensor cores) at the ends of the M range
+    they serve, each tile set that divides the shape; and their fused argmax."""
+    seed = np.random.SeedSequence().entropy % (2**31)
+    key = jax.random.PRNGKey(seed)
+    w, extra, q = _weights(fmt, n, k, key)
+    wf = quant.dequantize(q, F32) if fmt != "bf16" else w
+    ran = 0
+    for t in WIDE:
+        if gp.check_tiles(fmt, n, k, t) is not None:
+            continue
+        ran += 1
+        for m in ((1, gp.FMA_MAX_M) if t.mode == "fma" else (3, 32)):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), F32).astype(jnp.bfloat16)
+            y = gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=t, interpret=INTERPRET)
+            ref = reference.linear_f32(x, wf)
+            assert y.shape == (m, n) and y.dtype == jnp.bfloat16
+            err = np.abs(np.asarray(y, np.float32) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()
+            assert err <= TOL, (fmt, name, t, m, err, f"seed {seed}")
+        x = jax.random.normal(key, (3, k), F32).astype(jnp.bfloat16)
+        ids = gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=t, interpret=INTERPRET, argmax=True)
+        logits = np.asarray(reference.linear_f32(x, wf))
+        top2 = np.sort(logits, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(logits).max()    # no near-tie for fp32 order to flip
+        np.testing.assert_array_equal(np.asarray(ids)[clear], np.argmax(logits, -1)[clear])
+    assert ran, f"no whole-K tile set divides {name} ({n} x {k})"
+
+
+def test_whole_k_modes_refuse_what_they_do_not_serve():
+    n, k = 256, 512
+    assert "split must be 1" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 128, 2, mode="fma"))
+    assert "streams" in gp.check_tiles("nvfp4", n, k, gp.Tiles(16, 128, 1, mode="fma"))
+    assert "minimum" in gp.check_tiles("bf16", n, k, gp.Tiles(8, 128, 1, mode="dot"))
+    assert "too many" in gp.check_tiles("fp8", 128, 128 * 65, gp.Tiles(16, 128, 1, mode="dot"))
+    assert "unknown mode" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 128, 1, mode="wide"))
+    x = jnp.ones((gp.FMA_MAX_M + 1, k), jnp.bfloat16)
+    with pytest.raises(ValueError, match="M <= 8"):
+        gp.gemv(x, jnp.ones((n, k), jnp.bfloat16), fmt="bf16", tiles=gp.Tiles(16, 128, 1, mode="fma"),
+                interpret=True)
+
+
+def test_tuned_fma_tiles_are_not_used_beyond_their_token_count(monkeypatch):
+    """A tuned "fma" entry (M bucket 1) serves M <= FMA_MAX_M; larger M get the heuristic's looped tiles."""
+    n, k = 2560, 2560
+    entry = {"bn": 8, "bk": 512, "split": 1, "num_warps": 4, "num_stages": 1, "dec": "f32", "mode": "fma"}
+    monkeypatch.setattr(api, "_tuned", lambda kind: {f"fp8:{n}:{k}:1": entry})
+    assert api.tiles_for("fp8", n, k, 5) == gp.Tiles(**entry)
+    big = api.tiles_for("fp8", n, k, 16)
+    assert big is not None and big.mode == "loop"
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_fused_argmax_equals_argmax_of_fp32_logits(fmt):
     n, k = 512, 256
@@ -167,13 +224,16 @@ def test_kernels_lower_for_cuda_at_released_shapes(fmt):
 
 
 def test_tile_variants_lower_for_cuda():
-    """The variants the tuner may pick lower too: FP8 steps of several 128-column blocks, every NVFP4 decode."""
+    """The variants the tuner may pick lower too: FP8 steps of several 128-column blocks, every NVFP4 decode, the
+    whole-K modes in bf16 and FP8."""
     n, k = 2560, 6144
     x = jax.ShapeDtypeStruct((5, k), jnp.bfloat16)
     fp8 = (jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((n // 128, k // 128), F32), None)
     nv = (jax.ShapeDtypeStruct((n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((n, k // 16), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((n,), F32))
     cases = [("fp8", gp.Tiles(64, 256, 4), fp8), ("fp8", gp.Tiles(128, 512, 1, 8), fp8)]
+    cases += [(f, gp.Tiles(bn, 512, 1, 4, 1, mode=mode), a) for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(
+        dtype=jnp.bfloat16), None, None))) for bn, mode in ((8, "fma"), (32, "dot"))]
     cases += [("nvfp4", gp.Tiles(64, 256, 2, dec=d), nv) for d in gp.DECODES]
     for fmt, t, args in cases:
         f = lambda x, w, s, s2: gp.gemv(x, w, s, s2, fmt=fmt, tiles=t)

@@ -80,7 +80,8 @@ def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tile
     if tuned:
         entry = tuned[min(tuned, key=lambda tb: (abs(tb - b), tb))]
         t = gp.Tiles(**entry)
-        if gp.check_tiles(fmt, n, k, t) is None and not (argmax and t.split != 1):
+        fits = not (argmax and t.split != 1) and not (t.mode == "fma" and m > gp.FMA_MAX_M)
+        if gp.check_tiles(fmt, n, k, t) is None and fits:
             return t
     t = heuristic_tiles(fmt, n, k, m)
     if t is not None and argmax and t.split != 1:

@@ -47,7 +47,7 @@ def cases(quick: bool = False, fmts=("bf16", "fp8", "nvfp4"), ms=(1, 8), impls=(
     if dispatch.why_unavailable("pallas") is not None:
         impls = tuple("pallas_interpret" if i == "pallas" else i for i in impls)
     out = []
-    shape_list = shapes.TEST if quick else shapes.RELEASED
+    shape_list = shapes.TEST if quick else shapes.RELEASED + shapes.FUSED
     for fmt in fmts:
         for name, n, k in shape_list:
             if only is not None and (n, k) != tuple(only):
@@ -72,7 +72,7 @@ def cases(quick: bool = False, fmts=("bf16", "fp8", "nvfp4"), ms=(1, 8), impls=(
                     t = tiles or api.tiles_for(fmt, n, k, m)
                     extra = {"fmt": fmt, "layer": name, "M": m, "N": n, "K": k}
                     if impl != "reference" and t is not None:
-                        extra["tiles"] = [t.bn, t.bk, t.split, t.num_warps, t.num_stages]
+                        extra["tiles"] = [t.bn, t.bk, t.split, t.num_warps, t.num_stages, t.mode]
                     out.append(BenchCase(f"gemv_{fmt}", f"M={m} N={n} K={k}", impl, fn,
                                          [(x, s) for s in sets], per + 2 * m * (k + n), 2 * m * n * k, extra))
     return out

@@ -44,9 +44,16 @@ class Tiles:
     dec: str = "f32"   # nvfp4 decode: "f32" (scales expanded by reshape, fp32 multiply), "f32g" (scales loaded
                        # already expanded by a gather from L1), "bf16" (codes placed as bf16 bits, gathered
                        # scales, bf16 multiply: e2m1 x e4m3 is exact in bf16)
+    mode: str = "loop"  # "loop": walk K in BK steps (fori_loop, split-K); "dot" / "fma": one program owns BN rows
+                        # and the whole K axis, unrolled in BK chunks whose weight loads are all issued first (no
+                        # loop-carried load latency, no split-K partials); "dot" multiplies on tensor cores
+                        # (tokens padded to 16), "fma" in fp32 on the CUDA cores (M <= FMA_MAX_M, no padding)
 
 
 DECODES = ("f32", "f32g", "bf16")
+MODES = ("loop", "dot", "fma")
+WIDE_FORMATS = ("bf16", "fp8")
+FMA_MAX_M = 8
 
 
 def _e2m1_f16(codes):
@@ -143,11 +150,61 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
         outs[0][s, :, pl.ds(row0, t.bn)] = acc.astype(out_dtype)
 
 
+def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool):
+    """One program: BN output rows over the whole K axis. The K/BK chunk loads are unrolled and the weight
+    tiles are all loaded before any arithmetic, so every load of the program is in flight at once (a looped
+    program waits one DRAM latency per step). FP8: a tile's rows sit in one 128-row block, so "fma" folds the
+    block scales into the activation (x * s per column, fp32) and "dot" scales each 128-column partial."""
+    outs = rest[-2:] if argmax else rest[-1:]
+    s_ref = rest[0] if fmt == "fp8" else None
+    n = pl.program_id(0)
+    row0 = n * t.bn
+    mp = x_ref.shape[0]
+    # "dot" on FP8 loads 128-column pieces (one block scale each: register tiles cannot be sliced)
+    cw = 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
+    nk = k // cw
+    ws = [w_ref[pl.ds(row0, t.bn), pl.ds(j * cw, cw)] for j in range(nk)]          # weights first
+    if fmt == "fp8":   # the tile's block scales: a vector of cw / 128 per chunk, or one scalar
+        ss = [s_ref[row0 // 128, pl.ds(j * cw // 128, cw // 128)] if cw > 128 else s_ref[row0 // 128, j * cw // 128]
+              for j in range(nk)]
+    acc = jnp.zeros((mp, t.bn), F32)
+    if t.mode == "fma":
+        rows = lax.broadcasted_iota(jnp.int32, (mp, t.bn), 0)
+        accs = [jnp.zeros((t.bn,), F32) for _ in range(m)]
+        for j in range(nk):
+            wf = ws[j].astype(F32)                                                    # [BN, CW]
+            if fmt == "fp8":   # per column: its block's scale (fp32), folded into the activation
+                sx = jnp.broadcast_to(ss[j][:, None], (cw // 128, 128)).reshape(cw) if cw > 128 else ss[j]
+            for i in range(m):
+                xv = x_ref[i, pl.ds(j * cw, cw)].astype(F32)                          # [CW]
+                if fmt == "fp8":
+                    xv = xv * sx
+                accs[i] = accs[i] + jnp.sum(wf * xv[None, :], axis=1)
+        for i in range(m):
+            acc = jnp.where(rows == i, accs[i][None, :], acc)
+    else:
+        for j in range(nk):
+            part = _dot(x_ref[:, pl.ds(j * cw, cw)], ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
+            acc = acc + (part * ss[j] if fmt == "fp8" else part)
+    if argmax:
+        mx_ref, ix_ref = outs
+        best = jnp.max(acc, axis=1)
+        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1) + row0
+        ix_ref[n, :] = jnp.min(jnp.where(acc == best[:, None], cols, jnp.int32(2**31 - 1)), axis=1)
+        mx_ref[n, :] = best
+    else:
+        outs[0][0, :, pl.ds(row0, t.bn)] = acc.astype(out_dtype)
+
+
 def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
     """None when `t` fits (n, k) exactly, else why not."""
     for name, v in (("bn", t.bn), ("bk", t.bk), ("split", t.split)):
         if v <= 0 or v & (v - 1) and name != "split":
             return f"{name}={v} is not a power of two"
+    if t.mode not in MODES:
+        return f"unknown mode {t.mode!r} (one of {MODES})"
+    if t.mode != "loop":
+        return _check_wide(fmt, n, k, t)
     if t.bn < 16 or t.bk < 32:
         return f"tiles bn={t.bn} bk={t.bk} are below the 16 x 32 minimum"
     if n % t.bn:
@@ -163,6 +220,23 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
     return None
 
 
+def _check_wide(fmt: str, n: int, k: int, t: Tiles) -> str | None:
+    if fmt not in WIDE_FORMATS:
+        return f"mode {t.mode!r} streams {WIDE_FORMATS} weights, not {fmt}"
+    if t.split != 1:
+        return f"mode {t.mode!r} owns the whole K axis per program (split must be 1, not {t.split})"
+    if t.bn < (16 if t.mode == "dot" else 1) or t.bk < 16:
+        return f"tiles bn={t.bn} bk={t.bk} are below the {t.mode} minimum ({16 if t.mode == 'dot' else 1} x 16)"
+    if n % t.bn or k % t.bk:
+        return f"bn={t.bn} / bk={t.bk} do not divide N={n} / K={k}"
+    cw = 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
+    if k // cw > 64:
+        return f"{k // cw} K chunks of {cw} columns is too many to unroll (at most 64)"
+    if fmt == "fp8" and (128 % t.bn or (128 % t.bk and t.bk % 128)):
+        return "fp8 128x128 blocks need bn to divide 128 and bk to divide 128 or be a multiple of it"
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("fmt", "tiles", "interpret", "argmax"))
 def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: bool = False,
          argmax: bool = False):
@@ -174,8 +248,10 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     why = check_tiles(fmt, n, k, t)
     if why:
         raise ValueError(f"gemv {fmt} N={n} K={k}: {why}")
-    mp = max(16, 1 << (m - 1).bit_length())
-    xb = jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
+    if t.mode == "fma" and m > FMA_MAX_M:
+        raise ValueError(f"gemv mode 'fma' serves M <= {FMA_MAX_M} tokens, not {m}")
+    mp = 1 << (m - 1).bit_length() if t.mode == "fma" else max(16, 1 << (m - 1).bit_length())
+    xb = x.astype(BF16) if mp == m else jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
     if argmax and t.split != 1:
         raise ValueError("the fused argmax needs split == 1 (each program must see whole dot products)")
     out_dtype = x.dtype if t.split == 1 else F32
@@ -185,7 +261,10 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
         args = (xb, w, scale.astype(F32))
     else:
         args = (xb, w)
-    kern = functools.partial(_kernel, fmt=fmt, t=t, k=k, out_dtype=out_dtype, argmax=argmax)
+    if t.mode == "loop":
+        kern = functools.partial(_kernel, fmt=fmt, t=t, k=k, out_dtype=out_dtype, argmax=argmax)
+    else:
+        kern = functools.partial(_wide_kernel, fmt=fmt, t=t, k=k, m=m, out_dtype=out_dtype, argmax=argmax)
     if argmax:
         out_shape = (jax.ShapeDtypeStruct((n // t.bn, mp), F32), jax.ShapeDtypeStruct((n // t.bn, mp), jnp.int32))
     else:
@@ -193,10 +272,10 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     out = pl.pallas_call(
         kern,
         out_shape=out_shape,
-        grid=(n // t.bn, t.split),
+        grid=(n // t.bn, t.split) if t.mode == "loop" else (n // t.bn,),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
-        name=f"fnx_gemv_{fmt}",
+        name=f"fnx_gemv_{fmt}" if t.mode == "loop" else f"fnx_gemv_{fmt}_{t.mode}",
     )(*args)
     if argmax:
         mx, ix = out

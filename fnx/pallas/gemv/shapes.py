@@ -17,6 +17,15 @@ RELEASED = [
     ("lm_head", 248320, 2560),
 ]
 
+# the same layers after fnx.model.fuse (FP8 groups: GDN qkv+z, QSA q+k+v, shared gate+up, PLE key+value), which
+# the decode step runs instead when its projections are fused: tuned (and benchmarked) like the rest
+FUSED = [
+    ("fused.gdn_qkvz", 16384, 2560),
+    ("fused.qsa_qkv", 13312, 2560),
+    ("fused.shared_gate_up", 1280, 2560),
+    ("fused.ple_kv", 12800, 2560),
+]
+
 # small shapes of every class the kernels distinguish (wide, narrow N = 48, K not a multiple of 128, split-K)
 TEST = [
     ("wide", 256, 512),
