@@ -155,7 +155,7 @@ class HostPle:
 
 
 def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=None, fetches=(),
-                  fuse: bool = False) -> dict:
+                  separate: bool = False) -> dict:
     """The Engine's plain decode, synchronous and overlapped (fnx.engine.Engine(overlap=...)): `slots` greedy
     requests of a 64-token prompt; after every prefill has ended, the wall time of the next `tokens` engine
     steps (ms per step, tokens/s). Same programs, so the difference is the host time the overlap hides.
@@ -165,8 +165,9 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
     from fnx.model.api import Model
     model = Model(cfg, params, mp)
     runs = [("sync", model, dict(overlap=False)), ("overlap", model, dict(overlap=True))]
-    if fuse:   # the same overlapped engine with each sublayer's input projections fused (fnx.model.fuse)
-        runs.append(("overlap_fused", model, dict(overlap=True, fuse_projections=True)))
+    if separate:   # the same overlapped engine with each input projection a GEMV of its own (the engine's default
+        # fuses each sublayer's input projections, fnx.model.fuse)
+        runs.append(("overlap_separate", model, dict(overlap=True, fuse_projections=False)))
     if store is not None:
         # the params' (shrunk) table stays, unread: the rows come from the store. The engine hashes the n-grams
         # with the config's constants, so they are the table's own when it is the release's size (every row of
@@ -255,7 +256,7 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
 
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
             host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
-            engine_fetches=(), engine_fuse: bool = False):
+            engine_fetches=(), engine_separate: bool = False):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -380,7 +381,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         if mesh is not None or quant != "bf16":
             raise SystemExit("--engine runs on one device with bf16 weights")
         res.update(engine_decode(cfg, params, mp, engine_tokens, engine_slots,
-                                 None if host_ple is None else host_ple.store, engine_fetches, engine_fuse))
+                                 None if host_ple is None else host_ple.store, engine_fetches, engine_separate))
     try:
         devs = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         res["peak_mem_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / 1e9
@@ -416,8 +417,9 @@ def main():
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="also time N plain decode steps of fnx.engine.Engine, synchronous and overlapped")
     ap.add_argument("--engine-slots", default="1,8", help="batch slots for --engine (comma list)")
-    ap.add_argument("--engine-fuse", action="store_true",
-                    help="with --engine: also the overlapped engine with fused input projections (fnx.model.fuse)")
+    ap.add_argument("--engine-separate", action="store_true",
+                    help="with --engine: also the overlapped engine with separate input projections (its default "
+                         "fuses them, fnx.model.fuse)")
     ap.add_argument("--engine-ple-fetch", default="pipeline,sync",
                     help="with --engine and a host --ple-store: the Engine's ple_fetch variants to time (comma list)")
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
@@ -472,7 +474,7 @@ def main():
             else:
                 r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger,
                             args.engine, [int(x) for x in args.engine_slots.split(",")],
-                            [f for f in args.engine_ple_fetch.split(",") if f], args.engine_fuse)
+                            [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}

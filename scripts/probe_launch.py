@@ -167,6 +167,8 @@ def main():
     ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
     ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
+    ap.add_argument("--fp8-head", action="store_true",
+                    help="the lm_head in FP8 128x128 blocks too (online FP8 keeps it bf16): the FP8 GEMV's largest shape")
     ap.add_argument("--fuse", action="store_true",
                     help="fuse each sublayer's input projections (fnx.model.fuse) in the target and MTP params")
     ap.add_argument("--kernel-table", action="store_true",
@@ -179,6 +181,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     # the files of runs with different layers or weights must not overwrite each other's
     tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}{'_fused' if args.fuse else ''}"
+                 f"{'_fp8head' if args.fp8_head else ''}"
                  ).strip("_")[:60]
 
     bd = _bench_decode()
@@ -196,6 +199,9 @@ def main():
     mp = bd.random_tree(mshapes, jax.random.PRNGKey(1), dtype)
     if args.quant != "bf16":   # FP8 blocks (and NVFP4 experts): the GEMV kernels' formats, for a whole-step A/B
         params, mp = bd.quantize_tree(params, args.quant), bd.quantize_tree(mp, args.quant)
+    if args.fp8_head:
+        from fnx.model import quant as fq
+        params = dict(params, lm_head=fq.quantize_fp8_block(params["lm_head"]))
     if args.fuse:
         from fnx.model.fuse import fuse_mtp, fuse_projections
         params, mp = fuse_projections(cfg, params), fuse_mtp(mp)
@@ -215,7 +221,7 @@ def main():
 
     def emit(rec):
         rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan, "quant": args.quant,
-               "fused_projections": args.fuse,
+               "fused_projections": args.fuse, "fp8_head": args.fp8_head,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
                "commit": commit, **rec}
         print(json.dumps(rec), flush=True)

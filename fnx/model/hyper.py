@@ -10,27 +10,44 @@ from fnx.model.ops import linear, rms_norm, div
 from fnx.pallas.hc import api as hc_api
 
 
+def _fp8_ok(w) -> bool:
+    from fnx.model import quant
+    return (isinstance(w, quant.Fp8Block) and tuple(w.block) == (128, 128) and w.w.ndim == 2
+            and w.w.dtype == jnp.float8_e4m3fn)
+
+
 def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: int) -> bool:
-    """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), unquantized weights, and a
-    kernel backend resolved for "hc_boundary_m1" (one token) or "hc_boundary" (2..32 tokens)."""
+    """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), dense weights (or, for one
+    token, FP8 128x128-block Wdown and Wup), and a kernel backend resolved for "hc_boundary_m1" (one token) or
+    "hc_boundary" (2..32 tokens)."""
     from fnx.model import quant
     m = 1
     for n in h.shape[:-1]:
         m *= n
-    names = ("input_mix_weight_down", "input_mix_weight_up") + (("block_inject_weight",) if inject else ())
     why = None
+    fp8 = [_fp8_ok(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
+    dense = [not quant.is_quantized(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     if m > hc_api.MAX_DECODE_TOKENS:
         why = f"{m} tokens > {hc_api.MAX_DECODE_TOKENS}"
-    elif any(quant.is_quantized(p[k]) for k in names):
-        why = "quantized hyper-connection weights (the kernel takes dense ones)"
+    elif inject and quant.is_quantized(p["block_inject_weight"]):
+        why = "quantized block_inject_weight (the kernels take it dense)"
+    elif not (all(dense) or (all(fp8) and m == 1)):
+        why = ("FP8 hyper-connection weights at more than one token (only the one-token kernel takes them)"
+               if all(fp8) else "hyper-connection weights in a format the kernels do not take (dense, or FP8 "
+                                "128x128 blocks for Wdown and Wup together)")
     elif m == 1 and streams & (streams - 1):
         why = f"{streams} streams (the one-token kernels need a power of two)"
     return hc_api.backend(impl, why, tokens=m) != "reference"
 
 
 def _kernel_call(p, h, y, inj, streams, eps, inject, impl):
-    return hc_api.hc_boundary(h, y, inj, p["hc_norm"], p["input_mix_weight_down"], p["input_mix_weight_up"],
-                              p["block_inject_weight"] if inject else None, streams=streams, eps=eps, impl=impl)
+    wd, wu = p["input_mix_weight_down"], p["input_mix_weight_up"]
+    scales = {}
+    if _fp8_ok(wd):
+        scales = {"w_down_scale": wd.scale_inv, "w_up_scale": wu.scale_inv}
+        wd, wu = wd.w, wu.w
+    return hc_api.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"] if inject else None,
+                              streams=streams, eps=eps, impl=impl, **scales)
 
 
 def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, eps: float, inject: bool = True,

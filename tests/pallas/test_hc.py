@@ -111,3 +111,50 @@ def test_named_kernel_on_a_call_it_does_not_serve_raises():
     hyper.gated_residual(p, h, 4, 1e-6)
     with pytest.raises(dispatch.NotApplicable, match="40 tokens > 32"):
         hyper.gated_residual(p, h, 4, 1e-6, impl=KERNEL)
+
+
+def _fp8(p):
+    """Wdown and Wup as FP8 128x128 blocks (the online FP8 layout), Winj and the norm kept dense."""
+    from fnx.model import quant
+    return dict(p, input_mix_weight_down=quant.quantize_fp8_block(p["input_mix_weight_down"].astype(jnp.float32)),
+                input_mix_weight_up=quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype):
+    """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
+    reference on the weights the model uses (dequantized, rounded to the activation dtype); and the model's
+    gated_residual / boundary wiring: one token through the kernel, more tokens through the reference (a named
+    kernel raises there)."""
+    from fnx.model import quant
+    from fnx.pallas import dispatch
+    h, y, inj, p = _inputs((1, 1), 4, 320, 160, dtype, np.random.randint(1 << 30))
+    q = _fp8(p)
+    wd, wu = (quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up"))
+    want = reference.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6)
+    got = jax.jit(lambda h, y, i: api.hc_boundary(
+        h, y, i, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w, p["block_inject_weight"],
+        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16),
+        w_down_scale=q["input_mix_weight_down"].scale_inv, w_up_scale=q["input_mix_weight_up"].scale_inv))(h, y, inj)
+    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        _close(g, w, tol, what)
+    x_k, i_k = jax.jit(lambda h: hyper.gated_residual(q, h, 4, 1e-6, impl=KERNEL))(h)
+    x_r, i_r = hyper.gated_residual(q, h, 4, 1e-6, impl="reference")
+    _close(x_k, x_r, tol, "x (model wiring)")
+    _close(i_k, i_r, tol, "inj (model wiring)")
+    h2 = jnp.concatenate([h, h], axis=1)                  # two tokens: no FP8 kernel
+    hyper.gated_residual(q, h2, 4, 1e-6)
+    with pytest.raises(dispatch.NotApplicable, match="FP8"):
+        hyper.gated_residual(q, h2, 4, 1e-6, impl=KERNEL)
+
+
+def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
+    sd, d, r = 10240, 2560, 320
+    bf, f8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+    sds = [jax.ShapeDtypeStruct((1, sd), bf), jax.ShapeDtypeStruct((1, d), bf), jax.ShapeDtypeStruct((1, 4), bf),
+           jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8),
+           jax.ShapeDtypeStruct((4, sd), bf), jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)]
+    f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8]))
+    text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("hc_down1_fp8") and text.count("hc_up1_fp8")

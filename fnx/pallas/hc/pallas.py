@@ -153,11 +153,18 @@ def _rnd(x, dt):
     return x.astype(dt).astype(F32)
 
 
-def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
+def _dequant_rows(wt, sc, dt):
+    """FP8 weights times their 128x128 block scales (fp32), rounded to the activation dtype: the model's
+    dequantize-then-matmul arithmetic (fnx.pallas.gemv.reference.dequantize), exactly."""
+    return _rnd(wt.astype(F32) * sc, dt)
+
+
+def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj, fp8):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
     wn_ref, wd_ref = next(it), next(it)
+    sd_ref = next(it) if fp8 else None
     wi_ref = next(it) if has_inj else None
     part_ref, rstd_ref = next(it), next(it)
     n, j = pl.program_id(0), pl.program_id(1)
@@ -173,6 +180,10 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
     is_down = n < n_down
     m3 = jnp.broadcast_to(ok[None], (bn, rp, bk))
     wt = plt.load(wd_ref.at[(n * bn + rows) * (s * d) + off[None]], mask=m3 & is_down, other=0.0)
+    if fp8:   # the bn rows sit in one 128-row block (bn divides 128): one scale per 128 columns, from L1/L2
+        sc = plt.load(sd_ref.at[(n * bn) // 128 * ((s * d + 127) // 128) + off // 128], mask=ok & is_down,
+                      other=0.0)                                                          # [rp, bk]
+        wt = _dequant_rows(wt, sc[None], h_ref.dtype)
     if has_inj:
         wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
                            mask=m3 & jnp.logical_not(is_down), other=0.0)                # [bn, rp, bk]
@@ -188,11 +199,13 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj):
     part_ref[...] = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)          # [bn]
 
 
-def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
+def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8):
     it = iter(refs)
     part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
-    wn_ref, wu_ref, x_ref = next(it), next(it), next(it)
+    wn_ref, wu_ref = next(it), next(it)
+    su_ref = next(it) if fp8 else None
+    x_ref = next(it)
     ho_ref = next(it) if has_y else None
     injo_ref = next(it) if has_inj else None
     i = pl.program_id(0)
@@ -205,6 +218,10 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
     wt = plt.load(wu_ref.at[rows[:, :, None] * r + k[None, None, :]],                  # first: in flight early
                   mask=jnp.broadcast_to(kok[None, None, :], (s, bd, rp)), other=0.0)     # [S, bd, rp]
+    if fp8:   # each stream's bd rows sit in one 128-row block (bd divides 128 and D): scales [S, rp]
+        sc = plt.load(su_ref.at[((sj * d + i * bd) // 128)[:, None] * ((r + 127) // 128) + k[None, :] // 128],
+                      mask=jnp.broadcast_to(kok[None, :], (s, rp)), other=0.0)
+        wt = _dequant_rows(wt, sc[:, None, :], h_ref.dtype)
     parts = plt.load(part_ref.at[sj[:, None] * n_rows + k[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
                      other=0.0)                                                          # [S, rp]
     v = _rnd(_rnd(jnp.sum(parts, axis=0), dt) / s, dt)
@@ -231,15 +248,29 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj):
 
 
 def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
-                   interpret: bool = False, tiles: Tiles1 | None = None):
+                   interpret: bool = False, tiles: Tiles1 | None = None, w_down_scale=None, w_up_scale=None):
     """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims): two kernels, see above.
-    S must be a power of two (the streams are one tile axis)."""
+    S must be a power of two (the streams are one tile axis). FP8 Wdown and Wup: float8_e4m3fn weights with
+    `w_down_scale` / `w_up_scale`, one fp32 multiplier per 128x128 block ([ceil(rows/128), ceil(cols/128)]);
+    each weight is dequantized in registers and rounded to h.dtype, as the model's dequantize-then-matmul does
+    (Winj stays dense)."""
     dt = h.dtype
     lead, sd, s = h.shape[:-1], h.shape[-1], streams
     d, r = sd // s, w_down.shape[0]
     t = tiles or choose_tiles1(s, d, r)
     if s != _pow2(s) or r % t.bn or s % t.bn or d % t.bd:
         raise ValueError(f"hc_boundary (M = 1): S={s} (a power of two), r={r}, D={d} do not fit the tiles {t}")
+    fp8 = w_down_scale is not None
+    if fp8 != (w_up_scale is not None):
+        raise ValueError("hc_boundary (M = 1): FP8 needs both w_down_scale and w_up_scale")
+    if fp8:
+        want = {"w_down_scale": (-(-r // 128), -(-sd // 128)), "w_up_scale": (-(-sd // 128), -(-r // 128))}
+        for name, a in (("w_down_scale", w_down_scale), ("w_up_scale", w_up_scale)):
+            if tuple(a.shape) != want[name]:
+                raise ValueError(f"hc_boundary (M = 1): {name} {tuple(a.shape)} is not one scale per 128x128 "
+                                 f"block {want[name]}")
+        if 128 % t.bn or 128 % t.bd:
+            raise ValueError(f"hc_boundary (M = 1) FP8: bn={t.bn} and bd={t.bd} must divide the 128-row blocks")
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
@@ -253,22 +284,24 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     n_rows = n_prog * t.bn
     part, rstd = pl.pallas_call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, bk=bk, nc=d // bk, eps=eps, has_y=has_y,
-                          has_inj=has_inj),
-        grid=(n_prog, s), in_specs=[whole] * (len(acts) + 2 + has_inj),
+                          has_inj=has_inj, fp8=fp8),
+        grid=(n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
         out_specs=[pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))],
         out_shape=[jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)],
-        interpret=interpret, name="hc_down1", **params,
-    )(*acts, flat(hc_norm), flat(w_down), *((flat(w_inj),) if has_inj else ()))
+        interpret=interpret, name="hc_down1_fp8" if fp8 else "hc_down1", **params,
+    )(*acts, flat(hc_norm), flat(w_down), *((flat(w_down_scale.astype(F32)),) if fp8 else ()),
+      *((flat(w_inj),) if has_inj else ()))
     outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s, d), dt)] if has_y else []) + (
         [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
     specs = [pl.BlockSpec((t.bd,), lambda i: (i,))] + (
         [pl.BlockSpec((s, t.bd), lambda i: (0, i))] if has_y else []) + (
         [pl.BlockSpec((s,), lambda i: (0,))] if has_inj else [])
     up = pl.pallas_call(
-        functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj),
-        grid=(d // t.bd,), in_specs=[whole] * (len(acts) + 4), out_specs=specs, out_shape=outs,
-        interpret=interpret, name="hc_up1", **params,
-    )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up))
+        functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
+                          fp8=fp8),
+        grid=(d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs, out_shape=outs,
+        interpret=interpret, name="hc_up1_fp8" if fp8 else "hc_up1", **params,
+    )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(w_up_scale.astype(F32)),) if fp8 else ()))
     x = up[0].reshape(*lead, d)
     h_new = up[1].reshape(h.shape) if has_y else h
     inj = up[-1].reshape(*lead, s) if has_inj else None
