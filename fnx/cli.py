@@ -1,6 +1,6 @@
 """The `fnx` command line.
 
-    fnx convert SRC DST [--quant fp8] [--dtype bfloat16]   HF safetensors -> orbax param tree (fast restore)
+    fnx convert SRC DST [--quant fp8|fp8-head] [--dtype bfloat16]   HF safetensors -> orbax param tree (fast restore)
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert", help="convert an HF checkpoint into an orbax param tree that fnx.load restores")
     c.add_argument("src", help="HF checkpoint directory (config.json + safetensors)")
     c.add_argument("dst", help="output directory")
-    c.add_argument("--quant", choices=["fp8"], default=None, help="online weight-only quantization")
+    c.add_argument("--quant", choices=["fp8", "fp8-head"], default=None,
+                   help="online weight-only quantization: fp8 (the dense projections and experts in 128x128 "
+                        "blocks), fp8-head (those and the lm_head)")
     c.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     c.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)

@@ -112,7 +112,10 @@ ONLINE_FP8 = (
     ("input_mix_weight_down",), ("input_mix_weight_up",),
     ("ple", "key_proj"), ("ple", "value_proj"),
 )
-ONLINE_QUANT = ("fp8",)
+# "fp8": the ONLINE_FP8 params; "fp8-head": those and the lm_head too (the step's largest GEMV: 168 against 279 us
+# per step on the H200 through the FP8 GEMV kernel, BENCHMARKS.md seventh session; the logits move by one FP8
+# rounding of the head's weights)
+ONLINE_QUANT = ("fp8", "fp8-head")
 
 
 @dataclass(frozen=True)

@@ -109,9 +109,12 @@ class TreeBuilder:
         return {**self.top, "segments": segments}
 
 
-def online_fp8(path: tuple[str, ...]) -> bool:
+def online_fp8(path: tuple[str, ...], quant: str | None = "fp8") -> bool:
+    """Whether online quantization `quant` ("fp8", "fp8-head", None) turns the param at `path` into FP8 blocks."""
     from fnx.checkpoint.hf import ONLINE_FP8
-    return any(path[-len(s):] == s for s in ONLINE_FP8)
+    if quant not in ("fp8", "fp8-head"):
+        return False
+    return any(path[-len(s):] == s for s in ONLINE_FP8) or (quant == "fp8-head" and tuple(path) == ("lm_head",))
 
 
 def _stored(w, spec) -> object:
@@ -221,7 +224,7 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
         if kind == "param":
             path = w.target.path
             placed = builder.put(w.target.layer, path,
-                                 to_device(value, dtype, quant == "fp8" and online_fp8(path), spec.block))
+                                 to_device(value, dtype, online_fp8(path, quant), spec.block))
         elif kind == "expert":
             layer, proj, e = info
             key = (layer, "down_proj" if proj == "down_proj" else "gate_up_proj")
@@ -236,7 +239,7 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
             slot[2] -= 1
             if slot[2] == 0:
                 buf = fused.pop(key)[0]
-                if quant == "fp8" and not q.is_quantized(buf):
+                if quant in ("fp8", "fp8-head") and not q.is_quantized(buf):
                     buf = _quantize_fp8(buf, (128, 128))
                 builder.put(layer, ("mlp", "experts", key[1]), buf)
         elif kind == "shard":

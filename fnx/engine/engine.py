@@ -184,11 +184,14 @@ class Engine:
                 self.mtp = fuse_mtp(self.mtp)
             hot = speculative.hot_ids(self.cfg.vocab_size)
             self.hot = None if hot is None else jnp.asarray(hot)
-            self.draft_head = None if hot is None else model.params["lm_head"][self.hot]
+            from fnx.model import quant
+            head = model.params["lm_head"]
+            self.draft_head = None
+            if hot is not None:   # the hot rows (of an FP8 head: dequantized, whole 128-row blocks are gone)
+                self.draft_head = (quant.dequantize(head, dtype) if quant.is_quantized(head) else head)[self.hot]
             if speculative.fp8_head:
-                from fnx.model.quant import quantize_fp8_block
-                head = model.params["lm_head"] if self.draft_head is None else self.draft_head
-                self.draft_head = quantize_fp8_block(head)
+                src = head if self.draft_head is None else self.draft_head
+                self.draft_head = src if quant.is_quantized(src) else quant.quantize_fp8_block(src)
             self.mtp_state = init_mtp_state(self.cfg, max_slots, capacity, dtype)
             self.mtp_empty = init_mtp_state(self.cfg, 1, capacity, dtype)
         self.waiting: deque[Request] = deque()

@@ -81,7 +81,8 @@ class Model:
 def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str | None = None,
          ple_store: str = "device", ple_options: dict | None = None, scan_layers: bool | None = None) -> Model:
     """Read a checkpoint into an `fnx.Model`: an HF directory (config.json + safetensors; BF16, FP8 block or
-    NVFP4, streamed onto the device; `quant="fp8"` quantizes the dense projections while loading) or a directory
+    NVFP4, streamed onto the device; `quant="fp8"` quantizes the dense projections and experts while loading,
+    `quant="fp8-head"` the lm_head too) or a directory
     written by `fnx convert` (restored as converted). dtype defaults to bfloat16 for HF checkpoints and to the
     converted dtype for converted ones.
 

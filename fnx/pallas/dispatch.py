@@ -34,7 +34,8 @@ BACKENDS = ("reference", "pallas", "pallas_interpret")
 # mode and lowers for CUDA, but runs on a GPU only when named (impl= or FNX_KERNELS), until its GPU run passes.
 VERIFIED_ON_GPU = {
     "gemv_bf16": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
-    "gemv_fp8": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
+    "gemv_fp8": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu; the whole-K modes: 2026-12-01, commit "
+                "20d02ac, tests/pallas/test_gemv.py whole-K cases",
     "gemv_bf16_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
     "gemv_fp8_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
     "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
@@ -70,10 +71,12 @@ AUTO_KEEPS_REFERENCE = {
     "gemv_bf16_argmax": "see gemv_bf16",
     "gdn_decode": "no gain in the whole step: 1.170 ms with the kernel, 1.164 ms with its XLA reference ("
                   + _MODEL_AB + ")",
-    "gemv_fp8": "measured slower in the whole step with FP8 dense and NVFP4 expert weights: 1.060 ms with the FP8 "
-                "GEMV kernels, 0.955 ms with XLA's dequantize-and-dot (H200, 4 layers, 1K context, 2026-11-30, "
-                "commit c74db63, `probe_launch.py --quant fp8+nvfp4 --kernel-variants`)",
-    "gemv_fp8_argmax": "see gemv_fp8",
+    # gemv_fp8 is on: in the FP8 step (4 layers, fused projections, FP8 lm_head; H200, commit b189f03) the
+    # whole-K kernels took 0.746 ms of kernel time per step against 0.847 with XLA's dequantize-and-dot: the
+    # lm_head 168 us against 272, the other FP8 projections 153 us against 149 (BENCHMARKS.md, seventh session)
+    "gemv_fp8_argmax": "not yet measured in the whole step with the whole-K tiles (the looped kernels lost there: "
+                       "1.060 ms against 0.955 with XLA, H200, commit c74db63); FNX_KERNELS=gemv_fp8_argmax=pallas "
+                       "opts in",
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -54,6 +55,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="MTP speculative decoding with K draft tokens per round (1..8; 0: off). Requests with "
                         "repetition/presence/frequency penalties are refused while it is on")
+    p.add_argument("--quant", choices=["fp8", "fp8-head"], default=None,
+                   help="online weight-only quantization while loading a BF16 checkpoint: fp8 (the dense "
+                        "projections and experts in FP8 128x128 blocks), fp8-head (those and the lm_head)")
+    p.add_argument("--layers", choices=["auto", "unrolled", "scanned"], default="auto",
+                   help="params layout: 'unrolled' keeps every layer's params separate (the faster decode on a GPU: "
+                        "a scanned loop copies its stacked state and the weights each kernel reads, every step), "
+                        "'scanned' stacks identical layer groups under lax.scan (faster compiles); auto: unrolled "
+                        "on an accelerator, scanned on the CPU (a converted checkpoint keeps its saved layout)")
+    p.add_argument("--compile-cache", default=None,
+                   help="directory for JAX's persistent compilation cache, so a restart skips the compiles it has "
+                        "already done ('' turns it off; default: $JAX_COMPILATION_CACHE_DIR when set, else "
+                        "~/.cache/fnx/jax)")
     p.add_argument("--no-fuse-projections", action="store_true",
                    help="keep each sublayer's input projections as separate GEMVs (default: one fused GEMV per "
                         "sublayer input, fnx.model.fuse; measured faster on the H200)")
@@ -152,6 +165,21 @@ def main(argv=None) -> int:
     except TokenizerError as e:
         return _fail(str(e))
     backend = jax.default_backend()
+    cache = args.compile_cache
+    if cache is None and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        cache = str(Path.home() / ".cache" / "fnx" / "jax")
+    if cache:
+        try:
+            Path(cache).mkdir(parents=True, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", cache)
+        except OSError as e:
+            return _fail(f"--compile-cache {cache}: {e} (pass --compile-cache '' to run without it)")
+    elif cache == "":
+        jax.config.update("jax_compilation_cache_dir", None)
+    converted = model_dir.is_dir() and is_converted(model_dir)
+    scan_layers = {"unrolled": False, "scanned": True}.get(args.layers)
+    if args.layers == "auto" and backend != "cpu" and not converted:
+        scan_layers = False
     dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}.get(
         args.dtype, np.float32 if backend == "cpu" else jnp.bfloat16)
     if args.dtype == "auto" and model_dir.is_dir() and is_converted(model_dir):
@@ -164,7 +192,8 @@ def main(argv=None) -> int:
                         "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
         elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "sync":
             return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not 'device'")
-        model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts)
+        model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts,
+                         scan_layers=scan_layers, quant=args.quant)
     except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation
         return _fail(f"could not load {model_dir}: {e}")
     t_load = time.perf_counter() - t0
@@ -184,6 +213,8 @@ def main(argv=None) -> int:
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
           f"PLE table: {args.ple_store}{'' if args.ple_store == 'device' else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
+          f"layers {'scanned' if model.cfg.scan_layers else 'unrolled'}, "
+          f"input projections {'fused' if engine.fused else 'separate'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)
 
     metrics = Metrics(name)

@@ -135,6 +135,33 @@ def test_online_fp8(src, ids, src_logits):
     assert err < FP8_LOGIT_TOL
 
 
+def test_online_fp8_head_also_quantizes_the_lm_head(src, ids, src_logits):
+    """quant="fp8-head": the lm_head in FP8 blocks too (the embedding stays float); the logits stay within the FP8
+    bound; speculative decoding takes it as its draft head, also with a hot-token subset (rows dequantized)."""
+    from fnx.engine import Engine, SpeculativeConfig
+    from fnx.engine.sampling import SamplingParams
+    model, out = _model(src, quant="fp8-head")
+    assert isinstance(out.params["lm_head"], quant.Fp8Block)
+    assert not quant.is_quantized(out.params["embed_tokens"]) and out.params["embed_tokens"].dtype == jnp.float32
+    logits = np.asarray(fnx.forward(model, ids))
+    err = fro(logits, src_logits)
+    print(f"online quant='fp8-head': vs float source: fro {err:.3e}")
+    assert err < FP8_LOGIT_TOL
+    with pytest.raises(ValueError, match="not supported"):
+        _model(src, quant="int4")
+    assert model.mtp, "the tiny checkpoint carries its MTP layer"
+    hot = np.arange(0, model.cfg.vocab_size, 3)
+    for spec in (SpeculativeConfig(2, fp8_head=True), SpeculativeConfig(2, draft_vocab=hot, fp8_head=True)):
+        eng = Engine(model, max_slots=1, capacity=64, prefill_chunk=16, speculative=spec)
+        assert isinstance(eng.draft_head if eng.draft_head is not None else out.params["lm_head"], quant.Fp8Block)
+        req = eng.requests[eng.submit([int(t) for t in np.asarray(ids)[0][:8]],
+                                      SamplingParams(max_tokens=4, ignore_eos=True))]
+        while eng.has_work():
+            eng.step()
+        assert req.generated == 4
+        eng.close()
+
+
 def test_fp8_without_quantization_config_is_refused(fp8_dirs, tmp_path):
     import json
     import shutil

@@ -2,6 +2,7 @@
 the n-gram table kept on the host: `--ple-store pageable`)."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -41,6 +42,17 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         assert s in out.stderr
 
 
+def test_unusable_compile_cache_is_a_clear_error(tmp_path):
+    if not DEFAULT_MODEL.exists():
+        pytest.skip("needs the embedded checkpoint")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    out = subprocess.run([sys.executable, "-m", "fnx.serve", "--compile-cache", str(blocker / "jax")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 2
+    assert "--compile-cache" in out.stderr and "without it" in out.stderr
+
+
 @pytest.fixture(scope="module")
 def small(serve_checkpoint, jax_cache, tmp_path_factory):
     s = Server(serve_checkpoint, tmp_path_factory.mktemp("logs") / "small.log", jax_cache,
@@ -61,6 +73,8 @@ def first_event(lines):
 def test_host_ple_store_serves(small):
     """The table stays in a read-only mmap of the checkpoint's shards; requests are served from its rows."""
     assert "PLE table: pageable" in small.output()
+    assert "layers scanned" in small.output()              # auto on the CPU: the config's layout
+    assert "input projections fused" in small.output()
     r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, max_tokens=3), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 

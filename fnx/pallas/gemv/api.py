@@ -57,8 +57,18 @@ def split_for(n: int, bn: int, k: int, bk: int, programs: int) -> int:
 
 
 def heuristic_tiles(fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
-    """A tile set that divides (N, K), with K split so there are >= 2 programs per SM where K allows (a GEMV
-    with fewer programs is latency-bound: each program walks its K slice one dependent load after another)."""
+    """A tile set that divides (N, K). FP8 at M <= FMA_MAX_M with K >= 2048: the whole-K "fma" mode (16 rows
+    per program, K in chunks of up to 512), which the H200 tuner picked for every such released shape (BENCHMARKS.md,
+    seventh session). Otherwise the looped kernel with K split so there are >= 2 programs per SM where K allows
+    (a GEMV with fewer programs is latency-bound: each program walks its K slice one dependent load after
+    another)."""
+    if fmt == "fp8" and m <= gp.FMA_MAX_M and k >= 2048:
+        bn = next((b for b in (16, 8, 4, 2, 1) if n % b == 0), 1)
+        bk = next((b for b in (512, 256, 128) if k % b == 0), None)
+        if bk is not None:
+            t = gp.Tiles(bn, bk, 1, num_warps=4, num_stages=1, mode="fma")
+            if gp.check_tiles(fmt, n, k, t) is None:
+                return t
     bn = next((b for b in (64, 32, 16) if n % b == 0), None)
     if fmt == "nvfp4":
         bk = next((b for b in (256, 128, 64, 32) if k % b == 0), None)

@@ -84,6 +84,19 @@ def _e2m1_bf16(codes):
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), BF16)
 
 
+def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
+    """A program's [Mp, BN] fp32 result: its rows of the output (split s), or with `argmax` its tile's best column
+    per token (max, index; ties -> lowest column)."""
+    if argmax:
+        mx_ref, ix_ref = outs
+        best = jnp.max(acc, axis=1)
+        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1) + row0
+        ix_ref[n, :] = jnp.min(jnp.where(acc == best[:, None], cols, jnp.int32(2**31 - 1)), axis=1)
+        mx_ref[n, :] = best
+    else:
+        outs[0][s, :, pl.ds(row0, bn)] = acc.astype(out_dtype)
+
+
 def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool):
     outs = rest[-2:] if argmax else rest[-1:]
     rest = rest[:len(rest) - len(outs)]
@@ -140,14 +153,7 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((mp, t.bn), F32))
     if fmt == "nvfp4":
         acc = acc * g_ref[pl.ds(row0, t.bn)][None, :]
-    if argmax:  # this tile's best column per token; ties -> lowest column
-        mx_ref, ix_ref = outs
-        best = jnp.max(acc, axis=1)
-        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1) + row0
-        ix_ref[n, :] = jnp.min(jnp.where(acc == best[:, None], cols, jnp.int32(2**31 - 1)), axis=1)
-        mx_ref[n, :] = best
-    else:
-        outs[0][s, :, pl.ds(row0, t.bn)] = acc.astype(out_dtype)
+    _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax)
 
 
 def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool):
@@ -186,14 +192,7 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
         for j in range(nk):
             part = _dot(x_ref[:, pl.ds(j * cw, cw)], ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
-    if argmax:
-        mx_ref, ix_ref = outs
-        best = jnp.max(acc, axis=1)
-        cols = lax.broadcasted_iota(jnp.int32, acc.shape, 1) + row0
-        ix_ref[n, :] = jnp.min(jnp.where(acc == best[:, None], cols, jnp.int32(2**31 - 1)), axis=1)
-        mx_ref[n, :] = best
-    else:
-        outs[0][0, :, pl.ds(row0, t.bn)] = acc.astype(out_dtype)
+    _store(acc, outs, n, 0, row0, t.bn, out_dtype, argmax)
 
 
 def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
