@@ -47,7 +47,12 @@ def test_prefill_then_decode(cases, name):
     """Prefill a prefix, extend by a multi-token chunk, then decode token by token: equal to the full forward."""
     c = cases(name)
     total = sparse_len(c.cfg) - 4
-    ids = c.tokens(2, total, seed=3)
+    # seed 4: with seed 3, tiny-c has a near-tie at the block-selection budget at position 51, and on an AVX-512
+    # CPU (2026-12-01) the one-token decode's scores round differently in the last ulp from the full forward's, so
+    # the top-k picked another block there (rel err 1e-2 from that position on; other seeds and hosts agree to
+    # 1e-6). The selection is a hard top-k over fp32 scores: two computations of one score that differ by an ulp
+    # may choose differently when two blocks are that close, in fnx as in the reference.
+    ids = c.tokens(2, total, seed=4)
     ref = c.reference(ids)
     prefix, chunk = c.cfg.indexer_budget + 1, 5
     state = fnx.new_state(c.model, 2, total)
