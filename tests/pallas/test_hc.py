@@ -139,6 +139,11 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype):
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
         _close(g, w, tol, what)
+    with pytest.raises(ValueError, match="Tiles1"):      # the multi-token design has no FP8 path
+        api.hc_boundary(h, y, inj, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w,
+                        p["block_inject_weight"], streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles(),
+                        w_down_scale=q["input_mix_weight_down"].scale_inv,
+                        w_up_scale=q["input_mix_weight_up"].scale_inv)
     x_k, i_k = jax.jit(lambda h: hyper.gated_residual(q, h, 4, 1e-6, impl=KERNEL))(h)
     x_r, i_r = hyper.gated_residual(q, h, 4, 1e-6, impl="reference")
     _close(x_k, x_r, tol, "x (model wiring)")

@@ -45,6 +45,9 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
     from fnx.pallas.hc import pallas as kernel
+    if fp8 and isinstance(tiles, kernel.Tiles):
+        raise ValueError("hc_boundary: FP8 weights run the one-token kernels (Tiles1), not the multi-token "
+                         "design's Tiles")
     if tokens == 1 and not isinstance(tiles, kernel.Tiles):
         return kernel.hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                                      interpret=dispatch.interpret_flag(which), tiles=tiles,
