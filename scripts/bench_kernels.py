@@ -52,11 +52,10 @@ def wide_candidates(fmt: str, n: int, k: int) -> list:
     return [t for t in out if gp.check_tiles(fmt, n, k, t) is None]
 
 
-def gemv_candidates(fmt: str, n: int, k: int, base=None, wide: bool = True) -> list:
+def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
     """Tile candidates in two stages. Stage 1 (base None): the configured tiles (tuned or heuristic), the
     heuristic's row tile and split with each K step (128; FP8 also 256 and 512, as several 128-column blocks per
-    step; NVFP4 256 and 512) and, for NVFP4, each decode variant; with `wide`, the whole-K modes too
-    (`wide_candidates`). Stage 2 around the stage-1 best: for a looped best, row tiles 32/64/128 (16 too for
+    step; NVFP4 256 and 512), for NVFP4 each decode variant, and the whole-K modes (`wide_candidates`). Stage 2 around the stage-1 best: for a looped best, row tiles 32/64/128 (16 too for
     narrow N), K split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps, 4 or 5 pipeline stages;
     for a whole-K best, half and double its row tile, 2 and 8 warps, and the other K chunks."""
     from fnx.pallas.gemv import api
@@ -76,7 +75,7 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, wide: bool = True) -> l
                     t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out:
                         out.append(t)
-        return out + ([t for t in wide_candidates(fmt, n, k) if t not in out] if wide else [])
+        return out + [t for t in wide_candidates(fmt, n, k) if t not in out]
     out = []
     if base.mode != "loop":
         opts = [dataclasses.replace(base, num_warps=w) for w in (2, 8)]

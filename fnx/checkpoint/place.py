@@ -111,8 +111,8 @@ class TreeBuilder:
 
 def online_fp8(path: tuple[str, ...], quant: str | None = "fp8") -> bool:
     """Whether online quantization `quant` ("fp8", "fp8-head", None) turns the param at `path` into FP8 blocks."""
-    from fnx.checkpoint.hf import ONLINE_FP8
-    if quant not in ("fp8", "fp8-head"):
+    from fnx.checkpoint.hf import ONLINE_FP8, ONLINE_QUANT
+    if quant not in ONLINE_QUANT:
         return False
     return any(path[-len(s):] == s for s in ONLINE_FP8) or (quant == "fp8-head" and tuple(path) == ("lm_head",))
 
@@ -180,7 +180,11 @@ def _write_expert(buf, fbo, value, e: int, row0: int):
 
 def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table: str = "device",
                 progress: bool = False, scan_layers: bool | None = None) -> Loaded:
-    """scan_layers: the params layout (`ModelConfig.scan_layers`); None keeps the config's."""
+    """scan_layers: the params layout (`ModelConfig.scan_layers`); None keeps the config's. quant: None or one
+    of `fnx.checkpoint.hf.ONLINE_QUANT` (HF and GGUF plans alike)."""
+    from fnx.checkpoint.hf import ONLINE_QUANT
+    if quant not in (None, *ONLINE_QUANT):
+        raise ValueError(f"quant={quant!r} is not supported; choose None or one of {list(ONLINE_QUANT)}")
     cfg, spec = plan.cfg, plan.quant
     if scan_layers is not None:
         cfg = cfg.replace(scan_layers=bool(scan_layers))
@@ -239,7 +243,7 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
             slot[2] -= 1
             if slot[2] == 0:
                 buf = fused.pop(key)[0]
-                if quant in ("fp8", "fp8-head") and not q.is_quantized(buf):
+                if quant in ONLINE_QUANT and not q.is_quantized(buf):
                     buf = _quantize_fp8(buf, (128, 128))
                 builder.put(layer, ("mlp", "experts", key[1]), buf)
         elif kind == "shard":

@@ -6,6 +6,11 @@ its slice BK columns at a time, converting the weight tile to bf16 in registers 
 token tile (tokens padded to >= 16 rows: the MMA is idle most of the time, the bytes are what count). Partials
 are fp32 [S, Mp, N]; XLA sums them (a small fused reduction) when S > 1, else the kernel writes x.dtype.
 
+Whole-K modes (`Tiles.mode` "fma" / "dot", bf16 and FP8): grid (N / BN,); each program owns BN rows and all of K,
+its K / BK chunk loads unrolled and every weight tile loaded before any arithmetic, so all of its loads are in
+flight at once and no split-K sum follows. "fma" multiplies in fp32 on the CUDA cores for M <= FMA_MAX_M tokens
+(no padding), "dot" on tensor cores (tokens padded to 16).
+
 Formats:
   bf16    W bf16 [N, K].
   fp8     W float8_e4m3fn [N, K] with one fp32 multiplier per 128x128 block: BN divides 128 and BK divides 128,
@@ -156,6 +161,12 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
     _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax)
 
 
+def _chunk_width(fmt: str, t: Tiles) -> int:
+    """Columns per unrolled load of the whole-K modes: BK, except that "dot" on FP8 loads 128-column pieces (one
+    block scale each: register tiles cannot be sliced)."""
+    return 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
+
+
 def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool):
     """One program: BN output rows over the whole K axis. The K/BK chunk loads are unrolled and the weight
     tiles are all loaded before any arithmetic, so every load of the program is in flight at once (a looped
@@ -166,8 +177,7 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
     n = pl.program_id(0)
     row0 = n * t.bn
     mp = x_ref.shape[0]
-    # "dot" on FP8 loads 128-column pieces (one block scale each: register tiles cannot be sliced)
-    cw = 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
+    cw = _chunk_width(fmt, t)
     nk = k // cw
     ws = [w_ref[pl.ds(row0, t.bn), pl.ds(j * cw, cw)] for j in range(nk)]          # weights first
     if fmt == "fp8":   # the tile's block scales: a vector of cw / 128 per chunk, or one scalar
@@ -228,7 +238,7 @@ def _check_wide(fmt: str, n: int, k: int, t: Tiles) -> str | None:
         return f"tiles bn={t.bn} bk={t.bk} are below the {t.mode} minimum ({16 if t.mode == 'dot' else 1} x 16)"
     if n % t.bn or k % t.bk:
         return f"bn={t.bn} / bk={t.bk} do not divide N={n} / K={k}"
-    cw = 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
+    cw = _chunk_width(fmt, t)
     if k // cw > 64:
         return f"{k // cw} K chunks of {cw} columns is too many to unroll (at most 64)"
     if fmt == "fp8" and (128 % t.bn or (128 % t.bk and t.bk % 128)):
