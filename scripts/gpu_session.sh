@@ -19,12 +19,13 @@
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
+#   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | table | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | table | cmdbuf | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -63,6 +64,21 @@ case "$part" in
       timeout ${PROBE_S:-150} python scripts/probe_launch.py --layers $n --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 \
         | grep '"part"' | cut -c1-600
     done ;;
+  cmdbuf)  # XLA's command-buffer (CUDA graph) runtime modes against the host time of one decode step: one process
+           # per XLA_FLAGS value (CMDBUF_LAYERS, unrolled, fused projections); the logits fingerprint must agree
+    modes=${CMDBUF_MODES:-"default|--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE|--xla_gpu_command_buffer_update_mode=CUSTOM_LIBRARY_UPDATE_FREE|--xla_gpu_enable_command_buffer="}
+    IFS='|' read -ra mode_list <<< "$modes"
+    for m in "${mode_list[@]}"; do
+      flags=$([ "$m" = default ] && echo "" || echo "$m")
+      XLA_FLAGS="$flags" timeout ${CMDBUF_S:-150} python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} --no-scan \
+        --fuse --dispatch-only --no-round --reps 20 --chains 5 --label "cmdbuf:$m" --out "$OUT/probe" 2>&1 \
+        | grep -E '"part": "decode dispatch"|Error|error:' | cut -c1-700
+    done
+    # where the host time of one step goes, command buffers kept on while profiling
+    XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${CMDBUF_PROFILE_FLAGS:-}" timeout ${CMDBUF_S:-150} \
+      python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} --no-scan --fuse --dispatch-only --no-round \
+      --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
+      --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
   table)   # every kernel of the 4-layer decode step (probe_launch --kernel-table), separate and fused projections,
            # and the chained step time of each in its own process (--fuse is a params change, not a kernel variant)
     for f in "" --fuse; do

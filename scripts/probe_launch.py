@@ -176,6 +176,10 @@ def main():
     ap.add_argument("--kernel-table", action="store_true",
                     help="profile the decode step and list every kernel it launches (time per call, the HLO "
                          "instruction it comes from, its op_name and fused opcodes) to --out/kernel_table_*.jsonl")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="profile --calls decode steps and list the host-side events per call (launch, command "
+                         "buffer update, thunks)")
+    ap.add_argument("--host-top", type=int, default=60, help="how many host events --host-profile lists")
     ap.add_argument("--kernel-variants", default="",
                     help="';'-separated FNX_KERNELS values ('auto' for none) timed one after another in this "
                          "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
@@ -270,17 +274,23 @@ def main():
             if i >= 2:
                 disp.append(t1 - t)
                 tot.append(time.perf_counter() - t)
-        chains = []
+        chains, first = [], None
         for _ in range(args.chains):
             t = time.perf_counter()
             for _ in range(args.reps):
                 logits, st["s"], _, _ = step_fn(params, st["s"], one, pid)
+                if first is None:
+                    first = logits
             jax.block_until_ready(logits)
             chains.append((time.perf_counter() - t) / args.reps)
+        # a fingerprint of the first chained step's logits: the params are seeded and the step's position fixed,
+        # so runs of the same program under different runtime flags (command-buffer modes) must print the same
+        f32 = np.asarray(first, np.float32)
         emit({"part": "decode dispatch", **({"kernels": label} if label is not None else {}),
               "dispatch_ms": float(np.median(disp)) * 1e3, "step_ms": float(np.median(tot)) * 1e3,
               "chained_ms_per_step": float(np.median(chains)) * 1e3,
               "chained_ms_all": [round(c * 1e3, 4) for c in chains],
+              "logits_fingerprint": [round(float(f32.sum()), 3), int(f32.argmax())],
               "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
         hold["s"] = st["s"]
 
@@ -319,6 +329,16 @@ def main():
         for row in sorted(table, key=lambda r: -r["us_per_call"])[:40]:
             print(f"{row['us_per_call']:8.2f} us x{row['per_call']:.0f} {row['kernel'][:40]:40s} "
                   f"{row.get('op', '?'):22s} {row.get('op_name', '')[-70:]}", flush=True)
+    if args.host_profile:
+        # host-side events of one profiled decode step (XLA runs command buffers while profiling only with
+        # --xla_enable_command_buffers_during_profiling=true in XLA_FLAGS: set it to see graph launch / update)
+        led = ledger.profile(dec, args.calls, log_dir=os.path.join(args.out, f"trace_host_{tag}"))
+        import gzip
+        with gzip.open(led["trace"], "rt") as f:
+            trace = json.load(f)
+        emit({"part": "host profile", "kernels_per_call": led["launches_per_call"],
+              "busy_ms_per_call": led["busy_ms_per_call"],
+              "host_ms_per_call_by_event": host_events(trace, args.calls, top=args.host_top)})
     if args.dispatch_only:
         return
 
