@@ -10,29 +10,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnx.model.fuse import linears
-from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated, softplus
-from fnx.pallas.gdn.api import gdn_recurrent
+from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
+from fnx.pallas.gdn.api import gdn_recurrent, gdn_step
+from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after  # noqa: F401  (PLE uses the conv)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
 CHUNK = 64
-
-
-def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, dilation: int = 1):
-    """Depthwise causal conv over cat(state, x) along time. x [B, L, C], state [B, S, C] with S = (K-1)*dilation,
-    w [C, K] (w[:, K-1] multiplies the current token). Returns (conv out [B, L, C] rounded once, xcat
-    [B, S+L, C]); the state after the first n tokens is `window_after(xcat, n, S)`."""
-    length, taps = x.shape[1], w.shape[1]
-    xcat = jnp.concatenate([state.astype(x.dtype), x], axis=1)
-    acc = jnp.zeros(x.shape, F32)
-    for j in range(taps):
-        start = j * dilation
-        acc = acc + xcat[:, start:start + length].astype(F32) * w[:, j].astype(F32)
-    return acc.astype(x.dtype), xcat
-
-
-def window_after(xcat: jax.Array, n: jax.Array, width: int) -> jax.Array:
-    """The `width` rows of xcat [B, width+L, C] that end after n [B] new tokens: the state left by those tokens."""
-    return jax.vmap(lambda xc, k: lax.dynamic_slice_in_dim(xc, k, width, axis=0))(xcat, n)
 
 
 def unit_lower_inverse(a: jax.Array) -> jax.Array:
@@ -135,27 +118,24 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     qkv, z, b, a = linears(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))   # fused or not
     z = z.reshape(bsz, length, hv, dv)
-    conv, conv_x = causal_conv(qkv, conv_state, p["conv1d"])
-    conv_state = window_after(conv_x, n_valid, conv_state.shape[1])
-    conv = jax.nn.silu(conv)
-    q, k, v = jnp.split(conv, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-    q = q.reshape(bsz, length, hk, dk)
-    k = k.reshape(bsz, length, hk, dk)
-    v = v.reshape(bsz, length, hv, dv)
-    beta = jax.nn.sigmoid(b)
-    g = -jnp.exp(p["A_log"].astype(F32)) * softplus(a.astype(F32) + p["dt_bias"].astype(F32))
-    valid = (jnp.arange(length)[None, :] < n_valid[:, None])[..., None]          # [B, L, 1]
-    g = jnp.where(valid, g, 0.0)                                                   # padding: no decay, no write
-    beta = jnp.where(valid, beta.astype(F32), 0.0)
+    if length == 1 and not snapshots:
+        # decode: conv update, gates, recurrence and output norm as one op ("gdn_step": one kernel on a GPU; its
+        # reference is the same ops as below, with the recurrence dispatched as "gdn_decode")
+        o, conv_state, rec_state = gdn_step(qkv, z, b, a, conv_state, p["conv1d"], p["A_log"], p["dt_bias"],
+                                            p["norm"], rec_state, n_valid, key_heads=hk, eps=cfg.rms_norm_eps,
+                                            act=cfg.output_gate_type, inplace=True)
+        return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}
+    q, k, v, g, beta, conv_state, conv_x = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"],
+                                                          p["dt_bias"], n_valid, key_heads=hk, key_head_dim=dk,
+                                                          value_heads=hv)
     aux = {}
-    if snapshots or length == 1:
-        # decode / verify: fnx.pallas.gdn (op "gdn_decode"): q, k stay [B, L, Hk, dk], normed and scaled there,
-        # and the output norm rides along (the kernel may fuse it)
+    if snapshots:
+        # verify: fnx.pallas.gdn (op "gdn_decode"): q, k stay [B, L, Hk, dk], normed and scaled there, and the
+        # output norm rides along (the kernel may fuse it)
         rec0 = rec_state
         o, rec_state = gdn_recurrent(q, k, v, g, beta, rec_state, scale=dk ** -0.5, qk_l2norm=True,
                                      out_dtype=x.dtype, norm=(z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type))
-        if snapshots:
-            aux = {"conv_x": conv_x, "rec0": rec0, "k": k, "v": v, "g": g, "beta": beta}
+        aux = {"conv_x": conv_x, "rec0": rec0, "k": k, "v": v, "g": g, "beta": beta}
     else:
         if hv != hk:
             q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnx.pallas.gdn.reference import rms_norm_gated  # noqa: F401  (the GDN output norm; the kernels fuse it)
+from fnx.pallas.gdn.reference import rms_norm_gated, softplus  # noqa: F401  (the GDN norm and gate, fused by kernels)
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -68,11 +68,6 @@ def scale(x: jax.Array, factor: float) -> jax.Array:
 def div(x: jax.Array, divisor: float) -> jax.Array:
     """x / divisor, divided in fp32 and rounded once (torch's bf16 tensor / Python number)."""
     return (x.astype(F32) / divisor).astype(x.dtype)
-
-
-def softplus(x: jax.Array) -> jax.Array:
-    """torch's softplus (beta 1, threshold 20)."""
-    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float, dtype) -> tuple[jax.Array, jax.Array]:

@@ -64,3 +64,50 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
                                 qk_l2norm=qk_l2norm, steps_with_initial=steps_with_initial, out_dtype=out_dtype,
                                 inplace=inplace, tiles=tiles, interpret=dispatch.interpret_flag(backend),
                                 norm=norm)
+
+
+STEP_OP = "gdn_step"
+
+
+def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
+             key_heads: int, eps: float, act: str, inplace: bool = False):
+    """One decode token per sequence through a GDN layer's core: causal conv update + silu, the beta / decay gates,
+    the gated delta rule and the gated output norm (`reference.gdn_step` has the math and the shapes:
+    qkv [B, 1, C], z [B, 1, HV, dv], b, a [B, 1, HV], conv_state [B, K-1, C], conv_w [C, K], a_log, dt_bias [HV],
+    norm_w [dv], rec [B, HV, dk, dv] fp32, n_valid [B]). Returns (o [B, 1, HV, dv], conv_state, rec).
+    Op "gdn_step": the kernel does it all in one launch; its reference is the model's ops with the recurrence
+    dispatched as "gdn_decode". The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
+    agree to float error and bf16 runs to a rounding step where XLA keeps excess precision."""
+    bsz, length, conv_dim = qkv.shape
+    if length != 1 or z.ndim != 4 or z.shape[:2] != (bsz, 1):
+        raise ValueError(f"gdn_step: one token per sequence: qkv {qkv.shape} must be [B, 1, C] and z {z.shape} "
+                         f"[B, 1, HV, dv]")
+    hv, dv = z.shape[2], z.shape[3]
+    if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
+        raise ValueError(f"gdn_step: C={conv_dim} is not 2 * {key_heads} key heads * dk + HV={hv} * dv={dv} "
+                         f"(HV a multiple of the key heads)")
+    dk = (conv_dim - hv * dv) // (2 * key_heads)
+    taps = conv_w.shape[-1] if conv_w.ndim == 2 else 0
+    want = {"b": (b, (bsz, 1, hv)), "a": (a, (bsz, 1, hv)),
+            "conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "conv_w": (conv_w, (conv_dim, taps)), "a_log": (a_log, (hv,)), "dt_bias": (dt_bias, (hv,)),
+            "norm_w": (norm_w, (dv,)), "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
+    for name, (arr, shape) in want.items():
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"gdn_step: {name} {tuple(arr.shape)} must be {shape}")
+    if taps < 2:
+        raise ValueError(f"gdn_step: the conv needs at least 2 taps, conv_w is {tuple(conv_w.shape)}")
+    if rec.dtype != F32:
+        raise ValueError(f"gdn_step: the recurrent state must be fp32, got {rec.dtype}")
+    if act not in ("sigmoid", "silu"):
+        raise ValueError(f"gdn_step: act must be 'sigmoid' or 'silu', got {act!r}")
+    why = None
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
+    backend = dispatch.resolve(STEP_OP, impl, not_applicable=why)
+    if backend == "reference":
+        return reference.gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
+                                  key_heads=key_heads, eps=eps, act=act, recurrent=gdn_recurrent)
+    from fnx.pallas.gdn import pallas as kernel
+    return kernel.gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
+                           key_heads=key_heads, eps=eps, act=act, inplace=inplace,
+                           interpret=dispatch.interpret_flag(backend))

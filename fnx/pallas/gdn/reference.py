@@ -14,6 +14,29 @@ F32 = jnp.float32
 L2NORM_EPS = 1e-6
 
 
+def softplus(x: jax.Array) -> jax.Array:
+    """torch's softplus (beta 1, threshold 20)."""
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
+def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, dilation: int = 1):
+    """Depthwise causal conv over cat(state, x) along time. x [B, L, C], state [B, S, C] with S = (K-1)*dilation,
+    w [C, K] (w[:, K-1] multiplies the current token). Returns (conv out [B, L, C] rounded once, xcat
+    [B, S+L, C]); the state after the first n tokens is `window_after(xcat, n, S)`."""
+    length, taps = x.shape[1], w.shape[1]
+    xcat = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    acc = jnp.zeros(x.shape, F32)
+    for j in range(taps):
+        start = j * dilation
+        acc = acc + xcat[:, start:start + length].astype(F32) * w[:, j].astype(F32)
+    return acc.astype(x.dtype), xcat
+
+
+def window_after(xcat: jax.Array, n: jax.Array, width: int) -> jax.Array:
+    """The `width` rows of xcat [B, width+L, C] that end after n [B] new tokens: the state left by those tokens."""
+    return jax.vmap(lambda xc, k: lax.dynamic_slice_in_dim(xc, k, width, axis=0))(xcat, n)
+
+
 def l2norm(x: jax.Array) -> jax.Array:
     """x / sqrt(sum(x^2) + 1e-6) over the last axis (the HF `l2norm`)."""
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
@@ -74,3 +97,48 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
     if steps_with_initial:
         steps = jnp.concatenate([state[:, None], steps], axis=1)
     return o, res[1], steps
+
+
+def conv_and_gates(qkv, b, a, conv_state, conv_w, a_log, dt_bias, n_valid, *, key_heads: int, key_head_dim: int,
+                   value_heads: int):
+    """The GDN layer's ops between its input projections and the recurrence, for L tokens: the causal conv and
+    silu, split into q, k [B, L, HK, dk] and v [B, L, HV, dv], beta = sigmoid(b) and the log decay
+    g = -exp(A_log) softplus(a + dt_bias) (fp32; both 0 on padding tokens past n_valid [B]).
+    Returns (q, k, v, g, beta, conv_state after n_valid tokens, conv_x [B, K-1+L, C])."""
+    bsz, length, _ = qkv.shape
+    conv, conv_x = causal_conv(qkv, conv_state, conv_w)
+    conv_state = window_after(conv_x, n_valid, conv_state.shape[1])
+    conv = jax.nn.silu(conv)
+    dk = key_head_dim                                      # C = 2 HK dk + HV dv
+    q, k, v = jnp.split(conv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
+    q = q.reshape(bsz, length, key_heads, dk)
+    k = k.reshape(bsz, length, key_heads, dk)
+    v = v.reshape(bsz, length, value_heads, -1)
+    beta = jax.nn.sigmoid(b)
+    g = -jnp.exp(a_log.astype(F32)) * softplus(a.astype(F32) + dt_bias.astype(F32))
+    valid = (jnp.arange(length)[None, :] < n_valid[:, None])[..., None]          # [B, L, 1]
+    g = jnp.where(valid, g, 0.0)                                                   # padding: no decay, no write
+    beta = jnp.where(valid, beta.astype(F32), 0.0)
+    return q, k, v, g, beta, conv_state, conv_x
+
+
+def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, *, key_heads: int, eps: float,
+             act: str, recurrent=None):
+    """One token per sequence through a GDN layer's core, between its input projections and out_proj:
+    `conv_and_gates`, the gated delta rule (q, k l2-normed, q scaled by dk^-1/2) and the gated output norm. This
+    is the model's decode path (`fnx.model.gdn.gdn_layer`).
+
+    qkv [B, 1, C] (C = 2 HK dk + HV dv, before the conv), z [B, 1, HV, dv], b, a [B, 1, HV] (the projections'
+    outputs, activation dtype); conv_state [B, K-1, C]; conv_w [C, K]; a_log, dt_bias [HV]; norm_w [dv];
+    rec [B, HV, dk, dv] fp32; n_valid [B] (0: the slot's token is padding, both states stay as they are).
+    recurrent: the gated-delta-rule function (`api.gdn_recurrent`, so its own dispatch applies; default this
+    module's). Returns (o [B, 1, HV, dv] in qkv.dtype, conv_state, rec)."""
+    recurrent = recurrent or gdn_recurrent
+    hv, dv = z.shape[2], z.shape[3]
+    q, k, v, g, beta, conv_state, _ = conv_and_gates(qkv, b, a, conv_state, conv_w, a_log, dt_bias, n_valid,
+                                                     key_heads=key_heads,
+                                                     key_head_dim=(qkv.shape[-1] - hv * dv) // (2 * key_heads),
+                                                     value_heads=hv)
+    o, rec = recurrent(q, k, v, g, beta, rec, scale=q.shape[-1] ** -0.5, qk_l2norm=True, out_dtype=qkv.dtype,
+                       norm=(z, norm_w, eps, act))
+    return o, conv_state, rec
