@@ -178,24 +178,34 @@ def step_inputs(key, bsz=3, hk=2, hv=4, dk=16, dv=8, taps=4, dtype=jnp.float32, 
                 n_valid=jnp.asarray(n_valid[:bsz], jnp.int32))
 
 
-def _step(impl, kw, act="sigmoid", hk=2):
-    return jax.jit(lambda d: api.gdn_step(**d, impl=impl, key_heads=hk, eps=1e-6, act=act))(kw)
+def _step(impl, kw, act="sigmoid", hk=2, tiles=None):
+    return jax.jit(lambda d: api.gdn_step(**d, impl=impl, key_heads=hk, eps=1e-6, act=act,
+                                          tiles=tiles if impl != "reference" else None))(kw)
 
 
-@pytest.mark.parametrize("dtype,act", [(jnp.float32, "sigmoid"), (jnp.float32, "silu"), (jnp.bfloat16, "sigmoid")])
-def test_step_equals_the_model_ops(dtype, act):
+@pytest.mark.parametrize("dtype,act,bv", [(jnp.float32, "sigmoid", None), (jnp.float32, "silu", 4),
+                                          (jnp.bfloat16, "sigmoid", None), (jnp.bfloat16, "silu", 2)])
+def test_step_equals_the_model_ops(dtype, act, bv):
     """The kernel against the reference (the model's decode ops). fp32: 1e-5 on o, 1e-6 on the states (only the
-    order of the sums differs). bf16: the conv window is moved, not computed, so it is exact; o and the state carry
-    the kernel's rounding of sigmoid / silu to bf16 where XLA:CPU keeps excess precision (measured: o within one
-    bf16 step of |o| ~ 2, the state within 1e-2 of |S| ~ 1)."""
+    order of the sums differs). The conv window is moved, not computed: exact in both dtypes. bf16: the kernel
+    rounds sigmoid / silu to bf16 where the HLO does, and XLA:CPU's bf16 ops round differently, so both are held
+    to the same computation in fp32 on the same inputs: over 40 seeds the kernel was within 0.025 (o, |o| < ~1)
+    and 0.016 (state) of it, the reference ops within 0.13 and 0.018; bounds 0.04 and 0.03. bv: columns per
+    program (dv = 8; < dv puts the norm after the kernel)."""
+    from fnx.pallas.gdn.pallas import StepTiles
     kw = step_inputs(seed(), dtype=dtype)
     o_r, c_r, s_r = _step("reference", kw, act)
-    o, c, s = _step(KERNEL, kw, act)
+    o, c, s = _step(KERNEL, kw, act, tiles=None if bv is None else StepTiles(block_v=bv, num_warps=4))
     assert o.dtype == dtype and c.dtype == dtype and s.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(c, np.float32), np.asarray(c_r, np.float32))
-    tol_o, tol_s = (1e-5, 1e-6) if dtype == jnp.float32 else (1.6e-2, 2e-2)
-    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_r, np.float32), rtol=tol_o, atol=tol_o)
-    np.testing.assert_allclose(np.asarray(s), np.asarray(s_r), rtol=tol_s, atol=tol_s)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(o), np.asarray(o_r), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(s), np.asarray(s_r), rtol=1e-6, atol=1e-6)
+        return
+    f32 = {name: a.astype(jnp.float32) if a.dtype == dtype else a for name, a in kw.items()}
+    o32, _, s32 = _step("reference", f32, act)
+    assert np.abs(np.asarray(o, np.float32) - np.asarray(o32)).max() < 0.04
+    assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
 
 
 def test_step_padding_slot_leaves_both_states_exactly():
@@ -246,10 +256,11 @@ def test_step_bad_inputs_are_clear_errors():
         api.gdn_step(**step_inputs(jax.random.key(0), dk=24), impl=KERNEL, key_heads=2, eps=1e-6, act="sigmoid")
 
 
-@pytest.mark.parametrize("bsz", [1, 8])
-def test_step_lowers_for_cuda(bsz):
+@pytest.mark.parametrize("bsz,bv", [(1, 128), (1, 32), (8, 128)])
+def test_step_lowers_for_cuda(bsz, bv):
     """gdn_step's Triton lowering at the released GDN widths (16 key / 48 value heads of 128, conv of 4 taps)."""
     from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn.pallas import StepTiles
     hk, hv, d, taps = 16, 48, 128, 4
     c = 2 * hk * d + hv * d
     sds = jax.ShapeDtypeStruct
@@ -257,7 +268,8 @@ def test_step_lowers_for_cuda(bsz):
     args = (sds((bsz, 1, c), bf), sds((bsz, 1, hv, d), bf), sds((bsz, 1, hv), bf), sds((bsz, 1, hv), bf),
             sds((bsz, taps - 1, c), bf), sds((c, taps), bf), sds((hv,), jnp.float32), sds((hv,), bf), sds((d,), bf),
             sds((bsz, hv, d, d), jnp.float32), sds((bsz,), jnp.int32))
-    f = lambda *a: kernel.gdn_step(*a, key_heads=hk, eps=1e-6, act="sigmoid", inplace=True)  # noqa: E731
+    f = lambda *a: kernel.gdn_step(*a, key_heads=hk, eps=1e-6, act="sigmoid", inplace=True,  # noqa: E731
+                                   tiles=StepTiles(block_v=bv))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_step" in text
 

@@ -70,13 +70,14 @@ STEP_OP = "gdn_step"
 
 
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
-             key_heads: int, eps: float, act: str, inplace: bool = False):
+             key_heads: int, eps: float, act: str, inplace: bool = False, tiles=None):
     """One decode token per sequence through a GDN layer's core: causal conv update + silu, the beta / decay gates,
     the gated delta rule and the gated output norm (`reference.gdn_step` has the math and the shapes:
     qkv [B, 1, C], z [B, 1, HV, dv], b, a [B, 1, HV], conv_state [B, K-1, C], conv_w [C, K], a_log, dt_bias [HV],
     norm_w [dv], rec [B, HV, dk, dv] fp32, n_valid [B]). Returns (o [B, 1, HV, dv], conv_state, rec).
     Op "gdn_step": the kernel does it all in one launch; its reference is the model's ops with the recurrence
-    dispatched as "gdn_decode". The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
+    dispatched as "gdn_decode". tiles: `pallas.StepTiles` (BV columns of a head per program; BV < dv puts the
+    norm after the kernel). The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
     agree to float error and bf16 runs to a rounding step where XLA keeps excess precision."""
     bsz, length, conv_dim = qkv.shape
     if length != 1 or z.ndim != 4 or z.shape[:2] != (bsz, 1):
@@ -108,6 +109,8 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
         return reference.gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
                                   key_heads=key_heads, eps=eps, act=act, recurrent=gdn_recurrent)
     from fnx.pallas.gdn import pallas as kernel
+    if tiles is not None and (not _is_pow2(tiles.block_v) or dv % tiles.block_v):
+        raise ValueError(f"gdn_step: block_v={tiles.block_v} must be a power of two dividing dv={dv}")
     return kernel.gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
-                           key_heads=key_heads, eps=eps, act=act, inplace=inplace,
+                           key_heads=key_heads, eps=eps, act=act, inplace=inplace, tiles=tiles,
                            interpret=dispatch.interpret_flag(backend))

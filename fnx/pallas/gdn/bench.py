@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.gdn import api
-from fnx.pallas.gdn.pallas import Tiles, default_tiles
+from fnx.pallas.gdn.pallas import StepTiles, Tiles, default_tiles
 
 HK, HV, DK, DV = 16, 48, 128, 128
 
@@ -50,8 +50,52 @@ def _fn(impl, keep, tiles):
     return fn
 
 
-def cases(quick: bool) -> list[BenchCase]:
+TAPS = 4
+CONV = 2 * HK * DK + HV * DV
+
+
+def step_floor_bytes(bsz: int) -> int:
+    """gdn_step: the state read + write, the conv window read + write, the conv weights, qkv, z, o, b, a."""
+    return (2 * bsz * HV * DK * DV * 4 + 2 * bsz * (TAPS - 1) * CONV * 2 + CONV * TAPS * 2 + bsz * CONV * 2
+            + 2 * bsz * HV * DV * 2 + 2 * bsz * HV * 2)
+
+
+def _step_args(key, bsz):
+    ks = jax.random.split(key, 10)
+    bf = jnp.bfloat16
+    n = lambda i, shape, s=1.0: (s * jax.random.normal(ks[i], shape)).astype(bf)  # noqa: E731
+    return (n(0, (bsz, 1, CONV)), n(1, (bsz, 1, HV, DV)), n(2, (bsz, 1, HV)), n(3, (bsz, 1, HV)),
+            n(4, (bsz, TAPS - 1, CONV)), n(5, (CONV, TAPS), 0.5), n(6, (HV,), 0.5).astype(jnp.float32),
+            n(7, (HV,)), (1.0 + n(8, (DV,), 0.1)).astype(bf), 0.1 * jax.random.normal(ks[9], (bsz, HV, DK, DV)),
+            jnp.ones((bsz,), jnp.int32))
+
+
+def _step_fn(impl, tiles):
+    def fn(*a):
+        return api.gdn_step(*a, impl=impl, key_heads=HK, eps=1e-6, act="sigmoid", tiles=tiles)
+    return fn
+
+
+def step_cases(quick: bool) -> list[BenchCase]:
+    """gdn_step (one decode token: conv + gates + recurrence + norm) against the model's XLA ops, B = 1 and 8."""
     out = []
+    for bsz in ((1,) if quick else (1, 8)):
+        per_set = step_floor_bytes(bsz)
+        sets = [_step_args(jax.random.key(i), bsz) for i in range(n_sets(per_set))]
+        shape = f"B={bsz} HK={HK} HV={HV} dk={DK} dv={DV} conv={TAPS}"
+        tiles = [StepTiles(DV, 8)] if quick else [StepTiles(DV, 4), StepTiles(DV, 8), StepTiles(DV, 16),
+                                                   StepTiles(64, 4), StepTiles(32, 4), StepTiles(32, 2)]
+        out.append(BenchCase(kernel="gdn_step", shape=shape, impl="reference", fn=_step_fn("reference", None),
+                             arg_sets=sets, bytes=per_set, extra={"B": bsz}))
+        for t in tiles:
+            out.append(BenchCase(kernel="gdn_step", shape=shape, impl="pallas", fn=_step_fn("pallas", t),
+                                 arg_sets=sets, bytes=per_set,
+                                 extra={"B": bsz, "block_v": t.block_v, "num_warps": t.num_warps}))
+    return out
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    out = step_cases(quick)
     batches = (1,) if quick else (1, 8, 32)
     for bsz in batches:
         for length in (1, 5):

@@ -139,48 +139,65 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
 
 # ---------------------------------------------------------------------------------------------------------------
 # gdn_step: one decode token of a GDN layer's core in one kernel (conv update + silu, gates, recurrence, norm).
-# Grid (B, HV): program (b, h) owns value head h of sequence b, all of its [dk, dv] state. It recomputes the conv of
-# the q / k channels of its key head (HV / HK programs share them: 2 x dk x K multiply-adds, nothing next to the
-# state), convolves its own v channels, and writes the new conv window of its v channels; the first program of
-# each key head group also writes the q / k channels' window. Every window element is written by exactly one
-# program, so the new conv state needs no copy of the old one.
+# Grid (B, HV, dv / BV): program (b, h, j) owns columns [j BV, (j+1) BV) of value head h's [dk, dv] state. It
+# recomputes the conv of the q / k channels of its key head (the programs of a key head group share them:
+# 2 x dk x K multiply-adds, nothing next to the state), convolves its own BV v channels and writes their new conv
+# window; program j = 0 of the first value head of each key head group also writes the q / k channels' window.
+# Every window element is written by exactly one program, so the new conv state needs no copy of the old one (and
+# must not alias it: other programs still read the q / k rows). With BV = dv the gated norm runs in the kernel;
+# with BV < dv (more programs, for small batches) o leaves the kernel raw and the norm runs after it in XLA.
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiles:
+    block_v: int = 128      # BV (a power of two dividing dv); BV = dv fuses the gated norm
+    num_warps: int = 8
+
+
+def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
+    """Untuned until the H200 measurement in BENCHMARKS.md says otherwise: whole heads (the norm fused)."""
+    return StepTiles(block_v=dv, num_warps=8)
 
 
 def _rnd(x, dt):
     return x.astype(dt).astype(F32)
 
 
+def _softplus(x):
+    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
 def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
-                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, rep, eps, act, dt):
-    bi, h = pl.program_id(0), pl.program_id(1)
+                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt):
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
-    s = s_ref[0, 0, :, :]                                   # [dk, dv] fp32: the state load is issued first
+    s = s_ref[0, 0, :, :]                                   # [dk, BV] fp32: the state load is issued first
     valid = nv_ref[0] > 0
     hist = taps - 1
 
     def conv(off, n):
         """silu(conv) of channels [off, off + n) (rounded like the model), and the window rows after the token."""
         ch = off + jnp.arange(n, dtype=jnp.int32)
-        rows = [pltriton.load(conv_ref.at[(bi * hist + j) * conv_dim + ch]) for j in range(hist)]
+        rows = [pltriton.load(conv_ref.at[(bi * hist + t) * conv_dim + ch]) for t in range(hist)]
         x = pltriton.load(qkv_ref.at[bi * conv_dim + ch])
         acc = jnp.zeros((n,), F32)
-        for j, r in enumerate(rows + [x]):
-            acc = acc + r.astype(F32) * pltriton.load(cw_ref.at[ch * taps + j]).astype(F32)
+        for t, r in enumerate(rows + [x]):
+            acc = acc + r.astype(F32) * pltriton.load(cw_ref.at[ch * taps + t]).astype(F32)
         y = _rnd(acc, dt)
         y = _rnd(y * _rnd(jax.nn.sigmoid(y), dt), dt)       # jax.nn.silu in dt, rounded as its HLO does
         new = [jnp.where(valid, nxt, old) for old, nxt in zip(rows, rows[1:] + [x])]
         return y, ch, new
 
     def store_window(ch, new):
-        for j, r in enumerate(new):
-            pltriton.store(cout_ref.at[(bi * hist + j) * conv_dim + ch], r)
+        for t, r in enumerate(new):
+            pltriton.store(cout_ref.at[(bi * hist + t) * conv_dim + ch], r)
 
     q, qch, qnew = conv(kh * dk, dk)
     k, kch, knew = conv(hk * dk + kh * dk, dk)
-    v, vch, vnew = conv(2 * hk * dk + h * dv, dv)
+    v, vch, vnew = conv(2 * hk * dk + h * dv + j * bv, bv)
     store_window(vch, vnew)
 
-    @pl.when(h % rep == 0)
+    @pl.when((h % rep == 0) & (j == 0))
     def _():
         store_window(qch, qnew)
         store_window(kch, knew)
@@ -192,19 +209,18 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (dk ** -0.5)
     k = k * lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
     s = s * jnp.exp(g)
-    kv = jnp.sum(s * k[:, None], axis=0)                    # [dv]
+    kv = jnp.sum(s * k[:, None], axis=0)                    # [BV]
     s = s + k[:, None] * ((v - kv) * beta)[None, :]
     o = jnp.sum(s * q[:, None], axis=0)
-    o_ref[0, 0, :] = _gated_norm(o, z_ref[0, 0, :], nw_ref[:], eps, act, dt)
+    if bv == dv:
+        o_ref[0, 0, :] = _gated_norm(o, z_ref[0, 0, :], nw_ref[:], eps, act, dt)
+    else:
+        o_ref[0, 0, :] = o.astype(dt)
     sout_ref[0, 0, :, :] = s
 
 
-def _softplus(x):
-    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-
-
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, *, key_heads: int, eps: float,
-             act: str, num_warps: int = 8, inplace: bool = False, interpret: bool = False):
+             act: str, tiles: StepTiles | None = None, inplace: bool = False, interpret: bool = False):
     """See `fnx.pallas.gdn.api.gdn_step` (shapes are checked there). inplace: the new recurrent state is written
     over `rec` (input_output_aliases; donate it, or XLA copies it first)."""
     bsz, _, conv_dim = qkv.shape
@@ -212,23 +228,28 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     taps = conv_w.shape[1]
     dk = (conv_dim - hv * dv) // (2 * key_heads)
     dt = qkv.dtype
+    t = tiles or default_step_tiles(bsz, hv, dv)
+    bv = t.block_v
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    flat = lambda t: t.reshape(-1)  # noqa: E731
-    in_specs = [pl.BlockSpec((1,), lambda i, h: (i,)), whole, whole, whole,
-                pl.BlockSpec((1, 1), lambda i, h: (i, h)), pl.BlockSpec((1, 1), lambda i, h: (i, h)),
-                pl.BlockSpec((1,), lambda i, h: (h,)), pl.BlockSpec((1,), lambda i, h: (h,)),
-                pl.BlockSpec((1, 1, dv), lambda i, h: (i, h, 0)), pl.BlockSpec((dv,), lambda i, h: (0,)),
-                pl.BlockSpec((1, 1, dk, dv), lambda i, h: (i, h, 0, 0))]
-    out_specs = [pl.BlockSpec((1, 1, dv), lambda i, h: (i, h, 0)),
-                 pl.BlockSpec((1, 1, dk, dv), lambda i, h: (i, h, 0, 0)), whole]
+    flat = lambda x: x.reshape(-1)  # noqa: E731
+    in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,)), whole, whole, whole,
+                pl.BlockSpec((1, 1), lambda i, h, j: (i, h)), pl.BlockSpec((1, 1), lambda i, h, j: (i, h)),
+                pl.BlockSpec((1,), lambda i, h, j: (h,)), pl.BlockSpec((1,), lambda i, h, j: (h,)),
+                pl.BlockSpec((1, 1, bv), lambda i, h, j: (i, h, j)), pl.BlockSpec((bv,), lambda i, h, j: (j,)),
+                pl.BlockSpec((1, 1, dk, bv), lambda i, h, j: (i, h, 0, j))]
+    out_specs = [pl.BlockSpec((1, 1, bv), lambda i, h, j: (i, h, j)),
+                 pl.BlockSpec((1, 1, dk, bv), lambda i, h, j: (i, h, 0, j)), whole]
     out_shape = [jax.ShapeDtypeStruct((bsz, hv, dv), dt), jax.ShapeDtypeStruct(rec.shape, F32),
                  jax.ShapeDtypeStruct((conv_state.size,), conv_state.dtype)]
-    params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=1)}
-    kernel = functools.partial(_step_kernel, conv_dim=conv_dim, taps=taps, hk=key_heads, dk=dk, dv=dv,
+    params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps, num_stages=1)}
+    kernel = functools.partial(_step_kernel, conv_dim=conv_dim, taps=taps, hk=key_heads, dk=dk, dv=dv, bv=bv,
                                rep=hv // key_heads, eps=float(eps), act=act, dt=dt)
+    z3 = z.reshape(bsz, hv, dv)
     o, rec, conv = pl.pallas_call(
-        kernel, grid=(bsz, hv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={10: 1} if inplace else {}, interpret=interpret, name="gdn_step", **params,
     )(n_valid.astype(jnp.int32), flat(qkv), flat(conv_state), flat(conv_w), b.reshape(bsz, hv),
-      a.reshape(bsz, hv), a_log, dt_bias, z.reshape(bsz, hv, dv), norm_w, rec)
+      a.reshape(bsz, hv), a_log, dt_bias, z3, norm_w, rec)
+    if bv != dv:                                            # the norm over whole heads, after the kernel
+        o = rms_norm_gated(o, z3, norm_w, eps, act)
     return o.reshape(bsz, 1, hv, dv), conv.reshape(conv_state.shape), rec
