@@ -151,12 +151,13 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
 @dataclasses.dataclass(frozen=True)
 class StepTiles:
     block_v: int = 128      # BV (a power of two dividing dv); BV = dv fuses the gated norm
-    num_warps: int = 8
+    num_warps: int = 4
 
 
 def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
-    """Untuned until the H200 measurement in BENCHMARKS.md says otherwise: whole heads (the norm fused)."""
-    return StepTiles(block_v=dv, num_warps=8)
+    """Whole heads (the norm fused) at 4 warps: the fastest of six tile sets on the H200 at the released widths,
+    B = 1 and 8 (BV 128 at 4 / 8 / 16 warps, 64 at 4, 32 at 4 / 2; `bench.step_cases`, BENCHMARKS.md)."""
+    return StepTiles(block_v=dv, num_warps=4)
 
 
 def _rnd(x, dt):
