@@ -189,9 +189,10 @@ def test_step_equals_the_model_ops(dtype, act, bv):
     """The kernel against the reference (the model's decode ops). fp32: 1e-5 on o, 1e-6 on the states (only the
     order of the sums differs). The conv window is moved, not computed: exact in both dtypes. bf16: the kernel
     rounds sigmoid / silu to bf16 where the HLO does, and XLA:CPU's bf16 ops round differently, so both are held
-    to the same computation in fp32 on the same inputs: over 40 seeds the kernel was within 0.025 (o, |o| < ~1)
-    and 0.016 (state) of it, the reference ops within 0.13 and 0.018; bounds 0.04 and 0.03. bv: columns per
-    program (dv = 8; < dv puts the norm after the kernel)."""
+    to the same computation in fp32 on the same inputs. Over 300 CPU runs the kernel was within 0.092 (o, |o| < ~1:
+    the norm over dv = 8 values amplifies a rounding where a head's rms is small) and 0.010 (state) of it, the
+    reference ops within 0.078 and 0.022; an H200 run saw 0.074. Bounds 0.15 and 0.03 (a wrong gate, conv tap or
+    head is off by O(1)). bv: columns per program (dv = 8; < dv puts the norm after the kernel)."""
     from fnx.pallas.gdn.pallas import StepTiles
     kw = step_inputs(seed(), dtype=dtype)
     o_r, c_r, s_r = _step("reference", kw, act)
@@ -204,7 +205,7 @@ def test_step_equals_the_model_ops(dtype, act, bv):
         return
     f32 = {name: a.astype(jnp.float32) if a.dtype == dtype else a for name, a in kw.items()}
     o32, _, s32 = _step("reference", f32, act)
-    assert np.abs(np.asarray(o, np.float32) - np.asarray(o32)).max() < 0.04
+    assert np.abs(np.asarray(o, np.float32) - np.asarray(o32)).max() < 0.15
     assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
 
 
