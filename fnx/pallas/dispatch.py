@@ -40,8 +40,7 @@ VERIFIED_ON_GPU = {
     "gemv_fp8_argmax": "H200, 2026-11-30, tests/pallas/test_gemv.py -m gpu",
     "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
-    "gdn_step": "H200, 2026-12-01, commits 1f19306 (tests/pallas/test_gdn.py, all 23) and 8e8deba (its 14 gdn_step "
-                "tests, with the BV < dv tiles)",
+    "gdn_step": "H200, 2026-12-01, commit d8545d0: tests/pallas/test_gdn.py (all 25; also 1f19306, all 23)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
