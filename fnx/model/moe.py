@@ -105,15 +105,29 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
 GATHER_MAX_TOKENS = 64
 
 
-def _auto_impl(tokens: int, top_k: int) -> str:
-    """Pallas decode kernels for T <= 32 tokens where fnx.pallas.dispatch says Pallas runs (a CUDA GPU, or
-    FNX_KERNELS naming it); otherwise gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64) and the grouped matmul
-    beyond."""
+def _auto_impl(tokens: int, top_k: int, p: dict | None = None, x: jax.Array | None = None) -> str:
+    """"decode" (the fused MoE decode kernels after the router: two launches) when fnx.pallas.dispatch picks
+    Pallas for op "moe_decode" and they cover this call (M <= 8 tokens, bf16 or FP8-block weights); else the
+    older Pallas expert kernels for T <= 32 tokens where dispatch picks them (a CUDA GPU, or FNX_KERNELS naming
+    them); otherwise gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64) and the grouped matmul beyond."""
     from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
+    if p is not None and x is not None and tokens <= moe_kernels.MAX_FUSED_TOKENS and \
+            _decode_backend(p, x, None) != "reference":
+        return "decode"
     if tokens <= moe_kernels.MAX_DECODE_TOKENS and dispatch.resolve("moe_experts", None) == "pallas":
         return "pallas"
     return "gather" if tokens <= GATHER_MAX_TOKENS or tokens * top_k <= 64 else "grouped"
+
+
+def _decode_backend(p: dict, x: jax.Array, impl: str | None) -> str:
+    """The backend op "moe_decode" resolves to for this call (dispatch logs a reference choice once)."""
+    from fnx.pallas import dispatch
+    from fnx.pallas.moe import api as moe_kernels
+    ex = p["experts"]
+    why = moe_kernels.decode_not_applicable(x, ex["gate_up_proj"], ex["down_proj"],
+                                            p["shared_expert"]["down_proj"])
+    return dispatch.resolve("moe_decode", impl, not_applicable=why)
 
 
 def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "auto"):
@@ -122,10 +136,21 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
     xt = x.reshape(-1, shape[-1])
     ex = p["experts"]
     if impl == "auto":
-        impl = _auto_impl(xt.shape[0], top_k)
+        impl = _auto_impl(xt.shape[0], top_k, p, xt)
     # the router and the shared expert's projections read the same input: one product when fused
     logits, s_gate, s_up, s_sig = linears(xt, p, ("gate", "shared_expert/gate_proj", "shared_expert/up_proj",
                                                   "shared_expert_gate"))
+    if isinstance(impl, str) and impl in ("decode", "decode_interpret"):
+        # routing, experts, combine and shared expert in three launches (route + the two decode kernels); the
+        # router runs on the same backend as the experts. A reference choice runs the gather path below.
+        from fnx.pallas.moe import api as moe_kernels
+        backend = _decode_backend(p, xt, None if impl == "decode" else "pallas_interpret")
+        if backend != "reference":
+            w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=backend)
+            y = moe_kernels.decode(xt, w, idx, ex["gate_up_proj"], ex["down_proj"], s_gate, s_up, s_sig,
+                                   p["shared_expert"]["down_proj"], impl=backend)
+            return y.reshape(shape), logits.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], top_k)
+        impl = "gather"
     if isinstance(impl, str) and impl in ("pallas", "pallas_interpret"):
         from fnx.pallas.moe import api as moe_kernels
         w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=impl)
@@ -143,7 +168,7 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         outs = moe_kernels.experts(ex["gate_up_proj"], ex["down_proj"], xt, idx, impl=impl)
     else:
         raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather', 'grouped', 'ragged', "
-                         "'pallas' or 'pallas_interpret'")
+                         "'pallas', 'pallas_interpret', 'decode' or 'decode_interpret'")
     # weight each expert output (rounded), then sum over k in fp32 and round once
     routed = jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(x.dtype)
     s = linear(jax.nn.silu(s_gate) * s_up, p["shared_expert"]["down_proj"])

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from fnx.model import moe, quant
-from fnx.pallas.moe import api, experts_pallas, reference, routing_pallas
+from fnx.pallas import dispatch
+from fnx.pallas.moe import api, decode_pallas, experts_pallas, reference, routing_pallas
 from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
 E, K, D, I = 16, 4, 256, 128
@@ -220,3 +221,162 @@ def test_lowers_for_cuda():
         lowered = jax.jit(layer).trace(spec((n_exp, 2 * inter, d), fmt), spec((n_exp, d, inter), fmt),
                                        S((m, d), BF16), S((m, n_exp), BF16)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3, fmt
+
+
+# ---- the fused decode layer (decode_pallas: experts + combine + shared expert in two launches) --------------------
+
+DT = decode_pallas.DecodeTiles(bn=16, cw=128, bn2=64, cw2=64)   # few interpret grid steps; I_s = 2 chunks
+
+
+def _decode_args(fmt, m, i, dtype=BF16, shared_fmt=None, ids=None):
+    gu, dn = _weights(fmt, 10 + i, dtype)
+    ks = jax.random.split(_key(300 + i), 6)
+    sd = jax.random.normal(ks[0], (D, I), jnp.float32) * 0.08
+    sd = quant.quantize_fp8_block(sd) if (shared_fmt or fmt) == "fp8" else sd.astype(dtype)
+    x = jax.random.normal(ks[1], (m, D), jnp.float32).astype(dtype)
+    w, idx = reference.route(jax.random.normal(ks[2], (m, E), jnp.float32), K, True, dtype)
+    if ids is not None:
+        idx = jnp.asarray(ids, jnp.int32)
+    sg = jax.random.normal(ks[3], (m, I), jnp.float32).astype(dtype)
+    su = jax.random.normal(ks[4], (m, I), jnp.float32).astype(dtype)
+    ss = jax.random.normal(ks[5], (m, 1), jnp.float32).astype(dtype)
+    return x, w, idx, gu, dn, sg, su, ss, sd
+
+
+_run_decode = jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=DT))
+
+
+@pytest.mark.parametrize("fmt,m,shared_fmt", [("bf16", 1, None), ("fp8", 1, None), ("fp8", 5, None),
+                                              ("fp8", 8, "bf16"), ("bf16", 3, "fp8")])
+def test_decode_matches_reference(fmt, m, shared_fmt):
+    """M = 1 unrolls its K slots; M = 5 and 8 walk 20 / 32 slots in a loop (UNROLL_SLOTS = 16)."""
+    args = _decode_args(fmt, m, m, shared_fmt=shared_fmt)
+    got = _run_decode(*args)
+    want = reference.decode(*args)
+    assert got.shape == (m, D) and got.dtype == BF16
+    _close(got, want)
+    np.testing.assert_array_equal(np.asarray(_run_decode(*args)).view(np.uint16),
+                                  np.asarray(got).view(np.uint16))          # deterministic: same bits twice
+
+
+def test_decode_reference_is_the_model_block():
+    """reference.decode is moe_block's own arithmetic after the router (gather experts, combine, shared)."""
+    x, w, idx, gu, dn, sg, su, ss, sd = _decode_args("fp8", 2, 9)
+    outs = moe._expert_gather(gu, dn, x, idx)
+    routed = jnp.sum((outs * w[..., None]).astype(jnp.float32), axis=1).astype(BF16)
+    from fnx.model.ops import linear
+    want = routed + jax.nn.sigmoid(ss) * linear(jax.nn.silu(sg) * su, sd, impl="reference")
+    _close(reference.decode(x, w, idx, gu, dn, sg, su, ss, sd), want)
+
+
+def test_decode_fp32_activations():
+    args = _decode_args("bf16", 3, 4, dtype=jnp.float32)
+    got = _run_decode(*args)
+    want = reference.decode(*args)
+    err = float(np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max())
+    assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("case", ["all_same", "disjoint", "pairs", "zeros"])
+def test_decode_routing_patterns(case):
+    """Every token on the same experts (later slots own nothing: one read per expert), all disjoint, half the
+    experts shared between two tokens, and zero activations (exact zeros out of the routed part)."""
+    m = 4
+    ids = {"all_same": [[3, 1, 7, 0]] * m,
+           "disjoint": np.arange(m * K).reshape(m, K) % E,
+           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]],
+           "zeros": None}[case]
+    x, w, idx, gu, dn, sg, su, ss, sd = _decode_args("fp8", m, 7, ids=ids)
+    if case == "zeros":
+        x = jnp.zeros_like(x)
+        ss = jnp.full_like(ss, -100.0)          # sigmoid -> 0: the shared expert adds exact zeros too
+    got = _run_decode(x, w, idx, gu, dn, sg, su, ss, sd)
+    want = reference.decode(x, w, idx, gu, dn, sg, su, ss, sd)
+    if case == "zeros":
+        assert not np.asarray(got, np.float32).any()
+    _close(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+def test_moe_block_decode_matches_gather(m):
+    """The model's MoE block through the fused path (router kernel + the two decode kernels) against the gather
+    path: FP8 experts and FP8 shared down projection, bf16 router, default tiles."""
+    gu, dn = _weights("fp8", 11)
+    ks = jax.random.split(_key(12), 6)
+    sh = lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.06).astype(BF16)
+    p = {"gate": sh(ks[0], (E, D)), "experts": {"gate_up_proj": gu, "down_proj": dn},
+         "shared_expert": {"gate_proj": sh(ks[1], (I, D)), "up_proj": sh(ks[2], (I, D)),
+                           "down_proj": quant.quantize_fp8_block(sh(ks[3], (D, I)).astype(jnp.float32))},
+         "shared_expert_gate": sh(ks[4], (1, D))}
+    x = jax.random.normal(ks[5], (1, m, D), jnp.float32).astype(BF16)
+    impl = "decode" if KERNEL == "pallas" else "decode_interpret"
+    y, logits, ids = moe.moe_block(p, x, K, True, impl=impl)
+    y_ref, logits_ref, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    np.testing.assert_array_equal(np.asarray(logits, np.float32), np.asarray(logits_ref, np.float32))
+    assert y.shape == x.shape
+    _close(y, y_ref)
+
+
+def test_decode_dispatch_errors():
+    args = list(_decode_args("bf16", 1, 13))
+    big = [jnp.zeros((9, D), BF16), jnp.zeros((9, K), BF16), jnp.zeros((9, K), jnp.int32)] + args[3:5] + \
+        [jnp.zeros((9, I), BF16)] * 2 + [jnp.zeros((9, 1), BF16), args[8]]
+    with pytest.raises(dispatch.NotApplicable, match="M <= 8"):
+        api.decode(*big, impl=KERNEL)
+    gu4, dn4 = _weights("nvfp4", 13)
+    args4 = args[:3] + [gu4, dn4] + args[5:]
+    with pytest.raises(dispatch.NotApplicable, match="not nvfp4"):
+        api.decode(*args4, impl=KERNEL)
+    _close(api.decode(*args4, impl="reference"), reference.decode(*args4))
+    with pytest.raises(NotImplementedError, match="do not divide"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=decode_pallas.DecodeTiles(bn=256))
+    if jax.default_backend() != "gpu":
+        p = {"experts": {"gate_up_proj": args[3], "down_proj": args[4]}, "shared_expert": {"down_proj": args[8]}}
+        assert moe._auto_impl(1, K, p, args[0]) == "gather"     # CPU: "auto" keeps the reference paths
+
+
+def test_decode_lowers_for_cuda():
+    """Both launches lower through Pallas -> Triton (compute capability 9.0) at the released widths, bf16 and
+    FP8 weights, M = 1 (unrolled slots) and M = 5 (looped slots)."""
+    n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
+    S = jax.ShapeDtypeStruct
+
+    def spec(shape, fmt):
+        if fmt == "bf16":
+            return S(shape, BF16)
+        return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128),
+                                                             jnp.float32))
+
+    for fmt in ("bf16", "fp8"):
+        for mm in (1, m):
+            lowered = jax.jit(decode_pallas.moe_decode).trace(
+                S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),
+                spec((n_exp, d, inter), fmt), S((mm, inter), BF16), S((mm, inter), BF16), S((mm, 1), BF16),
+                spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
+            assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm)
+
+
+def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):
+    """tiny-b (6 experts top-3, I = I_shared = 16), fp32: prefill (40 tokens: the reference paths) then one-token
+    calls for 2 sequences whose MoE blocks run the router kernel and the two fused decode kernels, against the
+    reference paths."""
+    import fnx
+    from tests.conftest import load_script
+    from tests.model.conftest import prefill_then_decode, rel_err
+    d = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path / "tiny-b", "tiny-b", seed=2)
+    model = fnx.load(d, dtype=jnp.float32)
+    ids = np.random.default_rng(1).integers(0, 200, (2, 20)).astype(np.int32)
+    want = prefill_then_decode(model, ids, 8, 32)
+    monkeypatch.setenv("FNX_KERNELS", f"moe_decode={KERNEL}")
+    jax.clear_caches()
+    calls = []
+    real = decode_pallas.moe_decode
+    monkeypatch.setattr(decode_pallas, "moe_decode", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got = prefill_then_decode(model, ids, 8, 32)
+    monkeypatch.delenv("FNX_KERNELS")
+    jax.clear_caches()
+    assert calls and all(s[0] <= decode_pallas.MAX_TOKENS for s in calls), calls
+    err = rel_err(got, want)
+    print(f"tiny-b decode, fused MoE kernels vs reference paths: {err:.1e}")
+    assert err < 1e-5

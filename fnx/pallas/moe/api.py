@@ -11,12 +11,13 @@ import logging
 import jax
 
 from fnx.pallas import dispatch
-from fnx.pallas.moe import experts_pallas, reference, routing_pallas
+from fnx.pallas.moe import decode_pallas, experts_pallas, reference, routing_pallas
 
 log = logging.getLogger("fnx.pallas")
 
 MAX_ROUTE_TOKENS = routing_pallas.MAX_TOKENS
 MAX_DECODE_TOKENS = experts_pallas.MAX_TOKENS
+MAX_FUSED_TOKENS = decode_pallas.MAX_TOKENS
 
 
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl: str | None = None):
@@ -45,3 +46,24 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, impl: str | None = None
     if backend == "reference":
         return reference.experts(gate_up, down, x, idx)
     return experts_pallas.experts(gate_up, down, x, idx, interpret=dispatch.interpret_flag(backend), tiles=tiles)
+
+
+def decode_not_applicable(x, gate_up, down, shared_down, tiles: decode_pallas.DecodeTiles | None = None):
+    """None when the fused decode kernels cover these shapes and formats, else why not (for dispatch)."""
+    m, d = x.shape
+    t = tiles or decode_pallas.default_tiles(d, down.shape[-1], shared_down.shape[-1])
+    return decode_pallas.check(gate_up, down, shared_down, m, t)
+
+
+def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str | None = None,
+           tiles: decode_pallas.DecodeTiles | None = None) -> jax.Array:
+    """The MoE block after its router, op "moe_decode": x [M, D], routing weights w [M, K] and ids [M, K], the
+    shared expert's gate / up projections [M, I_s] and gate logit [M, 1], expert weights gate_up [E, 2I, D] and
+    down [E, D, I], shared_down [D, I_s] -> [M, D] (x.dtype). Pallas: two launches (fnx.pallas.moe.decode_pallas:
+    M <= 8 tokens, bf16/fp32 or FP8-block weights); reference: reference.decode."""
+    backend = dispatch.resolve("moe_decode", impl,
+                               not_applicable=decode_not_applicable(x, gate_up, down, shared_down, tiles))
+    if backend == "reference":
+        return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
+    return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
+                                    interpret=dispatch.interpret_flag(backend), tiles=tiles)

@@ -1,5 +1,6 @@
 """Decode MoE layer benchmark: router matmul + routing + routed experts + combine + sigmoid-gated shared expert,
-the Pallas kernels ("pallas") against the gather reference ("reference"), M = 1 and 5 tokens, random and skewed
+the fused decode kernels ("fused", op moe_decode, with a few tile variants "fused:bn,cw,bn2,warps") and the
+router + weight-major expert kernels ("pallas") against the gather reference ("reference"), M = 1 and 5 tokens, random and skewed
 routers, bf16 / FP8 128x128-block / NVFP4 experts at the released shapes (E=512, top-10, D=2560, I=640).
 
 Floor: bytes = distinct experts touched x bytes per expert (gate_up + down, with their scales) + router [E, D]
@@ -19,15 +20,22 @@ import numpy as np
 
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.moe import api, reference
+from fnx.pallas.moe.decode_pallas import DecodeTiles
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl):
-    """One decode MoE layer, y [M, D]: the arithmetic of fnx.model.moe.moe_block."""
+def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):
+    """One decode MoE layer, y [M, D]: the arithmetic of fnx.model.moe.moe_block. impl "fused": the router
+    kernel and the two fused decode kernels (op moe_decode, `tiles`) after XLA's router and shared gate / up
+    products; "pallas": the router and weight-major expert kernels, combine and shared expert in XLA."""
     lin = lambda a, w: jnp.dot(a, w.T, preferred_element_type=F32).astype(a.dtype)
     logits = lin(x, router)
+    if impl == "fused":
+        w, idx = api.route(logits, top_k, True, x.dtype, impl="pallas")
+        return api.decode(x, w, idx, gate_up, down, lin(x, se_gate), lin(x, se_up), lin(x, se_gate_vec),
+                          se_down, impl="pallas", tiles=tiles)
     w, idx = api.route(logits, top_k, True, x.dtype, impl=impl)
     outs = api.experts(gate_up, down, x, idx, impl=impl)
     routed = reference.combine(outs, w)
@@ -98,10 +106,19 @@ def cases(quick: bool) -> list[BenchCase]:
                 mean_distinct = float(np.mean(distinct[:want[fmt]]))
                 nbytes = int(mean_distinct * per_expert) + dense
                 flops = 2 * m * (top_k * 3 * d * inter + n_exp * d + 3 * d * inter_s)
-                for impl in ("pallas", "reference"):
+                variants = [("pallas", None), ("reference", None)]
+                if fmt != "nvfp4":
+                    variants += [("fused", None)]
+                    if router_kind == "random" and not quick:   # a few tiles of the fused kernels (bn, cw, bn2)
+                        variants += [("fused", DecodeTiles(bn=b, cw=c, bn2=b2, cw2=128, num_warps=w_, num_warps2=w_))
+                                     for b, c, b2, w_ in ((16, 512, 16, 4), (8, 256, 8, 4), (4, 512, 32, 4),
+                                                          (8, 512, 16, 8), (16, 512, 32, 8))]
+                for impl, tiles in variants:
+                    name = impl if tiles is None else \
+                        f"fused:{tiles.bn},{tiles.cw},{tiles.bn2},{tiles.num_warps}"
                     out.append(BenchCase(
                         kernel="moe_decode", shape=f"M={m} E={n_exp} K={top_k} D={d} I={inter} {fmt} {router_kind}",
-                        impl=impl, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl),
+                        impl=name, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl, tiles=tiles),
                         arg_sets=[s_ + (gu, dn) for s_ in sets[:want[fmt]]],   # one expert array, passed by reference
                         bytes=nbytes, flops=flops,
                         extra={"M": m, "format": fmt, "router": router_kind,

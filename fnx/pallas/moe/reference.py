@@ -81,3 +81,16 @@ def dedupe(idx: jax.Array, n_experts: int, n_slots: int | None = None):
     uniq = jnp.full((s,), n_experts, jnp.int32).at[jnp.where(first, rank, s)].set(flat, mode="drop")
     slot = jnp.searchsorted(uniq, idx.astype(jnp.int32), side="left").astype(jnp.int32)
     return uniq, slot
+
+
+def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down):
+    """The MoE block after its router (fnx.model.moe.moe_block's arithmetic): x [M, D], routing weights w [M, K]
+    and ids [M, K], the shared expert's gate / up projections [M, I_s] and gate logit [M, 1], shared_down
+    [D, I_s] -> [M, D] = combine(routed experts) + sigmoid(logit) * shared_down(silu(gate) * up), each step
+    rounded to x.dtype."""
+    dt = x.dtype
+    routed = combine(experts(gate_up, down, x, ids), w.astype(dt))
+    a = jax.nn.silu(s_gate.astype(dt)) * s_up.astype(dt)
+    s = lax.dot_general(a, _dequantize(shared_down, dt), (((1,), (1,)), ((), ())), precision=HIGHEST,
+                        preferred_element_type=F32).astype(dt)
+    return routed + jax.nn.sigmoid(s_sig.reshape(-1, 1).astype(dt)) * s

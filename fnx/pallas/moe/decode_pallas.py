@@ -1,0 +1,266 @@
+"""The MoE decode layer after its router in two Pallas (Triton lowering) launches, for M <= MAX_TOKENS tokens:
+routed experts (gate/up, SiLU x up, down), the weighted combine and the sigmoid-gated shared expert.
+
+Inputs: x [M, D]; the routing (weights w [M, K] in x.dtype, ids [M, K]); the shared expert's gate and up
+projections and its gate logit (the model computes them in the router's fused GEMV); the expert and shared-expert
+weights. The M*K (token, k) pairs are the slots, in token-major order. Slot s owns its expert when no earlier slot
+holds the same id: owners compute, the other slots do nothing, so each distinct expert's weights are read once
+(weight-major) and applied to every token.
+
+Kernel 1, grid (M*K, I / bn): an owner slot's gate rows [j*bn, +bn) and up rows [I + j*bn, +bn) over the whole D
+axis (the D / cw chunk loads unrolled, every load issued before the arithmetic), multiplied in fp32 on the CUDA
+cores for each token ("fma", no token padding), rounded to x.dtype, a = silu(g) * u rounded as the reference;
+act [M*K, M, I].
+Kernel 2, grid (D / bn2,): output columns [j*bn2, +bn2) of every token. For each owner slot (in slot order) its
+down rows over the whole I axis, out = round(act @ down.T), and for each token routed to that expert the product
+round(out * w) added in fp32. Non-owner slots mask their loads (no memory traffic). Then the shared expert:
+a = silu(gate) * up (rounded as the reference), round(a @ shared_down.T), times round(sigmoid(gate logit)); the
+result is round(round(routed sum) + shared).
+
+Order of the combine: token 0's experts are its own slots, so its fp32 sum runs in k order, as the reference's.
+A later token whose expert an earlier token also chose adds that term at the owner's place: the same terms, a
+different fp32 order (an ulp of the sum at most). Deterministic: no atomics, a fixed order.
+
+Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
+block, each element dequantized as round(q * scale) to x.dtype, exactly the reference dequantizer's value. NVFP4
+experts are not covered here (fnx.pallas.moe.experts_pallas covers them; the dispatcher says so)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fnx.pallas.moe import reference
+
+F32 = jnp.float32
+MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
+UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
+FORMATS = ("dense", "fp8_block")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiles:
+    bn: int = 8          # kernel 1: intermediate columns per program (gate and up rows each)
+    cw: int = 512        # kernel 1: D columns per unrolled load (FP8: divides 128 or a multiple of 128)
+    bn2: int = 16        # kernel 2: output columns per program
+    cw2: int = 128       # kernel 2: I columns per unrolled load (divides I, I_shared and, for FP8, 128)
+    num_warps: int = 4
+    num_warps2: int = 4
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _split(w):
+    fmt = reference.weight_format(w)
+    if fmt == "fp8_block":
+        return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
+    return fmt, (w,), None
+
+
+def _chunk(fmt, refs, lead, r0, rows, c0, cw, dt, mask=None):
+    """Rows [r0, r0+rows) x columns [c0, c0+cw) of a weight (`lead`: the expert index, or () for a 2-D weight),
+    dequantized in fp32 and rounded to dt as the reference does, returned in fp32: [rows, cw]."""
+    w_ref = refs[0]
+    idx = (*lead, pl.ds(r0, rows), pl.ds(c0, cw))
+    if mask is None:
+        q = w_ref[idx]
+    else:
+        # masked-off lanes load nothing and hold unspecified values: the caller discards their products (an
+        # FP8 fill value does not lower)
+        q = plgpu.load(w_ref.at[idx], mask=jnp.full((rows, cw), mask))
+    q = q.astype(F32)
+    if fmt == "fp8_block":
+        s_ref = refs[1]
+        if cw <= 128:
+            s = s_ref[(*lead, r0 // 128, c0 // 128)]
+            q = q * s
+        else:
+            s = s_ref[(*lead, r0 // 128, pl.ds(c0 // 128, cw // 128))]
+            q = q * jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :]
+    return q.astype(dt).astype(F32)
+
+
+def _rnd(v, dt):
+    return v.astype(dt).astype(F32)
+
+
+def _silu_mul(g, u, dt):
+    """silu(g) * u on values already rounded to dt, each step rounded as the reference's dt ops."""
+    sig = _rnd(1.0 / (1.0 + jnp.exp(-g)), dt)
+    return _rnd(_rnd(g * sig, dt) * u, dt)
+
+
+def _owner(flat, e, s):
+    """True when no slot before s holds expert e (flat: the slot ids, padded with -1)."""
+    pos = lax.broadcasted_iota(jnp.int32, flat.shape, 0)
+    return jnp.sum(jnp.where((flat == e) & (pos < s), 1, 0)) == 0
+
+
+def _load_ids(ids_ref, n, sp):
+    pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+    return plgpu.load(ids_ref.at[pl.ds(0, sp)], mask=pos < n, other=-1)
+
+
+def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, n_slots, sp, inter, d, bn, cw):
+    *w_refs, act_ref = rest
+    s, j = pl.program_id(0), pl.program_id(1)
+    e = ids_ref[s]
+    dt = act_ref.dtype
+
+    @pl.when(_owner(_load_ids(ids_ref, n_slots, sp), e, s))
+    def _():
+        nk = d // cw
+        rg, ru = j * bn, inter + j * bn
+        wg = [_chunk(fmt, w_refs, (e,), rg, bn, c * cw, cw, dt) for c in range(nk)]
+        wu = [_chunk(fmt, w_refs, (e,), ru, bn, c * cw, cw, dt) for c in range(nk)]
+        for i in range(m):
+            acc_g = jnp.zeros((bn,), F32)
+            acc_u = jnp.zeros((bn,), F32)
+            for c in range(nk):
+                xv = x_ref[i, pl.ds(c * cw, cw)].astype(F32)[None, :]
+                acc_g = acc_g + jnp.sum(wg[c] * xv, axis=1)
+                acc_u = acc_u + jnp.sum(wu[c] * xv, axis=1)
+            a = _silu_mul(_rnd(acc_g, dt), _rnd(acc_u, dt), dt)
+            act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
+
+
+def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
+                 inter, inter_s, bn, cw):
+    dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
+    dt = y_ref.dtype
+    c0 = pl.program_id(0) * bn
+    flat = _load_ids(ids_ref, n_slots, sp)
+    pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+    rw = plgpu.load(rw_ref.at[pl.ds(0, sp)], mask=pos < n_slots, other=0).astype(F32)
+    tok = pos // k
+    nk = inter // cw
+
+    def slot(s, accs):
+        e = ids_ref[s]
+        own = _owner(flat, e, s)
+        ws = [_chunk(fmt, dn_refs, (e,), c0, bn, c * cw, cw, dt, mask=own) for c in range(nk)]
+        out = []
+        for i in range(m):
+            hit = (flat == e) & (tok == i)
+            coef = jnp.sum(jnp.where(hit, rw, 0.0))
+            routed = own & (jnp.sum(jnp.where(hit, 1, 0)) > 0)
+            acc = jnp.zeros((bn,), F32)
+            for c in range(nk):
+                a = plgpu.load(act_ref.at[jnp.int32(s), jnp.int32(i), pl.ds(c * cw, cw)], mask=jnp.full((cw,), own),
+                               other=0)
+                acc = acc + jnp.sum(ws[c] * a.astype(F32)[None, :], axis=1)
+            term = _rnd(_rnd(acc, dt) * coef, dt)
+            out.append(accs[i] + jnp.where(routed, term, 0.0))
+        return tuple(out)
+
+    accs = tuple(jnp.zeros((bn,), F32) for _ in range(m))
+    if n_slots <= UNROLL_SLOTS:
+        for s in range(n_slots):
+            accs = slot(s, accs)
+    else:
+        accs = lax.fori_loop(0, n_slots, slot, accs)
+
+    nks = inter_s // cw
+    wsh = [_chunk(sfmt, sh_refs, (), c0, bn, c * cw, cw, dt) for c in range(nks)]
+    for i in range(m):
+        acc = jnp.zeros((bn,), F32)
+        for c in range(nks):
+            g = sg_ref[i, pl.ds(c * cw, cw)].astype(F32)
+            u = su_ref[i, pl.ds(c * cw, cw)].astype(F32)
+            acc = acc + jnp.sum(wsh[c] * _silu_mul(g, u, dt)[None, :], axis=1)
+        gate = _rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
+        shared = _rnd(_rnd(acc, dt) * gate, dt)
+        y_ref[i, pl.ds(c0, bn)] = (_rnd(accs[i], dt) + shared).astype(dt)
+
+
+def check(gate_up, down, shared_down, m: int, tiles: DecodeTiles) -> str | None:
+    """None when this kernel covers the shapes, formats and tiles, else why not."""
+    if m > MAX_TOKENS:
+        return f"the fused MoE decode kernels take M <= {MAX_TOKENS} tokens, got {m}"
+    fmts = {n: reference.weight_format(w) for n, w in (("gate_up_proj", gate_up), ("down_proj", down),
+                                                       ("shared down_proj", shared_down))}
+    for name, fmt in fmts.items():
+        if fmt not in FORMATS:
+            return f"the fused MoE decode kernels stream bf16/fp32 or FP8-block weights, not {fmt} ({name})"
+        if fmt == "fp8_block":
+            w = {"gate_up_proj": gate_up, "down_proj": down, "shared down_proj": shared_down}[name]
+            if tuple(w.block) != (128, 128):
+                return f"{name}: FP8 blocks {tuple(w.block)}, the kernels read 128x128 blocks"
+    t = tiles
+    _, two_i, d = gate_up.shape
+    inter, inter_s = two_i // 2, shared_down.shape[-1]
+    for name, v in (("bn", t.bn), ("cw", t.cw), ("bn2", t.bn2), ("cw2", t.cw2)):
+        if v <= 0 or v & (v - 1):
+            return f"tile {name}={v} is not a power of two"
+    if inter % t.bn or d % t.cw or d % t.bn2 or inter % t.cw2 or inter_s % t.cw2:
+        return f"tiles {t} do not divide D={d}, I={inter}, I_shared={inter_s}"
+    if t.cw < 16 or t.cw2 < 16:
+        return f"tiles {t}: load widths below 16"
+    if d // t.cw > 64 or inter // t.cw2 > 64:
+        return f"tiles {t}: too many chunks to unroll"
+    if "fp8_block" in fmts.values() and (128 % t.bn or 128 % t.bn2 or t.cw2 > 128 or (128 % t.cw and t.cw % 128)):
+        return f"tiles {t}: FP8 128x128 blocks need bn, bn2, cw2 to divide 128 and cw to divide 128 or be a " \
+               "multiple of it"
+    return None
+
+
+def default_tiles(d: int, inter: int, inter_s: int) -> DecodeTiles:
+    t = DecodeTiles()
+    cw = min(t.cw, _pow2(d))
+    while d % cw:
+        cw //= 2
+    cw2 = min(t.cw2, _pow2(min(inter, inter_s)))
+    while inter % cw2 or inter_s % cw2:
+        cw2 //= 2
+    bn = min(t.bn, _pow2(inter))
+    while inter % bn:
+        bn //= 2
+    bn2 = min(t.bn2, _pow2(d))
+    while d % bn2:
+        bn2 //= 2
+    return dataclasses.replace(t, bn=bn, cw=cw, bn2=bn2, cw2=cw2)
+
+
+def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, interpret: bool = False,
+               tiles: DecodeTiles | None = None) -> jax.Array:
+    """x [M, D]; w [M, K] (x.dtype), ids [M, K] int32; s_gate, s_up [M, I_s], s_sig [M, 1] (x.dtype);
+    gate_up [E, 2I, D], down [E, D, I], shared_down [D, I_s] -> the MoE block's output [M, D] (x.dtype)."""
+    m, d = x.shape
+    k = ids.shape[1]
+    inter, inter_s = down.shape[-1], shared_down.shape[-1]
+    tiles = tiles or default_tiles(d, inter, inter_s)
+    why = check(gate_up, down, shared_down, m, tiles)
+    if why:
+        raise NotImplementedError(f"Pallas MoE decode: {why}")
+    dt = x.dtype
+    n_slots = m * k
+    sp = _pow2(n_slots)
+    fmt1, w1, _ = _split(gate_up)
+    fmt2, w2, _ = _split(down)
+    fmt3, w3, _ = _split(shared_down)
+    flat = ids.reshape(-1).astype(jnp.int32)
+    act = pl.pallas_call(
+        functools.partial(_gate_up_kernel, fmt=fmt1, m=m, n_slots=n_slots, sp=sp, inter=inter, d=d, bn=tiles.bn,
+                          cw=tiles.cw),
+        out_shape=jax.ShapeDtypeStruct((n_slots, m, inter), dt),
+        grid=(n_slots, inter // tiles.bn),
+        interpret=interpret, name="moe_decode_gate_up",
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+    )(flat, x, *w1)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
+                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2),
+        out_shape=jax.ShapeDtypeStruct((m, d), dt),
+        grid=(d // tiles.bn2,),
+        interpret=interpret, name="moe_decode_down",
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
+    )(flat, w.reshape(-1).astype(dt), act, s_gate.astype(dt), s_up.astype(dt), s_sig.reshape(m, 1).astype(dt),
+      *w2, *w3)
