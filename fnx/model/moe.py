@@ -113,19 +113,19 @@ def _auto_impl(tokens: int, top_k: int, p: dict | None = None, x: jax.Array | No
     from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
     if p is not None and x is not None and tokens <= moe_kernels.MAX_FUSED_TOKENS and \
-            _decode_backend(p, x, None) != "reference":
+            _decode_backend(p, x, top_k, None) != "reference":
         return "decode"
     if tokens <= moe_kernels.MAX_DECODE_TOKENS and dispatch.resolve("moe_experts", None) == "pallas":
         return "pallas"
     return "gather" if tokens <= GATHER_MAX_TOKENS or tokens * top_k <= 64 else "grouped"
 
 
-def _decode_backend(p: dict, x: jax.Array, impl: str | None) -> str:
+def _decode_backend(p: dict, x: jax.Array, top_k: int, impl: str | None) -> str:
     """The backend op "moe_decode" resolves to for this call (dispatch logs a reference choice once)."""
     from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
     ex = p["experts"]
-    why = moe_kernels.decode_not_applicable(x, ex["gate_up_proj"], ex["down_proj"],
+    why = moe_kernels.decode_not_applicable(x, top_k, ex["gate_up_proj"], ex["down_proj"],
                                             p["shared_expert"]["down_proj"])
     return dispatch.resolve("moe_decode", impl, not_applicable=why)
 
@@ -144,7 +144,7 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         # routing, experts, combine and shared expert in three launches (route + the two decode kernels); the
         # router runs on the same backend as the experts. A reference choice runs the gather path below.
         from fnx.pallas.moe import api as moe_kernels
-        backend = _decode_backend(p, xt, None if impl == "decode" else "pallas_interpret")
+        backend = _decode_backend(p, xt, top_k, None if impl == "decode" else "pallas_interpret")
         if backend != "reference":
             w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=backend)
             y = moe_kernels.decode(xt, w, idx, ex["gate_up_proj"], ex["down_proj"], s_gate, s_up, s_sig,

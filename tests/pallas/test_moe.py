@@ -10,6 +10,9 @@ to a couple of bf16 ulps: max |diff| <= 2^-6 * max |ref| (bf16), 1e-5 (fp32)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,19 +246,23 @@ def _decode_args(fmt, m, i, dtype=BF16, shared_fmt=None, ids=None):
     return x, w, idx, gu, dn, sg, su, ss, sd
 
 
-_run_decode = jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=DT))
+_run_decode = jax.jit(lambda *a, group=0: decode_pallas.moe_decode(
+    *a, interpret=INTERPRET, tiles=dataclasses.replace(DT, group=group)), static_argnames="group")
 
 
-@pytest.mark.parametrize("fmt,m,shared_fmt", [("bf16", 1, None), ("fp8", 1, None), ("fp8", 5, None),
-                                              ("fp8", 8, "bf16"), ("bf16", 3, "fp8")])
-def test_decode_matches_reference(fmt, m, shared_fmt):
-    """M = 1 unrolls its K slots; M = 5 and 8 walk 20 / 32 slots in a loop (UNROLL_SLOTS = 16)."""
+@pytest.mark.parametrize("fmt,m,shared_fmt,group", [
+    ("bf16", 1, None, 0), ("fp8", 1, None, 0), ("fp8", 5, None, 0), ("fp8", 8, "bf16", 0), ("bf16", 3, "fp8", 0),
+    ("fp8", 1, None, 1), ("bf16", 1, None, 2), ("fp8", 5, None, 5), ("fp8", 3, "bf16", 12)])
+def test_decode_matches_reference(fmt, m, shared_fmt, group):
+    """group 0: one program per output tile over every slot (M = 1 unrolls its K slots; M = 5 and 8 walk 20 / 32
+    slots in a loop, UNROLL_SLOTS = 16), the combine in the kernel. group g: g slots per program, fp32 partials
+    summed after, the shared expert in its own programs."""
     args = _decode_args(fmt, m, m, shared_fmt=shared_fmt)
-    got = _run_decode(*args)
+    got = _run_decode(*args, group=group)
     want = reference.decode(*args)
     assert got.shape == (m, D) and got.dtype == BF16
     _close(got, want)
-    np.testing.assert_array_equal(np.asarray(_run_decode(*args)).view(np.uint16),
+    np.testing.assert_array_equal(np.asarray(_run_decode(*args, group=group)).view(np.uint16),
                                   np.asarray(got).view(np.uint16))          # deterministic: same bits twice
 
 
@@ -290,11 +297,12 @@ def test_decode_routing_patterns(case):
     if case == "zeros":
         x = jnp.zeros_like(x)
         ss = jnp.full_like(ss, -100.0)          # sigmoid -> 0: the shared expert adds exact zeros too
-    got = _run_decode(x, w, idx, gu, dn, sg, su, ss, sd)
     want = reference.decode(x, w, idx, gu, dn, sg, su, ss, sd)
-    if case == "zeros":
-        assert not np.asarray(got, np.float32).any()
-    _close(got, want)
+    for group in (0, 2):
+        got = _run_decode(x, w, idx, gu, dn, sg, su, ss, sd, group=group)
+        if case == "zeros":
+            assert not np.asarray(got, np.float32).any()
+        _close(got, want)
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -331,6 +339,8 @@ def test_decode_dispatch_errors():
     _close(api.decode(*args4, impl="reference"), reference.decode(*args4))
     with pytest.raises(NotImplementedError, match="do not divide"):
         decode_pallas.moe_decode(*args, interpret=True, tiles=decode_pallas.DecodeTiles(bn=256))
+    with pytest.raises(NotImplementedError, match="must divide the M\\*K = 4 slots"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(DT, group=3))
     if jax.default_backend() != "gpu":
         p = {"experts": {"gate_up_proj": args[3], "down_proj": args[4]}, "shared_expert": {"down_proj": args[8]}}
         assert moe._auto_impl(1, K, p, args[0]) == "gather"     # CPU: "auto" keeps the reference paths
@@ -348,13 +358,14 @@ def test_decode_lowers_for_cuda():
         return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128),
                                                              jnp.float32))
 
-    for fmt in ("bf16", "fp8"):
-        for mm in (1, m):
-            lowered = jax.jit(decode_pallas.moe_decode).trace(
+    for fmt, mm, group in (("bf16", 1, 0), ("bf16", m, 0), ("fp8", 1, 0), ("fp8", m, 0), ("fp8", 1, 1)):
+        for _ in (0,):
+            fn = functools.partial(decode_pallas.moe_decode, tiles=decode_pallas.DecodeTiles(group=group))
+            lowered = jax.jit(fn).trace(
                 S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),
                 spec((n_exp, d, inter), fmt), S((mm, inter), BF16), S((mm, inter), BF16), S((mm, 1), BF16),
                 spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
-            assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm)
+            assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm, group)
 
 
 def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):

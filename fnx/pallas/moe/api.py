@@ -48,11 +48,12 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, impl: str | None = None
     return experts_pallas.experts(gate_up, down, x, idx, interpret=dispatch.interpret_flag(backend), tiles=tiles)
 
 
-def decode_not_applicable(x, gate_up, down, shared_down, tiles: decode_pallas.DecodeTiles | None = None):
+def decode_not_applicable(x, top_k: int, gate_up, down, shared_down,
+                          tiles: decode_pallas.DecodeTiles | None = None):
     """None when the fused decode kernels cover these shapes and formats, else why not (for dispatch)."""
     m, d = x.shape
     t = tiles or decode_pallas.default_tiles(d, down.shape[-1], shared_down.shape[-1])
-    return decode_pallas.check(gate_up, down, shared_down, m, t)
+    return decode_pallas.check(gate_up, down, shared_down, m, top_k, t)
 
 
 def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str | None = None,
@@ -62,7 +63,7 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
     down [E, D, I], shared_down [D, I_s] -> [M, D] (x.dtype). Pallas: two launches (fnx.pallas.moe.decode_pallas:
     M <= 8 tokens, bf16/fp32 or FP8-block weights); reference: reference.decode."""
     backend = dispatch.resolve("moe_decode", impl,
-                               not_applicable=decode_not_applicable(x, gate_up, down, shared_down, tiles))
+                               not_applicable=decode_not_applicable(x, ids.shape[1], gate_up, down, shared_down, tiles))
     if backend == "reference":
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,

@@ -14,6 +14,8 @@ set's 16 hot experts afresh) and the rotation streams from HBM."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,14 @@ from fnx.pallas.moe.decode_pallas import DecodeTiles
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
+
+
+# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2
+_SWEEP_M1 = [(8, 512, 4, 128, 0, 4, 4), (8, 512, 16, 128, 1, 4, 4), (8, 512, 8, 128, 1, 4, 2),
+             (8, 512, 32, 128, 1, 4, 4), (8, 512, 16, 128, 2, 4, 4), (16, 512, 16, 128, 1, 4, 4),
+             (4, 512, 16, 128, 1, 2, 4), (8, 256, 16, 128, 1, 2, 4), (16, 1024, 16, 128, 1, 8, 4),
+             (8, 512, 16, 128, 5, 4, 4)]
+_SWEEP_M5 = [(8, 512, 16, 128, 1, 4, 4), (8, 512, 16, 128, 5, 4, 4), (8, 512, 16, 128, 10, 4, 4)]
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):
@@ -109,13 +119,11 @@ def cases(quick: bool) -> list[BenchCase]:
                 variants = [("pallas", None), ("reference", None)]
                 if fmt != "nvfp4":
                     variants += [("fused", None)]
-                    if router_kind == "random" and not quick:   # a few tiles of the fused kernels (bn, cw, bn2)
-                        variants += [("fused", DecodeTiles(bn=b, cw=c, bn2=b2, cw2=128, num_warps=w_, num_warps2=w_))
-                                     for b, c, b2, w_ in ((16, 512, 16, 4), (8, 256, 8, 4), (4, 512, 32, 4),
-                                                          (8, 512, 16, 8), (16, 512, 32, 8))]
+                    if router_kind == "random" and not quick:   # tiles of the fused kernels
+                        sweep = _SWEEP_M1 if m == 1 else _SWEEP_M5
+                        variants += [("fused", DecodeTiles(*t)) for t in sweep]
                 for impl, tiles in variants:
-                    name = impl if tiles is None else \
-                        f"fused:{tiles.bn},{tiles.cw},{tiles.bn2},{tiles.num_warps}"
+                    name = impl if tiles is None else "fused:" + ",".join(map(str, dataclasses.astuple(tiles)))
                     out.append(BenchCase(
                         kernel="moe_decode", shape=f"M={m} E={n_exp} K={top_k} D={d} I={inter} {fmt} {router_kind}",
                         impl=name, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl, tiles=tiles),

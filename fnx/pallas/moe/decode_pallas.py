@@ -50,6 +50,8 @@ class DecodeTiles:
     cw: int = 512        # kernel 1: D columns per unrolled load (FP8: divides 128 or a multiple of 128)
     bn2: int = 16        # kernel 2: output columns per program
     cw2: int = 128       # kernel 2: I columns per unrolled load (divides I, I_shared and, for FP8, 128)
+    group: int = 0       # kernel 2: 0 = one program per output tile walks every slot and combines in the kernel;
+                         # g > 0 = g slots per program (g divides M*K), fp32 partials summed by one XLA fusion
     num_warps: int = 4
     num_warps2: int = 4
 
@@ -133,9 +135,9 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, n_slots, sp, inter, d, bn, cw
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw):
+                 inter, inter_s, bn, cw, group):
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
-    dt = y_ref.dtype
+    dt = sg_ref.dtype
     c0 = pl.program_id(0) * bn
     flat = _load_ids(ids_ref, n_slots, sp)
     pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
@@ -161,28 +163,50 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             out.append(accs[i] + jnp.where(routed, term, 0.0))
         return tuple(out)
 
-    accs = tuple(jnp.zeros((bn,), F32) for _ in range(m))
-    if n_slots <= UNROLL_SLOTS:
-        for s in range(n_slots):
-            accs = slot(s, accs)
-    else:
-        accs = lax.fori_loop(0, n_slots, slot, accs)
+    def shared():
+        wsh = [_chunk(sfmt, sh_refs, (), c0, bn, c * cw, cw, dt) for c in range(inter_s // cw)]
+        out = []
+        for i in range(m):
+            acc = jnp.zeros((bn,), F32)
+            for c in range(len(wsh)):
+                g = sg_ref[i, pl.ds(c * cw, cw)].astype(F32)
+                u = su_ref[i, pl.ds(c * cw, cw)].astype(F32)
+                acc = acc + jnp.sum(wsh[c] * _silu_mul(g, u, dt)[None, :], axis=1)
+            gate = _rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
+            out.append(_rnd(_rnd(acc, dt) * gate, dt))
+        return out
 
-    nks = inter_s // cw
-    wsh = [_chunk(sfmt, sh_refs, (), c0, bn, c * cw, cw, dt) for c in range(nks)]
-    for i in range(m):
-        acc = jnp.zeros((bn,), F32)
-        for c in range(nks):
-            g = sg_ref[i, pl.ds(c * cw, cw)].astype(F32)
-            u = su_ref[i, pl.ds(c * cw, cw)].astype(F32)
-            acc = acc + jnp.sum(wsh[c] * _silu_mul(g, u, dt)[None, :], axis=1)
-        gate = _rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
-        shared = _rnd(_rnd(acc, dt) * gate, dt)
-        y_ref[i, pl.ds(c0, bn)] = (_rnd(accs[i], dt) + shared).astype(dt)
+    zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
+    if group == 0:          # one program: every slot, the combine and the shared expert, y in dt
+        accs = zeros
+        if n_slots <= UNROLL_SLOTS:
+            for s in range(n_slots):
+                accs = slot(s, accs)
+        else:
+            accs = lax.fori_loop(0, n_slots, slot, accs)
+        for i, sh in enumerate(shared()):
+            y_ref[i, pl.ds(c0, bn)] = (_rnd(accs[i], dt) + sh).astype(y_ref.dtype)
+        return
+    # grid axis 1: `group` slots per program, their fp32 partial sums in row gi; the last row is the shared term
+    gi = pl.program_id(1)
+    n_groups = n_slots // group
+
+    @pl.when(gi < n_groups)
+    def _():
+        accs = zeros
+        for t in range(group):
+            accs = slot(gi * group + t, accs)
+        for i in range(m):
+            y_ref[gi, i, pl.ds(c0, bn)] = accs[i]
+
+    @pl.when(gi == n_groups)
+    def _():
+        for i, sh in enumerate(shared()):
+            y_ref[gi, i, pl.ds(c0, bn)] = sh
 
 
-def check(gate_up, down, shared_down, m: int, tiles: DecodeTiles) -> str | None:
-    """None when this kernel covers the shapes, formats and tiles, else why not."""
+def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str | None:
+    """None when the kernels cover M tokens routed to k experts each with these weights and tiles, else why not."""
     if m > MAX_TOKENS:
         return f"the fused MoE decode kernels take M <= {MAX_TOKENS} tokens, got {m}"
     fmts = {n: reference.weight_format(w) for n, w in (("gate_up_proj", gate_up), ("down_proj", down),
@@ -204,6 +228,9 @@ def check(gate_up, down, shared_down, m: int, tiles: DecodeTiles) -> str | None:
         return f"tiles {t} do not divide D={d}, I={inter}, I_shared={inter_s}"
     if t.cw < 16 or t.cw2 < 16:
         return f"tiles {t}: load widths below 16"
+    n_slots = m * k
+    if t.group < 0 or (t.group and n_slots % t.group):
+        return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
     if d // t.cw > 64 or inter // t.cw2 > 64:
         return f"tiles {t}: too many chunks to unroll"
     if "fp8_block" in fmts.values() and (128 % t.bn or 128 % t.bn2 or t.cw2 > 128 or (128 % t.cw and t.cw % 128)):
@@ -237,7 +264,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
     tiles = tiles or default_tiles(d, inter, inter_s)
-    why = check(gate_up, down, shared_down, m, tiles)
+    why = check(gate_up, down, shared_down, m, k, tiles)
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
@@ -255,12 +282,19 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         interpret=interpret, name="moe_decode_gate_up",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
     )(flat, x, *w1)
-    return pl.pallas_call(
+    g = tiles.group
+    n_groups = n_slots // g if g else 0
+    out_shape = (n_groups + 1, m, d) if g else (m, d)
+    y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
-                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2),
-        out_shape=jax.ShapeDtypeStruct((m, d), dt),
-        grid=(d // tiles.bn2,),
+                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g),
+        out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
+        grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
     )(flat, w.reshape(-1).astype(dt), act, s_gate.astype(dt), s_up.astype(dt), s_sig.reshape(m, 1).astype(dt),
       *w2, *w3)
+    if not g:
+        return y
+    # the routed partials in group order, rounded once, then the shared term (already rounded): as the reference
+    return (jnp.sum(y[:n_groups], axis=0).astype(dt).astype(F32) + y[n_groups]).astype(dt)
