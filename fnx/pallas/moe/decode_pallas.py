@@ -239,8 +239,17 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     return None
 
 
-def default_tiles(d: int, inter: int, inter_s: int) -> DecodeTiles:
-    t = DecodeTiles()
+# Measured on the H200 (M = 1, released shapes, random router; BENCHMARKS.md, ninth session): the whole layer
+# after XLA's router took 56.7 us with FP8 experts at these tiles (XLA's gather path 82.0 us, the first tiles
+# 84.7), 66.6 us with bf16 experts at theirs (XLA 76.6 us); one slot per down program (group 1) beat the in-kernel
+# combine (group 0) by 10-20 us: 160 programs of 11 slots each left the GPU half idle.
+MEASURED = {"fp8_block": DecodeTiles(bn=8, cw=512, bn2=8, cw2=128, group=1, num_warps=4, num_warps2=2),
+            "dense": DecodeTiles(bn=4, cw=512, bn2=16, cw2=128, group=1, num_warps=2, num_warps2=4)}
+
+
+def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block") -> DecodeTiles:
+    """The measured tiles for the expert format, shrunk until they divide the (test-sized) dims."""
+    t = MEASURED.get(fmt, DecodeTiles())
     cw = min(t.cw, _pow2(d))
     while d % cw:
         cw //= 2
@@ -263,7 +272,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     m, d = x.shape
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
-    tiles = tiles or default_tiles(d, inter, inter_s)
+    tiles = tiles or default_tiles(d, inter, inter_s, reference.weight_format(gate_up))
     why = check(gate_up, down, shared_down, m, k, tiles)
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
