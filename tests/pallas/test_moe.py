@@ -235,7 +235,8 @@ def _decode_args(fmt, m, i, dtype=BF16, shared_fmt=None, ids=None):
     gu, dn = _weights(fmt, 10 + i, dtype)
     ks = jax.random.split(_key(300 + i), 6)
     sd = jax.random.normal(ks[0], (D, I), jnp.float32) * 0.08
-    sd = quant.quantize_fp8_block(sd) if (shared_fmt or fmt) == "fp8" else sd.astype(dtype)
+    sd = {"fp8": quant.quantize_fp8_block, "nvfp4": quant.quantize_nvfp4}.get(shared_fmt or fmt,
+                                                                              lambda a: a.astype(dtype))(sd)
     x = jax.random.normal(ks[1], (m, D), jnp.float32).astype(dtype)
     w, idx = reference.route(jax.random.normal(ks[2], (m, E), jnp.float32), K, True, dtype)
     if ids is not None:
@@ -252,7 +253,8 @@ _run_decode = jax.jit(lambda *a, group=0: decode_pallas.moe_decode(
 
 @pytest.mark.parametrize("fmt,m,shared_fmt,group", [
     ("bf16", 1, None, 0), ("fp8", 1, None, 0), ("fp8", 5, None, 0), ("fp8", 8, "bf16", 0), ("bf16", 3, "fp8", 0),
-    ("fp8", 1, None, 1), ("bf16", 1, None, 2), ("fp8", 5, None, 5), ("fp8", 3, "bf16", 12)])
+    ("fp8", 1, None, 1), ("bf16", 1, None, 2), ("fp8", 5, None, 5), ("fp8", 3, "bf16", 12),
+    ("nvfp4", 1, None, 1), ("nvfp4", 5, "bf16", 0), ("nvfp4", 2, None, 0)])
 def test_decode_matches_reference(fmt, m, shared_fmt, group):
     """group 0: one program per output tile over every slot (M = 1 unrolls its K slots; M = 5 and 8 walk 20 / 32
     slots in a loop, UNROLL_SLOTS = 16), the combine in the kernel. group g: g slots per program, fp32 partials
@@ -332,11 +334,11 @@ def test_decode_dispatch_errors():
         [jnp.zeros((9, I), BF16)] * 2 + [jnp.zeros((9, 1), BF16), args[8]]
     with pytest.raises(dispatch.NotApplicable, match="M <= 8"):
         api.decode(*big, impl=KERNEL)
-    gu4, dn4 = _weights("nvfp4", 13)
-    args4 = args[:3] + [gu4, dn4] + args[5:]
-    with pytest.raises(dispatch.NotApplicable, match="not nvfp4"):
-        api.decode(*args4, impl=KERNEL)
-    _close(api.decode(*args4, impl="reference"), reference.decode(*args4))
+    gu32 = quant.quantize_fp8_block(args[3].astype(jnp.float32), (32, 32))
+    args32 = args[:3] + [gu32] + args[4:]
+    with pytest.raises(dispatch.NotApplicable, match="128x128 blocks"):
+        api.decode(*args32, impl=KERNEL)
+    _close(api.decode(*args32, impl="reference"), reference.decode(*args32))
     with pytest.raises(NotImplementedError, match="do not divide"):
         decode_pallas.moe_decode(*args, interpret=True, tiles=decode_pallas.DecodeTiles(bn=256))
     with pytest.raises(NotImplementedError, match="must divide the M\\*K = 4 slots"):
@@ -347,25 +349,29 @@ def test_decode_dispatch_errors():
 
 
 def test_decode_lowers_for_cuda():
-    """Both launches lower through Pallas -> Triton (compute capability 9.0) at the released widths, bf16 and
-    FP8 weights, M = 1 (unrolled slots) and M = 5 (looped slots)."""
+    """Both launches lower through Pallas -> Triton (compute capability 9.0) at the released widths, bf16, FP8
+    and NVFP4 weights, M = 1 and M = 5, the measured tiles and the in-kernel combine (M = 5: its looped slots)."""
     n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
     S = jax.ShapeDtypeStruct
 
     def spec(shape, fmt):
         if fmt == "bf16":
             return S(shape, BF16)
+        if fmt == "nvfp4":
+            return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
+                               jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
         return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128),
                                                              jnp.float32))
 
-    for fmt, mm, group in (("bf16", 1, 0), ("bf16", m, 0), ("fp8", 1, 0), ("fp8", m, 0), ("fp8", 1, 1)):
-        for _ in (0,):
-            fn = functools.partial(decode_pallas.moe_decode, tiles=decode_pallas.DecodeTiles(group=group))
-            lowered = jax.jit(fn).trace(
-                S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),
-                spec((n_exp, d, inter), fmt), S((mm, inter), BF16), S((mm, inter), BF16), S((mm, 1), BF16),
-                spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
-            assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm, group)
+    in_kernel = decode_pallas.DecodeTiles(group=0)      # the measured tiles (None) split the slots: group 1
+    for fmt, mm, tiles in (("bf16", 1, None), ("bf16", m, None), ("fp8", 1, None), ("fp8", m, None),
+                           ("fp8", 1, in_kernel), ("fp8", m, in_kernel), ("nvfp4", 1, None), ("nvfp4", m, None)):
+        fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
+        lowered = jax.jit(fn).trace(
+            S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),
+            spec((n_exp, d, inter), fmt), S((mm, inter), BF16), S((mm, inter), BF16), S((mm, 1), BF16),
+            spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm, tiles)
 
 
 def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):

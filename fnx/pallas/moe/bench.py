@@ -117,8 +117,8 @@ def cases(quick: bool) -> list[BenchCase]:
                 nbytes = int(mean_distinct * per_expert) + dense
                 flops = 2 * m * (top_k * 3 * d * inter + n_exp * d + 3 * d * inter_s)
                 variants = [("pallas", None), ("reference", None)]
+                variants += [("fused", None)]
                 if fmt != "nvfp4":
-                    variants += [("fused", None)]
                     if router_kind == "random" and not quick:   # tiles of the fused kernels
                         sweep = _SWEEP_M1 if m == 1 else _SWEEP_M5
                         variants += [("fused", DecodeTiles(*t)) for t in sweep]

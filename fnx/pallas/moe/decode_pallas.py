@@ -22,8 +22,10 @@ A later token whose expert an earlier token also chose adds that term at the own
 different fp32 order (an ulp of the sum at most). Deterministic: no atomics, a fixed order.
 
 Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
-block, each element dequantized as round(q * scale) to x.dtype, exactly the reference dequantizer's value. NVFP4
-experts are not covered here (fnx.pallas.moe.experts_pallas covers them; the dispatcher says so)."""
+block, each element dequantized as round(q * scale) to x.dtype, exactly the reference dequantizer's value; NVFP4
+(E2M1 codes decoded with integer ops, E4M3 scales per 16 values, the fp32 global per row, (code * scale) * global
+rounded once as the reference): the low and high nibbles meet the even and odd activation columns, loaded with a
+stride of 2, so no tile is ever interleaved."""
 
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from fnx.pallas.moe import reference
 F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
-FORMATS = ("dense", "fp8_block")
+FORMATS = ("dense", "fp8_block", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +66,34 @@ def _split(w):
     fmt = reference.weight_format(w)
     if fmt == "fp8_block":
         return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
+    if fmt == "nvfp4":
+        return fmt, (w.w, w.scale, w.scale_2.astype(F32)), w.group
     return fmt, (w,), None
+
+
+def _load(ref, idx, shape, mask):
+    """ref[idx], or a masked load (masked-off lanes load nothing and hold unspecified values: the caller
+    discards their products; an FP8 or integer fill value does not lower for every dtype)."""
+    if mask is None:
+        return ref[idx]
+    return plgpu.load(ref.at[idx], mask=jnp.full(shape, mask))
 
 
 def _chunk(fmt, refs, lead, r0, rows, c0, cw, dt, mask=None):
     """Rows [r0, r0+rows) x columns [c0, c0+cw) of a weight (`lead`: the expert index, or () for a 2-D weight),
-    dequantized in fp32 and rounded to dt as the reference does, returned in fp32: [rows, cw]."""
+    dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of one [rows, cw] tile, or for
+    NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high nibbles as the bytes hold them:
+    never interleaved; `_xs` loads the matching activation columns)."""
     w_ref = refs[0]
-    idx = (*lead, pl.ds(r0, rows), pl.ds(c0, cw))
-    if mask is None:
-        q = w_ref[idx]
-    else:
-        # masked-off lanes load nothing and hold unspecified values: the caller discards their products (an
-        # FP8 fill value does not lower)
-        q = plgpu.load(w_ref.at[idx], mask=jnp.full((rows, cw), mask))
-    q = q.astype(F32)
+    if fmt == "nvfp4":
+        group = 16
+        p = _load(w_ref, (*lead, pl.ds(r0, rows), pl.ds(c0 // 2, cw // 2)), (rows, cw // 2), mask)
+        p = p.astype(jnp.uint32)
+        sc = _load(refs[1], (*lead, pl.ds(r0, rows), pl.ds(c0 // group, cw // group)), (rows, cw // group), mask)
+        sc = jnp.broadcast_to(sc.astype(F32)[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
+        s2 = _load(refs[2], (*lead, pl.ds(r0, rows)), (rows,), mask)[:, None]
+        return tuple(_rnd(reference.e2m1_bits_to_f32(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
+    q = _load(w_ref, (*lead, pl.ds(r0, rows), pl.ds(c0, cw)), (rows, cw), mask).astype(F32)
     if fmt == "fp8_block":
         s_ref = refs[1]
         if cw <= 128:
@@ -87,7 +102,25 @@ def _chunk(fmt, refs, lead, r0, rows, c0, cw, dt, mask=None):
         else:
             s = s_ref[(*lead, r0 // 128, pl.ds(c0 // 128, cw // 128))]
             q = q * jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :]
-    return q.astype(dt).astype(F32)
+    return (_rnd(q, dt),)
+
+
+def _xs(ref, lead, c0, cw, halves):
+    """Activation columns [c0, c0+cw) of ref[lead] in fp32: one vector, or for NVFP4 weights the even and the odd
+    columns (strided loads). Unmasked: a slot that owns no expert reads its (unwritten) act rows too, and its
+    products are discarded with `where`, never added."""
+    lead = tuple(jnp.int32(i) if isinstance(i, int) else i for i in lead)
+    if halves:
+        return [ref[(*lead, pl.ds(c0 + h, cw // 2, stride=2))].astype(F32) for h in (0, 1)]
+    return [ref[(*lead, pl.ds(c0, cw))].astype(F32)]
+
+
+def _rowdot(ws, xs):
+    """sum_c w[r, c] * x[c] in fp32 over the tile pieces: [rows]."""
+    acc = jnp.sum(ws[0] * xs[0][None, :], axis=1)
+    for w, x in zip(ws[1:], xs[1:]):
+        acc = acc + jnp.sum(w * x[None, :], axis=1)
+    return acc
 
 
 def _rnd(v, dt):
@@ -127,9 +160,9 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, n_slots, sp, inter, d, bn, cw
             acc_g = jnp.zeros((bn,), F32)
             acc_u = jnp.zeros((bn,), F32)
             for c in range(nk):
-                xv = x_ref[i, pl.ds(c * cw, cw)].astype(F32)[None, :]
-                acc_g = acc_g + jnp.sum(wg[c] * xv, axis=1)
-                acc_u = acc_u + jnp.sum(wu[c] * xv, axis=1)
+                xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
+                acc_g = acc_g + _rowdot(wg[c], xv)
+                acc_u = acc_u + _rowdot(wu[c], xv)
             a = _silu_mul(_rnd(acc_g, dt), _rnd(acc_u, dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
@@ -156,9 +189,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             routed = own & (jnp.sum(jnp.where(hit, 1, 0)) > 0)
             acc = jnp.zeros((bn,), F32)
             for c in range(nk):
-                a = plgpu.load(act_ref.at[jnp.int32(s), jnp.int32(i), pl.ds(c * cw, cw)], mask=jnp.full((cw,), own),
-                               other=0)
-                acc = acc + jnp.sum(ws[c] * a.astype(F32)[None, :], axis=1)
+                acc = acc + _rowdot(ws[c], _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
             term = _rnd(_rnd(acc, dt) * coef, dt)
             out.append(accs[i] + jnp.where(routed, term, 0.0))
         return tuple(out)
@@ -169,9 +200,9 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         for i in range(m):
             acc = jnp.zeros((bn,), F32)
             for c in range(len(wsh)):
-                g = sg_ref[i, pl.ds(c * cw, cw)].astype(F32)
-                u = su_ref[i, pl.ds(c * cw, cw)].astype(F32)
-                acc = acc + jnp.sum(wsh[c] * _silu_mul(g, u, dt)[None, :], axis=1)
+                g = _xs(sg_ref, (i,), c * cw, cw, sfmt == "nvfp4")
+                u = _xs(su_ref, (i,), c * cw, cw, sfmt == "nvfp4")
+                acc = acc + _rowdot(wsh[c], [_silu_mul(a, b, dt) for a, b in zip(g, u)])
             gate = _rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
             out.append(_rnd(_rnd(acc, dt) * gate, dt))
         return out
@@ -213,11 +244,12 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
                                                        ("shared down_proj", shared_down))}
     for name, fmt in fmts.items():
         if fmt not in FORMATS:
-            return f"the fused MoE decode kernels stream bf16/fp32 or FP8-block weights, not {fmt} ({name})"
-        if fmt == "fp8_block":
-            w = {"gate_up_proj": gate_up, "down_proj": down, "shared down_proj": shared_down}[name]
-            if tuple(w.block) != (128, 128):
-                return f"{name}: FP8 blocks {tuple(w.block)}, the kernels read 128x128 blocks"
+            return f"the fused MoE decode kernels stream bf16/fp32, FP8-block or NVFP4 weights, not {fmt} ({name})"
+        w = {"gate_up_proj": gate_up, "down_proj": down, "shared down_proj": shared_down}[name]
+        if fmt == "fp8_block" and tuple(w.block) != (128, 128):
+            return f"{name}: FP8 blocks {tuple(w.block)}, the kernels read 128x128 blocks"
+        if fmt == "nvfp4" and w.group != 16:
+            return f"{name}: NVFP4 groups of {w.group}, the kernels read groups of 16"
     t = tiles
     _, two_i, d = gate_up.shape
     inter, inter_s = two_i // 2, shared_down.shape[-1]
@@ -226,8 +258,8 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
             return f"tile {name}={v} is not a power of two"
     if inter % t.bn or d % t.cw or d % t.bn2 or inter % t.cw2 or inter_s % t.cw2:
         return f"tiles {t} do not divide D={d}, I={inter}, I_shared={inter_s}"
-    if t.cw < 16 or t.cw2 < 16:
-        return f"tiles {t}: load widths below 16"
+    if t.cw < 16 or t.cw2 < 16 or ("nvfp4" in fmts.values() and min(t.cw, t.cw2) < 32):
+        return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
@@ -249,7 +281,7 @@ MEASURED = {"fp8_block": DecodeTiles(bn=8, cw=512, bn2=8, cw2=128, group=1, num_
 
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block") -> DecodeTiles:
     """The measured tiles for the expert format, shrunk until they divide the (test-sized) dims."""
-    t = MEASURED.get(fmt, DecodeTiles())
+    t = MEASURED.get(fmt, MEASURED["fp8_block"])     # NVFP4: the FP8 tiles, not tuned for it
     cw = min(t.cw, _pow2(d))
     while d % cw:
         cw //= 2
