@@ -105,15 +105,39 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
 GATHER_MAX_TOKENS = 64
 
 
+# Where "auto" takes the fused decode kernels (op moe_decode), by measurement on the H200 (released shapes, random
+# router, BENCHMARKS.md ninth session): one token with bf16 or FP8 experts (FP8 56.7 us against the gather path's
+# 82.0 in isolation; the 4-layer FP8 step's kernel time 0.703 against 0.734 ms). Slower, so left to the gather path
+# unless FNX_KERNELS names moe_decode: 5 tokens (FP8 749 against 191 us) and NVFP4 experts (119 against 91 us).
+FUSED_AUTO_MAX_TOKENS = 1
+FUSED_AUTO_FORMATS = ("dense", "fp8_block")
+_logged: set = set()
+
+
+def _fused_measured_faster(p: dict, tokens: int) -> bool:
+    from fnx.pallas.moe import reference as moe_ref
+    fmt = moe_ref.weight_format(p["experts"]["gate_up_proj"])
+    ok = tokens <= FUSED_AUTO_MAX_TOKENS and fmt in FUSED_AUTO_FORMATS
+    if not ok and (tokens, fmt) not in _logged:
+        _logged.add((tokens, fmt))
+        import logging
+        logging.getLogger("fnx.pallas").info(
+            "fnx kernel moe_decode: 'auto' runs the gather path for %d tokens with %s experts (the fused kernels "
+            "were measured slower there; FNX_KERNELS=moe_decode=pallas opts in)", tokens, fmt)
+    return ok
+
+
 def _auto_impl(tokens: int, top_k: int, p: dict | None = None, x: jax.Array | None = None) -> str:
     """"decode" (the fused MoE decode kernels after the router: two launches) when fnx.pallas.dispatch picks
-    Pallas for op "moe_decode" and they cover this call (M <= 8 tokens, bf16 or FP8-block weights); else the
-    older Pallas expert kernels for T <= 32 tokens where dispatch picks them (a CUDA GPU, or FNX_KERNELS naming
-    them); otherwise gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64) and the grouped matmul beyond."""
+    Pallas for op "moe_decode", they cover this call (M <= 8 tokens; bf16, FP8-block or NVFP4 weights) and were
+    measured faster for it (FUSED_AUTO_*; FNX_KERNELS naming moe_decode skips that test); else the older Pallas
+    expert kernels for T <= 32 tokens where dispatch picks them (a CUDA GPU, or FNX_KERNELS naming them);
+    otherwise gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64) and the grouped matmul beyond."""
     from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
     if p is not None and x is not None and tokens <= moe_kernels.MAX_FUSED_TOKENS and \
-            _decode_backend(p, x, top_k, None) != "reference":
+            _decode_backend(p, x, top_k, None) != "reference" and \
+            (dispatch.named("moe_decode") or _fused_measured_faster(p, tokens)):
         return "decode"
     if tokens <= moe_kernels.MAX_DECODE_TOKENS and dispatch.resolve("moe_experts", None) == "pallas":
         return "pallas"

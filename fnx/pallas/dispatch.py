@@ -206,6 +206,12 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
     return choice
 
 
+def named(op: str) -> bool:
+    """True when FNX_KERNELS or `force` names a backend for `op` (so "auto" callers skip their own measured
+    preferences and run what was named)."""
+    return bool(_forced.get() or env_choice(op))
+
+
 def env_choice(op: str) -> str | None:
     """The backend FNX_KERNELS names for `op`, or None."""
     spec = os.environ.get("FNX_KERNELS", "").strip()

@@ -397,3 +397,19 @@ def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):
     err = rel_err(got, want)
     print(f"tiny-b decode, fused MoE kernels vs reference paths: {err:.1e}")
     assert err < 1e-5
+
+
+def test_auto_takes_the_fused_path_only_where_measured_faster(monkeypatch):
+    """With Pallas available (stubbed here), "auto" takes the fused kernels for one token with bf16 / FP8 experts,
+    the gather path for 5 tokens or NVFP4 experts (measured slower), and the fused kernels again for those when
+    FNX_KERNELS names moe_decode."""
+    monkeypatch.setattr(moe, "_decode_backend", lambda p, x, top_k, impl: "pallas")
+    x1, x5 = jnp.zeros((1, D), BF16), jnp.zeros((5, D), BF16)
+    fp8 = {"experts": {"gate_up_proj": _weights("fp8", 14)[0]}}
+    nv = {"experts": {"gate_up_proj": _weights("nvfp4", 14)[0]}}
+    assert moe._auto_impl(1, K, fp8, x1) == "decode"
+    assert moe._auto_impl(5, K, fp8, x5) == "gather"
+    assert moe._auto_impl(1, K, nv, x1) == "gather"
+    monkeypatch.setenv("FNX_KERNELS", "moe_decode=pallas")
+    assert moe._auto_impl(5, K, fp8, x5) == "decode"
+    assert moe._auto_impl(1, K, nv, x1) == "decode"
