@@ -79,29 +79,40 @@ def _load(ref, idx, shape, mask):
     return plgpu.load(ref.at[idx], mask=jnp.full(shape, mask))
 
 
-def _chunk(fmt, refs, lead, r0, rows, c0, cw, dt, mask=None):
-    """Rows [r0, r0+rows) x columns [c0, c0+cw) of a weight (`lead`: the expert index, or () for a 2-D weight),
-    dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of one [rows, cw] tile, or for
-    NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high nibbles as the bytes hold them:
-    never interleaved; `_xs` loads the matching activation columns)."""
+def _raw(fmt, refs, lead, r0, rows, c0, cw, mask=None):
+    """The loads of rows [r0, r0+rows) x columns [c0, c0+cw) of a weight (`lead`: the expert index, or () for a
+    2-D weight), as stored: a kernel issues every chunk's loads first and dequantizes chunk by chunk (`_deq`), so
+    the loads are in flight together while only one chunk's fp32 tile is live (with several tokens each tile is
+    used several times; dequantizing every chunk up front would keep them all in registers)."""
     w_ref = refs[0]
     if fmt == "nvfp4":
         group = 16
-        p = _load(w_ref, (*lead, pl.ds(r0, rows), pl.ds(c0 // 2, cw // 2)), (rows, cw // 2), mask)
+        return (_load(w_ref, (*lead, pl.ds(r0, rows), pl.ds(c0 // 2, cw // 2)), (rows, cw // 2), mask),
+                _load(refs[1], (*lead, pl.ds(r0, rows), pl.ds(c0 // group, cw // group)), (rows, cw // group), mask),
+                _load(refs[2], (*lead, pl.ds(r0, rows)), (rows,), mask))
+    q = _load(w_ref, (*lead, pl.ds(r0, rows), pl.ds(c0, cw)), (rows, cw), mask)
+    if fmt != "fp8_block":
+        return (q,)
+    if cw <= 128:
+        return q, refs[1][(*lead, r0 // 128, c0 // 128)]
+    return q, refs[1][(*lead, r0 // 128, pl.ds(c0 // 128, cw // 128))]
+
+
+def _deq(fmt, raw, rows, cw, dt):
+    """A chunk loaded by `_raw`, dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of
+    one [rows, cw] tile, or for NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high
+    nibbles as the bytes hold them: never interleaved; `_xs` loads the matching activation columns)."""
+    if fmt == "nvfp4":
+        group = 16
+        p, sc, s2 = raw
         p = p.astype(jnp.uint32)
-        sc = _load(refs[1], (*lead, pl.ds(r0, rows), pl.ds(c0 // group, cw // group)), (rows, cw // group), mask)
         sc = jnp.broadcast_to(sc.astype(F32)[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
-        s2 = _load(refs[2], (*lead, pl.ds(r0, rows)), (rows,), mask)[:, None]
+        s2 = s2[:, None]
         return tuple(_rnd(reference.e2m1_bits_to_f32(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
-    q = _load(w_ref, (*lead, pl.ds(r0, rows), pl.ds(c0, cw)), (rows, cw), mask).astype(F32)
+    q = raw[0].astype(F32)
     if fmt == "fp8_block":
-        s_ref = refs[1]
-        if cw <= 128:
-            s = s_ref[(*lead, r0 // 128, c0 // 128)]
-            q = q * s
-        else:
-            s = s_ref[(*lead, r0 // 128, pl.ds(c0 // 128, cw // 128))]
-            q = q * jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :]
+        s = raw[1]
+        q = q * (s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :])
     return (_rnd(q, dt),)
 
 
@@ -154,16 +165,18 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, n_slots, sp, inter, d, bn, cw
     def _():
         nk = d // cw
         rg, ru = j * bn, inter + j * bn
-        wg = [_chunk(fmt, w_refs, (e,), rg, bn, c * cw, cw, dt) for c in range(nk)]
-        wu = [_chunk(fmt, w_refs, (e,), ru, bn, c * cw, cw, dt) for c in range(nk)]
-        for i in range(m):
-            acc_g = jnp.zeros((bn,), F32)
-            acc_u = jnp.zeros((bn,), F32)
-            for c in range(nk):
+        raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
+        raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
+        acc_g = [jnp.zeros((bn,), F32) for _ in range(m)]
+        acc_u = [jnp.zeros((bn,), F32) for _ in range(m)]
+        for c in range(nk):
+            wg, wu = _deq(fmt, raw_g[c], bn, cw, dt), _deq(fmt, raw_u[c], bn, cw, dt)
+            for i in range(m):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
-                acc_g = acc_g + _rowdot(wg[c], xv)
-                acc_u = acc_u + _rowdot(wu[c], xv)
-            a = _silu_mul(_rnd(acc_g, dt), _rnd(acc_u, dt), dt)
+                acc_g[i] = acc_g[i] + _rowdot(wg, xv)
+                acc_u[i] = acc_u[i] + _rowdot(wu, xv)
+        for i in range(m):
+            a = _silu_mul(_rnd(acc_g[i], dt), _rnd(acc_u[i], dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
 
@@ -181,30 +194,35 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
     def slot(s, accs):
         e = ids_ref[s]
         own = _owner(flat, e, s)
-        ws = [_chunk(fmt, dn_refs, (e,), c0, bn, c * cw, cw, dt, mask=own) for c in range(nk)]
+        raw = [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
+        acc = [jnp.zeros((bn,), F32) for _ in range(m)]
+        for c in range(nk):
+            w_c = _deq(fmt, raw[c], bn, cw, dt)
+            for i in range(m):
+                acc[i] = acc[i] + _rowdot(w_c, _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
         out = []
         for i in range(m):
             hit = (flat == e) & (tok == i)
             coef = jnp.sum(jnp.where(hit, rw, 0.0))
             routed = own & (jnp.sum(jnp.where(hit, 1, 0)) > 0)
-            acc = jnp.zeros((bn,), F32)
-            for c in range(nk):
-                acc = acc + _rowdot(ws[c], _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
-            term = _rnd(_rnd(acc, dt) * coef, dt)
+            term = _rnd(_rnd(acc[i], dt) * coef, dt)
             out.append(accs[i] + jnp.where(routed, term, 0.0))
         return tuple(out)
 
     def shared():
-        wsh = [_chunk(sfmt, sh_refs, (), c0, bn, c * cw, cw, dt) for c in range(inter_s // cw)]
-        out = []
-        for i in range(m):
-            acc = jnp.zeros((bn,), F32)
-            for c in range(len(wsh)):
+        nks = inter_s // cw
+        raw = [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(nks)]
+        acc = [jnp.zeros((bn,), F32) for _ in range(m)]
+        for c in range(nks):
+            w_c = _deq(sfmt, raw[c], bn, cw, dt)
+            for i in range(m):
                 g = _xs(sg_ref, (i,), c * cw, cw, sfmt == "nvfp4")
                 u = _xs(su_ref, (i,), c * cw, cw, sfmt == "nvfp4")
-                acc = acc + _rowdot(wsh[c], [_silu_mul(a, b, dt) for a, b in zip(g, u)])
+                acc[i] = acc[i] + _rowdot(w_c, [_silu_mul(a, b, dt) for a, b in zip(g, u)])
+        out = []
+        for i in range(m):
             gate = _rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
-            out.append(_rnd(_rnd(acc, dt) * gate, dt))
+            out.append(_rnd(_rnd(acc[i], dt) * gate, dt))
         return out
 
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
