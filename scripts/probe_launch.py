@@ -283,8 +283,9 @@ def main():
                     first = logits
             jax.block_until_ready(logits)
             chains.append((time.perf_counter() - t) / args.reps)
-        # a fingerprint of the first chained step's logits: the params are seeded and the step's position fixed,
-        # so runs of the same program under different runtime flags (command-buffer modes) must print the same
+        # a fingerprint of the first chained step's logits: the params are seeded and the step's position fixed.
+        # Each process compiles and autotunes afresh, so two runs may differ in the sum (a fusion's or GEMM's
+        # algorithm changes low bits) and still agree in the argmax: a check on gross errors, not on equality
         f32 = np.asarray(first, np.float32)
         emit({"part": "decode dispatch", **({"kernels": label} if label is not None else {}),
               "dispatch_ms": float(np.median(disp)) * 1e3, "step_ms": float(np.median(tot)) * 1e3,

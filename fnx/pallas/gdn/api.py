@@ -90,7 +90,8 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     dk = (conv_dim - hv * dv) // (2 * key_heads)
     taps = conv_w.shape[-1] if conv_w.ndim == 2 else 0
     want = {"b": (b, (bsz, 1, hv)), "a": (a, (bsz, 1, hv)),
-            "conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "conv_w": (conv_w, (conv_dim, taps)), "a_log": (a_log, (hv,)), "dt_bias": (dt_bias, (hv,)),
+            "conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "conv_w": (conv_w, (conv_dim, taps)),
+            "a_log": (a_log, (hv,)), "dt_bias": (dt_bias, (hv,)),
             "norm_w": (norm_w, (dv,)), "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
     for name, (arr, shape) in want.items():
         if tuple(arr.shape) != shape:

@@ -15,7 +15,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated
+from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated, softplus
+from fnx.pallas.kernel_math import rnd
 
 F32 = jnp.float32
 
@@ -160,13 +161,6 @@ def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
     return StepTiles(block_v=dv, num_warps=4)
 
 
-def _rnd(x, dt):
-    return x.astype(dt).astype(F32)
-
-
-def _softplus(x):
-    return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-
 
 def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
                  o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt):
@@ -184,8 +178,8 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         acc = jnp.zeros((n,), F32)
         for t, r in enumerate(rows + [x]):
             acc = acc + r.astype(F32) * pltriton.load(cw_ref.at[ch * taps + t]).astype(F32)
-        y = _rnd(acc, dt)
-        y = _rnd(y * _rnd(jax.nn.sigmoid(y), dt), dt)       # jax.nn.silu in dt, rounded as its HLO does
+        y = rnd(acc, dt)
+        y = rnd(y * rnd(jax.nn.sigmoid(y), dt), dt)       # jax.nn.silu in dt, rounded as its HLO does
         new = [jnp.where(valid, nxt, old) for old, nxt in zip(rows, rows[1:] + [x])]
         return y, ch, new
 
@@ -203,8 +197,8 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         store_window(qch, qnew)
         store_window(kch, knew)
 
-    beta = _rnd(jax.nn.sigmoid(b_ref[0, 0].astype(F32)), dt)
-    g = -jnp.exp(alog_ref[0].astype(F32)) * _softplus(a_ref[0, 0].astype(F32) + dtb_ref[0].astype(F32))
+    beta = rnd(jax.nn.sigmoid(b_ref[0, 0].astype(F32)), dt)
+    g = -jnp.exp(alog_ref[0].astype(F32)) * softplus(a_ref[0, 0].astype(F32) + dtb_ref[0].astype(F32))
     g = jnp.where(valid, g, 0.0)
     beta = jnp.where(valid, beta, 0.0)
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (dk ** -0.5)

@@ -21,6 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas.kernel_math import rnd
+
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands: IEEE, not TF32; bf16 operands: no effect
 
@@ -149,14 +151,11 @@ def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8))
 
 
-def _rnd(x, dt):
-    return x.astype(dt).astype(F32)
-
 
 def _dequant_rows(wt, sc, dt):
     """FP8 weights times their 128x128 block scales (fp32), rounded to the activation dtype: the model's
     dequantize-then-matmul arithmetic (fnx.pallas.gemv.reference.dequantize), exactly."""
-    return _rnd(wt.astype(F32) * sc, dt)
+    return rnd(wt.astype(F32) * sc, dt)
 
 
 def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj, fp8):
@@ -190,12 +189,12 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj, fp8):
     hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
     if has_y:
         yv = plt.load(y_ref.at[col], mask=ok, other=0.0).astype(F32)
-        hc = _rnd(hc + _rnd(yv * inj_ref[j].astype(F32), dt), dt)
+        hc = rnd(hc + rnd(yv * inj_ref[j].astype(F32), dt), dt)
     ss = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)       # [1, 1]
     rstd = lax.rsqrt(ss / d + eps)
     rstd_ref[...] = rstd
     w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
-    hn = _rnd(hc * rstd * (1.0 + w), dt)                                                 # [rp, bk]
+    hn = rnd(hc * rstd * (1.0 + w), dt)                                                 # [rp, bk]
     part_ref[...] = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)          # [bn]
 
 
@@ -224,27 +223,27 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8):
         wt = _dequant_rows(wt, sc[:, None, :], h_ref.dtype)
     parts = plt.load(part_ref.at[sj[:, None] * n_rows + k[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
                      other=0.0)                                                          # [S, rp]
-    v = _rnd(_rnd(jnp.sum(parts, axis=0), dt) / s, dt)
-    u = _rnd(v * _rnd(jax.nn.sigmoid(v), dt), dt)                                        # silu, rounded like the model
+    v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
+    u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                        # silu, rounded like the model
     z = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                               # [S, bd]
-    m = _rnd(jax.nn.sigmoid(_rnd(z, dt)), dt)
+    m = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
     hc = plt.load(h_ref.at[rows])                                                        # [S, bd]
     if has_y:
         yv = plt.load(y_ref.at[cols]).astype(F32)
         injp = plt.load(inj_ref.at[sj]).astype(F32)
-        hc = (hc.astype(F32) + _rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
+        hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
     rstd = plt.load(rstd_ref.at[sj])                                                     # [S] (program row 0)
     w = plt.load(wn_ref.at[rows]).astype(F32)
-    hn = _rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
-    x_ref[...] = (jnp.sum(_rnd(m * hn, dt), axis=0) / s).astype(dt)
+    hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
+    x_ref[...] = (jnp.sum(rnd(m * hn, dt), axis=0) / s).astype(dt)
     if has_y:
         ho_ref[...] = hc
     if has_inj:
         @pl.when(i == 0)
         def _():
             pi = plt.load(part_ref.at[sj[:, None] * n_rows + r + sj[None, :]])          # [S streams, S rows]
-            vi = _rnd(_rnd(jnp.sum(pi, axis=0), dt) / s, dt)
-            injo_ref[...] = (2.0 * _rnd(jax.nn.sigmoid(vi), dt)).astype(dt)
+            vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
+            injo_ref[...] = (2.0 * rnd(jax.nn.sigmoid(vi), dt)).astype(dt)
 
 
 def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,

@@ -1,7 +1,8 @@
 """Decode MoE layer benchmark: router matmul + routing + routed experts + combine + sigmoid-gated shared expert,
-the fused decode kernels ("fused", op moe_decode, with a few tile variants "fused:bn,cw,bn2,warps") and the
-router + weight-major expert kernels ("pallas") against the gather reference ("reference"), M = 1 and 5 tokens, random and skewed
-routers, bf16 / FP8 128x128-block / NVFP4 experts at the released shapes (E=512, top-10, D=2560, I=640).
+the fused decode kernels ("fused", op moe_decode, with tile variants "fused:<DecodeTiles fields>") and the
+router + weight-major expert kernels ("pallas") against the gather reference ("reference"), M = 1 and 5 tokens,
+random and skewed routers, bf16 / FP8 128x128-block / NVFP4 experts at the released shapes (E=512, top-10,
+D=2560, I=640).
 
 Floor: bytes = distinct experts touched x bytes per expert (gate_up + down, with their scales) + router [E, D]
 + shared expert (gate, up, down, gate vector) + x. The distinct count is computed on the host from each argument

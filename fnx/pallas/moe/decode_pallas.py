@@ -38,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnx.pallas.kernel_math import rnd
 from fnx.pallas.moe import reference
 
 F32 = jnp.float32
@@ -108,12 +109,12 @@ def _deq(fmt, raw, rows, cw, dt):
         p = p.astype(jnp.uint32)
         sc = jnp.broadcast_to(sc.astype(F32)[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
         s2 = s2[:, None]
-        return tuple(_rnd(reference.e2m1_bits_to_f32(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
+        return tuple(rnd(reference.e2m1_bits_to_f32(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
     q = raw[0].astype(F32)
     if fmt == "fp8_block":
         s = raw[1]
         q = q * (s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :])
-    return (_rnd(q, dt),)
+    return (rnd(q, dt),)
 
 
 def _xs(ref, lead, c0, cw, halves):
@@ -134,14 +135,11 @@ def _rowdot(ws, xs):
     return acc
 
 
-def _rnd(v, dt):
-    return v.astype(dt).astype(F32)
-
 
 def _silu_mul(g, u, dt):
     """silu(g) * u on values already rounded to dt, each step rounded as the reference's dt ops."""
-    sig = _rnd(1.0 / (1.0 + jnp.exp(-g)), dt)
-    return _rnd(_rnd(g * sig, dt) * u, dt)
+    sig = rnd(1.0 / (1.0 + jnp.exp(-g)), dt)
+    return rnd(rnd(g * sig, dt) * u, dt)
 
 
 def _owner(flat, e, s):
@@ -176,7 +174,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, n_slots, sp, inter, d, bn, cw
                 acc_g[i] = acc_g[i] + _rowdot(wg, xv)
                 acc_u[i] = acc_u[i] + _rowdot(wu, xv)
         for i in range(m):
-            a = _silu_mul(_rnd(acc_g[i], dt), _rnd(acc_u[i], dt), dt)
+            a = _silu_mul(rnd(acc_g[i], dt), rnd(acc_u[i], dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
 
@@ -205,7 +203,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             hit = (flat == e) & (tok == i)
             coef = jnp.sum(jnp.where(hit, rw, 0.0))
             routed = own & (jnp.sum(jnp.where(hit, 1, 0)) > 0)
-            term = _rnd(_rnd(acc[i], dt) * coef, dt)
+            term = rnd(rnd(acc[i], dt) * coef, dt)
             out.append(accs[i] + jnp.where(routed, term, 0.0))
         return tuple(out)
 
@@ -221,8 +219,8 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
                 acc[i] = acc[i] + _rowdot(w_c, [_silu_mul(a, b, dt) for a, b in zip(g, u)])
         out = []
         for i in range(m):
-            gate = _rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
-            out.append(_rnd(_rnd(acc[i], dt) * gate, dt))
+            gate = rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
+            out.append(rnd(rnd(acc[i], dt) * gate, dt))
         return out
 
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
@@ -234,7 +232,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         else:
             accs = lax.fori_loop(0, n_slots, slot, accs)
         for i, sh in enumerate(shared()):
-            y_ref[i, pl.ds(c0, bn)] = (_rnd(accs[i], dt) + sh).astype(y_ref.dtype)
+            y_ref[i, pl.ds(c0, bn)] = (rnd(accs[i], dt) + sh).astype(y_ref.dtype)
         return
     # grid axis 1: `group` slots per program, their fp32 partial sums in row gi; the last row is the shared term
     gi = pl.program_id(1)
