@@ -202,19 +202,24 @@ def test_api_dispatch_errors():
                                interpret=INTERPRET, tiles=TILES)
 
 
+def _spec(shape, fmt):
+    """Abstract weights of a format: [..., out, in] bf16, FP8 128x128 blocks or NVFP4 (fnx.model.quant layouts)."""
+    S = jax.ShapeDtypeStruct
+    if fmt == "bf16":
+        return S(shape, BF16)
+    if fmt == "nvfp4":
+        return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
+                           jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
+    return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128),
+                                                         jnp.float32))
+
+
 def test_lowers_for_cuda():
     """The Pallas -> Triton lowering (compute capability 9.0) at the released shapes, every weight format."""
     n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
     S = jax.ShapeDtypeStruct
 
-    def spec(shape, fmt):
-        if fmt == "bf16":
-            return S(shape, BF16)
-        if fmt == "fp8":
-            return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S((shape[0], shape[1] // 128, shape[2] // 128),
-                                                                 jnp.float32))
-        return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
-                           jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:1], jnp.float32))
+    spec = _spec
 
     def layer(gu, dn, x, logits):
         w, idx = routing_pallas.route(logits, top_k, True)
@@ -354,15 +359,7 @@ def test_decode_lowers_for_cuda():
     n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
     S = jax.ShapeDtypeStruct
 
-    def spec(shape, fmt):
-        if fmt == "bf16":
-            return S(shape, BF16)
-        if fmt == "nvfp4":
-            return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
-                               jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
-        return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128),
-                                                             jnp.float32))
-
+    spec = _spec
     in_kernel = decode_pallas.DecodeTiles(group=0)      # the measured tiles (None) split the slots: group 1
     for fmt, mm, tiles in (("bf16", 1, None), ("bf16", m, None), ("fp8", 1, None), ("fp8", m, None),
                            ("fp8", 1, in_kernel), ("fp8", m, in_kernel), ("nvfp4", 1, None), ("nvfp4", m, None)):

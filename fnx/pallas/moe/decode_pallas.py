@@ -63,15 +63,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _split(w):
-    fmt = reference.weight_format(w)
-    if fmt == "fp8_block":
-        return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
-    if fmt == "nvfp4":
-        return fmt, (w.w, w.scale, w.scale_2.astype(F32)), w.group
-    return fmt, (w,), None
-
-
 def _load(ref, idx, shape, mask):
     """ref[idx], or a masked load (masked-off lanes load nothing and hold unspecified values: the caller
     discards their products; an FP8 or integer fill value does not lower for every dtype)."""
@@ -327,9 +318,9 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     dt = x.dtype
     n_slots = m * k
     sp = _pow2(n_slots)
-    fmt1, w1, _ = _split(gate_up)
-    fmt2, w2, _ = _split(down)
-    fmt3, w3, _ = _split(shared_down)
+    fmt1, w1, _ = reference.kernel_operands(gate_up)
+    fmt2, w2, _ = reference.kernel_operands(down)
+    fmt3, w3, _ = reference.kernel_operands(shared_down)
     flat = ids.reshape(-1).astype(jnp.int32)
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, n_slots=n_slots, sp=sp, inter=inter, d=d, bn=tiles.bn,

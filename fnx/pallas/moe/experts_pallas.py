@@ -142,16 +142,6 @@ def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk):
         y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
 
 
-def _split(w):
-    """(format, weight arrays in kernel argument order, static meta) for an expert weight."""
-    fmt = reference.weight_format(w)
-    if fmt == "fp8_block":
-        return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
-    if fmt == "nvfp4":
-        return fmt, (w.w, w.scale, w.scale_2.astype(F32)), w.group
-    return fmt, (w,), None
-
-
 def _check(fmt, meta, rows_tile, k_tile, name, shape):
     if fmt == "fp8_block":
         bo, bi = meta
@@ -186,8 +176,8 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     bn, bk, bn2, bk2 = tiles.block_n, tiles.block_k, tiles.block_n2, tiles.block_k2
     if inter % bn or d % bk or d % bn2 or inter % bk2 or min(bn, bk, bn2, bk2) < 16:
         raise NotImplementedError(f"Pallas MoE tiles {tiles} do not divide D={d}, I={inter} (or are < 16)")
-    fmt1, w1, meta1 = _split(gate_up)
-    fmt2, w2, meta2 = _split(down)
+    fmt1, w1, meta1 = reference.kernel_operands(gate_up)
+    fmt2, w2, meta2 = reference.kernel_operands(down)
     _check(fmt1, meta1, bn, bk, "gate_up_proj", gate_up.shape)
     _check(fmt2, meta2, bn2, bk2, "down_proj", down.shape)
     s = experts.shape[0]

@@ -25,6 +25,17 @@ def weight_format(w) -> str:
     return "dense"
 
 
+def kernel_operands(w):
+    """(format, the arrays a kernel reads in argument order, static meta) of an expert weight: dense (w,), None;
+    FP8 (q, fp32 block scales), the block; NVFP4 (packed codes, E4M3 scales, fp32 row globals), the group."""
+    fmt = weight_format(w)
+    if fmt == "fp8_block":
+        return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
+    if fmt == "nvfp4":
+        return fmt, (w.w, w.scale, w.scale_2.astype(F32)), w.group
+    return fmt, (w,), None
+
+
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None):
     """Router logits [T, E] -> weights [T, K] (`dtype`, default logits.dtype), expert ids [T, K] int32.
     fp32 softmax, top-k with ties to the lower id, optional renormalisation, one rounding."""
