@@ -10,7 +10,9 @@
 #   scripts/gpu_session.sh tune      # GEMV tiles for the decode shapes (the table lands in $OUT: commit it as
 #                                    # fnx/pallas/gemv/configs/<device>.json)
 #   scripts/gpu_session.sh kernels   # bench_kernels (FAMS, FILTER) over the released shapes
-#   scripts/gpu_session.sh moe       # the MoE decode layer benchmark
+#   scripts/gpu_session.sh moe       # the MoE decode layer benchmark (MOE_FILTER: a bench_kernels --filter regex)
+#   scripts/gpu_session.sh moestep   # the 4-layer FP8 step with the MoE on XLA's gather path and on moe_decode
+#                                    # (one process each; kernel tables), MOESTEP_ARGS extra probe_launch flags
 #   scripts/gpu_session.sh decode    # full-model decode / MTP round at 4 and 8 layers, verified kernels on
 #   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first; MESH_ARGS=--mesh-kernels
 #                                           # runs the GEMV kernels per shard)
@@ -25,7 +27,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | decode | engine | probe | table | cmdbuf | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | engine | probe | table | cmdbuf | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -47,8 +49,15 @@ case "$part" in
       ${FILTER:+--filter "$FILTER"} --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_kernels.log" 2>&1
     grep -c "TB/s" "$OUT/bench_kernels.log"; tail -3 "$OUT/bench_kernels.log" ;;
   moe)
-    timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe --out "$OUT/bench_kernels.jsonl" \
-      > "$OUT/bench_moe.log" 2>&1; grep -v "^#" "$OUT/bench_moe.log" | tail -26 ;;
+    timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe ${MOE_FILTER:+--filter "$MOE_FILTER"} \
+      --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_moe.log" 2>&1; grep "^moe_decode" "$OUT/bench_moe.log" | tail -40 ;;
+  moestep)
+    for k in moe_decode=reference moe_decode=pallas; do
+      FNX_KERNELS=$k timeout ${MOESTEP_S:-150} python scripts/probe_launch.py --layers 4 --quant fp8 --fuse --fp8-head \
+        --dispatch-only --no-round --kernel-table --calls 3 --chains 5 --label "moestep_$k" --out "$OUT/probe" \
+        ${MOESTEP_ARGS:-} 2>&1 | grep -E '"part"|^ +[0-9.]+ us|Error' | cut -c1-300 | head -30
+    done
+    rm -rf "$OUT"/probe/trace_* "$OUT"/probe/decode_hlo* ;;
   decode)   # DECODE_QUANT bf16 | fp8 | fp8+nvfp4; DECODE_KERNELS a FNX_KERNELS value (empty: auto, the verified set);
             # DECODE_LAYERS (4,8: give DECODE_S >= 400 for both)
     FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
