@@ -257,12 +257,11 @@ _run_decode = jax.jit(lambda *a, group=0: decode_pallas.moe_decode(
 
 
 @pytest.mark.parametrize("fmt,m,shared_fmt,group", [
-    ("bf16", 1, None, 0), ("fp8", 1, None, 0), ("fp8", 5, None, 0), ("fp8", 8, "bf16", 0), ("bf16", 3, "fp8", 0),
-    ("fp8", 1, None, 1), ("bf16", 1, None, 2), ("fp8", 5, None, 5), ("fp8", 3, "bf16", 12),
-    ("nvfp4", 1, None, 1), ("nvfp4", 5, "bf16", 0), ("nvfp4", 2, None, 0)])
+    ("bf16", 1, None, 0), ("fp8", 1, None, 0), ("fp8", 5, None, 0), ("bf16", 3, "fp8", 0), ("fp8", 8, "bf16", 1),
+    ("bf16", 1, None, 2), ("fp8", 5, None, 5), ("fp8", 3, "bf16", 12), ("nvfp4", 1, None, 1), ("nvfp4", 5, "bf16", 0)])
 def test_decode_matches_reference(fmt, m, shared_fmt, group):
-    """group 0: one program per output tile over every slot (M = 1 unrolls its K slots; M = 5 and 8 walk 20 / 32
-    slots in a loop, UNROLL_SLOTS = 16), the combine in the kernel. group g: g slots per program, fp32 partials
+    """group 0: one program per output tile over every slot (M = 1 unrolls its K slots; M = 5 walks 20 slots in a
+    loop, UNROLL_SLOTS = 16), the combine in the kernel; M = 8 is the largest M the kernels take. group g: g slots per program, fp32 partials
     summed after, the shared expert in its own programs."""
     args = _decode_args(fmt, m, m, shared_fmt=shared_fmt)
     got = _run_decode(*args, group=group)
@@ -305,7 +304,7 @@ def test_decode_routing_patterns(case):
         x = jnp.zeros_like(x)
         ss = jnp.full_like(ss, -100.0)          # sigmoid -> 0: the shared expert adds exact zeros too
     want = reference.decode(x, w, idx, gu, dn, sg, su, ss, sd)
-    for group in (0, 2):
+    for group in {"all_same": (0, 2), "pairs": (0, 2), "disjoint": (0,), "zeros": (2,)}[case]:
         got = _run_decode(x, w, idx, gu, dn, sg, su, ss, sd, group=group)
         if case == "zeros":
             assert not np.asarray(got, np.float32).any()
