@@ -11,9 +11,10 @@ dot over the same input, rounded once to the input dtype, then split.
 
 Groups (`GROUPS`): the GDN input projections (qkv, z, b, a), the QSA ones (q, k, v and the indexer's q/k), the
 MoE router with the shared expert's gate/up projections and its gate, the PLE key/value projections. A group is
-fused only where its members share a format: plain arrays of one dtype, or FP8 blocks of one block shape whose
-row counts are whole blocks. Members of other formats stay separate (e.g. with `quant="fp8"` the GDN qkv and z
-projections fuse, while b and a, kept in bf16, fuse with each other). On a device mesh the parameter names are
+fused by format: the members that are plain arrays of one dtype become one weight, and those in FP8 blocks of one
+block shape whose row counts are whole blocks another (e.g. with `quant="fp8"` the GDN qkv and z projections fuse,
+while b and a, kept in bf16, fuse with each other; the router and the shared expert's gate logit, both bf16,
+fuse around the FP8 shared gate / up pair). On a device mesh the parameter names are
 what `fnx.parallel` shards by, so fusion is refused there."""
 
 from __future__ import annotations
@@ -89,19 +90,17 @@ def _copy_dicts(tree):
 
 
 def fuse_sublayer(p: dict, names: tuple[str, ...]) -> dict:
-    """A copy of the sublayer dict p with each run of same-format members of `names` (in order, at least two)
-    replaced by one FusedLinear under the key PREFIX + '+'.join(run)."""
+    """A copy of the sublayer dict p with the members of `names` that share a format (at least two, kept in the
+    order of `names`, adjacent or not) replaced by one FusedLinear under the key PREFIX + '+'.join(members)."""
     p = _copy_dicts(p)
     present = [n for n in names if _has(p, n)]
-    runs: list[list[str]] = []
+    runs: dict = {}
     for n in present:
         sig = _signature(_get(p, n))
-        if sig is not None and runs and runs[-1][0] == sig:
-            runs[-1][1].append(n)
-        else:
-            runs.append((sig, [n]))
-    for sig, run in runs:
-        if sig is None or len(run) < 2:
+        if sig is not None:
+            runs.setdefault(sig, []).append(n)
+    for run in runs.values():
+        if len(run) < 2:
             continue
         ws = [_get(p, n) for n in run]
         p[PREFIX + "+".join(run)] = FusedLinear(_concat(ws), tuple(run), tuple(int(w.shape[-2]) for w in ws))

@@ -63,11 +63,13 @@ def test_fused_forward_and_decode_equal_the_separate_weights(tiny, tmp_path):
 
 def test_online_fp8_fuses_by_format(ckpt):
     """quant="fp8" keeps the GDN b/a projections (and the router, the shared gate) in the load dtype: those fuse
-    with each other; FP8 weights fuse only when their rows are whole 128-row blocks (the tiny ones are not)."""
+    with each other, adjacent in the group or not; FP8 weights fuse only when their rows are whole 128-row blocks (the tiny ones are not)."""
     model = fnx.load(ckpt, dtype=np.float32, quant="fp8")
     fused = fuse.fuse_projections(model.cfg, model.params)
     gdn = fused["segments"][0][0]["linear_attn"]
     assert "fused:in_proj_b+in_proj_a" in gdn
+    # the router and the shared expert's gate logit stay in the load dtype on both sides of the FP8 gate / up pair
+    assert "fused:gate+shared_expert_gate" in fused["segments"][0][0]["mlp"]
     assert isinstance(gdn["in_proj_qkv"], quant.Fp8Block) and isinstance(gdn["in_proj_z"], quant.Fp8Block)
     ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, size=(1, 11))
     assert rel_err(fnx.forward(dataclasses.replace(model, params=fused), ids), fnx.forward(model, ids)) < 1e-5
