@@ -59,10 +59,13 @@ def _expert_ragged(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
     return unsorted.reshape(t, k, -1)
 
 
-def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64, blocks_per_step: int = 8):
+def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64, blocks_per_step: int = 8,
+                    kernel: str | None = None, tiles=None):
     """Block-sparse grouped matmul: (token, k) pairs sorted by expert, each expert's group padded to whole blocks
     of `block` rows, so every block reads one expert's weights once. Weight traffic ~ (T*K/block + E) experts,
-    memory bounded; the prefill path for large token counts."""
+    memory bounded; the prefill path for large token counts. `kernel` (a fnx.pallas backend name): the blocks go
+    through the Pallas grouped kernels (op moe_grouped, one launch per stage over every block) instead of
+    `blocks_per_step` blocks at a time under lax.map."""
     t, k = idx.shape
     n_exp, inter = down.shape[0], down.shape[-1]
     n = t * k
@@ -93,7 +96,12 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
         dn = quant.dequantize(quant.take(down, eb), x.dtype)                   # [bps, D, I]
         return jnp.einsum("bni,bdi->bnd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
 
-    out = lax.map(run, (xs, experts)).reshape(n_blocks * block, -1)
+    if kernel is not None:
+        from fnx.pallas.moe import api as moe_kernels
+        out = moe_kernels.experts_blocks(gate_up, down, xs.reshape(n_blocks, block, -1), block_expert,
+                                         impl=kernel, tiles=tiles).reshape(n_blocks * block, -1)
+    else:
+        out = lax.map(run, (xs, experts)).reshape(n_blocks * block, -1)
     return out[dest][jnp.argsort(order)].reshape(t, k, -1)
 
 
@@ -186,13 +194,17 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         outs = _expert_gather(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "grouped":
         outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx)
+    elif impl in ("grouped_pallas", "grouped_interpret"):     # the grouped matmul through the Pallas kernels
+        outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx,
+                               kernel="pallas" if impl == "grouped_pallas" else "pallas_interpret")
     elif impl == "ragged":
         outs = _expert_ragged(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl in ("pallas", "pallas_interpret"):
         outs = moe_kernels.experts(ex["gate_up_proj"], ex["down_proj"], xt, idx, impl=impl)
     else:
         raise ValueError(f"unknown MoE implementation {impl!r}; expected 'auto', 'gather', 'grouped', 'ragged', "
-                         "'pallas', 'pallas_interpret', 'decode' or 'decode_interpret'")
+                         "'pallas', 'pallas_interpret', 'decode', 'decode_interpret', 'grouped_pallas' or "
+                         "'grouped_interpret'")
     # weight each expert output (rounded), then sum over k in fp32 and round once
     routed = jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(x.dtype)
     s = linear(jax.nn.silu(s_gate) * s_up, p["shared_expert"]["down_proj"])

@@ -69,3 +69,17 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
                                     interpret=dispatch.interpret_flag(backend), tiles=tiles)
+
+
+def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, impl: str | None = None,
+                   tiles: experts_pallas.Tiles | None = None) -> jax.Array:
+    """The prefill grouped matmul, op "moe_grouped": xb [n_blocks, B, D] rows sorted by expert and padded to
+    blocks, block_expert [n_blocks] -> y [n_blocks, B, D]. Reference: each block through the gather arithmetic."""
+    why = None
+    if xb.shape[1] > experts_pallas.MAX_BLOCK_ROWS:
+        why = f"blocks of up to {experts_pallas.MAX_BLOCK_ROWS} rows, got {xb.shape[1]}"
+    backend = dispatch.resolve("moe_grouped", impl, not_applicable=why)
+    if backend == "reference":
+        return reference.experts_blocks(gate_up, down, xb, block_expert)
+    return experts_pallas.experts_blocks(gate_up, down, xb, block_expert, interpret=dispatch.interpret_flag(backend),
+                                         tiles=tiles)

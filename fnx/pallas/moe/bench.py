@@ -24,6 +24,7 @@ import numpy as np
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.moe import api, reference
 from fnx.pallas.moe.decode_pallas import DecodeTiles
+from fnx.pallas.moe.experts_pallas import Tiles
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -132,4 +133,48 @@ def cases(quick: bool) -> list[BenchCase]:
                         bytes=nbytes, flops=flops,
                         extra={"M": m, "format": fmt, "router": router_kind,
                                "distinct_experts": round(mean_distinct, 1), "bytes_per_expert": per_expert}))
+    out += _prefill_cases(quick, weights, key, n_exp, top_k, d, inter)
+    return out
+
+
+# prefill grouped-matmul tiles (tensor-core tiles of the 64-row blocks)
+PREFILL_TILES = {"t64": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64),
+                 "t128": Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warps=8)}
+
+
+def _grouped(x, router, gate_up, down, *, top_k, impl, tiles=None):
+    """The routed experts of a prefill chunk, [M, K, D]: XLA's block-sparse grouped matmul ("grouped"), the same
+    blocks through the Pallas kernels ("grouped_pallas"), or lax.ragged_dot ("ragged")."""
+    from fnx.model import moe as model_moe   # the block sort lives with the model; the benchmark only calls it
+    logits = jnp.dot(x, router.T, preferred_element_type=F32).astype(x.dtype)
+    idx = reference.route(logits, top_k, True)[1]
+    if impl == "ragged":
+        return model_moe._expert_ragged(gate_up, down, x, idx)
+    return model_moe._expert_grouped(gate_up, down, x, idx, kernel="pallas" if impl == "grouped_pallas" else None,
+                                     tiles=tiles)
+
+
+def _prefill_cases(quick, weights, key, n_exp, top_k, d, inter) -> list[BenchCase]:
+    """Prefill chunks of M tokens through the routed experts: TFLOP/s against the bf16 ceiling; bytes = every
+    expert's weights (at these M every expert is touched) + the tokens in and out."""
+    out = []
+    for m in ((64,) if quick else (1024, 4096)):
+        sets = []
+        for i in range(2):
+            ks = jax.random.split(jax.random.fold_in(key, 7000 + 10 * m + i), 2)
+            sets.append((jax.random.normal(ks[0], (m, d), BF16), jax.random.normal(ks[1], (n_exp, d), BF16) * 0.05))
+        for fmt in ("bf16", "fp8"):
+            gu, dn = weights[fmt]
+            nbytes = n_exp * (_expert_bytes(gu) + _expert_bytes(dn)) + 2 * m * d * 2 * (1 + top_k)
+            variants = [("grouped", None)] + [("grouped_pallas", t) for t in PREFILL_TILES]
+            if fmt == "bf16" and m <= 1024:
+                variants.append(("ragged", None))
+            for impl, tname in variants:
+                out.append(BenchCase(
+                    kernel="moe_prefill", shape=f"M={m} E={n_exp} K={top_k} D={d} I={inter} {fmt}",
+                    impl=impl if tname is None else f"{impl}:{tname}",
+                    fn=jax.tree_util.Partial(_grouped, top_k=top_k, impl=impl,
+                                             tiles=PREFILL_TILES.get(tname)),
+                    arg_sets=[s_ + (gu, dn) for s_ in sets], bytes=nbytes,
+                    flops=2 * m * top_k * 3 * d * inter, extra={"M": m, "format": fmt}))
     return out

@@ -31,6 +31,7 @@ from fnx.pallas.moe import reference
 
 F32 = jnp.float32
 MAX_TOKENS = 32
+MAX_BLOCK_ROWS = 128    # rows per block of the prefill grouped matmul (experts_blocks)
 MIN_ROWS = 16  # jnp.dot in the Triton lowering wants every dim >= 16
 
 
@@ -100,7 +101,7 @@ def _unpack(experts_ref, rest, fmt, bk):
     return a_refs, w_refs, out_ref, s, j, experts_ref[s], (bk // 2 if halves else bk), col
 
 
-def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk):
+def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False):
     x_refs, w_refs, act_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk)
     dt = act_ref.dtype
 
@@ -111,7 +112,8 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         def step(kk, carry):
             acc_g, acc_u = carry
             k0 = pl.multiple_of(kk * bk, bk)
-            xs = [plgpu.load(r.at[pl.ds(0, mp), pl.ds(col(k0), kw)], mask=rows < m, other=0.0).astype(dt)
+            lead = (s,) if per_slot else ()
+            xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0).astype(dt)
                   for r in x_refs]
             wg = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
             wu = _weight_tile(fmt, w_refs, e, inter + j * bn, bn, k0, bk, dt, meta)
@@ -164,14 +166,16 @@ def default_tiles(d: int, inter: int) -> Tiles:
 
 def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret: bool = False,
                   tiles: Tiles | None = None) -> jax.Array:
-    """x [M, D], experts [S] int32 (distinct ids, empty slots = E) -> y [S, Mp, D] (x.dtype): row t of slot s is
-    expert experts[s] applied to token t (rows >= M and empty slots are unspecified)."""
-    m, d = x.shape
+    """x [M, D] (every slot's tokens) or [S, M, D] (each slot its own rows: the prefill blocks), experts [S] int32
+    (empty slots = E) -> y [S, Mp, D] (x.dtype): row t of slot s is expert experts[s] applied to row t of its
+    tokens (rows >= M and empty slots are unspecified)."""
+    per_slot = x.ndim == 3
+    m, d = x.shape[-2:]
     n_exp, two_i, _ = gate_up.shape
     inter = two_i // 2
-    if m > MAX_TOKENS:
-        raise NotImplementedError(f"the Pallas MoE decode kernel takes M <= {MAX_TOKENS} tokens, got {m}; "
-                                  "use impl='grouped' for prefill")
+    if m > (MAX_BLOCK_ROWS if per_slot else MAX_TOKENS):
+        raise NotImplementedError(f"the Pallas MoE decode kernel takes M <= {MAX_TOKENS} tokens (blocks of up to "
+                                  f"{MAX_BLOCK_ROWS} rows), got {m}; use impl='grouped' for prefill")
     tiles = tiles or default_tiles(d, inter)
     bn, bk, bn2, bk2 = tiles.block_n, tiles.block_k, tiles.block_n2, tiles.block_k2
     if inter % bn or d % bk or d % bn2 or inter % bk2 or min(bn, bk, bn2, bk2) < 16:
@@ -186,10 +190,10 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     # NVFP4: the activations split into their even and odd columns here (a copy of activations only), so each
     # nibble of a packed byte meets its own contiguous activation tile
-    xs = (x[:, 0::2], x[:, 1::2]) if fmt1 == "nvfp4" else (x,)
+    xs = (x[..., 0::2], x[..., 1::2]) if fmt1 == "nvfp4" else (x,)
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
-                          bn=bn, bk=bk),
+                          bn=bn, bk=bk, per_slot=per_slot),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
@@ -210,3 +214,15 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, *, interpret: bool = Fa
     uniq, slot = reference.dedupe(idx, gate_up.shape[0])
     y = experts_slots(gate_up, down, x, uniq, interpret=interpret, tiles=tiles)
     return y[slot, jnp.arange(m)[:, None]]
+
+
+def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, *, interpret: bool = False,
+                   tiles: Tiles | None = None) -> jax.Array:
+    """The prefill grouped matmul: xb [n_blocks, B, D] (rows of one expert per block, zero padded),
+    block_expert [n_blocks] int32 -> y [n_blocks, B, D] (x.dtype), each block's rows through its expert; each
+    block reads its expert's weights once (tensor-core tiles of B rows). The sort into blocks and the gather back
+    are the caller's (fnx.model.moe._expert_grouped)."""
+    b = xb.shape[1]
+    if b & (b - 1) or b < MIN_ROWS:
+        raise NotImplementedError(f"Pallas grouped MoE: block rows must be a power of two >= {MIN_ROWS}, got {b}")
+    return experts_slots(gate_up, down, xb, block_expert, interpret=interpret, tiles=tiles)[:, :b]

@@ -74,6 +74,14 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.einsum("tki,tkdi->tkd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
 
 
+def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array) -> jax.Array:
+    """xb [n_blocks, B, D], block_expert [n_blocks] -> [n_blocks, B, D]: every row of block n through expert
+    block_expert[n], the arithmetic of `experts`."""
+    n, b, d = xb.shape
+    idx = jnp.broadcast_to(block_expert[:, None], (n, b)).reshape(-1, 1)
+    return experts(gate_up, down, xb.reshape(n * b, d), idx).reshape(n, b, d)
+
+
 def combine(outs: jax.Array, w: jax.Array) -> jax.Array:
     """outs [T, K, D], w [T, K] -> [T, D]: each output times its weight (rounded), summed over k in fp32, one
     rounding (the transformers grouped_mm combine)."""
