@@ -11,11 +11,14 @@ Kernel 1, grid (M*K, I / bn): an owner slot's gate rows [j*bn, +bn) and up rows 
 axis (the D / cw chunk loads unrolled, every load issued before the arithmetic), multiplied in fp32 on the CUDA
 cores for each token ("fma", no token padding), rounded to x.dtype, a = silu(g) * u rounded as the reference;
 act [M*K, M, I].
-Kernel 2, grid (D / bn2,): output columns [j*bn2, +bn2) of every token. For each owner slot (in slot order) its
-down rows over the whole I axis, out = round(act @ down.T), and for each token routed to that expert the product
-round(out * w) added in fp32. Non-owner slots mask their loads (no memory traffic). Then the shared expert:
+Kernel 2, output columns [j*bn2, +bn2) of every token. For an owner slot, its expert's down rows over the whole I
+axis, out = round(act @ down.T), and for each token routed to that expert the product round(out * w), added in
+fp32. Non-owner slots mask their weight loads (no memory traffic) and add nothing. The shared expert:
 a = silu(gate) * up (rounded as the reference), round(a @ shared_down.T), times round(sigmoid(gate logit)); the
-result is round(round(routed sum) + shared).
+result is round(round(routed sum) + shared). `DecodeTiles.group` = 0: grid (D / bn2,), each program walks every
+slot in order, then the shared expert, and writes y. `group` = g: grid (D / bn2, M*K / g + 1), each program takes
+g slots and writes their fp32 partial sum, the last grid row writes the shared term; one XLA fusion sums the
+partials in slot order, rounds, and adds the shared term (more programs: the measured default).
 
 Order of the combine: token 0's experts are its own slots, so its fp32 sum runs in k order, as the reference's.
 A later token whose expert an earlier token also chose adds that term at the owner's place: the same terms, a
@@ -124,7 +127,6 @@ def _rowdot(ws, xs):
     for w, x in zip(ws[1:], xs[1:]):
         acc = acc + jnp.sum(w * x[None, :], axis=1)
     return acc
-
 
 
 def _silu_mul(g, u, dt):
