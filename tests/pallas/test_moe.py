@@ -261,8 +261,8 @@ _run_decode = jax.jit(lambda *a, group=0: decode_pallas.moe_decode(
     ("bf16", 1, None, 2), ("fp8", 5, None, 5), ("fp8", 3, "bf16", 12), ("nvfp4", 1, None, 1), ("nvfp4", 5, "bf16", 0)])
 def test_decode_matches_reference(fmt, m, shared_fmt, group):
     """group 0: one program per output tile over every slot (M = 1 unrolls its K slots; M = 5 walks 20 slots in a
-    loop, UNROLL_SLOTS = 16), the combine in the kernel; M = 8 is the largest M the kernels take. group g: g slots per program, fp32 partials
-    summed after, the shared expert in its own programs."""
+    loop, UNROLL_SLOTS = 16), the combine in the kernel. group g: g slots per program, fp32 partials summed after,
+    the shared expert in its own programs. M = 8 is the largest M the kernels take."""
     args = _decode_args(fmt, m, m, shared_fmt=shared_fmt)
     got = _run_decode(*args, group=group)
     want = reference.decode(*args)
