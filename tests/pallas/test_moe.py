@@ -172,15 +172,20 @@ def test_experts_routing_patterns(case):
     _close(got, want)
 
 
-def test_moe_block_pallas_matches_gather():
-    gu, dn = _weights("fp8", 4)
-    ks = jax.random.split(_key(8), 6)
+def _block_params(gu, dn, key, x_shape, fp8_shared_down=False):
+    """A MoE block's params (bf16 router and shared expert, the given experts) and an input of x_shape."""
+    ks = jax.random.split(key, 6)
     sh = lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.06).astype(BF16)
+    sd = sh(ks[3], (D, I))
     p = {"gate": sh(ks[0], (E, D)), "experts": {"gate_up_proj": gu, "down_proj": dn},
          "shared_expert": {"gate_proj": sh(ks[1], (I, D)), "up_proj": sh(ks[2], (I, D)),
-                           "down_proj": sh(ks[3], (D, I))},
+                           "down_proj": quant.quantize_fp8_block(sd.astype(jnp.float32)) if fp8_shared_down else sd},
          "shared_expert_gate": sh(ks[4], (1, D))}
-    x = jax.random.normal(ks[5], (1, 1, D), jnp.float32).astype(BF16)     # one decode token, default tiles
+    return p, jax.random.normal(ks[5], x_shape, jnp.float32).astype(BF16)
+
+
+def test_moe_block_pallas_matches_gather():
+    p, x = _block_params(*_weights("fp8", 4), _key(8), (1, 1, D))     # one decode token, default tiles
     y, logits, ids = moe.moe_block(p, x, K, True, impl=KERNEL)
     y_ref, logits_ref, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
@@ -315,14 +320,7 @@ def test_decode_routing_patterns(case):
 def test_moe_block_decode_matches_gather(m):
     """The model's MoE block through the fused path (router kernel + the two decode kernels) against the gather
     path: FP8 experts and FP8 shared down projection, bf16 router, default tiles."""
-    gu, dn = _weights("fp8", 11)
-    ks = jax.random.split(_key(12), 6)
-    sh = lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.06).astype(BF16)
-    p = {"gate": sh(ks[0], (E, D)), "experts": {"gate_up_proj": gu, "down_proj": dn},
-         "shared_expert": {"gate_proj": sh(ks[1], (I, D)), "up_proj": sh(ks[2], (I, D)),
-                           "down_proj": quant.quantize_fp8_block(sh(ks[3], (D, I)).astype(jnp.float32))},
-         "shared_expert_gate": sh(ks[4], (1, D))}
-    x = jax.random.normal(ks[5], (1, m, D), jnp.float32).astype(BF16)
+    p, x = _block_params(*_weights("fp8", 11), _key(12), (1, m, D), fp8_shared_down=True)
     impl = "decode" if KERNEL == "pallas" else "decode_interpret"
     y, logits, ids = moe.moe_block(p, x, K, True, impl=impl)
     y_ref, logits_ref, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
@@ -429,14 +427,7 @@ def test_experts_blocks_match_reference(fmt):
 def test_moe_block_grouped_kernel_matches_gather():
     """The model's grouped path through the Pallas blocks (24 tokens: 96 pairs in blocks of 64 rows) against the
     gather path."""
-    gu, dn = _weights("fp8", 17)
-    ks = jax.random.split(_key(18), 6)
-    sh = lambda k, s: (jax.random.normal(k, s, jnp.float32) * 0.06).astype(BF16)
-    p = {"gate": sh(ks[0], (E, D)), "experts": {"gate_up_proj": gu, "down_proj": dn},
-         "shared_expert": {"gate_proj": sh(ks[1], (I, D)), "up_proj": sh(ks[2], (I, D)),
-                           "down_proj": sh(ks[3], (D, I))},
-         "shared_expert_gate": sh(ks[4], (1, D))}
-    x = jax.random.normal(ks[5], (2, 12, D), jnp.float32).astype(BF16)
+    p, x = _block_params(*_weights("fp8", 17), _key(18), (2, 12, D))
     impl = "grouped_pallas" if KERNEL == "pallas" else "grouped_interpret"
     y, _, ids = moe.moe_block(p, x, K, True, impl=impl)
     y_ref, _, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
