@@ -35,7 +35,13 @@ _SWEEP_M1 = [(8, 512, 4, 128, 0, 4, 4), (8, 512, 16, 128, 1, 4, 4), (8, 512, 32,
              (8, 512, 16, 128, 2, 4, 4), (8, 512, 16, 128, 5, 4, 4), (8, 256, 16, 128, 1, 2, 4),
              (4, 512, 8, 128, 1, 2, 2), (4, 512, 8, 128, 1, 4, 2), (8, 512, 8, 128, 1, 2, 2),
              (16, 512, 8, 128, 1, 8, 2), (8, 128, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 1, 2)]
-_SWEEP_M5 = [(8, 512, 16, 128, 1, 4, 4), (8, 512, 16, 128, 5, 4, 4), (8, 512, 16, 128, 10, 4, 4)]
+# M = 5 (an MTP k=4 verify window): kernel 1 multiplies each dequantized tile by 5 tokens, so narrower tiles
+# (fewer fp32 values live) are tried against the M = 1 winners
+_SWEEP_M5 = [(8, 512, 8, 128, 1, 4, 2), (4, 512, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 4, 2),
+             (2, 512, 8, 128, 1, 2, 2), (4, 512, 16, 128, 1, 2, 4)]
+# NVFP4 at M = 1: its decode is arithmetic-heavy, so fewer columns per load and more warps are tried
+_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2), (8, 256, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 2, 2),
+                (8, 512, 16, 128, 1, 8, 4), (16, 256, 8, 128, 1, 8, 2)]
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):
@@ -120,10 +126,9 @@ def cases(quick: bool) -> list[BenchCase]:
                 flops = 2 * m * (top_k * 3 * d * inter + n_exp * d + 3 * d * inter_s)
                 variants = [("pallas", None), ("reference", None)]
                 variants += [("fused", None)]
-                if fmt != "nvfp4":
-                    if router_kind == "random" and not quick:   # tiles of the fused kernels
-                        sweep = _SWEEP_M1 if m == 1 else _SWEEP_M5
-                        variants += [("fused", DecodeTiles(*t)) for t in sweep]
+                if router_kind == "random" and not quick:   # tiles of the fused kernels
+                    sweep = _SWEEP_M5 if m > 1 else _SWEEP_NVFP4 if fmt == "nvfp4" else _SWEEP_M1
+                    variants += [("fused", DecodeTiles(*t)) for t in sweep]
                 for impl, tiles in variants:
                     name = impl if tiles is None else "fused:" + ",".join(map(str, dataclasses.astuple(tiles)))
                     out.append(BenchCase(
