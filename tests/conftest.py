@@ -6,6 +6,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (the README's `-n 2`) several test processes may share one GPU: each takes memory as it needs
+# it instead of JAX's default 75% up front (set before any test imports jax).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 
 def load_script(name: str):
     """Import scripts/<name>.py as a module (scripts/ is not a package)."""

@@ -59,8 +59,11 @@ def _expert_ragged(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
     return unsorted.reshape(t, k, -1)
 
 
-def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64, blocks_per_step: int = 8,
-                    kernel: str | None = None, tiles=None):
+GROUPED_BLOCK = 64      # rows per block of the grouped matmul
+
+
+def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GROUPED_BLOCK,
+                    blocks_per_step: int = 8, kernel: str | None = None, tiles=None):
     """Block-sparse grouped matmul: (token, k) pairs sorted by expert, each expert's group padded to whole blocks
     of `block` rows, so every block reads one expert's weights once. Weight traffic ~ (T*K/block + E) experts,
     memory bounded; the prefill path for large token counts. `kernel` (a fnx.pallas backend name): the blocks go
@@ -113,53 +116,33 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = 64
 GATHER_MAX_TOKENS = 64
 
 
-# Where "auto" takes the fused decode kernels (op moe_decode), by measurement on the H200 (released shapes, random
-# router, BENCHMARKS.md ninth session): one token with bf16 or FP8 experts (FP8 56.7 us against the gather path's
-# 82.0 in isolation; the 4-layer FP8 step's kernel time 0.703 against 0.734 ms). Slower, so left to the gather path
-# unless FNX_KERNELS names moe_decode: 5 tokens (FP8 749 against 191 us) and NVFP4 experts (119 against 91 us).
-FUSED_AUTO_MAX_TOKENS = 1
-FUSED_AUTO_FORMATS = ("dense", "fp8_block")
-_logged: set = set()
-
-
-def _fused_measured_faster(p: dict, tokens: int) -> bool:
-    from fnx.pallas.moe import reference as moe_ref
-    fmt = moe_ref.weight_format(p["experts"]["gate_up_proj"])
-    ok = tokens <= FUSED_AUTO_MAX_TOKENS and fmt in FUSED_AUTO_FORMATS
-    if not ok and (tokens, fmt) not in _logged:
-        _logged.add((tokens, fmt))
-        import logging
-        logging.getLogger("fnx.pallas").info(
-            "fnx kernel moe_decode: 'auto' runs the gather path for %d tokens with %s experts (the fused kernels "
-            "were measured slower there; FNX_KERNELS=moe_decode=pallas opts in)", tokens, fmt)
-    return ok
-
-
 def _auto_impl(tokens: int, top_k: int, p: dict | None = None, x: jax.Array | None = None) -> str:
-    """"decode" (the fused MoE decode kernels after the router: two launches) when fnx.pallas.dispatch picks
-    Pallas for op "moe_decode", they cover this call (M <= 8 tokens; bf16, FP8-block or NVFP4 weights) and were
-    measured faster for it (FUSED_AUTO_*; FNX_KERNELS naming moe_decode skips that test); else the older Pallas
-    expert kernels for T <= 32 tokens where dispatch picks them (a CUDA GPU, or FNX_KERNELS naming them);
-    otherwise gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64) and the grouped matmul beyond."""
+    """"decode" (the fused MoE decode kernels after the router: two launches) where fnx.pallas.dispatch runs op
+    "moe_decode" on Pallas for this call (it covers M <= 8 tokens; "auto" takes it where it was measured faster:
+    fnx.pallas.moe.api.decode_backend); else the older Pallas expert kernels for T <= 32 tokens where dispatch picks
+    them; else gather up to GATHER_MAX_TOKENS tokens (or T*K <= 64); beyond, the grouped matmul, its blocks through
+    the Pallas kernels where dispatch runs op "moe_grouped" on Pallas for them (api.grouped_backend)."""
     from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
     if p is not None and x is not None and tokens <= moe_kernels.MAX_FUSED_TOKENS and \
-            _decode_backend(p, x, top_k, None) != "reference" and \
-            (dispatch.named("moe_decode") or _fused_measured_faster(p, tokens)):
+            _decode_backend(p, x, top_k, None) != "reference":
         return "decode"
     if tokens <= moe_kernels.MAX_DECODE_TOKENS and dispatch.resolve("moe_experts", None) == "pallas":
         return "pallas"
-    return "gather" if tokens <= GATHER_MAX_TOKENS or tokens * top_k <= 64 else "grouped"
+    if tokens <= GATHER_MAX_TOKENS or tokens * top_k <= 64:
+        return "gather"
+    if p is not None and moe_kernels.grouped_backend(p["experts"]["gate_up_proj"], p["experts"]["down_proj"],
+                                                     GROUPED_BLOCK) == "pallas":
+        return "grouped_pallas"
+    return "grouped"
 
 
 def _decode_backend(p: dict, x: jax.Array, top_k: int, impl: str | None) -> str:
     """The backend op "moe_decode" resolves to for this call (dispatch logs a reference choice once)."""
-    from fnx.pallas import dispatch
     from fnx.pallas.moe import api as moe_kernels
     ex = p["experts"]
-    why = moe_kernels.decode_not_applicable(x, top_k, ex["gate_up_proj"], ex["down_proj"],
-                                            p["shared_expert"]["down_proj"])
-    return dispatch.resolve("moe_decode", impl, not_applicable=why)
+    return moe_kernels.decode_backend(x, top_k, ex["gate_up_proj"], ex["down_proj"],
+                                      p["shared_expert"]["down_proj"], impl)
 
 
 def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str = "auto"):

@@ -9,7 +9,8 @@ Backends, by name:
 `resolve(op, impl)`:
   impl None or "auto": the env var FNX_KERNELS when it names a backend for this op, otherwise "pallas" where it
   can run, the op is in VERIFIED_ON_GPU and not in AUTO_KEEPS_REFERENCE (kernels that lost to XLA in a
-  whole-model measurement), then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
+  whole-model measurement), and the caller gives no `prefer_reference` reason for this call's shape or format,
+  then "reference". FNX_KERNELS is either one backend for every op ("reference" forces every op onto
   its reference) or a comma list "op=backend,..." ("gemv_fp8=reference,gdn_decode=pallas"); a backend named
   there that cannot run is an error, not a fallback. It is read when a function is traced, so set it before
   the first jitted call (or clear JAX's caches). Which backend ran is logged once per op.
@@ -48,7 +49,8 @@ VERIFIED_ON_GPU = {
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_decode": "H200, 2026-12-01, commits bba8d84 (tests/pallas/test_moe.py, all 31) and 4a34368 (its 20 "
-                  "decode cases at the measured tiles)",
+                  "decode cases at the measured tiles); the loads-first kernels at e055557 (all 21 decode tests)",
+    "moe_grouped": "H200, 2026-12-01, commit e055557: tests/pallas/test_moe.py blocks and grouped cases (all 5)",
 }
 
 # Verified ops that "auto" still leaves on the reference, with the measurement that says why (logged once);
@@ -57,9 +59,11 @@ _MODEL_AB = ("the whole bf16 decode step on the H200 (4 layers, 1K context, 2026
              "`probe_launch.py --kernel-variants`; BENCHMARKS.md, fourth H200 session): device time per step "
              "with every kernel on the reference 0.904 ms, with the verified kernels 1.170 ms")
 AUTO_KEEPS_REFERENCE = {
-    "moe_route": "measured slower: on the H200 the MoE decode layer with the Pallas route + experts is slower "
-                 "than XLA (M=1 bf16 90 vs 73 us, FP8 96 vs 77, NVFP4 146 vs 94; BENCHMARKS.md); in "
-                 "the whole step 1.303 vs 1.170 ms (" + _MODEL_AB + ")",
+    "moe_route": "measured slower together with moe_experts, the older decode path: on the H200 the MoE decode "
+                 "layer with the Pallas route + experts is slower than XLA (M=1 bf16 90 vs 73 us, FP8 96 vs 77, "
+                 "NVFP4 146 vs 94; BENCHMARKS.md); in the whole step 1.303 vs 1.170 ms (" + _MODEL_AB + "). The "
+                 "fused decode path (moe_decode) runs the routing kernel on its own backend: the two were measured "
+                 "together",
     "moe_experts": "measured slower: see moe_route",
     "qsa_decode_attention": "measured slower in the whole step at 1K context: 1.450 vs 1.170 ms (" + _MODEL_AB
                             + "); the kernel beats the reference 2x at 32K context in isolation, so long "
@@ -160,11 +164,14 @@ class NotApplicable(NotImplementedError, ValueError):
 
 
 def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BACKENDS,
-            not_applicable: str | None = None) -> str:
+            not_applicable: str | None = None, prefer_reference: str | None = None) -> str:
     """The backend `op` will run with. Raises ValueError for a named backend that cannot run here.
 
     not_applicable: why the kernel does not serve this particular call (None when it does). Auto, and a backend
-    chosen by FNX_KERNELS, then take the reference for this call; an explicit impl raises NotApplicable."""
+    chosen by FNX_KERNELS, then take the reference for this call; an explicit impl raises NotApplicable.
+    prefer_reference: why "auto" keeps the reference for this call's shape or format (the kernel measured slower
+    there, or not measured there; AUTO_KEEPS_REFERENCE says it for an op as a whole). Only "auto" heeds it (logged once per reason); a backend
+    named by FNX_KERNELS, `force` or impl runs as named."""
     if impl in (None, "auto") and _mesh.get() is not None and op not in MESH_READY:
         return "reference"
     if impl in (None, "auto"):
@@ -190,6 +197,12 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
                 log.info("fnx kernel %s: 'auto' runs the reference (%s); FNX_KERNELS=%s=pallas opts in", op,
                          AUTO_KEEPS_REFERENCE[op], op)
             choice = "reference"
+        elif choice == "pallas" and prefer_reference is not None:
+            if (op, prefer_reference) not in _logged:
+                _logged.add((op, prefer_reference))
+                log.info("fnx kernel %s: 'auto' runs the reference for this call (%s); FNX_KERNELS=%s=pallas opts "
+                         "in", op, prefer_reference, op)
+            choice = "reference"
     else:
         if impl not in supported:
             raise ValueError(f"{op}: unknown implementation {impl!r}; choose one of {('auto',) + supported}")
@@ -204,12 +217,6 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
         _logged.add((op, choice))
         log.info("fnx kernel %s: using %s", op, choice)
     return choice
-
-
-def named(op: str) -> bool:
-    """True when FNX_KERNELS or `force` names a backend for `op` (so "auto" callers skip their own measured
-    preferences and run what was named)."""
-    return bool(_forced.get() or env_choice(op))
 
 
 def env_choice(op: str) -> str | None:

@@ -78,3 +78,19 @@ def test_auto_keeps_the_reference_where_the_verified_kernel_measured_slower(fake
     monkeypatch.delitem(dispatch.AUTO_KEEPS_REFERENCE, "moe_experts")
     monkeypatch.delenv("FNX_KERNELS")
     assert dispatch.resolve("moe_experts") == "pallas"
+
+
+def test_a_call_auto_keeps_on_the_reference(fake_gpu, monkeypatch, caplog):
+    """prefer_reference (a measurement at this call's shape or format): auto takes the reference and says why once;
+    a backend named by FNX_KERNELS or impl runs as named."""
+    why = "5 tokens: measured slower here"
+    with caplog.at_level(logging.INFO, logger="fnx.pallas"):
+        assert dispatch.resolve("moe_decode", prefer_reference=why) == "reference"
+        assert dispatch.resolve("moe_decode", prefer_reference=why) == "reference"
+    assert caplog.text.count(why) == 1
+    assert dispatch.resolve("moe_decode") == "pallas"
+    assert dispatch.resolve("moe_decode", "pallas", prefer_reference=why) == "pallas"
+    monkeypatch.setenv("FNX_KERNELS", "moe_decode=pallas")
+    assert dispatch.resolve("moe_decode", prefer_reference=why) == "pallas"
+    monkeypatch.setenv("FNX_KERNELS", "moe_decode=reference")
+    assert dispatch.resolve("moe_decode") == "reference"

@@ -393,20 +393,36 @@ def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):
     assert err < 1e-5
 
 
-def test_auto_takes_the_fused_path_only_where_measured_faster(monkeypatch):
-    """With Pallas available (stubbed here), "auto" takes the fused kernels for one token with bf16 / FP8 experts,
-    the gather path for 5 tokens or NVFP4 experts (measured slower), and the fused kernels again for those when
-    FNX_KERNELS names moe_decode."""
-    monkeypatch.setattr(moe, "_decode_backend", lambda p, x, top_k, impl: "pallas")
-    x1, x5 = jnp.zeros((1, D), BF16), jnp.zeros((5, D), BF16)
-    fp8 = {"experts": {"gate_up_proj": _weights("fp8", 14)[0]}}
-    nv = {"experts": {"gate_up_proj": _weights("nvfp4", 14)[0]}}
-    assert moe._auto_impl(1, K, fp8, x1) == "decode"
-    assert moe._auto_impl(5, K, fp8, x5) == "gather"
-    assert moe._auto_impl(1, K, nv, x1) == "gather"
-    monkeypatch.setenv("FNX_KERNELS", "moe_decode=pallas")
-    assert moe._auto_impl(5, K, fp8, x5) == "decode"
-    assert moe._auto_impl(1, K, nv, x1) == "decode"
+def test_auto_takes_the_kernels_only_where_measured_faster(monkeypatch):
+    """With Pallas available (stubbed here), "auto" takes the fused decode kernels for one token (bf16, FP8 and
+    NVFP4 experts), the gather path for 5 tokens (measured slower), the Pallas prefill blocks for 80 tokens with bf16
+    or FP8 experts and XLA's grouped matmul with NVFP4 ones (not measured); FNX_KERNELS overrides each way."""
+    monkeypatch.setattr(dispatch, "why_unavailable", lambda b: None if b in dispatch.BACKENDS else "unknown")
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+    x1, x5, x80 = jnp.zeros((1, D), BF16), jnp.zeros((5, D), BF16), jnp.zeros((80, D), BF16)
+    ps = {f: _block_params(*_weights(f, 14), _key(15), (1, D))[0] for f in ("bf16", "fp8", "nvfp4")}
+    for f in ps:
+        assert moe._auto_impl(1, K, ps[f], x1) == "decode", f
+        assert moe._auto_impl(5, K, ps[f], x5) == "gather", f
+    assert moe._auto_impl(80, K, ps["bf16"], x80) == moe._auto_impl(80, K, ps["fp8"], x80) == "grouped_pallas"
+    assert moe._auto_impl(80, K, ps["nvfp4"], x80) == "grouped"
+    monkeypatch.setenv("FNX_KERNELS", "moe_decode=pallas,moe_grouped=pallas")
+    assert moe._auto_impl(5, K, ps["fp8"], x5) == "decode"
+    assert moe._auto_impl(80, K, ps["nvfp4"], x80) == "grouped_pallas"
+    monkeypatch.setenv("FNX_KERNELS", "moe_decode=reference,moe_grouped=reference")
+    assert moe._auto_impl(1, K, ps["fp8"], x1) == "gather"
+    assert moe._auto_impl(80, K, ps["fp8"], x80) == "grouped"
+
+
+def test_experts_blocks_not_applicable():
+    """Blocks the kernels do not serve are named with the reason; auto takes XLA's grouped matmul for them."""
+    gu, dn = _weights("fp8", 19)
+    assert experts_pallas.blocks_not_applicable(gu, dn, 64) is None
+    assert "power of two" in experts_pallas.blocks_not_applicable(gu, dn, 48)
+    assert "power of two" in experts_pallas.blocks_not_applicable(gu, dn, 256)
+    assert "do not divide" in experts_pallas.blocks_not_applicable(gu, dn, 64, experts_pallas.Tiles(block_k=96))
+    with pytest.raises(dispatch.NotApplicable, match="power of two"):
+        api.experts_blocks(gu, dn, jnp.zeros((2, 48, D), BF16), jnp.zeros((2,), jnp.int32), impl=KERNEL)
 
 
 # ---- the prefill grouped matmul (experts_blocks: the weight-major kernels over per-block rows) -------------------

@@ -1,4 +1,5 @@
-"""MoE decode kernels behind fnx.pallas.dispatch: `route` (op "moe_route") and `experts` (op "moe_experts").
+"""MoE kernels behind fnx.pallas.dispatch: `route` (op "moe_route"), `experts` (op "moe_experts"), the fused
+decode layer `decode` (op "moe_decode") and the prefill blocks `experts_blocks` (op "moe_grouped").
 
 Backends: "reference" (plain jnp), "pallas" (Triton lowering, CUDA), "pallas_interpret" (CPU tests). A Pallas
 backend named explicitly raises NotImplementedError for what its kernel does not cover (M above the decode
@@ -57,28 +58,64 @@ def decode_not_applicable(x, top_k: int, gate_up, down, shared_down,
     return decode_pallas.check(gate_up, down, shared_down, m, top_k, t)
 
 
+# Token counts up to here run the fused decode kernels under "auto", by measurement on the H200 (released shapes,
+# random router, the layer after XLA's router product; BENCHMARKS.md ninth and tenth sessions), against the gather
+# path: one token FP8 56.7 us vs 82.0 (and the 4-layer FP8 step's kernel time 0.703 vs 0.734 ms), bf16 66.6 vs
+# 76.6, NVFP4 85.1 vs 94.2; five tokens FP8 382 vs 193 us and bf16 467 vs 185 (commit e055557): slower.
+DECODE_AUTO_MAX_TOKENS = 1
+
+
+def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None = None,
+                   tiles: decode_pallas.DecodeTiles | None = None) -> str:
+    """The backend op "moe_decode" runs with for this call: dispatch's choice, the reference where the kernels do
+    not cover the call, and under "auto" also where they were measured slower (more than DECODE_AUTO_MAX_TOKENS
+    tokens)."""
+    m = x.shape[0]
+    slower = None
+    if m > DECODE_AUTO_MAX_TOKENS:
+        slower = (f"{m} tokens: the fused kernels are measured faster than the gather path for one token only, "
+                  "and slower for five (H200: FP8 382 vs 193 us, bf16 467 vs 185; BENCHMARKS.md)")
+    return dispatch.resolve("moe_decode", impl, prefer_reference=slower,
+                            not_applicable=decode_not_applicable(x, top_k, gate_up, down, shared_down, tiles))
+
+
 def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str | None = None,
            tiles: decode_pallas.DecodeTiles | None = None) -> jax.Array:
     """The MoE block after its router, op "moe_decode": x [M, D], routing weights w [M, K] and ids [M, K], the
     shared expert's gate / up projections [M, I_s] and gate logit [M, 1], expert weights gate_up [E, 2I, D] and
     down [E, D, I], shared_down [D, I_s] -> [M, D] (x.dtype). Pallas: two launches (fnx.pallas.moe.decode_pallas:
-    M <= 8 tokens, bf16/fp32 or FP8-block weights); reference: reference.decode."""
-    backend = dispatch.resolve("moe_decode", impl,
-                               not_applicable=decode_not_applicable(x, ids.shape[1], gate_up, down, shared_down, tiles))
+    M <= 8 tokens; bf16 / fp32, FP8-block or NVFP4 weights); reference: reference.decode."""
+    backend = decode_backend(x, ids.shape[1], gate_up, down, shared_down, impl, tiles)
     if backend == "reference":
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
                                     interpret=dispatch.interpret_flag(backend), tiles=tiles)
 
 
+# Expert formats whose prefill blocks run the Pallas kernels under "auto", by measurement on the H200 (released
+# shapes, blocks of 64 rows, BLOCK_TILES; BENCHMARKS.md tenth session), against XLA's grouped matmul: bf16 1,024
+# tokens 2.55 vs 7.90 ms, 4,096 tokens 4.40 vs 14.16 ms; FP8 1,024 tokens 2.29 vs 8.07 ms (lax.ragged_dot: 87 ms).
+GROUPED_AUTO_FORMATS = ("dense", "fp8_block")
+
+
+def grouped_backend(gate_up, down, block_rows: int, impl: str | None = None,
+                    tiles: experts_pallas.Tiles | None = None) -> str:
+    """The backend op "moe_grouped" runs with for blocks of `block_rows` rows: dispatch's choice, the reference
+    where the kernels do not cover the call, and under "auto" also for expert formats not measured
+    (GROUPED_AUTO_FORMATS)."""
+    fmt = reference.weight_format(gate_up)
+    slower = None
+    if fmt not in GROUPED_AUTO_FORMATS:
+        slower = f"{fmt} experts: the Pallas prefill blocks are not measured against XLA's grouped matmul for them"
+    return dispatch.resolve("moe_grouped", impl, prefer_reference=slower,
+                            not_applicable=experts_pallas.blocks_not_applicable(gate_up, down, block_rows, tiles))
+
+
 def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, impl: str | None = None,
                    tiles: experts_pallas.Tiles | None = None) -> jax.Array:
     """The prefill grouped matmul, op "moe_grouped": xb [n_blocks, B, D] rows sorted by expert and padded to
     blocks, block_expert [n_blocks] -> y [n_blocks, B, D]. Reference: each block through the gather arithmetic."""
-    why = None
-    if xb.shape[1] > experts_pallas.MAX_BLOCK_ROWS:
-        why = f"blocks of up to {experts_pallas.MAX_BLOCK_ROWS} rows, got {xb.shape[1]}"
-    backend = dispatch.resolve("moe_grouped", impl, not_applicable=why)
+    backend = grouped_backend(gate_up, down, xb.shape[1], impl, tiles)
     if backend == "reference":
         return reference.experts_blocks(gate_up, down, xb, block_expert)
     return experts_pallas.experts_blocks(gate_up, down, xb, block_expert, interpret=dispatch.interpret_flag(backend),

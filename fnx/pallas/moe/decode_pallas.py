@@ -146,28 +146,45 @@ def _load_ids(ids_ref, n, sp):
     return plgpu.load(ids_ref.at[pl.ds(0, sp)], mask=pos < n, other=-1)
 
 
-def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, n_slots, sp, inter, d, bn, cw):
+def _routes_to(flat, e, k, i):
+    """True when token i routed one of its k experts to e (flat: the slot ids, token-major)."""
+    tok = lax.broadcasted_iota(jnp.int32, flat.shape, 0) // k
+    return jnp.sum(jnp.where((flat == e) & (tok == i), 1, 0)) > 0
+
+
+def _accumulate(m, hits, accs, add):
+    """accs[i] = add(i, accs[i]) for each token; with several tokens only where hits[i] (the tokens routed to this
+    slot's expert): a branch per token skips the others' multiply-adds, where at M = 5 most experts serve one token.
+    One token is always routed to its own slot's expert: no branch."""
+    if m == 1:
+        return [add(0, accs[0])]
+    return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
+
+
+def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw):
     *w_refs, act_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[s]
     dt = act_ref.dtype
+    flat = _load_ids(ids_ref, n_slots, sp)
 
-    @pl.when(_owner(_load_ids(ids_ref, n_slots, sp), e, s))
+    @pl.when(_owner(flat, e, s))
     def _():
         nk = d // cw
         rg, ru = j * bn, inter + j * bn
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
-        acc_g = [jnp.zeros((bn,), F32) for _ in range(m)]
-        acc_u = [jnp.zeros((bn,), F32) for _ in range(m)]
+        hits = [_routes_to(flat, e, k, i) for i in range(m)] if m > 1 else None
+        accs = [(jnp.zeros((bn,), F32), jnp.zeros((bn,), F32)) for _ in range(m)]
         for c in range(nk):
             wg, wu = _deq(fmt, raw_g[c], bn, cw, dt), _deq(fmt, raw_u[c], bn, cw, dt)
-            for i in range(m):
+
+            def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
-                acc_g[i] = acc_g[i] + _rowdot(wg, xv)
-                acc_u[i] = acc_u[i] + _rowdot(wu, xv)
-        for i in range(m):
-            a = _silu_mul(rnd(acc_g[i], dt), rnd(acc_u[i], dt), dt)
+                return acc[0] + _rowdot(wg, xv), acc[1] + _rowdot(wu, xv)
+            accs = _accumulate(m, hits, accs, add)
+        for i in range(m):      # tokens not routed here store silu(0) * 0 = 0, never read by the down kernel
+            a = _silu_mul(rnd(accs[i][0], dt), rnd(accs[i][1], dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
 
@@ -186,18 +203,20 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         e = ids_ref[s]
         own = _owner(flat, e, s)
         raw = [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
+        hits = [(flat == e) & (tok == i) for i in range(m)]
+        routed = [own & (jnp.sum(jnp.where(h, 1, 0)) > 0) for h in hits]
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt)
-            for i in range(m):
-                acc[i] = acc[i] + _rowdot(w_c, _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
+
+            def add(i, a, w_c=w_c, c=c):
+                return a + _rowdot(w_c, _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
+            acc = _accumulate(m, routed, acc, add)
         out = []
         for i in range(m):
-            hit = (flat == e) & (tok == i)
-            coef = jnp.sum(jnp.where(hit, rw, 0.0))
-            routed = own & (jnp.sum(jnp.where(hit, 1, 0)) > 0)
+            coef = jnp.sum(jnp.where(hits[i], rw, 0.0))
             term = rnd(rnd(acc[i], dt) * coef, dt)
-            out.append(accs[i] + jnp.where(routed, term, 0.0))
+            out.append(accs[i] + jnp.where(routed[i], term, 0.0))
         return tuple(out)
 
     def shared():
@@ -280,17 +299,19 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     return None
 
 
-# Measured on the H200 (M = 1, released shapes, random router; BENCHMARKS.md, ninth session): the whole layer
-# after XLA's router took 56.7 us with FP8 experts at these tiles (XLA's gather path 82.0 us, the first tiles
-# 84.7), 66.6 us with bf16 experts at theirs (XLA 76.6 us); one slot per down program (group 1) beat the in-kernel
-# combine (group 0) by 10-20 us: 160 programs of 11 slots each left the GPU half idle.
+# Measured on the H200 (M = 1, released shapes, random router; BENCHMARKS.md, ninth and tenth sessions): the whole
+# layer after XLA's router took 56.7 us with FP8 experts at these tiles (XLA's gather path 82.0 us, the first tiles
+# 84.7), 66.6 us with bf16 experts at theirs (XLA 76.6 us), 85.1 us with NVFP4 experts at theirs (XLA 94.2 us; the
+# FP8 tiles 103.0, the next best 87.8 at bn 4); one slot per down program (group 1) beat the in-kernel combine
+# (group 0) by 10-20 us: 160 programs of 11 slots each left the GPU half idle.
 MEASURED = {"fp8_block": DecodeTiles(bn=8, cw=512, bn2=8, cw2=128, group=1, num_warps=4, num_warps2=2),
-            "dense": DecodeTiles(bn=4, cw=512, bn2=16, cw2=128, group=1, num_warps=2, num_warps2=4)}
+            "dense": DecodeTiles(bn=4, cw=512, bn2=16, cw2=128, group=1, num_warps=2, num_warps2=4),
+            "nvfp4": DecodeTiles(bn=8, cw=512, bn2=16, cw2=128, group=1, num_warps=8, num_warps2=4)}
 
 
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block") -> DecodeTiles:
     """The measured tiles for the expert format, shrunk until they divide the (test-sized) dims."""
-    t = MEASURED.get(fmt, MEASURED["fp8_block"])     # NVFP4: the FP8 tiles, not tuned for it
+    t = MEASURED.get(fmt, MEASURED["fp8_block"])     # a format outside FORMATS: `check` says why not
     cw = min(t.cw, _pow2(d))
     while d % cw:
         cw //= 2
@@ -325,8 +346,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     fmt3, w3, _ = reference.kernel_operands(shared_down)
     flat = ids.reshape(-1).astype(jnp.int32)
     act = pl.pallas_call(
-        functools.partial(_gate_up_kernel, fmt=fmt1, m=m, n_slots=n_slots, sp=sp, inter=inter, d=d, bn=tiles.bn,
-                          cw=tiles.cw),
+        functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
+                          bn=tiles.bn, cw=tiles.cw),
         out_shape=jax.ShapeDtypeStruct((n_slots, m, inter), dt),
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",

@@ -155,13 +155,35 @@ def _check(fmt, meta, rows_tile, k_tile, name, shape):
                                   "(and be twice a power of two); use impl='gather'")
 
 
-def default_tiles(d: int, inter: int) -> Tiles:
-    t = Tiles()
+# The prefill blocks' tiles, measured on the H200 (BENCHMARKS.md, tenth session; released shapes, blocks of 64
+# rows): M = 1024 tokens, bf16 experts, 2.55 ms against 2.93 ms at 64-wide tiles (XLA's grouped matmul 7.90 ms).
+BLOCK_TILES = Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warps=8)
+
+
+def default_tiles(d: int, inter: int, base: Tiles | None = None) -> Tiles:
+    """`base` (the decode defaults: Tiles()) shrunk to the (test-sized) dims."""
+    t = base or Tiles()
     bn = min(t.block_n, _pow2(inter))
     while inter % bn:
         bn //= 2
     return dataclasses.replace(t, block_n=bn, block_k=min(t.block_k, d), block_n2=min(t.block_n2, d),
                                block_k2=min(t.block_k2, inter))
+
+
+def tiles_not_applicable(gate_up, down, tiles: Tiles) -> str | None:
+    """None when `tiles` fit these weights' dims and quantization blocks, else why not."""
+    d, inter = down.shape[1], down.shape[-1]
+    bn, bk, bn2, bk2 = tiles.block_n, tiles.block_k, tiles.block_n2, tiles.block_k2
+    if inter % bn or d % bk or d % bn2 or inter % bk2 or min(bn, bk, bn2, bk2) < 16:
+        return f"Pallas MoE tiles {tiles} do not divide D={d}, I={inter} (or are < 16)"
+    try:
+        fmt1, _, meta1 = reference.kernel_operands(gate_up)
+        fmt2, _, meta2 = reference.kernel_operands(down)
+        _check(fmt1, meta1, bn, bk, "gate_up_proj", gate_up.shape)
+        _check(fmt2, meta2, bn2, bk2, "down_proj", down.shape)
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
 def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret: bool = False,
@@ -177,13 +199,12 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
         raise NotImplementedError(f"the Pallas MoE decode kernel takes M <= {MAX_TOKENS} tokens (blocks of up to "
                                   f"{MAX_BLOCK_ROWS} rows), got {m}; use impl='grouped' for prefill")
     tiles = tiles or default_tiles(d, inter)
+    why = tiles_not_applicable(gate_up, down, tiles)
+    if why:
+        raise NotImplementedError(why)
     bn, bk, bn2, bk2 = tiles.block_n, tiles.block_k, tiles.block_n2, tiles.block_k2
-    if inter % bn or d % bk or d % bn2 or inter % bk2 or min(bn, bk, bn2, bk2) < 16:
-        raise NotImplementedError(f"Pallas MoE tiles {tiles} do not divide D={d}, I={inter} (or are < 16)")
     fmt1, w1, meta1 = reference.kernel_operands(gate_up)
     fmt2, w2, meta2 = reference.kernel_operands(down)
-    _check(fmt1, meta1, bn, bk, "gate_up_proj", gate_up.shape)
-    _check(fmt2, meta2, bn2, bk2, "down_proj", down.shape)
     s = experts.shape[0]
     mp = max(MIN_ROWS, _pow2(m))
     dt = x.dtype
@@ -222,7 +243,16 @@ def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, *, int
     block_expert [n_blocks] int32 -> y [n_blocks, B, D] (x.dtype), each block's rows through its expert; each
     block reads its expert's weights once (tensor-core tiles of B rows). The sort into blocks and the gather back
     are the caller's (fnx.model.moe._expert_grouped)."""
-    b = xb.shape[1]
-    if b & (b - 1) or b < MIN_ROWS:
-        raise NotImplementedError(f"Pallas grouped MoE: block rows must be a power of two >= {MIN_ROWS}, got {b}")
-    return experts_slots(gate_up, down, xb, block_expert, interpret=interpret, tiles=tiles)[:, :b]
+    why = blocks_not_applicable(gate_up, down, xb.shape[1], tiles)
+    if why:
+        raise NotImplementedError(f"Pallas grouped MoE: {why}")
+    tiles = tiles or default_tiles(xb.shape[-1], down.shape[-1], BLOCK_TILES)
+    return experts_slots(gate_up, down, xb, block_expert, interpret=interpret, tiles=tiles)[:, :xb.shape[1]]
+
+
+def blocks_not_applicable(gate_up, down, b: int, tiles: Tiles | None = None) -> str | None:
+    """None when experts_blocks serves blocks of `b` rows of these weights (at `tiles`, default BLOCK_TILES
+    shrunk to the dims), else why not."""
+    if b & (b - 1) or b < MIN_ROWS or b > MAX_BLOCK_ROWS:
+        return f"block rows must be a power of two in [{MIN_ROWS}, {MAX_BLOCK_ROWS}], got {b}"
+    return tiles_not_applicable(gate_up, down, tiles or default_tiles(down.shape[1], down.shape[-1], BLOCK_TILES))
