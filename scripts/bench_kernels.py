@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-fmts", nargs="*", default=["fp8", "bf16", "nvfp4"])
     ap.add_argument("--tune-layers", default=None, help="regex over layer names: tune only those shapes")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--min-apps", type=int, default=64,
+                    help="applications the slope spans (fewer compile faster: the longer program unrolls them)")
     ap.add_argument("--filter", default=None, help="regex: run only cases whose 'kernel impl shape extra' matches")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_kernels.jsonl"))
     args = ap.parse_args(argv)
@@ -208,7 +210,7 @@ def main(argv=None) -> int:
         print(f"# {fam}: {len(cs)} cases built in {time.time() - t0:.1f}s", flush=True)
         for c in cs:
             try:
-                r = time_case(c, iters=args.iters if not args.quick else 2, warmup=1)
+                r = time_case(c, iters=args.iters if not args.quick else 2, warmup=1, min_apps=args.min_apps)
             except Exception as e:
                 r = {"kernel": c.kernel, "shape": c.shape, "impl": c.impl, "error": f"{type(e).__name__}: {e}"[:400]}
                 print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} ERROR {r['error'][:200]}", flush=True)

@@ -49,8 +49,10 @@ case "$part" in
       ${FILTER:+--filter "$FILTER"} --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_kernels.log" 2>&1
     grep -c "TB/s" "$OUT/bench_kernels.log"; tail -3 "$OUT/bench_kernels.log" ;;
   moe)
+    # MOE_APPS: applications per slope (each case compiles a program that unrolls them: ~35 s a case at 64)
     timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe ${MOE_FILTER:+--filter "$MOE_FILTER"} \
-      --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_moe.log" 2>&1; grep "^moe_decode" "$OUT/bench_moe.log" | tail -40 ;;
+      --min-apps ${MOE_APPS:-24} --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_moe.log" 2>&1
+    grep -E "^moe_(decode|prefill)" "$OUT/bench_moe.log" | tail -40 ;;
   moestep)
     for k in moe_decode=reference moe_decode=pallas; do
       FNX_KERNELS=$k timeout ${MOESTEP_S:-150} python scripts/probe_launch.py --layers 4 --quant fp8 --fuse --fp8-head \
