@@ -93,10 +93,15 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     ple_options go to `open_store` (policy, deadline_s, io_threads, ...).
 
     scan_layers: False keeps every layer's params separate and unrolls the layers in every program (longer
-    compiles; on a GPU no per-step copies of the weights a scanned loop slices out); True stacks identical
-    layer groups under lax.scan; None (default) keeps the config's (scanned)."""
+    compiles; on a GPU no per-step copies of the weights a scanned loop slices out, and the MoE kernels run: see
+    fnx.pallas.dispatch.in_scanned_layers); True stacks identical layer groups under lax.scan; None (default):
+    unrolled on an accelerator (as `fnx.serve --layers auto`), the config's (scanned) on the CPU and for an
+    fnx-converted checkpoint (restored in its saved layout)."""
     from fnx.checkpoint import load_any
+    from fnx.checkpoint.orbax_io import is_converted
     from fnx.ple.store import MODES
+    if scan_layers is None and jax.default_backend() != "cpu" and not is_converted(path):
+        scan_layers = False
     if ple_store not in MODES:
         raise ValueError(f"ple_store must be one of {MODES}, got {ple_store!r}")
     host = ple_store != "device"

@@ -18,6 +18,7 @@ from jax import lax
 from fnx.config import LINEAR, ModelConfig
 from fnx.model import gdn, hyper, moe, ple, qsa
 from fnx.model.ops import apply_rope, linear, rope_tables
+from fnx.pallas import dispatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,12 +352,13 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
         def body(carry, xs, kinds=kinds):
             ps, sts = xs
             outs, auxes, seen = [], [], []
-            for kind, p, st in zip(kinds, ps, sts):
-                carry, st, aux, ids = decoder_layer(cfg, kind, False, p, st, carry[0], meta, moe_impl, snapshots,
-                                                    carry[1:], True)
-                outs.append(st)
-                auxes.append(aux)
-                seen.append((hyper.combine(*carry), ids) if collect else ())
+            with dispatch.in_scanned_layers():
+                for kind, p, st in zip(kinds, ps, sts):
+                    carry, st, aux, ids = decoder_layer(cfg, kind, False, p, st, carry[0], meta, moe_impl,
+                                                        snapshots, carry[1:], True)
+                    outs.append(st)
+                    auxes.append(aux)
+                    seen.append((hyper.combine(*carry), ids) if collect else ())
             return carry, (tuple(outs), tuple(auxes), tuple(seen))
 
         if carry[1] is None:

@@ -88,6 +88,7 @@ AUTO_KEEPS_REFERENCE = {
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)
 _mesh: contextvars.ContextVar = contextvars.ContextVar("fnx_kernels_mesh", default=None)
+_scanned: contextvars.ContextVar[bool] = contextvars.ContextVar("fnx_kernels_scanned", default=False)
 
 # Ops whose kernels run per shard on a device mesh (`on_mesh`): each is wrapped in a custom partitioning rule
 # that calls the kernel on every device's shard (and reduces across devices where the contraction is split).
@@ -123,6 +124,24 @@ def on_mesh(mesh):
 def active_mesh():
     """The mesh of the enclosing `on_mesh`, or None."""
     return _mesh.get()
+
+
+@contextlib.contextmanager
+def in_scanned_layers():
+    """Trace everything inside as the body of a scan over stacked layer params (fnx.model.transformer): there a
+    Pallas call's weight operand is a slice the loop copies out of its stack each step (a custom call takes whole
+    buffers), so kernels that read a small part of a large weight (the MoE experts: 10 of 512) keep the reference
+    under "auto" (`scanned_layers()`)."""
+    tok = _scanned.set(True)
+    try:
+        yield
+    finally:
+        _scanned.reset(tok)
+
+
+def scanned_layers() -> bool:
+    """True inside `in_scanned_layers`."""
+    return _scanned.get()
 
 
 def gpu_compute_capability() -> int | None:

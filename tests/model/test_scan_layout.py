@@ -47,3 +47,33 @@ def test_speculative_decode_agrees(twelve):
     want = fnx.generate(scanned, prompts, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))
     got = fnx.generate(flat, prompts, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))
     assert got == want
+
+
+def test_scanned_groups_trace_as_scanned_layers(twelve, monkeypatch):
+    """The MoE blocks of the scanned groups are traced inside dispatch.in_scanned_layers (where "auto" keeps the
+    expert kernels off: their weights would be copied out of the stacks each step); the unrolled layers are not."""
+    import jax
+    from fnx.model import moe
+    from fnx.pallas import dispatch
+    scanned, flat = twelve
+    seen, real = [], moe.moe_block
+    monkeypatch.setattr(moe, "moe_block", lambda *a, **k: seen.append(dispatch.scanned_layers()) or real(*a, **k))
+    ids = np.arange(5)[None] % scanned.cfg.vocab_size
+    jax.clear_caches()
+    fnx.forward(scanned, ids)
+    assert True in seen and False in seen, seen
+    seen.clear()
+    fnx.forward(flat, ids)
+    assert seen and not any(seen)
+    assert not dispatch.scanned_layers()
+
+
+def test_load_unrolls_on_an_accelerator(twelve, monkeypatch):
+    """fnx.load's default layout: the config's (scanned) on the CPU, unrolled when the default backend is an
+    accelerator (only the layout is decided here: nothing runs)."""
+    import jax
+    scanned, _ = twelve
+    assert scanned.cfg.scan_layers
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert not fnx.load(scanned.path, dtype=np.float32).cfg.scan_layers
+    assert fnx.load(scanned.path, dtype=np.float32, scan_layers=True).cfg.scan_layers

@@ -58,6 +58,15 @@ def decode_not_applicable(x, top_k: int, gate_up, down, shared_down,
     return decode_pallas.check(gate_up, down, shared_down, m, top_k, t)
 
 
+def _scanned_reason() -> str | None:
+    """Why "auto" keeps the expert kernels off inside a scanned layer group (None outside one)."""
+    if not dispatch.scanned_layers():
+        return None
+    return ("inside a scanned layer group the kernel's expert weights are a slice of the stacked params, which the "
+            "loop would copy whole each step (every expert, where decode reads 10 of 512); load with "
+            "scan_layers=False (the default on a GPU) to run the kernels")
+
+
 # Token counts up to here run the fused decode kernels under "auto", by measurement on the H200 (released shapes,
 # random router, the layer after XLA's router product; BENCHMARKS.md ninth and tenth sessions), against the gather
 # path: one token FP8 56.7 us vs 82.0 (and the 4-layer FP8 step's kernel time 0.703 vs 0.734 ms), bf16 66.6 vs
@@ -69,9 +78,9 @@ def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None =
                    tiles: decode_pallas.DecodeTiles | None = None) -> str:
     """The backend op "moe_decode" runs with for this call: dispatch's choice, the reference where the kernels do
     not cover the call, and under "auto" also where they were measured slower (more than DECODE_AUTO_MAX_TOKENS
-    tokens)."""
+    tokens) or would read a copy of the layer's stacked experts (a scanned layer group)."""
     m = x.shape[0]
-    slower = None
+    slower = _scanned_reason()
     if m > DECODE_AUTO_MAX_TOKENS:
         slower = (f"{m} tokens: the fused kernels are measured faster than the gather path for one token only, "
                   "and slower for five (H200: FP8 382 vs 193 us, bf16 467 vs 185; BENCHMARKS.md)")
@@ -102,9 +111,10 @@ def grouped_backend(gate_up, down, block_rows: int, impl: str | None = None,
                     tiles: experts_pallas.Tiles | None = None) -> str:
     """The backend op "moe_grouped" runs with for blocks of `block_rows` rows: dispatch's choice, the reference
     where the kernels do not cover the call, and under "auto" also for expert formats not measured
-    (GROUPED_AUTO_FORMATS)."""
+    (GROUPED_AUTO_FORMATS) and inside a scanned layer group (measured only unrolled; the loop would copy the
+    layer's stacked experts out for the call)."""
     fmt = reference.weight_format(gate_up)
-    slower = None
+    slower = _scanned_reason()
     if fmt not in GROUPED_AUTO_FORMATS:
         slower = f"{fmt} experts: the Pallas prefill blocks are not measured against XLA's grouped matmul for them"
     return dispatch.resolve("moe_grouped", impl, prefer_reference=slower,
