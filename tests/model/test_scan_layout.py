@@ -14,7 +14,7 @@ from tests.model.conftest import prefill_then_decode, rel_err
 def twelve(tiny, tmp_path_factory):
     kw = dict(tiny.TINY_CONFIGS["tiny-a"], num_hidden_layers=12)     # PLE in group 0; groups 1 and 2 are scanned
     path = tiny.write_checkpoint(tmp_path_factory.mktemp("twelve") / "ckpt", kw, seed=5)
-    return fnx.load(path, dtype=np.float32), fnx.load(path, dtype=np.float32, scan_layers=False)
+    return fnx.load(path, dtype=np.float32, scan_layers=True), fnx.load(path, dtype=np.float32, scan_layers=False)
 
 
 def test_layouts(twelve, tmp_path):
@@ -73,7 +73,8 @@ def test_load_unrolls_on_an_accelerator(twelve, monkeypatch):
     accelerator (only the layout is decided here: nothing runs)."""
     import jax
     scanned, _ = twelve
-    assert scanned.cfg.scan_layers
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert fnx.load(scanned.path, dtype=np.float32).cfg.scan_layers
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert not fnx.load(scanned.path, dtype=np.float32).cfg.scan_layers
     assert fnx.load(scanned.path, dtype=np.float32, scan_layers=True).cfg.scan_layers
