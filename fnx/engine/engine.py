@@ -30,6 +30,7 @@ from fnx.model.ops import linear_argmax
 from fnx.model.transformer import (front_inputs, init_state, rollback, slot_put, slot_take, step, step_back,
                                    step_front)
 from fnx.ple import initial_context, ngram_ids
+from fnx.ple.ngram import SMALL_TOKENS, hash_rows
 
 log = logging.getLogger("fnx.engine")
 
@@ -394,6 +395,12 @@ class Engine:
         if ng is None:
             return None
         ctx_len = ng.ngram_size - 1
+        if tokens.size <= SMALL_TOKENS:   # a decode step: Python ints, no NumPy calls per token (host time per step)
+            rows = []
+            for h, toks in zip(histories, tokens.tolist()):
+                tail = list(h[-ctx_len:]) if ctx_len else []
+                rows.append([ng.eos_token_id] * (ctx_len - len(tail)) + tail + toks)
+            return hash_rows(rows, tokens.shape[1], ng)
         ctx = np.full((len(histories), ctx_len), ng.eos_token_id, np.int64)
         for b, h in enumerate(histories):
             tail = h[-ctx_len:] if ctx_len else []

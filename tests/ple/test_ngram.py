@@ -396,3 +396,23 @@ def test_context_after_rejects_bad_inputs(release):
     with pytest.raises(ValueError, match="batch"):
         context_after(ctx[:1], window, 1, release)
     assert context_after(ctx, window, np.array([3, 1]), release).tolist() == [[2, 3], [RELEASE_EOS, 4]]
+
+
+def test_python_and_vectorised_hashing_agree(release, monkeypatch):
+    """Calls of up to SMALL_TOKENS tokens hash with Python ints (hash_rows), larger ones vectorised: the same ids
+    on random rows with EOS in the context and the tokens, at the release constants (products near 2^63)."""
+    from fnx.ple import ngram
+    rng = np.random.default_rng(7)
+    for batch, length in ((1, 1), (1, 5), (3, 4), (8, 8), (2, 32), (4, 4), (16, 5)):
+        ctx = _random_tokens(rng, batch, 2, 248320, RELEASE_EOS)
+        tokens = _random_tokens(rng, batch, length, 248320, RELEASE_EOS)
+        tokens[:, -1] = 248319                                          # the largest id
+        fast, ctx_fast = ngram_ids(ctx, tokens, release)
+        monkeypatch.setattr(ngram, "SMALL_TOKENS", 0)
+        slow, ctx_slow = ngram_ids(ctx, tokens, release)
+        monkeypatch.undo()
+        assert fast.dtype == slow.dtype == np.int64 and fast.shape == (batch, length, 16)
+        np.testing.assert_array_equal(fast, slow)
+        np.testing.assert_array_equal(ctx_fast, ctx_slow)
+        rows = np.concatenate([ctx, tokens], axis=1).tolist()
+        np.testing.assert_array_equal(ngram.hash_rows(rows, length, release), slow)
