@@ -217,8 +217,9 @@ SMALL_TOKENS = 16
 
 def hash_rows(rows: list[list[int]], length: int, consts: NgramConstants) -> np.ndarray:
     """The ids [B, L, H] int64 of the last `length` tokens of each row, rows[b] = its n-1 context ids followed by
-    its `length` tokens (valid non-negative token ids; `ngram_ids` validates): the arithmetic of `ngram_ids` with
-    Python ints, exact (every product is below 2^63 by the multipliers' bound, XOR and % of non-negative ints)."""
+    its `length` tokens (token ids of the vocabulary the constants were built for; `ngram_ids` validates): the
+    arithmetic of `ngram_ids` with Python ints, exact (every product is below 2^63 by the multipliers' bound, XOR
+    and % of non-negative ints)."""
     n_ctx = consts.ngram_size - 1
     eos = consts.eos_token_id
     mult, heads = consts._py
@@ -263,7 +264,8 @@ def ngram_ids(
     eos = consts.eos_token_id
 
     hist = np.concatenate([context, tokens], axis=1)  # [B, n-1+L]
-    if tokens.size <= SMALL_TOKENS:
+    if tokens.size <= SMALL_TOKENS and int(hist.max(initial=0)) <= _INT64_MAX // int(consts.multipliers.max()):
+        # (ids past that bound, outside any vocabulary, wrap in int64 on the vectorised path: kept there)
         new_context = np.ascontiguousarray(hist[:, hist.shape[1] - n_ctx:])
         return hash_rows(hist.tolist(), length, consts), new_context
     is_eos = hist == eos  # [B, n-1+L]
