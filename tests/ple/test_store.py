@@ -237,3 +237,25 @@ def test_evict_of_given_rows_drops_only_their_pages(table, consts):
         res = lx.resident(base, size)
         assert not res[mine].any() and res[theirs].all()
         np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
+
+
+def test_page_ranges_small_and_vectorised_agree(monkeypatch):
+    """page_ranges in Python ints (up to SMALL_RANGES offsets, a decode fetch) and vectorised: the same ranges in
+    the same order and the same mapping, for sorted and unsorted offsets, rows crossing pages, shared pages."""
+    from fnx.ple import _linux as lx
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        n = int(rng.integers(1, lx.SMALL_RANGES + 1))
+        length = int(rng.choice([1, 160, lx.PAGE, lx.PAGE + 100]))
+        base = int(rng.integers(0, 3)) * lx.PAGE + int(rng.integers(0, 100))
+        offs = rng.integers(0, int(rng.choice([5_000, 10**6, 10**10])), size=n).astype(np.int64)
+        if trial % 2:
+            offs = np.sort(offs)
+        small = lx.page_ranges(base, offs, length)
+        monkeypatch.setattr(lx, "SMALL_RANGES", 0)
+        vec = lx.page_ranges(base, offs, length)
+        monkeypatch.undo()
+        assert small[0].dtype == vec[0].dtype == np.uint64 and small[0].shape == vec[0].shape
+        np.testing.assert_array_equal(small[0], vec[0])
+        np.testing.assert_array_equal(small[1], vec[1])
+        assert (small[0][small[1], 0] <= (base + offs) // lx.PAGE * lx.PAGE).all()   # each row's page is covered
