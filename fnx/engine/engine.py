@@ -395,18 +395,14 @@ class Engine:
         if ng is None:
             return None
         ctx_len = ng.ngram_size - 1
+        rows = []                         # each row: its context (eos-padded on the left), then its tokens
+        for h, toks in zip(histories, tokens.tolist()):
+            tail = list(h[-ctx_len:]) if ctx_len else []
+            rows.append([ng.eos_token_id] * (ctx_len - len(tail)) + tail + toks)
         if tokens.size <= SMALL_TOKENS:   # a decode step: Python ints, no NumPy calls per token (host time per step)
-            rows = []
-            for h, toks in zip(histories, tokens.tolist()):
-                tail = list(h[-ctx_len:]) if ctx_len else []
-                rows.append([ng.eos_token_id] * (ctx_len - len(tail)) + tail + toks)
             return hash_rows(rows, tokens.shape[1], ng)
-        ctx = np.full((len(histories), ctx_len), ng.eos_token_id, np.int64)
-        for b, h in enumerate(histories):
-            tail = h[-ctx_len:] if ctx_len else []
-            if tail:
-                ctx[b, ctx_len - len(tail):] = tail
-        ids, _ = ngram_ids(ctx, tokens.astype(np.int64), ng)
+        hist = np.asarray(rows, np.int64).reshape(len(rows), ctx_len + tokens.shape[1])
+        ids, _ = ngram_ids(hist[:, :ctx_len], hist[:, ctx_len:], ng)
         return ids
 
     def _context_tail(self, history: list[int], end: int) -> list[int]:

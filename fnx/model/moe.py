@@ -83,13 +83,13 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GR
     # blocks in use: sum over experts of ceil(size / block) <= ceil(n / block) + (experts with a token), and at most
     # min(n, E) experts have one; the blocks past the used ones read expert E-1 and are never gathered back
     n_blocks = -(-n // block) + min(n, n_exp)
-    n_blocks += (-n_blocks) % blocks_per_step
+    if kernel is None:                                          # lax.map below takes blocks_per_step at a time
+        n_blocks += (-n_blocks) % blocks_per_step
     src = jnp.full((n_blocks * block,), n, jnp.int32).at[dest].set(order.astype(jnp.int32))
     block_expert = jnp.minimum(jnp.searchsorted(ends_padded, jnp.arange(n_blocks) * block, side="right"),
                                n_exp - 1)
     xz = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-    xs = xz[jnp.where(src < n, src // k, t)].reshape(-1, blocks_per_step, block, x.shape[1])
-    experts = block_expert.reshape(-1, blocks_per_step)
+    xs = xz[jnp.where(src < n, src // k, t)]
 
     def run(args):
         xb, eb = args
@@ -100,11 +100,15 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GR
         return jnp.einsum("bni,bdi->bnd", a, dn, precision=HIGHEST, preferred_element_type=F32).astype(x.dtype)
 
     if kernel is not None:
+        # the unused blocks hold expert E, which the kernels skip (no weight reads)
         from fnx.pallas.moe import api as moe_kernels
-        out = moe_kernels.experts_blocks(gate_up, down, xs.reshape(n_blocks, block, -1), block_expert,
+        unused = jnp.arange(n_blocks) * block >= ends_padded[-1]
+        out = moe_kernels.experts_blocks(gate_up, down, xs.reshape(n_blocks, block, -1),
+                                         jnp.where(unused, n_exp, block_expert).astype(jnp.int32),
                                          impl=kernel, tiles=tiles).reshape(n_blocks * block, -1)
     else:
-        out = lax.map(run, (xs, experts)).reshape(n_blocks * block, -1)
+        out = lax.map(run, (xs.reshape(-1, blocks_per_step, block, x.shape[1]),
+                            block_expert.reshape(-1, blocks_per_step))).reshape(n_blocks * block, -1)
     return out[dest][jnp.argsort(order)].reshape(t, k, -1)
 
 

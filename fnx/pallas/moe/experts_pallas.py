@@ -240,7 +240,8 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, *, interpret: bool = Fa
 def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, *, interpret: bool = False,
                    tiles: Tiles | None = None) -> jax.Array:
     """The prefill grouped matmul: xb [n_blocks, B, D] (rows of one expert per block, zero padded),
-    block_expert [n_blocks] int32 -> y [n_blocks, B, D] (x.dtype), each block's rows through its expert; each
+    block_expert [n_blocks] int32 (E: an unused block, skipped, its rows unspecified) -> y [n_blocks, B, D]
+    (x.dtype), each block's rows through its expert; each
     block reads its expert's weights once (tensor-core tiles of B rows). The sort into blocks and the gather back
     are the caller's (fnx.model.moe._expert_grouped)."""
     why = blocks_not_applicable(gate_up, down, xb.shape[1], tiles)
