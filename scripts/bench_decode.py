@@ -59,25 +59,39 @@ def bench_config(layers: int, tiny: bool, scan: bool = True, ple_width: int | No
                        scan_layers=scan)
 
 
-def random_tree(shapes, key, dtype, shardings=None):
-    """Random leaves generated where they live (on the mesh, already split, when shardings are given)."""
-    leaves, treedef = jax.tree.flatten(shapes)
+def random_tree(shapes, key, dtype, shardings=None, quant: str = "bf16"):
+    """Random leaves generated where they live (on the mesh, already split, when shardings are given). With
+    `quant`, each leaf is quantized as soon as it is drawn (`quantize_leaf`), so the bf16 tree never exists whole:
+    48 layers of bf16 experts (241 GB) do not fit one H200, their FP8 / NVFP4 forms do."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
     keys = jax.random.split(key, len(leaves))
     shs = jax.tree.leaves(shardings) if shardings is not None else [None] * len(leaves)
 
+    makers = {}
+
     def make(k, shape, sh):
-        f = lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)  # noqa: E731
-        return jax.jit(f, out_shardings=sh)(k)
-    out = [make(k, tuple(s.shape), sh) for k, s, sh in zip(keys, leaves, shs)]
+        """One compiled generator per (shape, sharding): a 48-layer tree has ~1,000 leaves of ~40 shapes."""
+        key_ = (shape, sh)
+        if key_ not in makers:
+            makers[key_] = jax.jit(lambda k: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
+                                   out_shardings=sh)
+        return makers[key_](k)
+    out = []
+    for k, (path, s), sh in zip(keys, leaves, shs):
+        leaf = make(k, tuple(s.shape), sh)
+        if quant != "bf16":
+            leaf = quantize_leaf(path, leaf, quant)
+            jax.block_until_ready(leaf)
+        out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 
 
-def quantize_tree(params, quant: str):
-    """Online quantization of a random bf16 tree, as `fnx.load(..., quant="fp8")` does for a checkpoint:
-    "fp8" turns the dense projections and the experts into FP8 128x128 blocks; "fp8+nvfp4" does the same but
-    makes the routed experts NVFP4 (the layout of the released ModelOpt checkpoint)."""
+def quantize_leaf(path, leaf, quant: str):
+    """Online quantization of one random bf16 leaf, as `fnx.load(..., quant="fp8")` does for a checkpoint: "fp8"
+    turns the dense projections and the experts into FP8 128x128 blocks; "fp8+nvfp4" does the same but makes the
+    routed experts NVFP4 (the layout of the released ModelOpt checkpoint)."""
     if quant == "bf16":
-        return params
+        return leaf
     from fnx.checkpoint.place import online_fp8
     from fnx.model import quant as q
 
@@ -92,16 +106,30 @@ def quantize_tree(params, quant: str):
         parts = [fn(leaf[i:i + rows]) for i in range(0, leaf.shape[0], rows)]
         return jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
-    def conv(path, leaf):
-        names = tuple(getattr(p, "key", getattr(p, "name", "")) for p in path)
-        names = tuple(n for n in names if isinstance(n, str))
-        if quant == "fp8+nvfp4" and "experts" in names:
-            return chunked(q.quantize_nvfp4, leaf)
-        if online_fp8(names):
-            return chunked(q.quantize_fp8_block, leaf)
-        return leaf
+    names = tuple(getattr(p, "key", getattr(p, "name", "")) for p in path)
+    names = tuple(n for n in names if isinstance(n, str))
+    if quant == "fp8+nvfp4" and "experts" in names:
+        return chunked(_jitted(q.quantize_nvfp4), leaf)
+    if online_fp8(names):
+        return chunked(_jitted(q.quantize_fp8_block), leaf)
+    return leaf
 
-    out = jax.tree_util.tree_map_with_path(conv, params)
+
+_JITTED = {}
+
+
+def _jitted(fn):
+    """fn compiled once per input shape (eager quantizers dispatch op by op, leaf after leaf)."""
+    if fn not in _JITTED:
+        _JITTED[fn] = jax.jit(fn)
+    return _JITTED[fn]
+
+
+def quantize_tree(params, quant: str):
+    """`quantize_leaf` over a whole tree."""
+    if quant == "bf16":
+        return params
+    out = jax.tree_util.tree_map_with_path(lambda path, leaf: quantize_leaf(path, leaf, quant), params)
     jax.block_until_ready(out)
     return out
 
@@ -271,12 +299,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         shard = lambda st: parallel.place(st, parallel.state_shardings(cfg, st, mesh, mcfg))  # noqa: E731
     else:
         shard = lambda st: st  # noqa: E731
-    params = random_tree(shapes, key, dtype, psh)
-    mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh)
-    if quant != "bf16":
-        if mesh is not None:
-            raise SystemExit("--quant with --mesh is not supported by this script yet")
-        params, mp = quantize_tree(params, quant), quantize_tree(mp, quant)
+    if quant != "bf16" and mesh is not None:
+        raise SystemExit("--quant with --mesh is not supported by this script yet")
+    params = random_tree(shapes, key, dtype, psh, quant)
+    mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
     ctx = max(contexts)
     # positions advance from ctx through every timed call (no per-call rewind: resetting `pos` costs a jitted op
     # of host time per call, which the step time would include); the spare capacity covers every call
@@ -325,6 +351,12 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     if ledger_calls:
         from fnx.pallas import ledger
         res["ledger_decode"] = ledger.profile(dec, ledger_calls)
+    # the decode numbers as soon as they exist: a run cut short by its time limit (48 layers compile for minutes)
+    # still reports them
+    print(json.dumps({"layers": cfg.num_hidden_layers, "part": "decode",
+                      **{k_: v for k_, v in res.items() if k_.startswith("decode")},
+                      "ledger_decode": {k_: v for k_, v in res.get("ledger_decode", {}).items()
+                                        if k_ != "kernels"}}), flush=True)
 
     # one MTP round: catch-up + k-1 chained drafts, verify (k+1 tokens, snapshots), accept, rollback; greedy rows
     # (temperature 0), so both programs are the engine's greedy ones

@@ -61,9 +61,10 @@ case "$part" in
     done
     rm -rf "$OUT"/probe/trace_* "$OUT"/probe/decode_hlo* ;;
   decode)   # DECODE_QUANT bf16 | fp8 | fp8+nvfp4; DECODE_KERNELS a FNX_KERNELS value (empty: auto, the verified set);
-            # DECODE_LAYERS (4,8: give DECODE_S >= 400 for both)
+            # DECODE_LAYERS (4,8: give DECODE_S >= 400 for both; 48 with fp8+nvfp4 fits one H200: the full model),
+            # DECODE_ARGS extra flags (--no-scan: every layer unrolled, as fnx.serve loads on a GPU)
     FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
-      --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} --out "$OUT/bench_decode.jsonl" 2>&1 \
+      --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
     timeout ${ENGINE_S:-300} python scripts/bench_decode.py --layers ${ENGINE_LAYERS:-4} --contexts 1024 --reps 5 \
