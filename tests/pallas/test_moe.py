@@ -277,6 +277,31 @@ def test_decode_matches_reference(fmt, m, shared_fmt, group):
                                   np.asarray(got).view(np.uint16))          # deterministic: same bits twice
 
 
+@pytest.mark.parametrize("fmt,m,acc,e2m1", [
+    ("nvfp4", 1, 1, "f16"), ("nvfp4", 1, 0, "f16"), ("nvfp4", 5, 0, "f16"), ("fp8", 1, 1, "int"),
+    ("bf16", 1, 1, "int"), ("fp8", 4, 1, "int")])
+def test_decode_variants_match_reference(fmt, m, acc, e2m1):
+    """The kernel variants the H200 sweeps: per-row tiles summed once (`acc` 1, one token; more tokens ignore it)
+    and E2M1 codes read through fp16 bits (`e2m1` "f16"). The f16 decode gives the same weights, so with `acc` 0
+    the output has the same bits as the integer decode."""
+    args = _decode_args(fmt, m, 20 + m)
+    tiles = dataclasses.replace(DT, group=1, acc=acc, e2m1=e2m1)
+    got = jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=tiles))(*args)
+    _close(got, reference.decode(*args))
+    if e2m1 == "f16" and not acc:
+        base = jax.jit(lambda *a: decode_pallas.moe_decode(
+            *a, interpret=INTERPRET, tiles=dataclasses.replace(tiles, e2m1="int")))(*args)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
+
+
+def test_e2m1_f16_codes():
+    """Every E2M1 code through fp16 bits, times 2^14, is its value (the subnormal codes 0.5 and -0.5 included)."""
+    codes = jnp.arange(16, dtype=jnp.uint32)
+    got = np.asarray(decode_pallas._e2m1_f16(codes)) * decode_pallas.E2M1_F16_SCALE
+    np.testing.assert_array_equal(got, np.asarray(reference.e2m1_bits_to_f32(codes)))
+    assert list(got[:8]) == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
 def test_decode_reference_is_the_model_block():
     """reference.decode is moe_block's own arithmetic after the router (gather experts, combine, shared)."""
     x, w, idx, gu, dn, sg, su, ss, sd = _decode_args("fp8", 2, 9)
@@ -359,7 +384,10 @@ def test_decode_lowers_for_cuda():
     spec = _spec
     in_kernel = decode_pallas.DecodeTiles(group=0)      # the measured tiles (None) split the slots: group 1
     for fmt, mm, tiles in (("bf16", 1, None), ("bf16", m, None), ("fp8", 1, None), ("fp8", m, None),
-                           ("fp8", 1, in_kernel), ("fp8", m, in_kernel), ("nvfp4", 1, None), ("nvfp4", m, None)):
+                           ("fp8", 1, in_kernel), ("fp8", m, in_kernel), ("nvfp4", 1, None), ("nvfp4", m, None),
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="f16")),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16")),
+                           ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -30,18 +30,24 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2
+# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1]
 _SWEEP_M1 = [(8, 512, 4, 128, 0, 4, 4), (8, 512, 16, 128, 1, 4, 4), (8, 512, 32, 128, 1, 4, 4),
              (8, 512, 16, 128, 2, 4, 4), (8, 512, 16, 128, 5, 4, 4), (8, 256, 16, 128, 1, 2, 4),
              (4, 512, 8, 128, 1, 2, 2), (4, 512, 8, 128, 1, 4, 2), (8, 512, 8, 128, 1, 2, 2),
-             (16, 512, 8, 128, 1, 8, 2), (8, 128, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 1, 2)]
+             (16, 512, 8, 128, 1, 8, 2), (8, 128, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 1, 2),
+             # eleventh session: the gate/up products kept as tiles and summed once per row (acc 1)
+             (8, 512, 8, 128, 1, 4, 2, 1), (4, 512, 16, 128, 1, 2, 4, 1), (4, 512, 8, 128, 1, 4, 2, 1)]
 # M = 5 (an MTP k=4 verify window): kernel 1 multiplies each dequantized tile by 5 tokens, so narrower tiles
-# (fewer fp32 values live) are tried against the M = 1 winners
+# (fewer fp32 values live) are tried against the M = 1 winners; NVFP4 also with its codes read as fp16 bits
 _SWEEP_M5 = [(8, 512, 8, 128, 1, 4, 2), (4, 512, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 4, 2),
-             (2, 512, 8, 128, 1, 2, 2), (4, 512, 16, 128, 1, 2, 4)]
-# NVFP4 at M = 1: its decode is arithmetic-heavy, so fewer columns per load and more warps are tried
+             (2, 512, 8, 128, 1, 2, 2), (4, 512, 16, 128, 1, 2, 4),
+             (8, 512, 16, 128, 1, 8, 4, 0, "f16"), (4, 512, 8, 128, 1, 4, 2, 0, "f16")]
+# NVFP4 at M = 1: its decode is arithmetic-heavy, so fewer columns per load and more warps are tried, then the codes
+# read as fp16 bits (e2m1 "f16") and the products kept as tiles (acc 1)
 _SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2), (8, 256, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 2, 2),
-                (8, 512, 16, 128, 1, 8, 4), (16, 256, 8, 128, 1, 8, 2)]
+                (8, 512, 16, 128, 1, 8, 4), (16, 256, 8, 128, 1, 8, 2),
+                (8, 512, 16, 128, 1, 8, 4, 0, "f16"), (8, 512, 16, 128, 1, 8, 4, 1, "f16"),
+                (8, 512, 16, 128, 1, 8, 4, 1, "int"), (4, 512, 8, 128, 1, 4, 2, 0, "f16")]
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):

@@ -48,6 +48,7 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
+E2M1_DECODES = ("int", "f16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,11 @@ class DecodeTiles:
                          # g > 0 = g slots per program (g divides M*K), fp32 partials summed by one XLA fusion
     num_warps: int = 4
     num_warps2: int = 4
+    acc: int = 0         # one token: 0 = each chunk's products summed across the row at once (a cross-thread
+                         # reduction per chunk); 1 = kept as tiles, added elementwise, summed once per row (more
+                         # registers, one reduction); more tokens always use 0
+    e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
+                         # bits, one conversion; 2^14 folded into the group scale): the same values
 
 
 def _pow2(n: int) -> int:
@@ -93,17 +99,35 @@ def _raw(fmt, refs, lead, r0, rows, c0, cw, mask=None):
     return q, refs[1][(*lead, r0 // 128, pl.ds(c0 // 128, cw // 128))]
 
 
-def _deq(fmt, raw, rows, cw, dt):
+def _e2m1_f16(c):
+    """E2M1 codes (uint32, 0..15) -> value * 2^-14 in fp32, through fp16 bits: code s|ee|m placed as
+    s<<15 | ee<<11 | m<<9 has fp16 exponent ee and mantissa top bit m, which reads 2^(ee-15) (1 + m/2) for ee > 0
+    and the subnormal m 2^-15 for ee = 0: the E2M1 value times 2^-14 in both cases (the fp16 -> fp32 conversion is
+    exact, subnormals included)."""
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
+
+
+E2M1_F16_SCALE = 2.0 ** 14
+
+
+def _deq(fmt, raw, rows, cw, dt, e2m1="int"):
     """A chunk loaded by `_raw`, dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of
     one [rows, cw] tile, or for NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high
-    nibbles as the bytes hold them: never interleaved; `_xs` loads the matching activation columns)."""
+    nibbles as the bytes hold them: never interleaved; `_xs` loads the matching activation columns). NVFP4 with
+    e2m1 "f16": code * 2^-14 times (scale * 2^14) is code * scale exactly (a power of two moves between two exact
+    factors), so the product with the global scale rounds as the reference's."""
     if fmt == "nvfp4":
         group = 16
         p, sc, s2 = raw
         p = p.astype(jnp.uint32)
-        sc = jnp.broadcast_to(sc.astype(F32)[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
+        sc = sc.astype(F32)
+        if e2m1 == "f16":
+            sc = sc * E2M1_F16_SCALE
+        sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
         s2 = s2[:, None]
-        return tuple(rnd(reference.e2m1_bits_to_f32(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
+        code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
+        return tuple(rnd(code(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
     q = raw[0].astype(F32)
     if fmt == "fp8_block":
         s = raw[1]
@@ -127,6 +151,20 @@ def _rowdot(ws, xs):
     for w, x in zip(ws[1:], xs[1:]):
         acc = acc + jnp.sum(w * x[None, :], axis=1)
     return acc
+
+
+def _tile_fma(acc, ws, xs):
+    """acc (a tuple of tiles shaped like ws, or None) + w * x elementwise, per tile piece: no reduction."""
+    prods = [w * x[None, :] for w, x in zip(ws, xs)]
+    return tuple(prods) if acc is None else tuple(a + p for a, p in zip(acc, prods))
+
+
+def _tiles_sum(acc):
+    """The row sums of `_tile_fma`'s tiles: [rows]."""
+    out = jnp.sum(acc[0], axis=1)
+    for a in acc[1:]:
+        out = out + jnp.sum(a, axis=1)
+    return out
 
 
 def _silu_mul(g, u, dt):
@@ -161,7 +199,7 @@ def _accumulate(m, hits, accs, add):
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
-def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw):
+def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1):
     *w_refs, act_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[s]
@@ -174,10 +212,19 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         rg, ru = j * bn, inter + j * bn
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
+        if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
+            tg = tu = None
+            for c in range(nk):
+                xv = _xs(x_ref, (0,), c * cw, cw, fmt == "nvfp4")
+                tg = _tile_fma(tg, _deq(fmt, raw_g[c], bn, cw, dt, e2m1), xv)
+                tu = _tile_fma(tu, _deq(fmt, raw_u[c], bn, cw, dt, e2m1), xv)
+            a = _silu_mul(rnd(_tiles_sum(tg), dt), rnd(_tiles_sum(tu), dt), dt)
+            act_ref[s, 0, pl.ds(rg, bn)] = a.astype(dt)
+            return
         hits = [_routes_to(flat, e, k, i) for i in range(m)] if m > 1 else None
         accs = [(jnp.zeros((bn,), F32), jnp.zeros((bn,), F32)) for _ in range(m)]
         for c in range(nk):
-            wg, wu = _deq(fmt, raw_g[c], bn, cw, dt), _deq(fmt, raw_u[c], bn, cw, dt)
+            wg, wu = _deq(fmt, raw_g[c], bn, cw, dt, e2m1), _deq(fmt, raw_u[c], bn, cw, dt, e2m1)
 
             def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
@@ -189,7 +236,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group):
+                 inter, inter_s, bn, cw, group, e2m1):
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
     dt = sg_ref.dtype
     c0 = pl.program_id(0) * bn
@@ -207,7 +254,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         routed = [own & (jnp.sum(jnp.where(h, 1, 0)) > 0) for h in hits]
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nk):
-            w_c = _deq(fmt, raw[c], bn, cw, dt)
+            w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1)
 
             def add(i, a, w_c=w_c, c=c):
                 return a + _rowdot(w_c, _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
@@ -224,7 +271,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         raw = [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(nks)]
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nks):
-            w_c = _deq(sfmt, raw[c], bn, cw, dt)
+            w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1)
             for i in range(m):
                 g = _xs(sg_ref, (i,), c * cw, cw, sfmt == "nvfp4")
                 u = _xs(su_ref, (i,), c * cw, cw, sfmt == "nvfp4")
@@ -289,6 +336,8 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.cw < 16 or t.cw2 < 16 or ("nvfp4" in fmts.values() and min(t.cw, t.cw2) < 32):
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
+    if t.acc not in (0, 1) or t.e2m1 not in E2M1_DECODES:
+        return f"tiles {t}: acc must be 0 or 1 and e2m1 one of {E2M1_DECODES}"
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
     if d // t.cw > 64 or inter // t.cw2 > 64:
@@ -347,7 +396,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     flat = ids.reshape(-1).astype(jnp.int32)
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
-                          bn=tiles.bn, cw=tiles.cw),
+                          bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1),
         out_shape=jax.ShapeDtypeStruct((n_slots, m, inter), dt),
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
@@ -358,7 +407,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     out_shape = (n_groups + 1, m, d) if g else (m, d)
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
-                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g),
+                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
