@@ -67,15 +67,21 @@ def device_kernels(trace: dict) -> list[dict]:
     return sorted(out, key=lambda e: e["ts"])
 
 
-def summarize(kernels: list[dict], calls: int, wall_ms: float | None = None) -> dict:
+def summarize(kernels: list[dict], calls: int, wall_ms: float | None = None, top: int = 12) -> dict:
     """Per call: kernel count, busy time, and per family the count and milliseconds; idle = wall - busy (launch
     gaps, host work, syncs) when the wall time of the calls is given. Overlapping kernels (several streams) count
-    their union as busy."""
+    their union as busy. `top`: the kernel names that took the most time, with their family, launches and
+    microseconds per call."""
     fams: dict[str, dict] = {}
+    names: dict[str, dict] = {}
     for e in kernels:
-        f = fams.setdefault(classify(e.get("name", ""), e.get("args")), {"kernels": 0, "us": 0.0})
+        fam = classify(e.get("name", ""), e.get("args"))
+        f = fams.setdefault(fam, {"kernels": 0, "us": 0.0})
         f["kernels"] += 1
         f["us"] += float(e.get("dur", 0.0))
+        k = names.setdefault(e.get("name", ""), {"family": fam, "kernels": 0, "us": 0.0})
+        k["kernels"] += 1
+        k["us"] += float(e.get("dur", 0.0))
     busy, end = 0.0, None
     for e in kernels:                        # union of [ts, ts + dur)
         s, t = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
@@ -89,7 +95,10 @@ def summarize(kernels: list[dict], calls: int, wall_ms: float | None = None) -> 
     out = {"calls": calls, "device_kernels": len(kernels), "launches_per_call": len(kernels) / n,
            "busy_ms_per_call": busy / 1e3 / n,
            "families": {k: {"kernels_per_call": v["kernels"] / n, "ms_per_call": v["us"] / 1e3 / n}
-                        for k, v in sorted(fams.items(), key=lambda kv: -kv[1]["us"])}}
+                        for k, v in sorted(fams.items(), key=lambda kv: -kv[1]["us"])},
+           "top_kernels": [{"name": k[:80], "family": v["family"], "kernels_per_call": v["kernels"] / n,
+                            "us_per_call": round(v["us"] / n, 2)}
+                           for k, v in sorted(names.items(), key=lambda kv: -kv[1]["us"])[:top]]}
     if wall_ms is not None:
         out["wall_ms_per_call"] = wall_ms / n
         out["idle_ms_per_call"] = max(0.0, wall_ms / n - out["busy_ms_per_call"])

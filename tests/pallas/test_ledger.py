@@ -53,6 +53,10 @@ def test_counts_and_families_from_a_trace_file(tmp_path):
     assert fam["gdn"]["kernels_per_call"] == 1 and fam[ledger.OTHER]["kernels_per_call"] == 1
     assert led["busy_ms_per_call"] == pytest.approx(0.050)      # 10 + 4 + 6 + (20 + 10 - 5 overlap) + 5 us
     assert led["idle_ms_per_call"] == pytest.approx(1.0 - 0.050)
+    top = led["top_kernels"]                                    # by time per call, with their family
+    assert [t["name"] for t in top[:2]] == ["moe_gate_up", "fnx_gemv_fp8"]
+    assert top[0] == {"name": "moe_gate_up", "family": "moe", "kernels_per_call": 1, "us_per_call": 20}
+    assert len(ledger.summarize(kernels, calls=2, top=3)["top_kernels"]) == 3
 
 
 def test_profile_on_a_host_without_gpu_says_so():

@@ -67,23 +67,28 @@ def _scanned_reason() -> str | None:
             "scan_layers=False (the default on a GPU) to run the kernels")
 
 
-# Token counts up to here run the fused decode kernels under "auto", by measurement on the H200 (released shapes,
-# random router, the layer after XLA's router product; BENCHMARKS.md ninth and tenth sessions), against the gather
-# path: one token FP8 56.7 us vs 82.0 (and the 4-layer FP8 step's kernel time 0.703 vs 0.734 ms), bf16 66.6 vs
-# 76.6, NVFP4 85.1 vs 94.2; five tokens FP8 382 vs 193 us and bf16 467 vs 185 (commit e055557): slower.
-DECODE_AUTO_MAX_TOKENS = 1
+# Token counts up to here run the fused decode kernels under "auto", per expert format, by measurement on the H200
+# (released shapes, random router, the layer after XLA's router product; BENCHMARKS.md ninth to eleventh
+# sessions), against the gather path: one token FP8 51.8 us vs 82.0 (and the 4-layer FP8 step's kernel time 0.697
+# vs 0.727 ms), bf16 58.1 vs 76.6, NVFP4 60.5 vs 94.2; five tokens NVFP4 249.6 vs 268.7 us (the gather path
+# dequantizes 50 expert copies), but FP8 244 vs 178 us and bf16 280 vs 181 (commit a616029): slower.
+DECODE_AUTO_MAX_TOKENS = {"dense": 1, "fp8_block": 1, "nvfp4": 5}
 
 
 def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None = None,
                    tiles: decode_pallas.DecodeTiles | None = None) -> str:
     """The backend op "moe_decode" runs with for this call: dispatch's choice, the reference where the kernels do
-    not cover the call, and under "auto" also where they were measured slower (more than DECODE_AUTO_MAX_TOKENS
-    tokens) or would read a copy of the layer's stacked experts (a scanned layer group)."""
+    not cover the call, and under "auto" also where they were measured slower (more tokens than
+    DECODE_AUTO_MAX_TOKENS gives the expert format) or would read a copy of the layer's stacked experts (a scanned
+    layer group)."""
     m = x.shape[0]
     slower = _scanned_reason()
-    if m > DECODE_AUTO_MAX_TOKENS:
-        slower = (f"{m} tokens: the fused kernels are measured faster than the gather path for one token only, "
-                  "and slower for five (H200: FP8 382 vs 193 us, bf16 467 vs 185; BENCHMARKS.md)")
+    fmt = reference.weight_format(gate_up)
+    limit = DECODE_AUTO_MAX_TOKENS.get(fmt, 1)
+    if m > limit:
+        slower = (f"{m} tokens of {fmt} experts: the fused kernels are measured faster than the gather path up to "
+                  f"{limit} token(s) in this format, and slower beyond (H200, five tokens: FP8 244 vs 178 us, "
+                  "bf16 280 vs 181; BENCHMARKS.md)")
     return dispatch.resolve("moe_decode", impl, prefer_reference=slower,
                             not_applicable=decode_not_applicable(x, top_k, gate_up, down, shared_down, tiles))
 

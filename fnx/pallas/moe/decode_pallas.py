@@ -348,14 +348,16 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     return None
 
 
-# Measured on the H200 (M = 1, released shapes, random router; BENCHMARKS.md, ninth and tenth sessions): the whole
-# layer after XLA's router took 56.7 us with FP8 experts at these tiles (XLA's gather path 82.0 us, the first tiles
-# 84.7), 66.6 us with bf16 experts at theirs (XLA 76.6 us), 85.1 us with NVFP4 experts at theirs (XLA 94.2 us; the
-# FP8 tiles 103.0, the next best 87.8 at bn 4); one slot per down program (group 1) beat the in-kernel combine
-# (group 0) by 10-20 us: 160 programs of 11 slots each left the GPU half idle.
-MEASURED = {"fp8_block": DecodeTiles(bn=8, cw=512, bn2=8, cw2=128, group=1, num_warps=4, num_warps2=2),
-            "dense": DecodeTiles(bn=4, cw=512, bn2=16, cw2=128, group=1, num_warps=2, num_warps2=4),
-            "nvfp4": DecodeTiles(bn=8, cw=512, bn2=16, cw2=128, group=1, num_warps=8, num_warps2=4)}
+# Measured on the H200 (M = 1, released shapes, random router; BENCHMARKS.md, ninth to eleventh sessions): the whole
+# layer after XLA's router took 51.8 us with FP8 experts at these tiles (XLA's gather path 82.0 us, the first tiles
+# 84.7; the same tiles with acc 0 53.9), 58.1 us with bf16 experts at theirs (XLA 76.6 us; the tenth session's
+# tiles 69.9), 60.5 us with NVFP4 experts at theirs (XLA 94.2 us; the integer E2M1 decode at its best tiles 78.6 -
+# 85.1; at five tokens 249.6 against XLA's 268.7); one slot per down program (group 1) beat the in-kernel combine
+# (group 0) by 10-20 us: 160 programs of 11 slots each left the GPU half idle. Repeats of one case differ by up to
+# ~10%.
+MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_warps=4, num_warps2=2, acc=1),
+            "dense": DecodeTiles(bn=8, cw=512, bn2=8, cw2=128, group=1, num_warps=4, num_warps2=2, acc=1),
+            "nvfp4": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_warps=4, num_warps2=2, e2m1="f16")}
 
 
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block") -> DecodeTiles:
