@@ -56,13 +56,22 @@ def split_for(n: int, bn: int, k: int, bk: int, programs: int) -> int:
     return next((d for d in divs if (n // bn) * d >= programs), divs[-1])
 
 
+# "fma" multiplies every weight once per token on the CUDA cores: the H200 tuner picked it for every released FP8
+# shape with K >= 2048 at one token (BENCHMARKS.md, seventh session), but at five tokens (an MTP verify window) it
+# lost to the looped tensor-core kernel: 16384 x 2560 56.7 vs 45.6 us per call, 2560 x 6144 60.0 vs 45.1, the HC
+# down projection 320 x 10240 (20 programs) 76.2 vs 39.5 (`scripts/probe_gemv_m.py`, calls bound near 40 us by
+# host dispatch); in the 48-layer MTP round one "fma" kernel took 12.9 ms in 99 launches (eleventh session). So
+# beyond this many tokens it runs only where a tuned table entry for that token count names it.
+FMA_AUTO_MAX_M = 1
+
+
 def heuristic_tiles(fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
-    """A tile set that divides (N, K). FP8 at M <= FMA_MAX_M with K >= 2048: the whole-K "fma" mode (16 rows
+    """A tile set that divides (N, K). FP8 at M <= FMA_AUTO_MAX_M with K >= 2048: the whole-K "fma" mode (16 rows
     per program, K in chunks of up to 512), which the H200 tuner picked for every such released shape (BENCHMARKS.md,
     seventh session). Otherwise the looped kernel with K split so there are >= 2 programs per SM where K allows
     (a GEMV with fewer programs is latency-bound: each program walks its K slice one dependent load after
     another)."""
-    if fmt == "fp8" and m <= gp.FMA_MAX_M and k >= 2048:
+    if fmt == "fp8" and m <= FMA_AUTO_MAX_M and k >= 2048:
         bn = next((b for b in (16, 8, 4, 2, 1) if n % b == 0), 1)
         bk = next((b for b in (512, 256, 128) if k % b == 0), None)
         if bk is not None:
@@ -88,9 +97,11 @@ def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tile
     tuned = {int(key.split(":")[3]): v for key, v in table.items()
              if key.startswith(f"{fmt}:{n}:{k}:") and key.endswith(suffix) and (argmax or key.count(":") == 3)}
     if tuned:
-        entry = tuned[min(tuned, key=lambda tb: (abs(tb - b), tb))]
-        t = gp.Tiles(**entry)
-        fits = not (argmax and t.split != 1) and not (t.mode == "fma" and m > gp.FMA_MAX_M)
+        tb = min(tuned, key=lambda tb: (abs(tb - b), tb))
+        t = gp.Tiles(**tuned[tb])
+        # an "fma" entry tuned at another token count serves up to FMA_AUTO_MAX_M tokens (measured slower beyond)
+        fma_ok = m <= (gp.FMA_MAX_M if tb == b else FMA_AUTO_MAX_M)
+        fits = not (argmax and t.split != 1) and not (t.mode == "fma" and not fma_ok)
         if gp.check_tiles(fmt, n, k, t) is None and fits:
             return t
     t = heuristic_tiles(fmt, n, k, m)
