@@ -139,18 +139,38 @@ def is_fused(params) -> bool:
 def linears(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -> tuple:
     """x @ w.T for each projection in `names` (paths into p, '/' for nested dicts), reading fused weights where
     `fuse_sublayer` made them: one product, split by rows. Same values as separate products."""
+    return tuple(w.get() for w in linear_windows(x, p, names, linear))
+
+
+@dataclass(frozen=True)
+class Window:
+    """Columns [start, start + size) of a product `buf` [..., W]: one projection's output inside a fused product,
+    handed to a kernel that reads it in place (a slice feeding a custom call is a copy kernel of its own)."""
+    buf: jax.Array
+    start: int
+    size: int
+
+    def get(self) -> jax.Array:
+        if self.start == 0 and self.size == self.buf.shape[-1]:
+            return self.buf
+        return self.buf[..., self.start:self.start + self.size]
+
+
+def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -> tuple:
+    """As `linears`, each output a `Window` into the product that computed it (a fused one, or its own)."""
     if linear is None:
         from fnx.model.ops import linear
-    out: dict[str, jax.Array] = {}
+    out: dict[str, Window] = {}
     for key, f in p.items():
         if isinstance(key, str) and key.startswith(PREFIX) and isinstance(f, FusedLinear) and \
                 any(n in names for n in f.names):
             y = linear(x, f.w)
             start = 0
             for n, size in zip(f.names, f.sizes):
-                out[n] = y[..., start:start + size]
+                out[n] = Window(y, start, size)
                 start += size
     for n in names:
         if n not in out:
-            out[n] = linear(x, _get(p, n))
+            y = linear(x, _get(p, n))
+            out[n] = Window(y, 0, y.shape[-1])
     return tuple(out[n] for n in names)

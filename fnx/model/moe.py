@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnx.model import quant
-from fnx.model.fuse import linears
+from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear
 
 
@@ -157,19 +157,24 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
     if impl == "auto":
         impl = _auto_impl(xt.shape[0], top_k, p, xt)
     # the router and the shared expert's projections read the same input: one product when fused
-    logits, s_gate, s_up, s_sig = linears(xt, p, ("gate", "shared_expert/gate_proj", "shared_expert/up_proj",
-                                                  "shared_expert_gate"))
+    wins = linear_windows(xt, p, ("gate", "shared_expert/gate_proj", "shared_expert/up_proj", "shared_expert_gate"))
     if isinstance(impl, str) and impl in ("decode", "decode_interpret"):
         # routing, experts, combine and shared expert in three launches (route + the two decode kernels); the
-        # router runs on the same backend as the experts. A reference choice runs the gather path below.
+        # router runs on the same backend as the experts. A reference choice runs the gather path below. The
+        # kernels read the router logits and the shared expert's inputs in place in the fused products (no slice
+        # kernels between the products and the launches).
         from fnx.pallas.moe import api as moe_kernels
         backend = _decode_backend(p, xt, top_k, None if impl == "decode" else "pallas_interpret")
         if backend != "reference":
-            w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=backend)
-            y = moe_kernels.decode(xt, w, idx, ex["gate_up_proj"], ex["down_proj"], s_gate, s_up, s_sig,
-                                   p["shared_expert"]["down_proj"], impl=backend)
-            return y.reshape(shape), logits.reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], top_k)
+            lw, gw, uw, sw = wins
+            w, idx = moe_kernels.route(lw.buf, top_k, norm_topk_prob, xt.dtype, impl=backend,
+                                       cols=(lw.start, lw.size))
+            y = moe_kernels.decode(xt, w, idx, ex["gate_up_proj"], ex["down_proj"], (gw.buf, gw.start),
+                                   (uw.buf, uw.start), (sw.buf, sw.start), p["shared_expert"]["down_proj"],
+                                   impl=backend)
+            return y.reshape(shape), lw.get().reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], top_k)
         impl = "gather"
+    logits, s_gate, s_up, s_sig = (w_.get() for w_ in wins)
     if isinstance(impl, str) and impl in ("pallas", "pallas_interpret"):
         from fnx.pallas.moe import api as moe_kernels
         w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=impl)

@@ -87,6 +87,12 @@ def test_fp8_blocks_of_whole_rows_fuse_with_their_scales():
     from fnx.model.ops import linear
     np.testing.assert_allclose(np.asarray(ya), np.asarray(linear(x, ws[0])), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(yb), np.asarray(linear(x, ws[1])), rtol=1e-6, atol=1e-6)
+    # the same outputs as windows into the one product: a kernel reads them in place
+    wa, wb = fuse.linear_windows(x, p, ("a", "b"))
+    assert wa.buf is wb.buf and (wa.start, wa.size, wb.start, wb.size) == (0, 256, 256, 128)
+    np.testing.assert_array_equal(np.asarray(wb.get()), np.asarray(yb))
+    (own,) = fuse.linear_windows(x, {"c": ws[1]}, ("c",))          # an unfused projection: its own product
+    assert (own.start, own.size) == (0, 128) and own.get() is own.buf
 
 
 def test_engine_with_fused_projections_generates_the_same_tokens(ckpt):

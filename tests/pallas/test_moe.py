@@ -91,6 +91,19 @@ def test_route_matches_model_route(m, e, k, norm):
     _check_route(logits, k, norm, jnp.float32)   # the fp32 weights before rounding, to an ulp
 
 
+@pytest.mark.parametrize("impl", [KERNEL, "reference"])
+def test_route_reads_a_window_of_a_wider_product(impl):
+    """The router logits as columns [3, 67) of a [5, 70] product (the fused router + shared-gate product): the same
+    ids and weights as the sliced logits; columns outside the product are refused."""
+    buf = jax.random.normal(_key(77), (5, 70), jnp.float32).astype(BF16)
+    w, ids = api.route(buf, 6, True, BF16, impl=impl, cols=(3, 64))
+    w_ref, ids_ref = reference.route(buf[:, 3:67], 6, True, BF16)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    _assert_bf16_weights(w, w_ref)
+    with pytest.raises(ValueError, match="outside"):
+        routing_pallas.route(buf, 6, True, BF16, interpret=True, cols=(10, 64))
+
+
 def test_route_ties():
     e, k = 32, 6
     base = jax.random.normal(_key(7), (8, e), jnp.float32)
@@ -302,6 +315,45 @@ def test_e2m1_f16_codes():
     assert list(got[:8]) == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
+@pytest.mark.parametrize("impl", [KERNEL, "reference"])
+def test_decode_reads_windows_of_wider_products(impl):
+    """The shared expert's gate, up and gate logit given as windows (buffer, start) into products with other
+    columns around them (the fused projections' layout), read in place: the same bits as the sliced arrays."""
+    x, w, idx, gu, dn, sg, su, ss, sd = _decode_args("fp8", 2, 31)
+    pad = jnp.full((2, 3), 7.0, BF16)
+    gate_up_buf = jnp.concatenate([pad, sg, su], axis=1)                 # gate at 3, up at 3 + I
+    sig_buf = jnp.concatenate([pad, pad, ss], axis=1)                    # the logit at column 6
+    want = api.decode(x, w, idx, gu, dn, sg, su, ss, sd, impl=impl, tiles=DT)
+    got = api.decode(x, w, idx, gu, dn, (gate_up_buf, 3), (gate_up_buf, 3 + I), (sig_buf, 6), sd, impl=impl,
+                     tiles=DT)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    with pytest.raises(ValueError, match="outside"):
+        decode_pallas.moe_decode(x, w, idx, gu, dn, (gate_up_buf, 4 + I), su, ss, sd, interpret=True, tiles=DT)
+
+
+def test_model_block_feeds_the_fused_products_to_the_kernels_unsliced():
+    """With the router and the shared expert's projections fused into one product, the decode path hands that
+    product to the route and down kernels whole (no slice op between a product and a launch: each would be a copy
+    kernel of its own on the GPU), with the same output as the unfused block."""
+    from fnx.model import fuse
+    p, x = _block_params(*_weights("fp8", 32), _key(33), (1, 1, D))
+    pf = fuse.fuse_sublayer(p, fuse.GROUPS["mlp"])
+    assert any(k.startswith(fuse.PREFIX) for k in pf)
+    run = lambda q: moe.moe_block(q, x, K, True, impl="decode_interpret")[0]   # noqa: E731
+    np.testing.assert_array_equal(np.asarray(run(pf)).view(np.uint16), np.asarray(run(p)).view(np.uint16))
+    def launches(e):      # a pallas_call, or a nested jit around one (the router's)
+        if e.primitive.name == "pallas_call":
+            return True
+        inner = e.params.get("jaxpr")
+        return inner is not None and any(launches(i) for i in getattr(inner, "jaxpr", inner).eqns)
+
+    eqns = jax.make_jaxpr(run)(pf).jaxpr.eqns
+    sliced = {id(v) for e in eqns if e.primitive.name in ("slice", "dynamic_slice") for v in e.outvars}
+    calls = [e for e in eqns if launches(e)]
+    assert len(calls) == 3                                                   # route, gate/up, down
+    assert not [v for e in calls for v in e.invars if id(v) in sliced]
+
+
 def test_decode_reference_is_the_model_block():
     """reference.decode is moe_block's own arithmetic after the router (gather experts, combine, shared)."""
     x, w, idx, gu, dn, sg, su, ss, sd = _decode_args("fp8", 2, 9)
@@ -394,6 +446,15 @@ def test_decode_lowers_for_cuda():
             spec((n_exp, d, inter), fmt), S((mm, inter), BF16), S((mm, inter), BF16), S((mm, 1), BF16),
             spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm, tiles)
+    # the fused products' layout: the router logits and the shared gate logit in one [M, E + 1] product, the
+    # shared gate and up in one [M, 2 I_s] product, read in place
+    lowered = jax.jit(lambda lg, gu_, x, gw, dn, sd: (
+        routing_pallas.route(lg, top_k, True, cols=(0, n_exp)),
+        decode_pallas.moe_decode(x, jnp.ones((1, top_k), BF16), jnp.zeros((1, top_k), jnp.int32), gw, dn,
+                                 (gu_, 0), (gu_, inter), (lg, n_exp), sd))).trace(
+        S((1, n_exp + 1), BF16), S((1, 2 * inter), BF16), S((1, d), BF16), spec((n_exp, 2 * inter, d), "fp8"),
+        spec((n_exp, d, inter), "fp8"), spec((d, inter), "fp8")).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
 
 
 def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):

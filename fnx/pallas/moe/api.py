@@ -21,18 +21,23 @@ MAX_DECODE_TOKENS = experts_pallas.MAX_TOKENS
 MAX_FUSED_TOKENS = decode_pallas.MAX_TOKENS
 
 
-def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl: str | None = None):
+def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl: str | None = None,
+          cols: tuple[int, int] | None = None):
     """Router logits [T, E] -> (weights [T, K] `dtype` (default logits.dtype), expert ids [T, K] int32):
-    fp32 softmax, top-k with ties to the lowest id, optional renormalisation."""
-    t, e = logits.shape
+    fp32 softmax, top-k with ties to the lowest id, optional renormalisation. `cols` (start, E): the logits are
+    those columns of a wider product [T, W] (the kernel reads them in place; the reference slices)."""
+    t, e = logits.shape[0], (cols[1] if cols is not None else logits.shape[1])
     why = None
     if t > routing_pallas.MAX_TOKENS or e > routing_pallas.MAX_EXPERTS:
         why = f"the Pallas router takes T <= {routing_pallas.MAX_TOKENS} and E <= {routing_pallas.MAX_EXPERTS}; " \
               f"got T={t}, E={e}"
     backend = dispatch.resolve("moe_route", impl, not_applicable=why)
     if backend == "reference":
+        if cols is not None:
+            logits = logits[:, cols[0]:cols[0] + cols[1]]
         return reference.route(logits, top_k, norm_topk_prob, dtype)
-    return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend))
+    return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
+                                cols=None if cols is None else tuple(cols))
 
 
 def experts(gate_up, down, x: jax.Array, idx: jax.Array, impl: str | None = None,
@@ -98,9 +103,12 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
     """The MoE block after its router, op "moe_decode": x [M, D], routing weights w [M, K] and ids [M, K], the
     shared expert's gate / up projections [M, I_s] and gate logit [M, 1], expert weights gate_up [E, 2I, D] and
     down [E, D, I], shared_down [D, I_s] -> [M, D] (x.dtype). Pallas: two launches (fnx.pallas.moe.decode_pallas:
-    M <= 8 tokens; bf16 / fp32, FP8-block or NVFP4 weights); reference: reference.decode."""
+    M <= 8 tokens; bf16 / fp32, FP8-block or NVFP4 weights); reference: reference.decode. Each of s_gate, s_up,
+    s_sig may be a window (buffer [M, W], start column) into a wider product, which the kernel reads in place."""
     backend = decode_backend(x, ids.shape[1], gate_up, down, shared_down, impl, tiles)
     if backend == "reference":
+        i_s = shared_down.shape[-1]
+        s_gate, s_up, s_sig = (decode_pallas.window_array(a, n) for a, n in ((s_gate, i_s), (s_up, i_s), (s_sig, 1)))
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
                                     interpret=dispatch.interpret_flag(backend), tiles=tiles)

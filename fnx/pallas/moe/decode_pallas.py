@@ -236,7 +236,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1):
+                 inter, inter_s, bn, cw, group, e2m1, offs):
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
     dt = sg_ref.dtype
     c0 = pl.program_id(0) * bn
@@ -273,12 +273,12 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         for c in range(nks):
             w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1)
             for i in range(m):
-                g = _xs(sg_ref, (i,), c * cw, cw, sfmt == "nvfp4")
-                u = _xs(su_ref, (i,), c * cw, cw, sfmt == "nvfp4")
+                g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
+                u = _xs(su_ref, (i,), offs[1] + c * cw, cw, sfmt == "nvfp4")
                 acc[i] = acc[i] + _rowdot(w_c, [_silu_mul(a, b, dt) for a, b in zip(g, u)])
         out = []
         for i in range(m):
-            gate = rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, 0].astype(F32))), dt)
+            gate = rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, offs[2]].astype(F32))), dt)
             out.append(rnd(rnd(acc[i], dt) * gate, dt))
         return out
 
@@ -378,10 +378,28 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block") -> D
     return dataclasses.replace(t, bn=bn, cw=cw, bn2=bn2, cw2=cw2)
 
 
+def _window(a, size: int):
+    """(buffer [M, W], start) for a window given as an array [M, size] or as (buffer, start)."""
+    buf, start = (a if isinstance(a, tuple) else (a, 0))
+    if buf.ndim == 1:           # [M]: one column
+        buf = buf.reshape(-1, 1)
+    start = int(start)
+    if buf.ndim != 2 or start < 0 or start + size > buf.shape[1]:
+        raise ValueError(f"window [{start}, {start + size}) is outside an operand of shape {tuple(buf.shape)}")
+    return buf, start
+
+
+def window_array(a, size: int) -> jax.Array:
+    """The [M, size] array of a window (a plain array, or (buffer, start): sliced)."""
+    buf, start = _window(a, size)
+    return buf if start == 0 and buf.shape[1] == size else buf[:, start:start + size]
+
+
 def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, interpret: bool = False,
                tiles: DecodeTiles | None = None) -> jax.Array:
-    """x [M, D]; w [M, K] (x.dtype), ids [M, K] int32; s_gate, s_up [M, I_s], s_sig [M, 1] (x.dtype);
-    gate_up [E, 2I, D], down [E, D, I], shared_down [D, I_s] -> the MoE block's output [M, D] (x.dtype)."""
+    """x [M, D]; w [M, K] (x.dtype), ids [M, K] int32; s_gate, s_up [M, I_s], s_sig [M, 1] (x.dtype), each an
+    array or a window (buffer [M, W], start column) read in place; gate_up [E, 2I, D], down [E, D, I], shared_down
+    [D, I_s] -> the MoE block's output [M, D] (x.dtype)."""
     m, d = x.shape
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
@@ -390,6 +408,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
+    (sg, og), (su, ou), (ss, os_) = _window(s_gate, inter_s), _window(s_up, inter_s), _window(s_sig, 1)
     n_slots = m * k
     sp = _pow2(n_slots)
     fmt1, w1, _ = reference.kernel_operands(gate_up)
@@ -409,13 +428,13 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     out_shape = (n_groups + 1, m, d) if g else (m, d)
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
-                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1),
+                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
+                          offs=(og, ou, os_)),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
-    )(flat, w.reshape(-1).astype(dt), act, s_gate.astype(dt), s_up.astype(dt), s_sig.reshape(m, 1).astype(dt),
-      *w2, *w3)
+    )(flat, w.reshape(-1).astype(dt), act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3)
     if not g:
         return y
     # the routed partials in group order, rounded once, then the shared term (already rounded): as the reference

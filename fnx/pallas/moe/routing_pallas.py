@@ -22,12 +22,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _route_kernel(logits_ref, w_ref, ids_ref, *, m, e, k, norm, bm, be, bk):
+def _route_kernel(logits_ref, w_ref, ids_ref, *, m, e, c0, k, norm, bm, be, bk):
     r0 = pl.program_id(0) * bm
     rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, be), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bm, be), 1)
     valid = (rows < m) & (cols < e)
-    x = plgpu.load(logits_ref.at[pl.ds(r0, bm), pl.ds(0, be)], mask=valid, other=0.0).astype(F32)
+    x = plgpu.load(logits_ref.at[pl.ds(r0, bm), pl.ds(c0, be)], mask=valid, other=0.0).astype(F32)
     x = jnp.where(cols < e, x, -jnp.inf)
     x_max = jnp.max(x, axis=1, keepdims=True)
     un = jnp.exp(x - x_max)
@@ -53,18 +53,22 @@ def _route_kernel(logits_ref, w_ref, ids_ref, *, m, e, k, norm, bm, be, bk):
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "dtype", "interpret", "block_m",
-                                             "num_warps"))
+                                             "num_warps", "cols"))
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, interpret: bool = False,
-          block_m: int = 8, num_warps: int = 4):
+          block_m: int = 8, num_warps: int = 4, cols: tuple[int, int] | None = None):
     """logits [M, E] -> (weights [M, K] `dtype`, ids [M, K] int32), as reference.route; programs of `block_m`
-    rows (a power of two), one launch."""
-    m, e = logits.shape
+    rows (a power of two), one launch. `cols` (start, E): the logits are those columns of a wider product
+    [M, W], read in place."""
+    m, w_cols = logits.shape
+    c0, e = cols if cols is not None else (0, w_cols)
+    if c0 < 0 or e <= 0 or c0 + e > w_cols:
+        raise ValueError(f"router columns [{c0}, {c0 + e}) are outside the product's {w_cols} columns")
     if m > MAX_TOKENS or e > MAX_EXPERTS or top_k > e:
         raise NotImplementedError(f"the Pallas router handles M <= {MAX_TOKENS} tokens, E <= {MAX_EXPERTS} "
                                   f"experts and top_k <= E; got M={m}, E={e}, top_k={top_k}; use the reference")
     dtype = jnp.dtype(dtype or logits.dtype)
     bm, be, bk = min(_pow2(m), _pow2(block_m)), _pow2(e), _pow2(top_k)
-    kernel = functools.partial(_route_kernel, m=m, e=e, k=top_k, norm=norm_topk_prob, bm=bm, be=be, bk=bk)
+    kernel = functools.partial(_route_kernel, m=m, e=e, c0=c0, k=top_k, norm=norm_topk_prob, bm=bm, be=be, bk=bk)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((m, top_k), dtype), jax.ShapeDtypeStruct((m, top_k), jnp.int32)),
