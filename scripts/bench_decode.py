@@ -284,7 +284,7 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
 
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
             host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
-            engine_fetches=(), engine_separate: bool = False):
+            engine_fetches=(), engine_separate: bool = False, fuse: bool = False):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -303,6 +303,17 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         raise SystemExit("--quant with --mesh is not supported by this script yet")
     params = random_tree(shapes, key, dtype, psh, quant)
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
+    floors = {"decode": floor_bytes(cfg, params, 1), "verify": floor_bytes(cfg, params, k + 1),
+              "draft": floor_bytes(cfg, {"m": mp, "lm": params["lm_head"]}, 1)}
+    res = {"params_gb": nbytes(params) / 1e9, "mtp_gb": nbytes(mp) / 1e9, "fused_projections": fuse}
+    # the timed programs read `sparams` / `smp`: each sublayer's input projections fused into one product, as the
+    # engine and the server run them by default (fnx.model.fuse); the engine part builds its own from params
+    sparams, smp = params, mp
+    if fuse:
+        from fnx.model.fuse import fuse_mtp, fuse_projections
+        sparams, smp = fuse_projections(cfg, params), fuse_mtp(mp)
+        if not engine_tokens:
+            del params, mp
     ctx = max(contexts)
     # positions advance from ctx through every timed call (no per-call rewind: resetting `pos` costs a jitted op
     # of host time per call, which the step time would include); the spare capacity covers every call
@@ -310,7 +321,6 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     spare = calls + 100 + calls * (k + 1) + 64                    # decode steps, chained steps, MTP rounds
     cap = ctx + spare
     heads = cfg.ngram_heads
-    res = {"params_gb": nbytes(params) / 1e9, "mtp_gb": nbytes(mp) / 1e9}
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl=moe), donate_argnames=("state",))
     ids = lambda b, l: jnp.zeros((b, l, heads), jnp.int32) if cfg.ple_layer_ids else None  # noqa: E731
 
@@ -325,14 +335,14 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     chunk = min(2048, ctx)
     for a in range(0, ctx, chunk):
         toks = jnp.ones((1, chunk), jnp.int32)
-        _, state, _, _ = step_j(params, state, toks, ids(1, chunk))
+        _, state, _, _ = step_j(sparams, state, toks, ids(1, chunk))
     jax.block_until_ready(state)
     one = jnp.ones((1, 1), jnp.int32)
     holder = {"s": state}
 
     def dec():
         pi, pr = ple(1, 1)
-        logits, holder["s"], _, _ = step_j(params, holder["s"], one, pi, ple_rows=pr)
+        logits, holder["s"], _, _ = step_j(sparams, holder["s"], one, pi, ple_rows=pr)
         jax.block_until_ready(logits)
     res["decode_ms"] = timeit(dec, reps)
 
@@ -342,12 +352,12 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         t = time.perf_counter()
         for _ in range(n):
             pi, pr = ple(1, 1)
-            logits, holder["s"], _, _ = step_j(params, holder["s"], one, pi, ple_rows=pr)
+            logits, holder["s"], _, _ = step_j(sparams, holder["s"], one, pi, ple_rows=pr)
         jax.block_until_ready(logits)
         return (time.perf_counter() - t) / n * 1e3
     chained(4)
     res["decode_chained_ms"] = min(chained() for _ in range(3))
-    res["decode_floor_ms"] = floor_bytes(cfg, params, 1) / PEAK_BW * 1e3
+    res["decode_floor_ms"] = floors["decode"] / PEAK_BW * 1e3
     if ledger_calls:
         from fnx.pallas import ledger
         res["ledger_decode"] = ledger.profile(dec, ledger_calls)
@@ -368,21 +378,20 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     mh = {"m": mstate}
 
     def rnd():
-        m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
+        m, drafts, q = _jit_draft(sparams, smp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
                                   jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k, greedy=True)
         mh["m"] = m
         s = holder["s"]
         verify = jnp.concatenate([one, drafts], axis=1)
         pi, pr = ple(1, k + 1)
-        s, toks, n_acc, _, _ = _jit_verify(params, s, verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp,
+        s, toks, n_acc, _, _ = _jit_verify(sparams, s, verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp,
                                            keys, cfg, moe, 0, greedy=True)
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)
     if ledger_calls:
         res["ledger_mtp_round"] = ledger.profile(rnd, ledger_calls)
-    res["mtp_round_floor_ms"] = (floor_bytes(cfg, params, k + 1) + k * floor_bytes(cfg, {"m": mp, "lm": params[
-        "lm_head"]}, 1)) / PEAK_BW * 1e3
+    res["mtp_round_floor_ms"] = (floors["verify"] + k * floors["draft"]) / PEAK_BW * 1e3
     del holder, mh, state
     print(json.dumps({"layers": cfg.num_hidden_layers, "decode_ms": res["decode_ms"],
                       "decode_chained_ms": res["decode_chained_ms"],
@@ -399,7 +408,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             s = dict(s, pos=jnp.zeros_like(s["pos"]))
             for a in range(0, c, ch):
                 pi, pr = ple(1, ch)
-                logits, s, _, _ = step_j(params, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr)
+                logits, s, _, _ = step_j(sparams, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr)
             st_box["s"] = s
             jax.block_until_ready(logits)
         st_box = {"s": st}
@@ -431,6 +440,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
     ap.add_argument("--mesh-kernels", action="store_true",
                     help="with --mesh: the GEMV kernels per shard (dispatch.on_mesh) instead of the reference paths")
+    ap.add_argument("--no-fuse", action="store_true",
+                    help="separate input projections (the default fuses each sublayer's, as the engine and the "
+                         "server do; never on a mesh)")
     ap.add_argument("--no-scan", action="store_true",
                     help="every layer separate and unrolled (ModelConfig.scan_layers=False) instead of scanned groups")
     ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
@@ -506,7 +518,8 @@ def main():
             else:
                 r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger,
                             args.engine, [int(x) for x in args.engine_slots.split(",")],
-                            [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate)
+                            [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate,
+                            fuse=not args.no_fuse)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}
