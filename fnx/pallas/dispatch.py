@@ -76,8 +76,8 @@ AUTO_KEEPS_REFERENCE = {
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",
-    "gdn_decode": "no gain in the whole step: 1.170 ms with the kernel, 1.164 ms with its XLA reference ("
-                  + _MODEL_AB + ")",
+    # gdn_decode: "auto" keeps the reference for one token only (fnx.pallas.gdn.api.ONE_TOKEN_REASON), where a
+    # decode step runs gdn_step anyway; verify windows take the kernel
     # gemv_fp8 is on: in the FP8 step (4 layers, fused projections, FP8 lm_head; H200, commit b189f03) the
     # whole-K kernels took 0.746 ms of kernel time per step against 0.847 with XLA's dequantize-and-dot: the
     # lm_head 168 us against 272, the other FP8 projections 153 us against 149 (BENCHMARKS.md, seventh session)

@@ -94,3 +94,25 @@ def test_a_call_auto_keeps_on_the_reference(fake_gpu, monkeypatch, caplog):
     assert dispatch.resolve("moe_decode", prefer_reference=why) == "pallas"
     monkeypatch.setenv("FNX_KERNELS", "moe_decode=reference")
     assert dispatch.resolve("moe_decode") == "reference"
+
+
+def test_auto_runs_the_gdn_recurrence_kernel_for_verify_windows_only(fake_gpu, monkeypatch):
+    """gdn_decode under "auto": one token keeps the reference (measured no gain in the whole step), a verify window
+    of several tokens takes the kernel (5.4x the reference in isolation); a named backend runs as named."""
+    import jax.numpy as jnp
+
+    from fnx.pallas.gdn import api as gdn_api
+    from fnx.pallas.gdn import pallas as gdn_kernel
+    ran = []
+    monkeypatch.setattr(gdn_kernel, "gdn_recurrent", lambda *a, **kw: ran.append("pallas") or ("o", "s"))
+    monkeypatch.setattr(gdn_api.reference, "gdn_recurrent", lambda *a, **kw: ran.append("reference") or ("o", "s"))
+
+    def call(t, impl=None):
+        b, hk, hv, dk, dv = 1, 2, 4, 16, 16
+        gdn_api.gdn_recurrent(jnp.zeros((b, t, hk, dk)), jnp.zeros((b, t, hk, dk)), jnp.zeros((b, t, hv, dv)),
+                              jnp.zeros((b, t, hv)), jnp.zeros((b, t, hv)), jnp.zeros((b, hv, dk, dv)), impl=impl)
+    call(1)
+    call(5)
+    call(1, impl="pallas")
+    assert ran == ["reference", "pallas", "pallas"]
+    assert "gdn_decode" in dispatch.VERIFIED_ON_GPU and "gdn_decode" not in dispatch.AUTO_KEEPS_REFERENCE

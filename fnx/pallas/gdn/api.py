@@ -52,7 +52,8 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
     why = None                                        # the Triton lowering's tensors are powers of two
     if not (_is_pow2(dk) and _is_pow2(dv)):
         why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
-    backend = dispatch.resolve(OP, impl, not_applicable=why)
+    backend = dispatch.resolve(OP, impl, not_applicable=why,
+                               prefer_reference=ONE_TOKEN_REASON if length == 1 else None)
     if backend == "reference":
         return reference.gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
                                        steps_with_initial=steps_with_initial, out_dtype=out_dtype,
@@ -65,6 +66,13 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
                                 inplace=inplace, tiles=tiles, interpret=dispatch.interpret_flag(backend),
                                 norm=norm)
 
+
+# "auto" and the recurrence kernel, by measurement on the H200: for one token it gave no gain in the whole step
+# (1.170 ms with the kernel, 1.164 with its XLA reference: 4 layers bf16, 2026-11-30, commit e7dd728; BENCHMARKS.md
+# fourth session; decode steps now run gdn_step instead); for a verify window of 5 tokens it took 95 us against the
+# reference's 516 us in isolation (B = 8; BENCHMARKS.md, kernels), where XLA runs the window token by token.
+ONE_TOKEN_REASON = ("one token: the recurrence kernel gave no gain in the whole decode step (1.170 vs 1.164 ms, "
+                    "BENCHMARKS.md fourth H200 session); verify windows of several tokens take it")
 
 STEP_OP = "gdn_step"
 
