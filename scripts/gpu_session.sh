@@ -14,6 +14,7 @@
 #   scripts/gpu_session.sh moestep   # the 4-layer FP8 step with the MoE on XLA's gather path and on moe_decode
 #                                    # (one process each; kernel tables), MOESTEP_ARGS extra probe_launch flags
 #   scripts/gpu_session.sh decode    # full-model decode / MTP round at 4 and 8 layers, verified kernels on
+#   scripts/gpu_session.sh full      # all 48 layers (FP8 + NVFP4, unrolled, fused projections): step, round, ledgers
 #   scripts/gpu_session.sh mesh tp=2,ep=1   # one mesh per call on nvidia-h200-x2 (tp=1,ep=1 first; MESH_ARGS=--mesh-kernels
 #                                           # runs the GEMV kernels per shard)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
@@ -27,7 +28,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | engine | probe | table | cmdbuf | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | cmdbuf | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -66,6 +67,12 @@ case "$part" in
     FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
       --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
+  full)    # the whole 48-layer model at the released widths on one H200 (FP8 dense, NVFP4 experts, unrolled, fused
+           # projections as served): decode step, MTP k=4 round, prefill 1K, ledgers with their top kernels (~5 min;
+           # FULL_ARGS extra bench_decode flags, e.g. --no-fuse)
+    timeout ${FULL_S:-560} python scripts/bench_decode.py --reps 5 --layers 48 --no-scan --ledger 5 --contexts 1024 \
+      --quant fp8+nvfp4 ${FULL_ARGS:-} --out "$OUT/bench_decode.jsonl" > "$OUT/full48.log" 2>&1
+    grep -E '^# ledger|"part": "decode"|Error' "$OUT/full48.log" | cut -c1-400 ;;
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
     timeout ${ENGINE_S:-300} python scripts/bench_decode.py --layers ${ENGINE_LAYERS:-4} --contexts 1024 --reps 5 \
       --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,8} --out "$OUT/bench_decode.jsonl" 2>&1 \
