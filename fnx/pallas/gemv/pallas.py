@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from fnx.pallas import kernel_math
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 _dot = getattr(pltriton, "dot", None) or pl.dot  # moved to pallas.triton in newer JAX
@@ -61,19 +63,8 @@ WIDE_FORMATS = ("bf16", "fp8")
 FMA_MAX_M = 8
 
 
-def _e2m1_f16(codes):
-    """uint8 E2M1 codes (0..15) -> value / 2^14 as float16, with two shifts and a bitcast.
-
-    Code s|ee|m placed as fp16 bits s<<15 | ee<<11 | m<<9 has exponent field ee and mantissa top bit m, so it
-    reads 2^(ee-15) * (1 + m/2) for ee > 0 and the subnormal m * 2^-15 for ee = 0: exactly the E2M1 value
-    times 2^-14 in both cases (fp16 subnormals are exact on the GPU; no flush to zero). Callers fold 2^14 into
-    the scale."""
-    c = codes.astype(jnp.int32)
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
-
-
-E2M1_F16_SCALE = 2.0 ** 14
+_e2m1_f16 = kernel_math.e2m1_f16           # E2M1 codes -> value * 2^-14 (float16)
+E2M1_F16_SCALE = kernel_math.E2M1_F16_SCALE
 
 
 def _e2m1_bf16(codes):

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnx.pallas import kernel_math
 from fnx.pallas.kernel_math import rnd
 from fnx.pallas.moe import reference
 
@@ -100,15 +101,11 @@ def _raw(fmt, refs, lead, r0, rows, c0, cw, mask=None):
 
 
 def _e2m1_f16(c):
-    """E2M1 codes (uint32, 0..15) -> value * 2^-14 in fp32, through fp16 bits: code s|ee|m placed as
-    s<<15 | ee<<11 | m<<9 has fp16 exponent ee and mantissa top bit m, which reads 2^(ee-15) (1 + m/2) for ee > 0
-    and the subnormal m 2^-15 for ee = 0: the E2M1 value times 2^-14 in both cases (the fp16 -> fp32 conversion is
-    exact, subnormals included)."""
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(F32)
+    """E2M1 codes -> value * 2^-14 in fp32, through fp16 bits (`kernel_math.e2m1_f16`; the conversion is exact)."""
+    return kernel_math.e2m1_f16(c).astype(F32)
 
 
-E2M1_F16_SCALE = 2.0 ** 14
+E2M1_F16_SCALE = kernel_math.E2M1_F16_SCALE
 
 
 def _deq(fmt, raw, rows, cw, dt, e2m1="int"):

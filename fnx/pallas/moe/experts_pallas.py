@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnx.pallas import kernel_math
 from fnx.pallas.moe import reference
 
 F32 = jnp.float32
@@ -50,8 +51,10 @@ def _pow2(n: int) -> int:
 
 
 def _e2m1(c):
-    """uint32 E2M1 codes -> fp32 with integer ops (Hopper has no FP4 conversion)."""
-    return reference.e2m1_bits_to_f32(c)
+    """uint32 E2M1 codes -> value * 2^-14 in fp32 through fp16 bits (Hopper has no FP4 conversion; the caller's
+    scale carries 2^14: `kernel_math.e2m1_f16`). Faster than building fp32 bits from the fields in the decode
+    kernels (BENCHMARKS.md, eleventh session); the products are the same bits."""
+    return kernel_math.e2m1_f16(c).astype(F32)
 
 
 def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta):
@@ -74,7 +77,7 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta):
     p = w_ref[e, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
     sc = s_ref[e, pl.ds(r0, bn), pl.ds(k0 // group, bk // group)].astype(F32)          # [bn, bk/group]
     sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
-    sc = sc * s2_ref[e, pl.ds(r0, bn)].astype(F32)[:, None]
+    sc = sc * (s2_ref[e, pl.ds(r0, bn)].astype(F32) * kernel_math.E2M1_F16_SCALE)[:, None]
     return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
 
 
