@@ -41,7 +41,11 @@ _SWEEP_M1 = [(8, 512, 4, 128, 0, 4, 4), (8, 512, 16, 128, 1, 4, 4), (8, 512, 32,
 # (fewer fp32 values live) are tried against the M = 1 winners; NVFP4 also with its codes read as fp16 bits
 _SWEEP_M5 = [(8, 512, 8, 128, 1, 4, 2), (4, 512, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 4, 2),
              (2, 512, 8, 128, 1, 2, 2), (4, 512, 16, 128, 1, 2, 4),
-             (8, 512, 16, 128, 1, 8, 4, 0, "f16"), (4, 512, 8, 128, 1, 4, 2, 0, "f16")]
+             (8, 512, 16, 128, 1, 8, 4, 0, "f16"), (4, 512, 8, 128, 1, 4, 2, 0, "f16"),
+             # the down kernel at five tokens ran 16,320 small programs (86 us per layer in the 48-layer round):
+             # several slots per program, or wider output tiles
+             (4, 512, 8, 128, 5, 4, 2, 0, "f16"), (4, 512, 16, 128, 5, 4, 4, 0, "f16"),
+             (4, 512, 32, 128, 1, 4, 4, 0, "f16")]
 # NVFP4 at M = 1: its decode is arithmetic-heavy, so fewer columns per load and more warps are tried, then the codes
 # read as fp16 bits (e2m1 "f16") and the products kept as tiles (acc 1)
 _SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2), (8, 256, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 2, 2),
