@@ -393,6 +393,26 @@ def test_decode_routing_patterns(case):
         _close(got, want)
 
 
+@pytest.mark.parametrize("case,fmt,group", [("pairs", "fp8", 0), ("all_same", "nvfp4", 2), ("disjoint", "bf16", 1),
+                                            ("one", "fp8", 1)])
+def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
+    """DecodeTiles.meta 1: the owner flags, the tokens' choices and their weights computed once per call
+    (`slot_meta`) instead of by every program: the same output bits as meta 0, shared and disjoint experts, the
+    in-kernel combine (group 0) and the split one."""
+    m = 1 if case == "one" else 4
+    ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
+           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]], "one": None}[case]
+    args = _decode_args(fmt, m, 40, ids=ids)
+    tiles = dataclasses.replace(DT, group=group, e2m1="f16" if fmt == "nvfp4" else "int")
+    run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
+    base, got = run(tiles), run(dataclasses.replace(tiles, meta=1))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
+    _close(got, reference.decode(*args))
+    own, hit, coef = decode_pallas.slot_meta(args[2], args[1], BF16)
+    assert int(own.sum()) == len(np.unique(np.asarray(args[2])))          # one owner per distinct expert
+    assert int(hit.sum()) == m * K                                       # every (token, k) pair counted once
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_moe_block_decode_matches_gather(m):
     """The model's MoE block through the fused path (router kernel + the two decode kernels) against the gather
@@ -439,7 +459,9 @@ def test_decode_lowers_for_cuda():
                            ("fp8", 1, in_kernel), ("fp8", m, in_kernel), ("nvfp4", 1, None), ("nvfp4", m, None),
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="f16")),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16")),
-                           ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1))):
+                           ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=5, e2m1="f16", meta=1)),
+                           ("fp8", m, decode_pallas.DecodeTiles(group=0, meta=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -30,7 +30,7 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1]
+# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta]
 _SWEEP_M1 = [(8, 512, 4, 128, 0, 4, 4), (8, 512, 16, 128, 1, 4, 4), (8, 512, 32, 128, 1, 4, 4),
              (8, 512, 16, 128, 2, 4, 4), (8, 512, 16, 128, 5, 4, 4), (8, 256, 16, 128, 1, 2, 4),
              (4, 512, 8, 128, 1, 2, 2), (4, 512, 8, 128, 1, 4, 2), (8, 512, 8, 128, 1, 2, 2),
@@ -45,7 +45,9 @@ _SWEEP_M5 = [(8, 512, 8, 128, 1, 4, 2), (4, 512, 8, 128, 1, 4, 2), (4, 256, 8, 1
              # the down kernel at five tokens ran 16,320 small programs (86 us per layer in the 48-layer round):
              # several slots per program, or wider output tiles
              (4, 512, 8, 128, 5, 4, 2, 0, "f16"), (4, 512, 16, 128, 5, 4, 4, 0, "f16"),
-             (4, 512, 32, 128, 1, 4, 4, 0, "f16")]
+             (4, 512, 32, 128, 1, 4, 4, 0, "f16"),
+             # and the slots' owner / token / weight metadata computed once per call (meta 1)
+             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1)]
 # NVFP4 at M = 1: its decode is arithmetic-heavy, so fewer columns per load and more warps are tried, then the codes
 # read as fp16 bits (e2m1 "f16") and the products kept as tiles (acc 1)
 _SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2), (8, 256, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 2, 2),

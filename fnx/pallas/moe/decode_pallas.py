@@ -67,6 +67,9 @@ class DecodeTiles:
                          # registers, one reduction); more tokens always use 0
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
                          # bits, one conversion; 2^14 folded into the group scale): the same values
+    meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
+                         # chose it and their routing weights (a few reductions over the M*K ids per program);
+                         # 1: one XLA fusion computes them for every slot first and the programs load them
 
 
 def _pow2(n: int) -> int:
@@ -196,14 +199,20 @@ def _accumulate(m, hits, accs, add):
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
-def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1):
+def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta):
+    if meta:
+        own_ref, hit_ref, *rest = rest
     *w_refs, act_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[s]
     dt = act_ref.dtype
-    flat = _load_ids(ids_ref, n_slots, sp)
+    if meta:
+        owner = own_ref[s] != 0
+    else:
+        flat = _load_ids(ids_ref, n_slots, sp)
+        owner = _owner(flat, e, s)
 
-    @pl.when(_owner(flat, e, s))
+    @pl.when(owner)
     def _():
         nk = d // cw
         rg, ru = j * bn, inter + j * bn
@@ -218,7 +227,12 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             a = _silu_mul(rnd(_tiles_sum(tg), dt), rnd(_tiles_sum(tu), dt), dt)
             act_ref[s, 0, pl.ds(rg, bn)] = a.astype(dt)
             return
-        hits = [_routes_to(flat, e, k, i) for i in range(m)] if m > 1 else None
+        if m == 1:
+            hits = None
+        elif meta:
+            hits = [hit_ref[s * m + i] != 0 for i in range(m)]
+        else:
+            hits = [_routes_to(flat, e, k, i) for i in range(m)]
         accs = [(jnp.zeros((bn,), F32), jnp.zeros((bn,), F32)) for _ in range(m)]
         for c in range(nk):
             wg, wu = _deq(fmt, raw_g[c], bn, cw, dt, e2m1), _deq(fmt, raw_u[c], bn, cw, dt, e2m1)
@@ -233,22 +247,31 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1, offs):
+                 inter, inter_s, bn, cw, group, e2m1, offs, meta):
+    if meta:
+        own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
     dt = sg_ref.dtype
     c0 = pl.program_id(0) * bn
-    flat = _load_ids(ids_ref, n_slots, sp)
-    pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
-    rw = plgpu.load(rw_ref.at[pl.ds(0, sp)], mask=pos < n_slots, other=0).astype(F32)
-    tok = pos // k
     nk = inter // cw
+    if not meta:
+        flat = _load_ids(ids_ref, n_slots, sp)
+        pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+        rw = plgpu.load(rw_ref.at[pl.ds(0, sp)], mask=pos < n_slots, other=0).astype(F32)
+        tok = pos // k
 
     def slot(s, accs):
         e = ids_ref[s]
-        own = _owner(flat, e, s)
+        if meta:     # loaded: the owner flag, and per token whether it chose this expert and with what weight
+            own = own_ref[s] != 0
+            routed = [hit_ref[s * m + i] != 0 for i in range(m)]
+            coefs = [coef_ref[s * m + i] for i in range(m)]
+        else:
+            own = _owner(flat, e, s)
+            hits = [(flat == e) & (tok == i) for i in range(m)]
+            routed = [own & (jnp.sum(jnp.where(h, 1, 0)) > 0) for h in hits]
+            coefs = [jnp.sum(jnp.where(h, rw, 0.0)) for h in hits]
         raw = [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
-        hits = [(flat == e) & (tok == i) for i in range(m)]
-        routed = [own & (jnp.sum(jnp.where(h, 1, 0)) > 0) for h in hits]
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1)
@@ -258,8 +281,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             acc = _accumulate(m, routed, acc, add)
         out = []
         for i in range(m):
-            coef = jnp.sum(jnp.where(hits[i], rw, 0.0))
-            term = rnd(rnd(acc[i], dt) * coef, dt)
+            term = rnd(rnd(acc[i], dt) * coefs[i], dt)
             out.append(accs[i] + jnp.where(routed[i], term, 0.0))
         return tuple(out)
 
@@ -333,8 +355,8 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.cw < 16 or t.cw2 < 16 or ("nvfp4" in fmts.values() and min(t.cw, t.cw2) < 32):
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
-    if t.acc not in (0, 1) or t.e2m1 not in E2M1_DECODES:
-        return f"tiles {t}: acc must be 0 or 1 and e2m1 one of {E2M1_DECODES}"
+    if t.acc not in (0, 1) or t.meta not in (0, 1) or t.e2m1 not in E2M1_DECODES:
+        return f"tiles {t}: acc and meta must be 0 or 1 and e2m1 one of {E2M1_DECODES}"
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
     if d // t.cw > 64 or inter // t.cw2 > 64:
@@ -386,6 +408,21 @@ def _window(a, size: int):
     return buf, start
 
 
+def slot_meta(ids, w, dt):
+    """For the M*K slots (token-major): own [S] int32 (1 where no earlier slot holds the same expert), hit [S*M]
+    int32 (1 where the slot owns its expert and token i chose it) and coef [S*M] fp32 (token i's routing weight
+    for that expert, in dt, else 0): what each decode program otherwise finds with reductions over the ids."""
+    m, k = ids.shape
+    flat = ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    same = flat[:, None] == flat[None, :]                                          # [S, S]
+    own = ~jnp.any(same & (jnp.arange(n)[None, :] < jnp.arange(n)[:, None]), axis=1)
+    chose = same.reshape(n, m, k)                                                  # token i, its k-th pick
+    hit = own[:, None] & jnp.any(chose, axis=2)                                    # [S, M]
+    coef = jnp.sum(jnp.where(chose, w.astype(dt).astype(F32)[None], 0.0), axis=2)  # [S, M]
+    return own.astype(jnp.int32), hit.reshape(-1).astype(jnp.int32), coef.reshape(-1)
+
+
 def window_array(a, size: int) -> jax.Array:
     """The [M, size] array of a window (a plain array, or (buffer, start): sliced)."""
     buf, start = _window(a, size)
@@ -412,26 +449,28 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     fmt2, w2, _ = reference.kernel_operands(down)
     fmt3, w3, _ = reference.kernel_operands(shared_down)
     flat = ids.reshape(-1).astype(jnp.int32)
+    meta = slot_meta(ids, w, dt) if tiles.meta else ()
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
-                          bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1),
+                          bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
+                          meta=bool(tiles.meta)),
         out_shape=jax.ShapeDtypeStruct((n_slots, m, inter), dt),
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-    )(flat, x, *w1)
+    )(flat, x, *meta[:2], *w1)
     g = tiles.group
     n_groups = n_slots // g if g else 0
     out_shape = (n_groups + 1, m, d) if g else (m, d)
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
-                          offs=(og, ou, os_)),
+                          offs=(og, ou, os_), meta=bool(tiles.meta)),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
-    )(flat, w.reshape(-1).astype(dt), act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3)
+    )(flat, w.reshape(-1).astype(dt), act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3)
     if not g:
         return y
     # the routed partials in group order, rounded once, then the shared term (already rounded): as the reference
