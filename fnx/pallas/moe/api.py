@@ -92,8 +92,8 @@ def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None =
     limit = DECODE_AUTO_MAX_TOKENS.get(fmt, 1)
     if m > limit:
         slower = (f"{m} tokens of {fmt} experts: the fused kernels are measured faster than the gather path up to "
-                  f"{limit} token(s) in this format, and slower beyond (H200, five tokens: FP8 244 vs 178 us, "
-                  "bf16 280 vs 181; BENCHMARKS.md)")
+                  f"{limit} token(s) in this format, and slower or not measured beyond (H200, five tokens: FP8 "
+                  "244 vs 178 us, bf16 280 vs 181, NVFP4 250 vs 269; BENCHMARKS.md)")
     return dispatch.resolve("moe_decode", impl, prefer_reference=slower,
                             not_applicable=decode_not_applicable(x, top_k, gate_up, down, shared_down, tiles))
 
