@@ -98,10 +98,11 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
 
 
 def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0, fmts=("fp8", "bf16", "nvfp4"),
-              layer_filter: str | None = None) -> dict:
-    """Time the candidates per (fmt, N, K) at M = 1 (two stages, see gemv_candidates) and keep the fastest
-    (other M buckets use the nearest tuned one); stops at `budget_s`, leaving the rest to the heuristic. Entries
-    already in the config file stay unless re-tuned. Returns the config dict written."""
+              layer_filter: str | None = None, m: int = 1) -> dict:
+    """Time the candidates per (fmt, N, K) at M tokens (two stages, see gemv_candidates) and keep the fastest
+    under M's bucket (other buckets use the nearest tuned one; M = 5, an MTP verify window, is bucket 8); stops at
+    `budget_s`, leaving the rest to the heuristic. Entries already in the config file stay unless re-tuned.
+    Returns the config dict written."""
     import re
 
     from fnx.pallas.bench import time_case
@@ -114,7 +115,6 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
     shape_list = [s for s in shape_list if not ((s[1], s[2]) in seen or seen.add((s[1], s[2])))]
     if layer_filter:
         shape_list = [s for s in shape_list if re.search(layer_filter, s[0])]
-    m = 1
     for fmt in fmts:
         for name, n, k in shape_list:
             if time.time() - t_start > budget_s:
@@ -164,6 +164,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-budget", type=float, default=200.0, help="seconds the GEMV tuner may spend")
     ap.add_argument("--tune-fmts", nargs="*", default=["fp8", "bf16", "nvfp4"])
     ap.add_argument("--tune-layers", default=None, help="regex over layer names: tune only those shapes")
+    ap.add_argument("--tune-m", type=int, default=1, help="tokens per call to tune at (its M bucket gets the entry)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--min-apps", type=int, default=64,
                     help="applications the slope spans (fewer compile faster: the longer program unrolls them)")
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
         from fnx.pallas.gemv import api
         name = dev.device_kind.lower().replace(" ", "_") + ".json"
         tune_gemv(api.CONFIG_DIR / name, args.quick, lambda s: print(s, flush=True), args.tune_budget,
-                  tuple(args.tune_fmts), args.tune_layers)
+                  tuple(args.tune_fmts), args.tune_layers, args.tune_m)
     results = []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

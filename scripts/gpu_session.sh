@@ -7,7 +7,8 @@
 # Several parts may follow one another in one call (each under its own timeout, env PART_S overrides):
 #   scripts/gpu_session.sh verify    # every kernel test against the compiled kernels (then update
 #                                    # fnx/pallas/dispatch.py VERIFIED_ON_GPU for the ops that pass)
-#   scripts/gpu_session.sh tune      # GEMV tiles for the decode shapes (the table lands in $OUT: commit it as
+#   scripts/gpu_session.sh tune      # GEMV tiles for the decode shapes (TUNE_M=5: the verify window's bucket;
+#                                    # the table lands in $OUT: commit it as
 #                                    # fnx/pallas/gemv/configs/<device>.json)
 #   scripts/gpu_session.sh kernels   # bench_kernels (FAMS, FILTER) over the released shapes
 #   scripts/gpu_session.sh moe       # the MoE decode layer benchmark (MOE_FILTER: a bench_kernels --filter regex)
@@ -41,7 +42,8 @@ case "$part" in
       | tee "$OUT/verify.log" | tail -30 ;;
   tune)   # GEMV tiles for the shapes that carry the decode bytes; the table is kept in $OUT
     timeout ${TUNE_S:-240} python scripts/bench_kernels.py --tune gemv --tune-budget $(( ${TUNE_S:-240} - 40 )) \
-      --tune-fmts fp8 nvfp4 bf16 --tune-layers "${TUNE_LAYERS:-in_proj_qkv|gdn.out_proj|lm_head|shared|hc.up}" \
+      --tune-fmts ${TUNE_FMTS:-fp8 nvfp4 bf16} --tune-layers "${TUNE_LAYERS:-in_proj_qkv|gdn.out_proj|lm_head|shared|hc.up}" \
+      --tune-m ${TUNE_M:-1} \
       --only --out "$OUT/bench_kernels.jsonl" > "$OUT/tune.log" 2>&1
     cp fnx/pallas/gemv/configs/*.json "$OUT/" 2>/dev/null
     grep "^tune" "$OUT/tune.log" ;;
