@@ -24,6 +24,11 @@ Order of the combine: token 0's experts are its own slots, so its fp32 sum runs 
 A later token whose expert an earlier token also chose adds that term at the owner's place: the same terms, a
 different fp32 order (an ulp of the sum at most). Deterministic: no atomics, a fixed order.
 
+Variants (`DecodeTiles`): `acc` 1 keeps one token's gate/up products as tiles over the D chunks and sums each row
+once; `e2m1` "f16" reads NVFP4 codes through fp16 bits (the same weights); `meta` 1 computes each slot's owner
+flag, token choices and routing weights once per call (`slot_meta`) instead of in every program. The shared
+expert's inputs may be windows (buffer, start column) into the fused router / shared-expert products.
+
 Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
 block, each element dequantized as round(q * scale) to x.dtype, exactly the reference dequantizer's value; NVFP4
 (E2M1 codes decoded with integer ops, E4M3 scales per 16 values, the fp32 global per row, (code * scale) * global
