@@ -108,6 +108,8 @@ def quantize_leaf(path, leaf, quant: str):
 
     names = tuple(getattr(p, "key", getattr(p, "name", "")) for p in path)
     names = tuple(n for n in names if isinstance(n, str))
+    if KEEP_BF16 is not None and KEEP_BF16.search("/".join(names)):
+        return leaf
     if quant == "fp8+nvfp4" and "experts" in names:
         return chunked(_jitted(q.quantize_nvfp4), leaf)
     if online_fp8(names):
@@ -116,6 +118,7 @@ def quantize_leaf(path, leaf, quant: str):
 
 
 _JITTED = {}
+KEEP_BF16 = None      # --keep-bf16: a compiled regex over param paths that online quantization leaves as they are
 
 
 def _jitted(fn):
@@ -440,6 +443,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny config (CPU check of the script)")
     ap.add_argument("--mesh-kernels", action="store_true",
                     help="with --mesh: the GEMV kernels per shard (dispatch.on_mesh) instead of the reference paths")
+    ap.add_argument("--keep-bf16", default=None, metavar="REGEX",
+                    help="with --quant, params whose path ('/'-joined names) matches stay bf16, e.g. "
+                         "'input_mix_weight' for an HC boundary A/B")
     ap.add_argument("--no-fuse", action="store_true",
                     help="separate input projections (the default fuses each sublayer's, as the engine and the "
                          "server do; never on a mesh)")
@@ -469,6 +475,10 @@ def main():
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
+    global KEEP_BF16
+    if args.keep_bf16:
+        import re
+        KEEP_BF16 = re.compile(args.keep_bf16)
     if args.quick:
         args.reps, args.contexts = 5, "1024,8192"
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -533,7 +543,8 @@ def main():
             print(json.dumps(line), flush=True)
             with open(args.out, "a") as f:   # each layer count as soon as it ran: a run cut short keeps it
                 f.write(json.dumps({"record": "run", "date": datetime.date.today().isoformat(), "commit": commit,
-                                    "device": device.device_kind, "quant": args.quant, "ple_store": args.ple_store,
+                                    "device": device.device_kind, "quant": args.quant, "keep_bf16": args.keep_bf16,
+                                    "ple_store": args.ple_store,
                                     "kernels": kernels_label, "reps": args.reps,
                                     "scan_layers": not args.no_scan, "mtp_round": "greedy",
                                     **line}) + "\n")

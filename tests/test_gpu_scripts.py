@@ -31,6 +31,29 @@ def test_bench_decode_with_host_ple_and_ledger(tmp_path):
     assert run["ledger_decode"]["calls"] == 1
 
 
+def test_bench_decode_online_quant_per_leaf(monkeypatch):
+    """The full-model runs quantize each leaf as it is drawn: dense projections become FP8 blocks, experts NVFP4
+    with "fp8+nvfp4", small layers stay; --keep-bf16 leaves the matching paths as they are."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from fnx.model import quant
+    from tests.conftest import load_script
+    bd = load_script("bench_decode")
+    key = lambda *names: tuple(jax.tree_util.DictKey(n) for n in names)   # noqa: E731
+    w = jnp.ones((256, 256), jnp.bfloat16)
+    assert isinstance(bd.quantize_leaf(key("linear_attn", "in_proj_qkv"), w, "fp8"), quant.Fp8Block)
+    assert isinstance(bd.quantize_leaf(key("attn_hyper_connection", "input_mix_weight_down"), w, "fp8"),
+                      quant.Fp8Block)
+    assert isinstance(bd.quantize_leaf(key("mlp", "experts", "down_proj"), w[None], "fp8+nvfp4"), quant.Nvfp4)
+    assert bd.quantize_leaf(key("mlp", "gate"), w, "fp8") is w
+    monkeypatch.setattr(bd, "KEEP_BF16", re.compile("input_mix_weight"))
+    assert bd.quantize_leaf(key("attn_hyper_connection", "input_mix_weight_down"), w, "fp8") is w
+    assert isinstance(bd.quantize_leaf(key("linear_attn", "in_proj_qkv"), w, "fp8"), quant.Fp8Block)
+
+
 def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):
     res = tmp_path / "k.jsonl"
     stdout = _run(["scripts/bench_kernels.py", "--quick", "--only", "gemv", "--filter", "fp8 pallas.*M=1 N=256",
