@@ -259,3 +259,19 @@ def test_page_ranges_small_and_vectorised_agree(monkeypatch):
         np.testing.assert_array_equal(small[0], vec[0])
         np.testing.assert_array_equal(small[1], vec[1])
         assert (small[0][small[1], 0] <= (base + offs) // lx.PAGE * lx.PAGE).all()   # each row's page is covered
+
+
+def test_unique_rows_small_path_equals_numpy():
+    """A fetch's unique rows in Python ints (up to SMALL_UNIQUE ids, a decode step) and through np.unique: the same
+    sorted values and the same inverse, with duplicates, one id, none, and past the threshold."""
+    from fnx.ple import store as ps
+    rng = np.random.default_rng(5)
+    for n in (0, 1, 2, 16, 80, ps.SMALL_UNIQUE, ps.SMALL_UNIQUE + 1, 500):
+        for hi in (3, 10**9):
+            flat = rng.integers(0, hi, size=n).astype(np.int64)
+            got = ps._unique_inverse(flat)
+            want = np.unique(flat, return_inverse=True)
+            assert got[0].dtype == np.int64
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1].reshape(-1))
+            np.testing.assert_array_equal(got[0][got[1]], flat)
