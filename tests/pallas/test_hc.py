@@ -49,6 +49,7 @@ def _close(got, want, tol, what):
     ((1,), False, True, None),
     ((1, 1), True, False, kernel.Tiles1(bn=1, bd=16)),
     ((1, 1), True, True, kernel.Tiles1(bn=4, bd=32)),
+    ((1, 1), True, True, kernel.Tiles1(pieces=False)),
 ])
 def test_kernel_matches_reference(dtype, lead, with_y, inject, tiles):
     h, y, inj, p = _inputs(lead, 4, 64, 24, dtype, np.random.randint(1 << 30), inject)
@@ -77,15 +78,17 @@ def test_model_wiring():
     _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
 
 
+@pytest.mark.parametrize("pieces", [True, False])
 @pytest.mark.parametrize("d,r", [(128, 32), (320, 40)])
-def test_one_token_kernels_match_reference_tightly_in_fp32(d, r):
+def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces):
     """fp32 at M = 1: only the summation order differs from the reference (tolerance 1e-5), so a wrong index or
-    a missed rounding step cannot hide in bf16's tolerance. D = 320 = 5 x 64 takes the padded, masked tile (as the
-    released D = 2560 = 5 x 512 does), r = 40 the masked low-rank axis."""
+    a missed rounding step cannot hide in bf16's tolerance. D = 320 = 5 chunks of 64 and r = 40 are not powers
+    of two (as the released D = 2560 and r = 320 are not): unmasked pieces (4 + 1 chunks, 32 + 8) or one padded,
+    masked tile."""
     h, y, inj, p = _inputs((1, 1), 4, d, r, jnp.float32, np.random.randint(1 << 30))
     want = reference.hc_boundary(h, y, inj, *_args(p, True), streams=4, eps=1e-6)
     got = kernel.hc_boundary_m1(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
-                                tiles=kernel.Tiles1(bn=2, bd=16))
+                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces))
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
         _close(g, w, 1e-5, what)
 
@@ -120,8 +123,8 @@ def _fp8(p):
                 input_mix_weight_up=quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype):
+@pytest.mark.parametrize("dtype,pieces", [(jnp.bfloat16, True), (jnp.float32, True), (jnp.float32, False)])
+def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces):
     """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
     reference on the weights the model uses (dequantized, rounded to the activation dtype); and the model's
     gated_residual / boundary wiring: one token through the kernel, more tokens through the reference (a named
@@ -134,7 +137,7 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype):
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6)
     got = jax.jit(lambda h, y, i: api.hc_boundary(
         h, y, i, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w, p["block_inject_weight"],
-        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16),
+        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces),
         w_down_scale=q["input_mix_weight_down"].scale_inv, w_up_scale=q["input_mix_weight_up"].scale_inv))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):

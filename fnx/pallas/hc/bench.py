@@ -4,8 +4,12 @@
 Bytes floor = weights (Wdown + Wup + Winj + hc_norm) + activations (H, y, inj_prev in; H', x, inj out).
 FLOPs = 2 M (2 r + S) S D.
 
+At M = 1 the cases also run with FP8 Wdown / Wup (128x128 blocks, the model's online FP8 layout: what a decode step
+runs); bytes then count 1 byte per weight plus the scales.
+
 FNX_HC_SWEEP=1 replaces the cases by a sweep of the kernels' tiles (one field changed at a time from the default,
-plus a few pairs): the one-token kernels' Tiles1 at M = 1 (and the reference), the multi-token Tiles at M = 5: what `choose_tiles` should pick, by measurement."""
+plus a few pairs): the one-token kernels' Tiles1 at M = 1 (bf16 and FP8 weights, and the references), the
+multi-token Tiles at M = 5: what `choose_tiles` should pick, by measurement."""
 
 from __future__ import annotations
 
@@ -23,8 +27,35 @@ SWEEP = ({}, {"bd": 16}, {"bd": 64}, {"bkr": 32}, {"bkr": 128}, {"num_warps": 2}
          {"bd": 16, "num_warps": 2}, {"bd": 16, "bkr": 128}, {"bd": 16, "ks": 10}, {"br": 32, "ks": 10})
 
 # the one-token kernels (Tiles1), swept at M = 1
-SWEEP1 = ({}, {"bn": 1}, {"bn": 4}, {"bd": 4}, {"bd": 16}, {"num_warps": 2}, {"num_warps": 8},
-          {"bn": 1, "num_warps": 2}, {"bd": 4, "num_warps": 2}, {"bd": 16, "num_warps": 8}, {"bn": 4, "num_warps": 8})
+SWEEP1 = ({}, {"pieces": False}, {"bn": 1}, {"bn": 4}, {"bd": 4}, {"bd": 16}, {"num_warps": 2}, {"num_warps": 8},
+          {"bn": 1, "num_warps": 2}, {"bd": 4, "num_warps": 2}, {"bd": 16, "num_warps": 8}, {"bn": 4, "num_warps": 8},
+          {"pieces": False, "bn": 1})
+
+
+def _fp8_sets(arg_sets):
+    """The same inputs with Wdown and Wup as FP8 128x128 blocks (the model's online FP8 layout): (h, y, inj,
+    hc_norm, Wdown8, Wup8, Winj, Wdown scales, Wup scales)."""
+    from fnx.model import quant
+    out = []
+    for h, y, inj, norm, wd, wu, wi in arg_sets:
+        qd, qu = (quant.quantize_fp8_block(w.astype(jnp.float32)) for w in (wd, wu))
+        out.append((h, y, inj, norm, qd.w, qu.w, wi, qd.scale_inv, qu.scale_inv))
+    return out
+
+
+def _fp8_case(m, s, d, r, arg_sets, impl, change=None):
+    from fnx.pallas.hc import pallas as kernel
+    sd = s * d
+    nbytes = 2 * r * sd + 2 * 4 * (-(-r // 128)) * (-(-sd // 128)) + (s * sd + sd) * 2 + (2 * sd + 2 * d + 2 * s) * 2
+    tiles = None if change is None else dataclasses.replace(kernel.choose_tiles1(s, d, r), **change)
+    extra = {"M": m, "weights": "fp8"}
+    if change is not None:
+        extra["tiles"] = ",".join(f"{k}={v}" for k, v in change.items()) or "default"
+    return BenchCase(
+        kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl=impl,
+        fn=lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl=impl, tiles=tiles, w_down_scale=a[7],
+                                      w_up_scale=a[8]),
+        arg_sets=arg_sets, bytes=nbytes, flops=2 * m * (2 * r + s) * sd, extra=extra)
 
 
 def cases(quick: bool) -> list[BenchCase]:
@@ -73,10 +104,16 @@ def cases(quick: bool) -> list[BenchCase]:
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
                     fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
                     arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
+                f8 = _fp8_sets(arg_sets)       # FP8 Wdown / Wup: what the model runs (online FP8)
+                out += [_fp8_case(m, s, d, r, f8, "pallas", change) for change in sweep
+                        if fits(dataclasses.replace(base, **change))]
+                out.append(_fp8_case(m, s, d, r, f8, "reference"))
             continue
         for impl in ("pallas", "reference"):
             out.append(BenchCase(
                 kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl=impl,
                 fn=lambda *a, _impl=impl: api.hc_boundary(*a, streams=s, eps=1e-6, impl=_impl),
                 arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
+            if m == 1:       # FP8 Wdown / Wup: what the model runs (online FP8)
+                out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), impl))
     return out

@@ -124,17 +124,23 @@ def _up_kernel(u_ref, h_ref, rstd_ref, wn_ref, wu_ref, x_ref, *, d, r, s, bd, bk
 # The multi-token design above pads the token to 16 MMA rows and runs two XLA fusions beside its kernels: four
 # launches per boundary. At M = 1 (the plain decode step) the dots are GEMVs, so these kernels do them with vector
 # multiplies and sums, and fold the combine, the norm, silu, the gates and the mix into the two weight streams.
-# Each program issues all its loads at once (one masked tile, no loop): a first version that looped over K chunks
-# took ~12 us per kernel on the H200, bound by one DRAM latency per iteration.
-#   down1: grid ((r + S) / bn, S). Program (n, j) loads stream j of H (and y, inj_prev) as one [nc, bk] tile
-#          (D = nc * bk, nc padded to a power of two), builds H' = H + round(inj_prev_j * y), its rstd and
+# Each program issues all its loads at once (no loop): a first version that looped over K chunks took ~12 us per
+# kernel on the H200, bound by one DRAM latency per iteration.
+#   down1: grid ((r + S) / bn, S). Program (n, j) loads stream j of H (and y, inj_prev) as [q, ch] tiles (D = q * ch,
+#          ch <= 128 a power of two), builds H' = H + round(inj_prev_j * y), its rstd and
 #          Hn_j = round(H'_j * rstd * (1 + w_j)), and multiplies Hn_j by its bn rows of [Wdown; Winj] (the stream's
 #          D columns of each): fp32 partial sums [S, r + S], one per stream; rstd [.., S].
 #   up1:   grid (D / bd,). Program i sums the S partials of every row, u = silu(round(round(a) / S)) [r], the gates
-#          m = sigmoid(round(u @ Wup[cols].T)) for its columns [i*bd, (i+1)*bd) of every stream (one [S, bd, r]
-#          tile), Hn for the same columns, x = round(mean_j round(m_j * Hn_j)), and those columns of H'; program 0
+#          m = sigmoid(round(u @ Wup[cols].T)) for its columns [i*bd, (i+1)*bd) of every stream ([S, bd, k] tiles),
+#          Hn for the same columns, x = round(mean_j round(m_j * Hn_j)), and those columns of H'; program 0
 #          also finishes inj = 2 sigmoid(round(round(a_inj) / S)).
 # (One kernel is not possible without a grid-wide barrier: every gate needs all r values of u.)
+#
+# Tile shapes must be powers of two. `pieces=True` (the default) covers a non-power-of-two axis with several
+# unmasked power-of-two pieces (D = 2560 = 20 chunks of 128 -> 16 + 4 chunks; r = 320 -> 128 + 128 + 64), so no
+# register or lane holds padding, and every FP8 piece lies in one 128-column block: its scale is one value per row
+# block, loaded once, not once per weight. `pieces=False` is the earlier layout (one masked tile padded to the next
+# power of two, 37.5% padding at the released shapes, one scale load per weight), kept for the A/B.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,12 +150,34 @@ class Tiles1:
     num_warps: int = 4      # H200: in the whole step 4 warps beat 2 (down1 + up1 6.5 + 5.6 us against 6.5 + 7.0),
                             # although the isolated sweep (FNX_HC_SWEEP=1) had 2 warps ahead (28.1 vs 33.8 us)
     num_stages: int = 1
+    pieces: bool = True     # unmasked power-of-two pieces (see above); False: one padded, masked tile
 
 
 def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
     return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8))
 
+
+def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
+    """[start, start + size) pieces covering range(n): powers of two, largest first, none above `cap` (a power of
+    two). Each piece starts at a multiple of its size, so a piece of at most 128 lies in one 128-block."""
+    out, start = [], 0
+    size = min(cap, 1 << (max(1, n).bit_length() - 1))
+    while start < n:
+        while size > n - start:
+            size //= 2
+        out.append((start, size))
+        start += size
+    return out
+
+
+def _down_pieces(q: int, pieces: bool) -> list[tuple[int, int]]:
+    """Pieces of the q chunks of a stream: unmasked powers of two, or one padded tile (masked past q)."""
+    return _pieces(q, 1 << 30) if pieces else [(0, _pow2(q))]
+
+
+def _up_pieces(r: int, pieces: bool) -> list[tuple[int, int]]:
+    return _pieces(r, 128) if pieces else [(0, _pow2(r))]
 
 
 def _dequant_rows(wt, sc, dt):
@@ -158,7 +186,7 @@ def _dequant_rows(wt, sc, dt):
     return rnd(wt.astype(F32) * sc, dt)
 
 
-def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj, fp8):
+def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -168,37 +196,49 @@ def _down1_kernel(*refs, s, d, r, bn, bk, nc, eps, has_y, has_inj, fp8):
     part_ref, rstd_ref = next(it), next(it)
     n, j = pl.program_id(0), pl.program_id(1)
     dt = h_ref.dtype
-    rp = _pow2(nc)
-    col = jnp.arange(rp, dtype=jnp.int32)[:, None] * bk + jnp.arange(bk, dtype=jnp.int32)[None, :]   # [rp, bk]
-    ok = col < d            # offsets stay affine (no clamping where): Triton then vectorises the masked loads
-    off = j * d + col
-    # the weight tile first, so its DRAM reads are in flight while the activations are loaded and normalised; a
-    # Winj program reads Winj, the others Wdown (two masked loads, one of them touching no memory)
     rows = jnp.arange(bn, dtype=jnp.int32)[:, None, None]
     n_down = r // bn
     is_down = n < n_down
-    m3 = jnp.broadcast_to(ok[None], (bn, rp, bk))
-    wt = plt.load(wd_ref.at[(n * bn + rows) * (s * d) + off[None]], mask=m3 & is_down, other=0.0)
-    if fp8:   # the bn rows sit in one 128-row block (bn divides 128): one scale per 128 columns, from L1/L2
-        sc = plt.load(sd_ref.at[(n * bn) // 128 * ((s * d + 127) // 128) + off // 128], mask=ok & is_down,
-                      other=0.0)                                                          # [rp, bk]
-        wt = _dequant_rows(wt, sc[None], h_ref.dtype)
-    if has_inj:
-        wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
-                           mask=m3 & jnp.logical_not(is_down), other=0.0)                # [bn, rp, bk]
-    hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
-    if has_y:
-        yv = plt.load(y_ref.at[col], mask=ok, other=0.0).astype(F32)
-        hc = rnd(hc + rnd(yv * inj_ref[j].astype(F32), dt), dt)
-    ss = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)       # [1, 1]
+    ncb = (s * d + 127) // 128              # 128-column blocks of a row of Wdown (scale row length)
+    tiles = []
+    # the weight tiles first, so their DRAM reads are in flight while the activations are loaded and normalised; a
+    # Winj program reads Winj, the others Wdown (two masked loads, one of them touching no memory)
+    for c0, p in pieces:
+        chunk = c0 + jnp.arange(p, dtype=jnp.int32)                                     # [p]
+        col = chunk[:, None] * ch + jnp.arange(ch, dtype=jnp.int32)[None, :]            # [p, ch]
+        ok = jnp.broadcast_to((chunk < q)[:, None], (p, ch))   # all true unless padded (offsets stay affine: no
+        off = j * d + col                                      # clamping where, so Triton vectorises the loads)
+        m3 = jnp.broadcast_to(ok[None], (bn, p, ch))
+        wt = plt.load(wd_ref.at[(n * bn + rows) * (s * d) + off[None]], mask=m3 & is_down, other=0.0)
+        if fp8:   # the bn rows sit in one 128-row block (bn divides 128), a chunk in one 128-column block
+            sc = plt.load(sd_ref.at[(n * bn) // 128 * ncb + (j * d + chunk * ch) // 128],
+                          mask=(chunk < q) & is_down, other=0.0)                        # [p]
+            wt = _dequant_rows(wt, sc[None, :, None], dt)
+        if has_inj:
+            wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
+                               mask=m3 & jnp.logical_not(is_down), other=0.0)            # [bn, p, ch]
+        tiles.append((col, ok, off, wt))
+    hcs, ss = [], None
+    for col, ok, off, _ in tiles:
+        hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
+        if has_y:
+            yv = plt.load(y_ref.at[col], mask=ok, other=0.0).astype(F32)
+            hc = rnd(hc + rnd(yv * inj_ref[j].astype(F32), dt), dt)
+        hcs.append(hc)
+        piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+        ss = piece if ss is None else ss + piece
     rstd = lax.rsqrt(ss / d + eps)
     rstd_ref[...] = rstd
-    w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
-    hn = rnd(hc * rstd * (1.0 + w), dt)                                                 # [rp, bk]
-    part_ref[...] = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)          # [bn]
+    acc = None
+    for (col, ok, off, wt), hc in zip(tiles, hcs):
+        w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
+        hn = rnd(hc * rstd * (1.0 + w), dt)                                             # [p, ch]
+        piece = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)              # [bn]
+        acc = piece if acc is None else acc + piece
+    part_ref[...] = acc
 
 
-def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8):
+def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces):
     it = iter(refs)
     part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -209,23 +249,31 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8):
     injo_ref = next(it) if has_inj else None
     i = pl.program_id(0)
     dt = h_ref.dtype
-    rp = _pow2(r)
     sj = jnp.arange(s, dtype=jnp.int32)
-    k = jnp.arange(rp, dtype=jnp.int32)
-    kok = k < r             # offsets below stay unclamped (affine), as in down1
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
-    wt = plt.load(wu_ref.at[rows[:, :, None] * r + k[None, None, :]],                  # first: in flight early
-                  mask=jnp.broadcast_to(kok[None, None, :], (s, bd, rp)), other=0.0)     # [S, bd, rp]
-    if fp8:   # each stream's bd rows sit in one 128-row block (bd divides 128 and D): scales [S, rp]
-        sc = plt.load(su_ref.at[((sj * d + i * bd) // 128)[:, None] * ((r + 127) // 128) + k[None, :] // 128],
-                      mask=jnp.broadcast_to(kok[None, :], (s, rp)), other=0.0)
-        wt = _dequant_rows(wt, sc[:, None, :], h_ref.dtype)
-    parts = plt.load(part_ref.at[sj[:, None] * n_rows + k[None, :]], mask=jnp.broadcast_to(kok[None, :], (s, rp)),
-                     other=0.0)                                                          # [S, rp]
-    v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
-    u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                        # silu, rounded like the model
-    z = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                               # [S, bd]
+    ncb = (r + 127) // 128
+    tiles = []
+    for k0, p in pieces:                    # the weight tiles first: in flight early
+        k = k0 + jnp.arange(p, dtype=jnp.int32)
+        kok = jnp.broadcast_to((k < r)[None, :], (s, p))   # offsets below stay unclamped (affine), as in down1
+        wt = plt.load(wu_ref.at[rows[:, :, None] * r + k[None, None, :]],
+                      mask=jnp.broadcast_to(kok[:, None, :], (s, bd, p)), other=0.0)    # [S, bd, p]
+        if fp8:   # each stream's bd rows sit in one 128-row block (bd divides 128 and D)
+            rb = ((sj * d + i * bd) // 128) * ncb                                        # [S]
+            if p <= 128 and k0 % p == 0:          # the piece lies in one 128-column block: one scale per stream
+                sc = plt.load(su_ref.at[rb + k0 // 128])[:, None, None]                 # [S, 1, 1]
+            else:                                 # the padded tile: one scale per weight
+                sc = plt.load(su_ref.at[rb[:, None] + k[None, :] // 128], mask=kok, other=0.0)[:, None, :]
+            wt = _dequant_rows(wt, sc, dt)
+        tiles.append((k, kok, wt))
+    z = None
+    for k, kok, wt in tiles:
+        parts = plt.load(part_ref.at[sj[:, None] * n_rows + k[None, :]], mask=kok, other=0.0)   # [S, p]
+        v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
+        u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                    # silu, rounded like the model
+        piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                       # [S, bd]
+        z = piece if z is None else z + piece
     m = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
     hc = plt.load(h_ref.at[rows])                                                        # [S, bd]
     if has_y:
@@ -277,13 +325,14 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     whole = pl.BlockSpec(memory_space=pl.ANY)
     flat = lambda a: a.reshape(-1)  # noqa: E731
     acts = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ())
-    bk = _largest_pow2_divisor(d, 512)
+    ch = _largest_pow2_divisor(d, 128)      # a chunk never crosses a 128-column block (one FP8 scale per chunk)
+    q = d // ch
     n_down = r // t.bn
     n_prog = n_down + (s // t.bn if has_inj else 0)
     n_rows = n_prog * t.bn
     part, rstd = pl.pallas_call(
-        functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, bk=bk, nc=d // bk, eps=eps, has_y=has_y,
-                          has_inj=has_inj, fp8=fp8),
+        functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
+                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces))),
         grid=(n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
         out_specs=[pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))],
         out_shape=[jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)],
@@ -297,7 +346,7 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
         [pl.BlockSpec((s,), lambda i: (0,))] if has_inj else [])
     up = pl.pallas_call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
-                          fp8=fp8),
+                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces))),
         grid=(d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs, out_shape=outs,
         interpret=interpret, name="hc_up1_fp8" if fp8 else "hc_up1", **params,
     )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(w_up_scale.astype(F32)),) if fp8 else ()))
