@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnx.model.fuse import linears
+from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
 from fnx.pallas.gdn.api import gdn_recurrent, gdn_step
 from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after  # noqa: F401  (PLE uses the conv)
@@ -116,15 +116,18 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     bsz, length, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv, z, b, a = linears(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))   # fused or not
-    z = z.reshape(bsz, length, hv, dv)
+    wins = linear_windows(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))   # fused or not
     if length == 1 and not snapshots:
         # decode: conv update, gates, recurrence and output norm as one op ("gdn_step": one kernel on a GPU; its
-        # reference is the same ops as below, with the recurrence dispatched as "gdn_decode")
+        # reference is the same ops as below, with the recurrence dispatched as "gdn_decode"). The kernel reads
+        # qkv, z, b and a in place in the (fused) products: no slice kernels between the products and the launch.
+        qkv, z, b, a = ((w.buf, w.start) for w in wins)
         o, conv_state, rec_state = gdn_step(qkv, z, b, a, conv_state, p["conv1d"], p["A_log"], p["dt_bias"],
                                             p["norm"], rec_state, n_valid, key_heads=hk, eps=cfg.rms_norm_eps,
                                             act=cfg.output_gate_type, inplace=True)
         return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}
+    qkv, z, b, a = (w.get() for w in wins)
+    z = z.reshape(bsz, length, hv, dv)
     q, k, v, g, beta, conv_state, conv_x = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"],
                                                           p["dt_bias"], n_valid, key_heads=hk, key_head_dim=dk,
                                                           value_heads=hv)

@@ -209,6 +209,62 @@ def test_step_equals_the_model_ops(dtype, act, bv):
     assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
 
 
+@pytest.mark.parametrize("impl", ["reference", KERNEL])
+def test_step_reads_windows_of_wider_products(impl):
+    """qkv, z, b and a as windows (buffer [B, 1, W], start) into products with other columns around them (the fused
+    input projections' layout: qkv and z in one product, b and a in another), read in place: the same bits as
+    the plain arrays; a window past its buffer is refused."""
+    kw = step_inputs(seed())
+    bsz, c = kw["qkv"].shape[0], kw["qkv"].shape[2]
+    pad = jnp.full((bsz, 1, 3), 7.0, jnp.float32)
+    big = jnp.concatenate([pad, kw["qkv"], kw["z"].reshape(bsz, 1, -1), pad], axis=2)    # qkv at 3, z at 3 + C
+    ba = jnp.concatenate([kw["b"], pad, kw["a"]], axis=2)                                # b at 0, a at HV + 3
+    hv = kw["b"].shape[2]
+    want = _step(impl, kw)
+    win = dict(kw, qkv=(big, 3), z=(big, 3 + c), b=(ba, 0), a=(ba, hv + 3))
+    got = jax.jit(lambda bufs, d: api.gdn_step(
+        **dict(d, qkv=(bufs[0], 3), z=(bufs[0], 3 + c), b=(bufs[1], 0), a=(bufs[1], hv + 3)), impl=impl,
+        key_heads=2, eps=1e-6, act="sigmoid"))((big, ba), {k: v for k, v in kw.items() if k not in win or
+                                                       not isinstance(win[k], tuple)})
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="outside"):
+        api.gdn_step(**dict(kw, a=(ba, hv + 4)), impl=impl, key_heads=2, eps=1e-6, act="sigmoid")
+
+
+def test_model_decode_feeds_the_fused_products_to_the_step_kernel_unsliced():
+    """With the GDN input projections fused (here all four in one product: one dtype), the decode path hands the
+    product to gdn_step whole: no slice op between the product and the launch (each would be a copy kernel of its
+    own on the GPU), and the same output as unfused."""
+    from types import SimpleNamespace
+
+    from fnx.model import fuse, gdn
+    from fnx.pallas import dispatch
+    hk, hv, dk, dv, d = 2, 4, 16, 8, 64            # tiny-b's GDN widths
+    cfg = SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                          linear_value_head_dim=dv, rms_norm_eps=1e-6, output_gate_type="sigmoid")
+    kw = step_inputs(seed(), bsz=1, hk=hk, hv=hv, dk=dk, dv=dv, n_valid=(1,))
+    c = kw["qkv"].shape[2]
+    ks = jax.random.split(jax.random.key(5), 5)
+    w = lambda k, n, m=d: jax.random.normal(k, (n, m)) * m ** -0.5  # noqa: E731
+    p = {"in_proj_qkv": w(ks[0], c), "in_proj_z": w(ks[1], hv * dv), "in_proj_b": w(ks[2], hv),
+         "in_proj_a": w(ks[3], hv), "conv1d": kw["conv_w"], "A_log": kw["a_log"], "dt_bias": kw["dt_bias"],
+         "norm": kw["norm_w"], "out_proj": w(ks[4], d, hv * dv)}
+    pf = fuse.fuse_sublayer(p, fuse.GROUPS["linear_attn"])
+    assert any(k.startswith(fuse.PREFIX) for k in pf)
+    x = jax.random.normal(jax.random.key(6), (1, 1, d))
+    nv = jnp.ones((1,), jnp.int32)
+    run = lambda q: gdn.gdn_layer(q, x, kw["conv_state"], kw["rec"], cfg, nv)[:3]   # noqa: E731
+    with dispatch.force(KERNEL):
+        for g, want in zip(run(pf), run(p)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-6)
+        eqns = jax.make_jaxpr(lambda q: run(q)[0])(pf).jaxpr.eqns
+    sliced = {id(v) for e in eqns if e.primitive.name in ("slice", "dynamic_slice") for v in e.outvars}
+    calls = [e for e in eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    assert not [v for e in calls for v in e.invars if id(v) in sliced]
+
+
 def test_step_padding_slot_leaves_both_states_exactly():
     kw = step_inputs(seed(), n_valid=(0, 0, 1))
     _, c, s = _step(KERNEL, kw)

@@ -77,30 +77,52 @@ ONE_TOKEN_REASON = ("one token: the recurrence kernel gave no gain in the whole 
 STEP_OP = "gdn_step"
 
 
+def step_operand(a, size: int, bsz: int, name: str):
+    """(buffer [B, 1, W], start column) of a gdn_step operand given as an array (its columns, flattened: qkv
+    [B, 1, C], z [B, 1, HV, dv], b / a [B, 1, HV]) or as a window (buffer [B, 1, W], start) into a wider product
+    (the fused input projections), which the kernel reads in place."""
+    buf, start = a if isinstance(a, tuple) else (a.reshape(bsz, 1, -1), 0)
+    start = int(start)
+    if buf.ndim != 3 or tuple(buf.shape[:2]) != (bsz, 1) or start < 0 or start + size > buf.shape[2]:
+        raise ValueError(f"gdn_step: {name} window [{start}, {start + size}) is outside an operand of shape "
+                         f"{tuple(buf.shape)} (one token per sequence: [B={bsz}, 1, W])")
+    return buf, start
+
+
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
              key_heads: int, eps: float, act: str, inplace: bool = False, tiles=None):
     """One decode token per sequence through a GDN layer's core: causal conv update + silu, the beta / decay gates,
     the gated delta rule and the gated output norm (`reference.gdn_step` has the math and the shapes:
     qkv [B, 1, C], z [B, 1, HV, dv], b, a [B, 1, HV], conv_state [B, K-1, C], conv_w [C, K], a_log, dt_bias [HV],
-    norm_w [dv], rec [B, HV, dk, dv] fp32, n_valid [B]). Returns (o [B, 1, HV, dv], conv_state, rec).
+    norm_w [dv], rec [B, HV, dk, dv] fp32, n_valid [B]). qkv, z, b and a may also be windows (buffer [B, 1, W],
+    start column) into the fused input projections' products: the kernel reads them in place (a slice feeding a
+    launch would be a copy kernel of its own); the reference slices them. Returns (o [B, 1, HV, dv], conv_state,
+    rec).
     Op "gdn_step": the kernel does it all in one launch; its reference is the model's ops with the recurrence
     dispatched as "gdn_decode". tiles: `pallas.StepTiles` (BV columns of a head per program; BV < dv puts the
     norm after the kernel). The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
     agree to float error and bf16 runs to a rounding step where XLA keeps excess precision."""
-    bsz, length, conv_dim = qkv.shape
-    if length != 1 or z.ndim != 4 or z.shape[:2] != (bsz, 1):
-        raise ValueError(f"gdn_step: one token per sequence: qkv {qkv.shape} must be [B, 1, C] and z {z.shape} "
-                         f"[B, 1, HV, dv]")
-    hv, dv = z.shape[2], z.shape[3]
+    bsz = rec.shape[0] if rec.ndim == 4 else -1
+    if conv_w.ndim != 2 or a_log.ndim != 1 or norm_w.ndim != 1 or rec.ndim != 4:
+        raise ValueError(f"gdn_step: conv_w {tuple(conv_w.shape)} must be [C, K], a_log {tuple(a_log.shape)} [HV], "
+                         f"norm_w {tuple(norm_w.shape)} [dv], rec {tuple(rec.shape)} [B, HV, dk, dv]")
+    conv_dim, taps = conv_w.shape
+    hv, dv = a_log.shape[0], norm_w.shape[0]
+    if not isinstance(qkv, tuple) and (qkv.ndim != 3 or tuple(qkv.shape) != (bsz, 1, conv_dim)):
+        raise ValueError(f"gdn_step: one token per sequence: qkv {qkv.shape} must be [B, 1, C] = {(bsz, 1, conv_dim)}")
+    if not isinstance(z, tuple) and tuple(z.shape) != (bsz, 1, hv, dv):
+        raise ValueError(f"gdn_step: z {z.shape} must be [B, 1, HV, dv] = {(bsz, 1, hv, dv)}")
     if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
         raise ValueError(f"gdn_step: C={conv_dim} is not 2 * {key_heads} key heads * dk + HV={hv} * dv={dv} "
                          f"(HV a multiple of the key heads)")
     dk = (conv_dim - hv * dv) // (2 * key_heads)
-    taps = conv_w.shape[-1] if conv_w.ndim == 2 else 0
-    want = {"b": (b, (bsz, 1, hv)), "a": (a, (bsz, 1, hv)),
-            "conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "conv_w": (conv_w, (conv_dim, taps)),
-            "a_log": (a_log, (hv,)), "dt_bias": (dt_bias, (hv,)),
-            "norm_w": (norm_w, (dv,)), "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
+    for name, arr in (("b", b), ("a", a)):
+        if not isinstance(arr, tuple) and tuple(arr.shape) != (bsz, 1, hv):
+            raise ValueError(f"gdn_step: {name} {tuple(arr.shape)} must be {(bsz, 1, hv)}")
+    ops = [step_operand(o, n, bsz, name) for o, n, name in
+           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
+    want = {"conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "dt_bias": (dt_bias, (hv,)),
+            "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
     for name, (arr, shape) in want.items():
         if tuple(arr.shape) != shape:
             raise ValueError(f"gdn_step: {name} {tuple(arr.shape)} must be {shape}")
@@ -115,8 +137,10 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
         why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
     backend = dispatch.resolve(STEP_OP, impl, not_applicable=why)
     if backend == "reference":
-        return reference.gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
-                                  key_heads=key_heads, eps=eps, act=act, recurrent=gdn_recurrent)
+        qkv, z, b, a = (buf[:, :, s:s + n] if (s, n) != (0, buf.shape[2]) else buf
+                        for (buf, s), n in zip(ops, (conv_dim, hv * dv, hv, hv)))
+        return reference.gdn_step(qkv, z.reshape(bsz, 1, hv, dv), b, a, conv_state, conv_w, a_log, dt_bias, norm_w,
+                                  rec, n_valid, key_heads=key_heads, eps=eps, act=act, recurrent=gdn_recurrent)
     from fnx.pallas.gdn import pallas as kernel
     if tiles is not None and (not _is_pow2(tiles.block_v) or dv % tiles.block_v):
         raise ValueError(f"gdn_step: block_v={tiles.block_v} must be a power of two dividing dv={dv}")

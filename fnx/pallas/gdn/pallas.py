@@ -163,7 +163,9 @@ def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
 
 
 def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
-                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt):
+                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt, win):
+    # win: (row width, start column) of qkv, z, b, a in the buffers they are read from (fused products: in place)
+    (wq, sq), (wz, sz), (wb, sb), (wa, sa) = win
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     s = s_ref[0, 0, :, :]                                   # [dk, BV] fp32: the state load is issued first
@@ -174,7 +176,7 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         """silu(conv) of channels [off, off + n) (rounded like the model), and the window rows after the token."""
         ch = off + jnp.arange(n, dtype=jnp.int32)
         rows = [pltriton.load(conv_ref.at[(bi * hist + t) * conv_dim + ch]) for t in range(hist)]
-        x = pltriton.load(qkv_ref.at[bi * conv_dim + ch])
+        x = pltriton.load(qkv_ref.at[bi * wq + sq + ch])
         acc = jnp.zeros((n,), F32)
         for t, r in enumerate(rows + [x]):
             acc = acc + r.astype(F32) * pltriton.load(cw_ref.at[ch * taps + t]).astype(F32)
@@ -197,8 +199,8 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         store_window(qch, qnew)
         store_window(kch, knew)
 
-    beta = rnd(jax.nn.sigmoid(b_ref[0, 0].astype(F32)), dt)
-    g = -jnp.exp(alog_ref[0].astype(F32)) * softplus(a_ref[0, 0].astype(F32) + dtb_ref[0].astype(F32))
+    beta = rnd(jax.nn.sigmoid(b_ref[bi * wb + sb + h].astype(F32)), dt)
+    g = -jnp.exp(alog_ref[0].astype(F32)) * softplus(a_ref[bi * wa + sa + h].astype(F32) + dtb_ref[0].astype(F32))
     g = jnp.where(valid, g, 0.0)
     beta = jnp.where(valid, beta, 0.0)
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (dk ** -0.5)
@@ -208,7 +210,8 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
     s = s + k[:, None] * ((v - kv) * beta)[None, :]
     o = jnp.sum(s * q[:, None], axis=0)
     if bv == dv:
-        o_ref[0, 0, :] = _gated_norm(o, z_ref[0, 0, :], nw_ref[:], eps, act, dt)
+        zv = pltriton.load(z_ref.at[bi * wz + sz + h * dv + j * bv + jnp.arange(bv, dtype=jnp.int32)])
+        o_ref[0, 0, :] = _gated_norm(o, zv, nw_ref[:], eps, act, dt)
     else:
         o_ref[0, 0, :] = o.astype(dt)
     sout_ref[0, 0, :, :] = s
@@ -216,21 +219,24 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
 
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, *, key_heads: int, eps: float,
              act: str, tiles: StepTiles | None = None, inplace: bool = False, interpret: bool = False):
-    """See `fnx.pallas.gdn.api.gdn_step` (shapes are checked there). inplace: the new recurrent state is written
-    over `rec` (input_output_aliases; donate it, or XLA copies it first)."""
-    bsz, _, conv_dim = qkv.shape
-    hv, dv = z.shape[2], z.shape[3]
-    taps = conv_w.shape[1]
+    """See `fnx.pallas.gdn.api.gdn_step` (shapes are checked there). qkv, z, b and a: arrays or windows
+    (buffer [B, 1, W], start column), see `step_operand`. inplace: the new recurrent state is written over `rec`
+    (input_output_aliases; donate it, or XLA copies it first)."""
+    bsz = rec.shape[0]
+    conv_dim, taps = conv_w.shape
+    hv, dv = a_log.shape[0], norm_w.shape[0]
     dk = (conv_dim - hv * dv) // (2 * key_heads)
-    dt = qkv.dtype
+    from fnx.pallas.gdn.api import step_operand
+    ops = [step_operand(o, n, bsz, name) for o, n, name in
+           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
+    dt = ops[0][0].dtype
     t = tiles or default_step_tiles(bsz, hv, dv)
     bv = t.block_v
     whole = pl.BlockSpec(memory_space=pl.ANY)
     flat = lambda x: x.reshape(-1)  # noqa: E731
-    in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,)), whole, whole, whole,
-                pl.BlockSpec((1, 1), lambda i, h, j: (i, h)), pl.BlockSpec((1, 1), lambda i, h, j: (i, h)),
+    in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,)), whole, whole, whole, whole, whole,
                 pl.BlockSpec((1,), lambda i, h, j: (h,)), pl.BlockSpec((1,), lambda i, h, j: (h,)),
-                pl.BlockSpec((1, 1, bv), lambda i, h, j: (i, h, j)), pl.BlockSpec((bv,), lambda i, h, j: (j,)),
+                whole, pl.BlockSpec((bv,), lambda i, h, j: (j,)),
                 pl.BlockSpec((1, 1, dk, bv), lambda i, h, j: (i, h, 0, j))]
     out_specs = [pl.BlockSpec((1, 1, bv), lambda i, h, j: (i, h, j)),
                  pl.BlockSpec((1, 1, dk, bv), lambda i, h, j: (i, h, 0, j)), whole]
@@ -238,13 +244,14 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
                  jax.ShapeDtypeStruct((conv_state.size,), conv_state.dtype)]
     params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps, num_stages=1)}
     kernel = functools.partial(_step_kernel, conv_dim=conv_dim, taps=taps, hk=key_heads, dk=dk, dv=dv, bv=bv,
-                               rep=hv // key_heads, eps=float(eps), act=act, dt=dt)
-    z3 = z.reshape(bsz, hv, dv)
+                               rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
+                               win=tuple((buf.shape[2], start) for buf, start in ops))
+    (qb, _), (zb, zs), (bb, _), (ab, _) = ops
     o, rec, conv = pl.pallas_call(
         kernel, grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={10: 1} if inplace else {}, interpret=interpret, name="gdn_step", **params,
-    )(n_valid.astype(jnp.int32), flat(qkv), flat(conv_state), flat(conv_w), b.reshape(bsz, hv),
-      a.reshape(bsz, hv), a_log, dt_bias, z3, norm_w, rec)
+    )(n_valid.astype(jnp.int32), flat(qb), flat(conv_state), flat(conv_w), flat(bb), flat(ab), a_log, dt_bias,
+      flat(zb), norm_w, rec)
     if bv != dv:                                            # the norm over whole heads, after the kernel
-        o = rms_norm_gated(o, z3, norm_w, eps, act)
+        o = rms_norm_gated(o, zb[:, 0, zs:zs + hv * dv].reshape(bsz, hv, dv), norm_w, eps, act)
     return o.reshape(bsz, 1, hv, dv), conv.reshape(conv_state.shape), rec
