@@ -70,7 +70,6 @@ def _q6_k(b):
 
 
 def _iq4_nl(b):
-    n = b.shape[0]
     lo, hi = _nibbles(b[:, 2:18])
     idx = np.concatenate([lo, hi], axis=1)                                    # [n, 32]
     return _f16(b[:, 0:2]) * IQ4_VALUES[idx]

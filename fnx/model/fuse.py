@@ -157,20 +157,33 @@ class Window:
 
 
 def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -> tuple:
-    """As `linears`, each output a `Window` into the product that computed it (a fused one, or its own)."""
-    if linear is None:
-        from fnx.model.ops import linear
-    out: dict[str, Window] = {}
+    """As `linears`, each output a `Window` into the product that computed it (a fused one, or its own). With the
+    model's own `linear` (linear=None), exactly two products go through `fnx.model.ops.linear_pair` (one launch
+    where a kernel pairs them)."""
+    # the products to compute: each fused weight that holds one of `names`, then each name not fused
+    prods: list[tuple[tuple[str, ...], tuple[int, ...], object]] = []
+    covered: set[str] = set()
     for key, f in p.items():
         if isinstance(key, str) and key.startswith(PREFIX) and isinstance(f, FusedLinear) and \
                 any(n in names for n in f.names):
-            y = linear(x, f.w)
-            start = 0
-            for n, size in zip(f.names, f.sizes):
-                out[n] = Window(y, start, size)
-                start += size
+            prods.append((tuple(f.names), tuple(f.sizes), f.w))
+            covered.update(f.names)
     for n in names:
-        if n not in out:
-            y = linear(x, _get(p, n))
-            out[n] = Window(y, 0, y.shape[-1])
+        if n not in covered:
+            prods.append(((n,), (None,), _get(p, n)))
+    if len(prods) == 2 and linear is None:
+        # two products of x (e.g. an FP8 one and a narrow bf16 one): one launch where a kernel pairs them
+        from fnx.model.ops import linear_pair
+        ys = linear_pair(x, prods[0][2], prods[1][2])
+    else:
+        if linear is None:
+            from fnx.model.ops import linear
+        ys = [linear(x, w) for _, _, w in prods]
+    out: dict[str, Window] = {}
+    for (members, sizes, _), y in zip(prods, ys):
+        start = 0
+        for n, size in zip(members, sizes):
+            size = y.shape[-1] if size is None else size
+            out[n] = Window(y, start, size)
+            start += size
     return tuple(out[n] for n in names)

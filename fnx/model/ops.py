@@ -40,6 +40,21 @@ def linear(x: jax.Array, w, impl: str | None = None) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def linear_pair(x: jax.Array, w_a, w_b) -> tuple[jax.Array, jax.Array]:
+    """(linear(x, w_a), linear(x, w_b)). When one weight is FP8 (128x128 blocks) and the other a narrow bf16 array
+    (a layer's two input products: the GDN qkv + z and its b / a gates; the shared expert's gate / up and the MoE
+    router), `fnx.pallas.gemv.api.linear_pair` may run both in one launch (op "gemv_pair"); any other pair runs
+    apart."""
+    if len(w_a.shape) == 2 and len(w_b.shape) == 2:
+        (fa, ra), (fb, rb) = unpack_weight(w_a), unpack_weight(w_b)
+        for (f1, r1), (f2, r2), swap in (((fa, ra), (fb, rb), False), ((fb, rb), (fa, ra), True)):
+            if f1 == "fp8" and f2 == "bf16" and tuple(r1["block"]) == (128, 128):
+                from fnx.pallas.gemv import api as gemv
+                y1, y2 = gemv.linear_pair(x, r1["w"], r1["scale"], r2["w"])
+                return (y2, y1) if swap else (y1, y2)
+    return linear(x, w_a), linear(x, w_b)
+
+
 def linear_argmax(x: jax.Array, w, impl: str | None = None) -> jax.Array:
     """argmax(x @ w.T) over the last axis, ids [...] int32, ties to the lowest id, for a 2-D (possibly quantized)
     head: on a GPU at decode shapes the logits are never written (`fnx.pallas.gemv.api.linear_argmax`)."""

@@ -267,3 +267,98 @@ def test_gpu_kernel_matches_reference_at_released_shapes(fmt):
             ids = api.linear_argmax(x, raw["w"], fmt=fmt, scale=raw.get("scale"), scale_2=raw.get("scale_2"),
                                     impl="pallas")
             np.testing.assert_array_equal(np.asarray(ids), np.asarray(jnp.argmax(reference.linear_f32(x, wf), -1)))
+
+
+# ---- gemv_pair: an FP8 product and a narrow bf16 one of the same x, one launch --------------------------------------
+
+@pytest.mark.parametrize("m,n2,mode", [(1, 96, "fma"), (1, 513, "fma"), (3, 13, "fma"), (2, 40, "dot")])
+def test_pair_equals_the_two_products(m, n2, mode):
+    """The FP8 half is the whole-K kernel's own body (the same bits as `gemv` with the same tiles); the narrow bf16
+    half against the fp32 reference within one output rounding (its rows past N2 masked: 513 = the router + the
+    shared expert's gate logit, 13 a row count below one tile)."""
+    k, n1 = 1024, 256
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    w1, extra, _ = _weights("fp8", n1, k, key)
+    w2, _, _ = _weights("bf16", n2, k, jax.random.fold_in(key, 1))
+    x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), F32).astype(jnp.bfloat16)
+    t = gp.Tiles(16 if mode == "fma" else 32, 512, 1, num_warps=4, num_stages=1, mode=mode)
+    y1, y2 = gp.gemv_pair(x, w1, extra["scale"], w2, tiles=t, interpret=INTERPRET)
+    assert y1.shape == (m, n1) and y2.shape == (m, n2) and y1.dtype == y2.dtype == jnp.bfloat16
+    want1 = gp.gemv(x, w1, extra["scale"], fmt="fp8", tiles=t, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(want1, np.float32))
+    ref2 = np.asarray(reference.linear_f32(x, w2.astype(F32)))
+    err = np.abs(np.asarray(y2, np.float32) - ref2).max() / np.abs(ref2).max()
+    assert np.all(np.isfinite(np.asarray(y2, np.float32))) and err <= TOL, err
+
+
+def test_pair_dispatch_and_model_wiring(monkeypatch):
+    """`ops.linear_pair` in either order: the kernel when FNX_KERNELS names it (one launch), the two products apart
+    on the reference; a pair it does not serve (FP8 tiles that loop over K, a wide bf16 product) runs apart there
+    and raises when the kernel is named by impl."""
+    from fnx.pallas import dispatch
+    k = 2048                                    # the heuristic's whole-K ("fma") tiles start at K = 2048
+    key = jax.random.PRNGKey(3)
+    q = quant.quantize_fp8_block(jax.random.normal(key, (256, k), F32) * k ** -0.5)
+    wb = (jax.random.normal(jax.random.fold_in(key, 1), (96, k), F32) * k ** -0.5).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (1, 1, k), F32).astype(jnp.bfloat16)
+    want = (ops.linear(x, q), ops.linear(x, wb))
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair={KERNEL}")
+    for order in ((q, wb), (wb, q)):
+        jaxpr = jax.make_jaxpr(lambda x: ops.linear_pair(x, *order))(x)
+        calls = [e for e in jaxpr.jaxpr.eqns if "pallas_call" in str(e)]
+        assert len(calls) == 1, order
+        got = ops.linear_pair(x, *order)
+        got = got if order[0] is q else got[::-1]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2,
+                                       atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
+    small = quant.quantize_fp8_block(jax.random.normal(key, (256, 512), F32))
+    jaxpr = jax.make_jaxpr(lambda x: ops.linear_pair(x, small, wb[:, :512]))(x[..., :512])
+    assert "fnx_gemv_pair" not in str(jaxpr)               # FNX_KERNELS names it, the call is not served: apart
+    with pytest.raises(dispatch.NotApplicable, match="loop"):
+        api.linear_pair(x[..., :512], small.w, small.scale_inv, wb[:, :512], impl=KERNEL)
+    with pytest.raises(dispatch.NotApplicable, match="narrow"):
+        api.linear_pair(x, q.w, q.scale_inv, jnp.zeros((2048, k), jnp.bfloat16), impl=KERNEL)
+    monkeypatch.setenv("FNX_KERNELS", "gemv_pair=reference")
+    ys = ops.linear_pair(x, q, wb)
+    for g, w in zip(ys, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_pair_lowers_for_cuda_at_released_shapes():
+    """The GDN pair (qkv + z 16384 x 2560 FP8, b + a 96 x 2560 bf16) and the MoE pair (shared gate / up 1280 x 2560
+    FP8, router + shared gate logit 513 x 2560 bf16) at one token."""
+    for n1, n2 in ((16384, 96), (1280, 513)):
+        k = 2560
+        t = api.tiles_for("fp8", n1, k, 1)
+        assert t.mode != "loop", t
+        args = (jax.ShapeDtypeStruct((1, k), jnp.bfloat16), jax.ShapeDtypeStruct((n1, k), jnp.float8_e4m3fn),
+                jax.ShapeDtypeStruct((n1 // 128, k // 128), F32), jax.ShapeDtypeStruct((n2, k), jnp.bfloat16))
+        text = jax.jit(lambda *a: gp.gemv_pair(*a, tiles=t)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "fnx_gemv_pair_fp8" in text
+
+
+def test_fused_projections_take_the_pair_kernel(monkeypatch):
+    """A GDN layer's input projections with FP8 qkv / z and bf16 b / a (the online-FP8 layout): `fuse_sublayer`
+    makes two products (qkv + z, b + a) and `linear_windows` computes both in one launch when the pair kernel is
+    on, each window equal to its own product."""
+    from fnx.model import fuse
+    k = 2048
+    key = jax.random.PRNGKey(4)
+    rnd = lambda i, n: jax.random.normal(jax.random.fold_in(key, i), (n, k), F32) * k ** -0.5  # noqa: E731
+    p = {"in_proj_qkv": quant.quantize_fp8_block(rnd(0, 256)), "in_proj_z": quant.quantize_fp8_block(rnd(1, 128)),
+         "in_proj_b": rnd(2, 4).astype(jnp.bfloat16), "in_proj_a": rnd(3, 4).astype(jnp.bfloat16)}
+    names = fuse.GROUPS["linear_attn"]
+    pf = fuse.fuse_sublayer(p, names)
+    assert sum(k.startswith(fuse.PREFIX) for k in pf) == 2
+    x = jax.random.normal(jax.random.fold_in(key, 9), (1, 1, k), F32).astype(jnp.bfloat16)
+    want = [ops.linear(x, p[n]) for n in names]
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair={KERNEL}")
+    assert "fnx_gemv_pair" in str(jax.make_jaxpr(lambda x: [w.get() for w in fuse.linear_windows(x, pf, names)])(x))
+    for win, w in zip(fuse.linear_windows(x, pf, names), want):
+        g = win.get()
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2,
+                                   atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))

@@ -175,3 +175,45 @@ def linear_argmax(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, 
     ids = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend),
                   argmax=True)
     return ids.reshape(lead)
+
+
+PAIR_OP = "gemv_pair"
+
+
+def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
+    """None when `linear_pair`'s one-launch kernel serves this call, else why not."""
+    if len(w1_shape) != 2 or len(w2_shape) != 2:
+        return "weights with leading axes"
+    if dispatch.active_mesh() is not None:
+        return "params on a mesh (each product runs its own per-shard kernel)"
+    why = kernel_applies(x_shape, x_dtype, "fp8", w1_shape)
+    if why:
+        return f"the FP8 product: {why}"
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    t = tiles_for("fp8", w1_shape[0], x_shape[-1], m)
+    if t.mode == "loop":
+        return "the FP8 product's tiles walk K in a loop (split-K): only whole-K tiles pair"
+    if jnp.dtype(w2_dtype) != jnp.bfloat16:
+        return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
+    if w2_shape[1] != x_shape[-1] or gp.pair_side_tiles(w2_shape[0], x_shape[-1]) is None:
+        return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows of K={x_shape[-1]} in at "
+                f"most 16 power-of-two chunks")
+    return None
+
+
+def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *, impl: str | None = None):
+    """(x @ dequant(W1).T, x @ W2.T) for an FP8 W1 [N1, K] (128x128 block scales) and a narrow bf16 W2 [N2, K]:
+    at decode shapes one launch (`pallas.gemv_pair`: the FP8 whole-K kernel's programs, then a few programs for
+    the narrow rows); otherwise, and on the "reference" backend, the two products apart, each through `linear`'s
+    own dispatch (the current kernels or XLA). Op "gemv_pair"."""
+    why = pair_applies(x.shape, x.dtype, w1.shape, w2.shape, w2.dtype)
+    backend = dispatch.resolve(PAIR_OP, impl, not_applicable=why)
+    if backend == "reference":
+        return linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    t = tiles_for("fp8", w1.shape[0], k, x2.shape[0])
+    y1, y2 = gp.gemv_pair(x2, w1, scale1, w2, tiles=t, interpret=dispatch.interpret_flag(backend))
+    return y1.reshape(*lead, -1), y2.reshape(*lead, -1)

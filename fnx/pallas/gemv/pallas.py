@@ -158,14 +158,14 @@ def _chunk_width(fmt: str, t: Tiles) -> int:
     return 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
 
 
-def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool):
+def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None):
     """One program: BN output rows over the whole K axis. The K/BK chunk loads are unrolled and the weight
     tiles are all loaded before any arithmetic, so every load of the program is in flight at once (a looped
     program waits one DRAM latency per step). FP8: a tile's rows sit in one 128-row block, so "fma" folds the
     block scales into the activation (x * s per column, fp32) and "dot" scales each 128-column partial."""
     outs = rest[-2:] if argmax else rest[-1:]
     s_ref = rest[0] if fmt == "fp8" else None
-    n = pl.program_id(0)
+    n = pl.program_id(0) if n is None else n      # given: a caller that read it outside a branch (gemv_pair)
     row0 = n * t.bn
     mp = x_ref.shape[0]
     cw = _chunk_width(fmt, t)
@@ -284,3 +284,81 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     if t.split == 1:
         return out[0, :m]
     return jnp.sum(out[:, :m], axis=0).astype(x.dtype)
+
+
+# ---- a pair of products of one activation in one launch -----------------------------------------------------------
+#
+# At one token a layer's input projections are often two products of the same x: a wide FP8 one (the fused GDN
+# qkv + z, the shared expert's gate / up) and a narrow bf16 one kept out of FP8 (the GDN b / a gates: 96 rows; the
+# MoE router with the shared expert's gate logit: 513 rows). Apart they are two launches, the narrow one an XLA
+# reduction of ~2 us that mostly waits. `gemv_pair` runs both in one grid: programs [0, N1 / BN) are the whole-K FP8
+# kernel above ("fma" or "dot" tiles), the next ceil(N2 / BN2) programs each multiply BN2 rows of the bf16 weight
+# by x in fp32 on the CUDA cores (all their K chunks loaded first; the rows past N2 masked).
+
+PAIR_SIDE_MAX_N = 1024      # the narrow product's rows at most (it runs on few programs; wide ones take their own)
+
+
+def _pair_kernel(x_ref, w1_ref, s1_ref, w2_ref, y1_ref, y2_ref, *, t: Tiles, k: int, m: int, n1_prog: int,
+                 n2: int, bn2: int, cw2: int, out_dtype):
+    pid = pl.program_id(0)
+
+    @pl.when(pid < n1_prog)
+    def _():
+        _wide_kernel(x_ref, w1_ref, s1_ref, y1_ref, fmt="fp8", t=t, k=k, m=m, out_dtype=out_dtype, argmax=False,
+                     n=pid)
+
+    @pl.when(pid >= n1_prog)
+    def _():
+        rows = (pid - n1_prog) * bn2 + jnp.arange(bn2, dtype=jnp.int32)
+        ok = rows < n2
+        cols = jnp.arange(cw2, dtype=jnp.int32)
+        nk = k // cw2
+        mask = jnp.broadcast_to(ok[:, None], (bn2, cw2))
+        ws = [pltriton.load(w2_ref.at[rows[:, None] * k + (j * cw2 + cols)[None, :]], mask=mask, other=0.0)
+              for j in range(nk)]                                                    # weights first: [BN2, CW2]
+        for i in range(m):
+            acc = jnp.zeros((bn2,), F32)
+            for j in range(nk):
+                xv = x_ref[i, pl.ds(j * cw2, cw2)].astype(F32)
+                acc = acc + jnp.sum(ws[j].astype(F32) * xv[None, :], axis=1)
+            pltriton.store(y2_ref.at[i * n2 + rows], acc.astype(out_dtype), mask=ok)
+
+
+def pair_side_tiles(n2: int, k: int) -> tuple[int, int] | None:
+    """(BN2, CW2) for the narrow product: 4 rows per program, K in chunks of up to 512 columns (at most 16)."""
+    cw2 = next((c for c in (512, 256, 128, 64, 32, 16) if k % c == 0), None)
+    if cw2 is None or k // cw2 > 16 or n2 > PAIR_SIDE_MAX_N:
+        return None
+    return 4, cw2
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
+    """(x @ dequant(W1).T, x @ W2.T) in one launch: x [M, K] (M <= FMA_MAX_M for "fma" tiles), W1 float8_e4m3fn
+    [N1, K] with its 128x128 block scales, `tiles` a whole-K mode ("fma" / "dot") that fits (N1, K); W2 bf16
+    [N2, K] with N2 <= PAIR_SIDE_MAX_N. Returns y1 [M, N1], y2 [M, N2] in x.dtype."""
+    m, k = x.shape
+    n1, n2 = w1.shape[0], w2.shape[0]
+    t = tiles
+    why = check_tiles("fp8", n1, k, t)
+    if why or t.mode == "loop":
+        raise ValueError(f"gemv_pair: the FP8 product N={n1} K={k} needs whole-K tiles: {why or 'mode loop'}")
+    if t.mode == "fma" and m > FMA_MAX_M:
+        raise ValueError(f"gemv_pair: mode 'fma' serves M <= {FMA_MAX_M} tokens, not {m}")
+    side = pair_side_tiles(n2, k)
+    if side is None or w2.shape[1] != k or w2.dtype != BF16 or w1.shape[1] != k:
+        raise ValueError(f"gemv_pair: the narrow product must be bf16 [N2 <= {PAIR_SIDE_MAX_N}, K={k}] with K in "
+                         f"at most 16 chunks of a power of two; got {w2.dtype} {tuple(w2.shape)}")
+    bn2, cw2 = side
+    mp = 1 << (m - 1).bit_length() if t.mode == "fma" else max(16, 1 << (m - 1).bit_length())
+    xb = x.astype(BF16) if mp == m else jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
+    n1_prog = n1 // t.bn
+    y1, y2 = pl.pallas_call(
+        functools.partial(_pair_kernel, t=t, k=k, m=m, n1_prog=n1_prog, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype),
+        out_shape=(jax.ShapeDtypeStruct((1, mp, n1), x.dtype), jax.ShapeDtypeStruct((m * n2,), x.dtype)),
+        grid=(n1_prog + -(-n2 // bn2),),
+        compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret,
+        name=f"fnx_gemv_pair_fp8_{t.mode}",
+    )(xb, w1, scale1.astype(F32), w2.reshape(-1))
+    return y1[0, :m], y2.reshape(m, n2)
