@@ -120,7 +120,8 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
     tokens (K/V and blocks written for padding lie past the valid length and are overwritten later).
     Calls of L <= 8 tokens (decode, MTP verify) whose `impl` (fnx.pallas.dispatch) resolves to a kernel gather the
-    selected tokens (fnx.pallas.qsa.api); otherwise the masked dense attention below, which is the reference.
+    selected tokens (fnx.pallas.qsa.api; "auto" takes it for KV capacities from qsa_api.KERNEL_MIN_CAPACITY up);
+    otherwise the masked dense attention below, which is the reference.
     Returns (y [B, L, D], new state, aux {"idx_buf"} for rollback)."""
     bsz, length, _ = x.shape
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -149,7 +150,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     dt = x.dtype
     why = None if length <= qsa_api.MAX_DECODE_TOKENS else \
         f"{length} tokens > {qsa_api.MAX_DECODE_TOKENS} (prefill runs the masked dense path)"
-    if qsa_api.backend(impl, why) != "reference":
+    if qsa_api.backend(impl, why, prefer_reference=qsa_api.auto_reason(capacity)) != "reference":
         idx = select_token_indices(q_idx, blocks, positions, capacity, cfg, impl)      # [B, L, N]
         o = qsa_api.qsa_decode_attention(q, kc, vc, idx, impl=impl)
     else:

@@ -68,10 +68,11 @@ AUTO_KEEPS_REFERENCE = {
                  "fused decode path (moe_decode) runs the routing kernel on its own backend: the two were measured "
                  "together",
     "moe_experts": "measured slower: see moe_route",
-    "qsa_decode_attention": "measured slower in the whole step at 1K context: 1.450 vs 1.170 ms (" + _MODEL_AB
-                            + "); the kernel beats the reference 2x at 32K context in isolation, so long "
-                            "contexts may want FNX_KERNELS=qsa_decode_attention=pallas",
-    "qsa_index_scores": "see qsa_decode_attention",
+    # qsa_decode_attention: "auto" keeps the masked dense path per call below a KV capacity of 32K
+    # (fnx.pallas.qsa.api.auto_reason: slower at 1K in the whole step, 2x faster at 32K in isolation)
+    "qsa_index_scores": "measured slower together with the attention kernel in the whole step at 1K context: 1.450 "
+                        "vs 1.170 ms (" + _MODEL_AB + "); not measured apart, so the kernel path's block scores stay "
+                        "XLA's",
     # the one-token boundary (hc_boundary_m1) is on: 0.865 / 0.869 / 0.866 ms per chained step against 0.902 /
     # 0.906 with the reference (H200, 4 layers bf16, commit 140df28; BENCHMARKS.md "Sixth H200 session")
     "hc_boundary": "the multi-token boundary (2-32 tokens) measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("

@@ -116,3 +116,16 @@ def test_auto_runs_the_gdn_recurrence_kernel_for_verify_windows_only(fake_gpu, m
     call(1, impl="pallas")
     assert ran == ["reference", "pallas", "pallas"]
     assert "gdn_decode" in dispatch.VERIFIED_ON_GPU and "gdn_decode" not in dispatch.AUTO_KEEPS_REFERENCE
+
+
+def test_qsa_attention_kernel_under_auto_only_for_long_caches(fake_gpu):
+    """auto keeps the masked dense QSA path below qsa_api.KERNEL_MIN_CAPACITY (measured faster at 1K context) and
+    takes the kernel from there up (measured 2x faster at 32K); a named backend runs as named at any capacity, and
+    the block-score kernel stays on the reference under auto."""
+    from fnx.pallas.qsa import api as qsa_api
+    short, long_ = qsa_api.auto_reason(4096), qsa_api.auto_reason(qsa_api.KERNEL_MIN_CAPACITY)
+    assert short is not None and "4096" in short and long_ is None
+    assert qsa_api.backend(prefer_reference=short) == "reference"
+    assert qsa_api.backend(prefer_reference=long_) == "pallas"
+    assert qsa_api.backend("pallas", prefer_reference=short) == "pallas"
+    assert dispatch.resolve(qsa_api.SCORES_OP) == "reference"

@@ -11,10 +11,28 @@ OP = "qsa_decode_attention"
 MAX_DECODE_TOKENS = 8        # the model routes calls with L <= this through the api (decode, MTP verify)
 
 
-def backend(impl: str | None = None, not_applicable: str | None = None) -> str:
+# "auto" and the attention kernel, by measurement on the H200: in the whole bf16 step at 1K context (KV capacity
+# ~1.5K) the kernel path was slower than the masked dense path, 1.450 against 1.170 ms per 4-layer step (BENCHMARKS.md,
+# fourth session); at 32K capacity it took 23.8 us per layer against the dense path's 50.1 us (isolated, B = 1,
+# 2051 selected tokens; BENCHMARKS.md "Kernels, one at a time"). The dense path reads the whole cache capacity,
+# the kernel only the selected tokens, so "auto" takes the kernel from this capacity up; between 1.5K and 32K
+# nothing is measured and the reference stays.
+KERNEL_MIN_CAPACITY = 32768
+
+
+def auto_reason(capacity: int) -> str | None:
+    """Why "auto" keeps the masked dense path for a cache of `capacity` tokens (None: it takes the kernel)."""
+    if capacity >= KERNEL_MIN_CAPACITY:
+        return None
+    return (f"KV capacity {capacity} < {KERNEL_MIN_CAPACITY}: the masked dense path measured faster at 1K context in "
+            f"the whole step, the kernel 2x faster at 32K (BENCHMARKS.md)")
+
+
+def backend(impl: str | None = None, not_applicable: str | None = None, prefer_reference: str | None = None) -> str:
     """The backend `qsa_decode_attention(..., impl)` would run ("reference", "pallas", "pallas_interpret");
-    not_applicable: why the kernel does not serve this call (see `fnx.pallas.dispatch.resolve`)."""
-    return dispatch.resolve(OP, impl, not_applicable=not_applicable)
+    not_applicable: why the kernel does not serve this call; prefer_reference: why "auto" keeps the reference for
+    it (`auto_reason`; see `fnx.pallas.dispatch.resolve`)."""
+    return dispatch.resolve(OP, impl, not_applicable=not_applicable, prefer_reference=prefer_reference)
 
 
 def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx: jax.Array,
