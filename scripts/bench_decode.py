@@ -536,7 +536,9 @@ def main():
             for key in ("ledger_decode", "ledger_mtp_round"):
                 if key in r:
                     led = r[key]
-                    print(f"# {key} ({n} layers): {led['launches_per_call']:.0f} kernels, busy "
+                    led["launches_per_layer"] = round(led["launches_per_call"] / n, 2)   # issue 8 asks <= ~6
+                    print(f"# {key} ({n} layers): {led['launches_per_call']:.0f} kernels "
+                          f"({led['launches_per_layer']:.1f} per layer), busy "
                           f"{led['busy_ms_per_call']:.3f} ms, idle {led.get('idle_ms_per_call', 0):.3f} ms; "
                           + ", ".join(f"{f} {v['ms_per_call']:.3f} ms / {v['kernels_per_call']:.0f}"
                                       for f, v in led["families"].items()), flush=True)
