@@ -151,9 +151,8 @@ class Window:
     size: int
 
     def get(self) -> jax.Array:
-        if self.start == 0 and self.size == self.buf.shape[-1]:
-            return self.buf
-        return self.buf[..., self.start:self.start + self.size]
+        from fnx.pallas.kernel_math import take_window
+        return take_window(self.buf, self.start, self.size)
 
 
 def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -> tuple:

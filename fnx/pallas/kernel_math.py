@@ -1,4 +1,5 @@
-"""Small arithmetic shared by the Pallas kernels (importable inside a kernel body: plain jnp on values)."""
+"""Small arithmetic shared by the Pallas kernels (importable inside a kernel body: plain jnp on values), and the
+one helper that turns a window into a wider product back into an array (`take_window`)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,13 @@ def e2m1_f16(codes):
     c = codes.astype(jnp.int32)
     bits = ((c & 8) << 12) | ((c & 7) << 9)
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+
+
+def take_window(buf, start: int, size: int):
+    """Columns [start, start + size) of buf [..., W] (the last axis): a projection's output inside a fused
+    product, which the kernels read in place as (buffer, start) and the references take as an array. The buffer
+    itself when the window is all of it (no slice op)."""
+    start = int(start)
+    if start == 0 and size == buf.shape[-1]:
+        return buf
+    return buf[..., start:start + size]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from fnx.model import moe, quant
-from fnx.pallas import dispatch
+from fnx.pallas import dispatch, kernel_math
 from fnx.pallas.moe import api, decode_pallas, experts_pallas, reference, routing_pallas
 from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
@@ -310,7 +310,7 @@ def test_decode_variants_match_reference(fmt, m, acc, e2m1):
 def test_e2m1_f16_codes():
     """Every E2M1 code through fp16 bits, times 2^14, is its value (the subnormal codes 0.5 and -0.5 included)."""
     codes = jnp.arange(16, dtype=jnp.uint32)
-    got = np.asarray(decode_pallas._e2m1_f16(codes)) * decode_pallas.E2M1_F16_SCALE
+    got = np.asarray(decode_pallas._e2m1_f16(codes)) * kernel_math.E2M1_F16_SCALE
     np.testing.assert_array_equal(got, np.asarray(reference.e2m1_bits_to_f32(codes)))
     assert list(got[:8]) == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

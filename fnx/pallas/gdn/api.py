@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fnx.pallas import dispatch
+from fnx.pallas.kernel_math import take_window
 from fnx.pallas.gdn import reference
 
 OP = "gdn_decode"
@@ -137,8 +138,7 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
         why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
     backend = dispatch.resolve(STEP_OP, impl, not_applicable=why)
     if backend == "reference":
-        qkv, z, b, a = (buf[:, :, s:s + n] if (s, n) != (0, buf.shape[2]) else buf
-                        for (buf, s), n in zip(ops, (conv_dim, hv * dv, hv, hv)))
+        qkv, z, b, a = (take_window(buf, s, n) for (buf, s), n in zip(ops, (conv_dim, hv * dv, hv, hv)))
         return reference.gdn_step(qkv, z.reshape(bsz, 1, hv, dv), b, a, conv_state, conv_w, a_log, dt_bias, norm_w,
                                   rec, n_valid, key_heads=key_heads, eps=eps, act=act, recurrent=gdn_recurrent)
     from fnx.pallas.gdn import pallas as kernel

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated, softplus
-from fnx.pallas.kernel_math import rnd
+from fnx.pallas.kernel_math import rnd, take_window
 
 F32 = jnp.float32
 
@@ -253,5 +253,5 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     )(n_valid.astype(jnp.int32), flat(qb), flat(conv_state), flat(conv_w), flat(bb), flat(ab), a_log, dt_bias,
       flat(zb), norm_w, rec)
     if bv != dv:                                            # the norm over whole heads, after the kernel
-        o = rms_norm_gated(o, zb[:, 0, zs:zs + hv * dv].reshape(bsz, hv, dv), norm_w, eps, act)
+        o = rms_norm_gated(o, take_window(zb[:, 0], zs, hv * dv).reshape(bsz, hv, dv), norm_w, eps, act)
     return o.reshape(bsz, 1, hv, dv), conv.reshape(conv_state.shape), rec

@@ -63,8 +63,6 @@ WIDE_FORMATS = ("bf16", "fp8")
 FMA_MAX_M = 8
 
 
-_e2m1_f16 = kernel_math.e2m1_f16           # E2M1 codes -> value * 2^-14 (float16)
-E2M1_F16_SCALE = kernel_math.E2M1_F16_SCALE
 
 
 def _e2m1_bf16(codes):
@@ -115,7 +113,7 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
             packed = w_ref[pl.ds(row0, t.bn), pl.ds(kb * half, half)]    # [BN, BK/2] uint8
             ng = t.bk // 16
             if t.dec == "f32":
-                sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32) * E2M1_F16_SCALE   # [BN, BK/16]
+                sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32) * kernel_math.E2M1_F16_SCALE   # [BN, BK/16]
                 sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
             else:  # each packed byte's scale, gathered in the weight tile's own shape (no reshape in registers)
                 rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
@@ -127,9 +125,9 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
                 hi = _e2m1_bf16(packed >> 4) * sc
             else:
                 if t.dec == "f32g":
-                    sc = sc.astype(F32) * E2M1_F16_SCALE
-                lo = (_e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
-                hi = (_e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
+                    sc = sc.astype(F32) * kernel_math.E2M1_F16_SCALE
+                lo = (kernel_math.e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
+                hi = (kernel_math.e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
             part = _dot(xe, lo, trans_b=True) + _dot(xo, hi, trans_b=True)
             return acc + part
         if fmt == "fp8" and t.bk > 128:  # several 128-column blocks per step, each scaled on its own partial

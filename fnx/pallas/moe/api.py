@@ -11,7 +11,7 @@ import logging
 
 import jax
 
-from fnx.pallas import dispatch
+from fnx.pallas import dispatch, kernel_math
 from fnx.pallas.moe import decode_pallas, experts_pallas, reference, routing_pallas
 
 log = logging.getLogger("fnx.pallas")
@@ -34,7 +34,7 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl:
     backend = dispatch.resolve("moe_route", impl, not_applicable=why)
     if backend == "reference":
         if cols is not None:
-            logits = logits[:, cols[0]:cols[0] + cols[1]]
+            logits = kernel_math.take_window(logits, cols[0], cols[1])
         return reference.route(logits, top_k, norm_topk_prob, dtype)
     return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
                                 cols=None if cols is None else tuple(cols))

@@ -113,9 +113,6 @@ def _e2m1_f16(c):
     return kernel_math.e2m1_f16(c).astype(F32)
 
 
-E2M1_F16_SCALE = kernel_math.E2M1_F16_SCALE
-
-
 def _deq(fmt, raw, rows, cw, dt, e2m1="int"):
     """A chunk loaded by `_raw`, dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of
     one [rows, cw] tile, or for NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high
@@ -128,7 +125,7 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int"):
         p = p.astype(jnp.uint32)
         sc = sc.astype(F32)
         if e2m1 == "f16":
-            sc = sc * E2M1_F16_SCALE
+            sc = sc * kernel_math.E2M1_F16_SCALE
         sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
         s2 = s2[:, None]
         code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
@@ -431,7 +428,7 @@ def slot_meta(ids, w, dt):
 def window_array(a, size: int) -> jax.Array:
     """The [M, size] array of a window (a plain array, or (buffer, start): sliced)."""
     buf, start = _window(a, size)
-    return buf if start == 0 and buf.shape[1] == size else buf[:, start:start + size]
+    return kernel_math.take_window(buf, start, size)
 
 
 def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, interpret: bool = False,
