@@ -17,9 +17,9 @@ def _fp8_ok(w) -> bool:
 
 
 def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: int) -> bool:
-    """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), dense weights (or, for one
-    token, FP8 128x128-block Wdown and Wup), and a kernel backend resolved for "hc_boundary_m1" (one token) or
-    "hc_boundary" (2..32 tokens)."""
+    """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), dense weights (or, for up to
+    8 tokens, FP8 128x128-block Wdown and Wup), and a kernel backend resolved for "hc_boundary_m1" (one token),
+    "hc_boundary_few" (2..8 tokens) or "hc_boundary" (2..32 tokens, dense weights)."""
     from fnx.model import quant
     m = 1
     for n in h.shape[:-1]:
@@ -31,13 +31,16 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: i
         why = f"{m} tokens > {hc_api.MAX_DECODE_TOKENS}"
     elif inject and quant.is_quantized(p["block_inject_weight"]):
         why = "quantized block_inject_weight (the kernels take it dense)"
-    elif not (all(dense) or (all(fp8) and m == 1)):
-        why = ("FP8 hyper-connection weights at more than one token (only the one-token kernel takes them)"
-               if all(fp8) else "hyper-connection weights in a format the kernels do not take (dense, or FP8 "
-                                "128x128 blocks for Wdown and Wup together)")
+    elif not (all(dense) or all(fp8)):
+        why = ("hyper-connection weights in a format the kernels do not take (dense, or FP8 128x128 blocks for "
+               "Wdown and Wup together)")
+    elif all(fp8) and m > hc_api.MAX_FEW_TOKENS:
+        why = (f"FP8 hyper-connection weights at {m} tokens (the one- and few-token kernels take them, up to "
+               f"{hc_api.MAX_FEW_TOKENS})")
     elif m == 1 and streams & (streams - 1):
         why = f"{streams} streams (the one-token kernels need a power of two)"
-    return hc_api.backend(impl, why, tokens=m) != "reference"
+    return hc_api.backend(impl, why, tokens=m, fp8=all(fp8),
+                          pow2_streams=streams & (streams - 1) == 0) != "reference"
 
 
 def _kernel_call(p, h, y, inj, streams, eps, inject, impl):

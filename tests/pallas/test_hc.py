@@ -127,8 +127,8 @@ def _fp8(p):
 def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces):
     """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
     reference on the weights the model uses (dequantized, rounded to the activation dtype); and the model's
-    gated_residual / boundary wiring: one token through the kernel, more tokens through the reference (a named
-    kernel raises there)."""
+    gated_residual / boundary wiring: one and two tokens through the kernels, more than 8 tokens through the
+    reference (a named kernel raises there)."""
     from fnx.model import quant
     from fnx.pallas import dispatch
     h, y, inj, p = _inputs((1, 1), 4, 320, 160, dtype, np.random.randint(1 << 30))
@@ -151,10 +151,15 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces):
     x_r, i_r = hyper.gated_residual(q, h, 4, 1e-6, impl="reference")
     _close(x_k, x_r, tol, "x (model wiring)")
     _close(i_k, i_r, tol, "inj (model wiring)")
-    h2 = jnp.concatenate([h, h], axis=1)                  # two tokens: no FP8 kernel
-    hyper.gated_residual(q, h2, 4, 1e-6)
+    h2 = jnp.concatenate([h, 2 * h], axis=1)              # two tokens: the few-token kernels
+    x2_k, i2_k = jax.jit(lambda h: hyper.gated_residual(q, h, 4, 1e-6, impl=KERNEL))(h2)
+    x2_r, i2_r = hyper.gated_residual(q, h2, 4, 1e-6, impl="reference")
+    _close(x2_k, x2_r, tol, "x (two tokens)")
+    _close(i2_k, i2_r, tol, "inj (two tokens)")
+    h9 = jnp.concatenate([h] * 9, axis=1)                 # more than 8 tokens: no FP8 kernel
+    hyper.gated_residual(q, h9, 4, 1e-6)
     with pytest.raises(dispatch.NotApplicable, match="FP8"):
-        hyper.gated_residual(q, h2, 4, 1e-6, impl=KERNEL)
+        hyper.gated_residual(q, h9, 4, 1e-6, impl=KERNEL)
 
 
 def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
@@ -166,3 +171,51 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
     f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8]))
     text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("hc_down1_fp8") and text.count("hc_up1_fp8")
+
+
+@pytest.mark.parametrize("m,dtype,fp8", [(2, jnp.float32, False), (5, jnp.float32, True), (5, jnp.bfloat16, True),
+                                         (8, jnp.bfloat16, False)])
+def test_few_token_kernels_match_reference(m, dtype, fp8, monkeypatch):
+    """2..8 tokens (an MTP verify window) through the one-token kernels looping over the tokens (op
+    "hc_boundary_few"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
+    fp32 to 1e-5 (only the order of sums differs), bf16 within TOL. Auto leaves them off (not measured yet), and
+    the multi-token MMA tiles still name the multi-token design."""
+    from fnx.model import quant
+    from fnx.pallas import dispatch
+    h, y, inj, p = _inputs((1, m), 4, 320, 40, dtype, np.random.randint(1 << 30))
+    kw = {}
+    wd, wu = p["input_mix_weight_down"], p["input_mix_weight_up"]
+    if fp8:
+        q = _fp8(p)
+        wd, wu = q["input_mix_weight_down"].w, q["input_mix_weight_up"].w
+        kw = {"w_down_scale": q["input_mix_weight_down"].scale_inv, "w_up_scale": q["input_mix_weight_up"].scale_inv}
+        ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
+    else:
+        ref_w = [wd, wu]
+    want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, p["block_inject_weight"], streams=4, eps=1e-6)
+    run = lambda impl: jax.jit(lambda h, y, i: api.hc_boundary(  # noqa: E731
+        h, y, i, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6, impl=impl,
+        tiles=kernel.Tiles1(bn=2, bd=16), **kw))(h, y, inj)
+    got = run(KERNEL)
+    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        _close(g, w, tol, what)
+    assert api.choose(KERNEL, None, m, fp8)[0] == api.OP_FEW
+    with dispatch.force(KERNEL):
+        assert api.choose(None, None, m, fp8)[0] == api.OP_FEW
+    # on a GPU, "auto" leaves them off until their compiled tests pass and a whole-step measurement says so
+    monkeypatch.setattr(dispatch, "why_unavailable", lambda b: None if b in dispatch.BACKENDS else "unknown")
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+    assert api.OP_FEW not in dispatch.VERIFIED_ON_GPU
+    assert api.choose(None, None, m, fp8)[1] == "reference"
+
+
+def test_few_token_kernels_lower_for_cuda_released_shapes():
+    sd, d, r, m = 10240, 2560, 320, 5
+    bf, f8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+    sds = [jax.ShapeDtypeStruct((1, m, sd), bf), jax.ShapeDtypeStruct((1, m, d), bf), jax.ShapeDtypeStruct((1, m, 4), bf),
+           jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8),
+           jax.ShapeDtypeStruct((4, sd), bf), jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)]
+    f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8]))
+    text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("hc_down1_fp8_few") and text.count("hc_up1_fp8_few")

@@ -7,19 +7,41 @@ from fnx.pallas.hc import reference
 
 OP = "hc_boundary"            # 2..32 tokens: pallas.hc_boundary (padded MMA tiles, two kernels + two XLA steps)
 OP_M1 = "hc_boundary_m1"      # one token: pallas.hc_boundary_m1 (two kernels, nothing between them)
+OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): the one-token kernels looping over the tokens
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
+MAX_FEW_TOKENS = 8           # = pallas.FEW_MAX_TOKENS
 
 
 def op_for(tokens: int) -> str:
     """The dispatch op name of a boundary over `tokens` tokens (FNX_KERNELS names them separately: the
-    one-token kernels are on under auto, the multi-token ones measured slower than XLA and are not)."""
+    one-token kernels are on under auto, the multi-token ones measured slower than XLA and are not). 2..8 tokens
+    try OP_FEW first (see `choose`)."""
     return OP_M1 if tokens == 1 else OP
 
 
-def backend(impl: str | None = None, not_applicable: str | None = None, tokens: int = 1) -> str:
+def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool = False,
+           pow2_streams: bool = True) -> tuple[str, str]:
+    """(op, backend) for a boundary over `tokens` tokens. 2..MAX_FEW_TOKENS tokens: the few-token kernels
+    (OP_FEW, bf16 or FP8 weights, streams a power of two) when that op resolves to a kernel (named by impl or
+    FNX_KERNELS; not yet under auto: unmeasured), else the multi-token design (OP, dense weights only)."""
+    if tokens == 1:
+        return OP_M1, dispatch.resolve(OP_M1, impl, not_applicable=not_applicable)
+    if tokens <= MAX_FEW_TOKENS:
+        why = not_applicable or (None if pow2_streams else "the few-token kernels need a power-of-two stream count")
+        few_impl = impl if impl in (None, "auto", "reference") or why is None else None
+        b = dispatch.resolve(OP_FEW, few_impl, not_applicable=why)
+        if b != "reference":
+            return OP_FEW, b
+    why = not_applicable or ("FP8 weights (the multi-token design takes dense ones; the few-token kernels take "
+                             f"FP8 for up to {MAX_FEW_TOKENS} tokens)" if fp8 else None)
+    return OP, dispatch.resolve(OP, impl, not_applicable=why)
+
+
+def backend(impl: str | None = None, not_applicable: str | None = None, tokens: int = 1, fp8: bool = False,
+            pow2_streams: bool = True) -> str:
     """The backend `hc_boundary(..., impl)` would run for `tokens` tokens ("reference", "pallas",
-    "pallas_interpret"); not_applicable: why the kernel does not serve this call (`fnx.pallas.dispatch.resolve`)."""
-    return dispatch.resolve(op_for(tokens), impl, not_applicable=not_applicable)
+    "pallas_interpret"); not_applicable: why no kernel serves this call (`fnx.pallas.dispatch.resolve`)."""
+    return choose(impl, not_applicable, tokens, fp8, pow2_streams)[1]
 
 
 def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
@@ -29,26 +51,30 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     h [..., S*D] (stream-major); y [..., D] and inj_prev [..., S] (or both None: no combine); hc_norm [S*D];
     w_down [r, S*D]; w_up [S*D, r]; w_inj [S, S*D] or None (the final mixer). Weights in the checkpoint layout;
     Wdown and Wup may be FP8 (float8_e4m3fn with `w_down_scale` / `w_up_scale`, one fp32 multiplier per 128x128
-    block): the one-token kernel dequantizes them in registers; other token counts have no FP8 kernel (a named
-    kernel raises; the reference dequantizes to h.dtype first, as the model does).
+    block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
+    no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
+    2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`).
     Returns (H' = h + inj_prev * y [..., S*D], x [..., D] the next sublayer's input, inj [..., S] or None)."""
     tokens = 1
     for n in h.shape[:-1]:
         tokens *= n
     fp8 = w_down_scale is not None or w_up_scale is not None
-    why = "FP8 weights (only the one-token kernel takes them)" if fp8 and tokens != 1 else None
-    which = dispatch.resolve(op_for(tokens), impl, not_applicable=why)
+    from fnx.pallas.hc import pallas as kernel
+    if isinstance(tiles, kernel.Tiles):     # the multi-token design's tiles name that design
+        why = "FP8 weights (only the one-token kernel takes them)" if fp8 and tokens != 1 else None
+        op, which = OP, dispatch.resolve(op_for(tokens), impl, not_applicable=why)
+        if fp8 and which != "reference":
+            raise ValueError("hc_boundary: FP8 weights run the one-token kernels (Tiles1), not the multi-token "
+                             "design's Tiles")
+    else:
+        op, which = choose(impl, None, tokens, fp8, streams & (streams - 1) == 0)
     if which == "reference":
         if fp8:
             from fnx.pallas.gemv.reference import dequantize
             w_down = dequantize("fp8", w_down, w_down_scale).astype(h.dtype)
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
-    from fnx.pallas.hc import pallas as kernel
-    if fp8 and isinstance(tiles, kernel.Tiles):
-        raise ValueError("hc_boundary: FP8 weights run the one-token kernels (Tiles1), not the multi-token "
-                         "design's Tiles")
-    if tokens == 1 and not isinstance(tiles, kernel.Tiles):
+    if op in (OP_M1, OP_FEW):
         return kernel.hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                                      interpret=dispatch.interpret_flag(which), tiles=tiles,
                                      w_down_scale=w_down_scale, w_up_scale=w_up_scale)

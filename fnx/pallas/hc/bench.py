@@ -43,7 +43,7 @@ def _fp8_sets(arg_sets):
     return out
 
 
-def _fp8_case(m, s, d, r, arg_sets, impl, change=None):
+def _fp8_case(m, s, d, r, arg_sets, impl, change=None, label=None):
     from fnx.pallas.hc import pallas as kernel
     sd = s * d
     nbytes = 2 * r * sd + 2 * 4 * (-(-r // 128)) * (-(-sd // 128)) + (s * sd + sd) * 2 + (2 * sd + 2 * d + 2 * s) * 2
@@ -52,7 +52,7 @@ def _fp8_case(m, s, d, r, arg_sets, impl, change=None):
     if change is not None:
         extra["tiles"] = ",".join(f"{k}={v}" for k, v in change.items()) or "default"
     return BenchCase(
-        kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl=impl,
+        kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl=label or impl,
         fn=lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl=impl, tiles=tiles, w_down_scale=a[7],
                                       w_up_scale=a[8]),
         arg_sets=arg_sets, bytes=nbytes, flops=2 * m * (2 * r + s) * sd, extra=extra)
@@ -109,11 +109,18 @@ def cases(quick: bool) -> list[BenchCase]:
                         if fits(dataclasses.replace(base, **change))]
                 out.append(_fp8_case(m, s, d, r, f8, "reference"))
             continue
-        for impl in ("pallas", "reference"):
+        from fnx.pallas.hc import pallas as kernel
+        # "pallas" at M > 1 is the multi-token MMA design (its Tiles); "few" the one-token kernels looping over
+        # the tokens (op hc_boundary_few, Tiles1), which also take FP8 weights
+        variants = [("pallas", None if m == 1 else kernel.choose_tiles(d, r)), ("reference", None)]
+        if 1 < m <= api.MAX_FEW_TOKENS:
+            variants.append(("few", kernel.choose_tiles1(s, d, r)))
+        for impl, tiles in variants:
+            run = "pallas" if impl == "few" else impl
             out.append(BenchCase(
                 kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl=impl,
-                fn=lambda *a, _impl=impl: api.hc_boundary(*a, streams=s, eps=1e-6, impl=_impl),
+                fn=lambda *a, _impl=run, _t=tiles: api.hc_boundary(*a, streams=s, eps=1e-6, impl=_impl, tiles=_t),
                 arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
-            if m == 1:       # FP8 Wdown / Wup: what the model runs (online FP8)
-                out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), impl))
+            if m == 1 or impl != "pallas":       # FP8 Wdown / Wup: what the model runs (online FP8)
+                out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), run, label=impl))
     return out

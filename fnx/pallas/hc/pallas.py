@@ -153,6 +153,9 @@ class Tiles1:
     pieces: bool = True     # unmasked power-of-two pieces (see above); False: one padded, masked tile
 
 
+FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (each program loops over them)
+
+
 def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
     return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8))
@@ -186,7 +189,22 @@ def _dequant_rows(wt, sc, dt):
     return rnd(wt.astype(F32) * sc, dt)
 
 
-def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces):
+def _tok(t: int, stride: int, idx):
+    """idx shifted to token t's row of a [M, stride] operand (token 0: idx itself, so one token's kernel is the
+    same code as before tokens were added)."""
+    return idx if t == 0 else t * stride + idx
+
+
+def _rows_of(vals, mp: int, shape):
+    """Per-token values [shape] stacked into [mp, *shape] (rows past len(vals) zero): one store per program."""
+    tok = jnp.arange(mp, dtype=jnp.int32).reshape((mp,) + (1,) * len(shape))
+    out = jnp.zeros((mp,) + tuple(shape), F32)
+    for t, v in enumerate(vals):
+        out = jnp.where(tok == t, jnp.broadcast_to(v.astype(F32), shape)[None], out)
+    return out
+
+
+def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -218,27 +236,36 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces):
             wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
                                mask=m3 & jnp.logical_not(is_down), other=0.0)            # [bn, p, ch]
         tiles.append((col, ok, off, wt))
-    hcs, ss = [], None
-    for col, ok, off, _ in tiles:
-        hc = plt.load(h_ref.at[off], mask=ok, other=0.0).astype(F32)
-        if has_y:
-            yv = plt.load(y_ref.at[col], mask=ok, other=0.0).astype(F32)
-            hc = rnd(hc + rnd(yv * inj_ref[j].astype(F32), dt), dt)
-        hcs.append(hc)
-        piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
-        ss = piece if ss is None else ss + piece
-    rstd = lax.rsqrt(ss / d + eps)
-    rstd_ref[...] = rstd
-    acc = None
-    for (col, ok, off, wt), hc in zip(tiles, hcs):
-        w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
-        hn = rnd(hc * rstd * (1.0 + w), dt)                                             # [p, ch]
-        piece = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)              # [bn]
-        acc = piece if acc is None else acc + piece
-    part_ref[...] = acc
+    rstds, accs = [], []
+    for t in range(m):                      # tokens: the weight tiles are shared, each token its own norm
+        hcs, ss = [], None
+        for col, ok, off, _ in tiles:
+            hc = plt.load(h_ref.at[_tok(t, s * d, off)], mask=ok, other=0.0).astype(F32)
+            if has_y:
+                yv = plt.load(y_ref.at[_tok(t, d, col)], mask=ok, other=0.0).astype(F32)
+                hc = rnd(hc + rnd(yv * inj_ref[_tok(t, s, j)].astype(F32), dt), dt)
+            hcs.append(hc)
+            piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+            ss = piece if ss is None else ss + piece
+        rstd = lax.rsqrt(ss / d + eps)
+        acc = None
+        for (col, ok, off, wt), hc in zip(tiles, hcs):
+            w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
+            hn = rnd(hc * rstd * (1.0 + w), dt)                                         # [p, ch]
+            piece = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)          # [bn]
+            acc = piece if acc is None else acc + piece
+        rstds.append(rstd)
+        accs.append(acc)
+    if m == 1:
+        rstd_ref[...] = rstds[0]
+        part_ref[...] = accs[0]
+    else:                                   # blocks [1, 1, Mp] and [Mp, bn] (Mp: tokens padded to a power of two)
+        mp = rstd_ref.shape[-1]
+        rstd_ref[...] = _rows_of([v.reshape(()) for v in rstds], mp, ()).reshape(1, 1, mp)
+        part_ref[...] = _rows_of(accs, mp, (bn,))
 
 
-def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces):
+def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1):
     it = iter(refs)
     part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -253,6 +280,7 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces):
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
     ncb = (r + 127) // 128
+    mp = 1 if m == 1 else x_ref.shape[0]
     tiles = []
     for k0, p in pieces:                    # the weight tiles first: in flight early
         k = k0 + jnp.arange(p, dtype=jnp.int32)
@@ -267,43 +295,64 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces):
                 sc = plt.load(su_ref.at[rb[:, None] + k[None, :] // 128], mask=kok, other=0.0)[:, None, :]
             wt = _dequant_rows(wt, sc, dt)
         tiles.append((k, kok, wt))
-    z = None
-    for k, kok, wt in tiles:
-        parts = plt.load(part_ref.at[sj[:, None] * n_rows + k[None, :]], mask=kok, other=0.0)   # [S, p]
-        v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
-        u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                    # silu, rounded like the model
-        piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                       # [S, bd]
-        z = piece if z is None else z + piece
-    m = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
-    hc = plt.load(h_ref.at[rows])                                                        # [S, bd]
-    if has_y:
-        yv = plt.load(y_ref.at[cols]).astype(F32)
-        injp = plt.load(inj_ref.at[sj]).astype(F32)
-        hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-    rstd = plt.load(rstd_ref.at[sj])                                                     # [S] (program row 0)
-    w = plt.load(wn_ref.at[rows]).astype(F32)
-    hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
-    x_ref[...] = (jnp.sum(rnd(m * hn, dt), axis=0) / s).astype(dt)
-    if has_y:
-        ho_ref[...] = hc
+    xs, hos = [], []
+    for t in range(m):                      # tokens: the weight tiles are shared
+        z = None
+        for k, kok, wt in tiles:
+            parts = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok,
+                             other=0.0)                                                  # [S, p]
+            v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
+            u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                # silu, rounded like the model
+            piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                   # [S, bd]
+            z = piece if z is None else z + piece
+        mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
+        hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                    # [S, bd]
+        if has_y:
+            yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
+            injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
+            hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
+        rstd = plt.load(rstd_ref.at[sj if m == 1 else sj * mp + t])                      # [S] (program row 0)
+        w = plt.load(wn_ref.at[rows]).astype(F32)
+        hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
+        xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
+        hos.append(hc)
+    if m == 1:
+        x_ref[...] = xs[0].astype(dt)
+        if has_y:
+            ho_ref[...] = hos[0]
+    else:                                   # blocks [Mp, bd] and [Mp, S, bd]
+        x_ref[...] = _rows_of(xs, mp, (bd,)).astype(dt)
+        if has_y:
+            ho_ref[...] = _rows_of(hos, mp, (s, bd)).astype(dt)
     if has_inj:
         @pl.when(i == 0)
         def _():
-            pi = plt.load(part_ref.at[sj[:, None] * n_rows + r + sj[None, :]])          # [S streams, S rows]
-            vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
-            injo_ref[...] = (2.0 * rnd(jax.nn.sigmoid(vi), dt)).astype(dt)
+            injs = []
+            for t in range(m):
+                pi = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + r + sj[None, :])])  # [S, S]
+                vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
+                injs.append(2.0 * rnd(jax.nn.sigmoid(vi), dt))
+            injo_ref[...] = (injs[0] if m == 1 else _rows_of(injs, mp, (s,))).astype(dt)
 
 
 def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
                    interpret: bool = False, tiles: Tiles1 | None = None, w_down_scale=None, w_up_scale=None):
     """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims): two kernels, see above.
-    S must be a power of two (the streams are one tile axis). FP8 Wdown and Wup: float8_e4m3fn weights with
+    Up to FEW_MAX_TOKENS tokens (an MTP verify window) run the same two kernels, each program over every token
+    with its weight tiles loaded once (op "hc_boundary_few"; one token is the same code as before tokens were
+    added). S must be a power of two (the streams are one tile axis). FP8 Wdown and Wup: float8_e4m3fn weights with
     `w_down_scale` / `w_up_scale`, one fp32 multiplier per 128x128 block ([ceil(rows/128), ceil(cols/128)]);
     each weight is dequantized in registers and rounded to h.dtype, as the model's dequantize-then-matmul does
     (Winj stays dense)."""
     dt = h.dtype
     lead, sd, s = h.shape[:-1], h.shape[-1], streams
     d, r = sd // s, w_down.shape[0]
+    m = 1
+    for n in lead:
+        m *= n
+    if not 1 <= m <= FEW_MAX_TOKENS:
+        raise ValueError(f"hc_boundary_m1 takes 1..{FEW_MAX_TOKENS} tokens, got {m}")
+    mp = _pow2(m)
     t = tiles or choose_tiles1(s, d, r)
     if s != _pow2(s) or r % t.bn or s % t.bn or d % t.bd:
         raise ValueError(f"hc_boundary (M = 1): S={s} (a power of two), r={r}, D={d} do not fit the tiles {t}")
@@ -330,29 +379,44 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     n_down = r // t.bn
     n_prog = n_down + (s // t.bn if has_inj else 0)
     n_rows = n_prog * t.bn
+    if m == 1:
+        down_specs = [pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))]
+        down_shapes = [jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)]
+    else:   # tokens padded to Mp rows: part [Mp, S, rows], rstd [programs, S, Mp]
+        down_specs = [pl.BlockSpec((mp, None, t.bn), lambda n, j: (0, j, n)),
+                      pl.BlockSpec((1, 1, mp), lambda n, j: (n, j, 0))]
+        down_shapes = [jax.ShapeDtypeStruct((mp, s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s, mp), F32)]
+    tag = "" if m == 1 else "_few"
     part, rstd = pl.pallas_call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
-                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces))),
+                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m),
         grid=(n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
-        out_specs=[pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))],
-        out_shape=[jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)],
-        interpret=interpret, name="hc_down1_fp8" if fp8 else "hc_down1", **params,
+        out_specs=down_specs, out_shape=down_shapes,
+        interpret=interpret, name=("hc_down1_fp8" if fp8 else "hc_down1") + tag, **params,
     )(*acts, flat(hc_norm), flat(w_down), *((flat(w_down_scale.astype(F32)),) if fp8 else ()),
       *((flat(w_inj),) if has_inj else ()))
-    outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s, d), dt)] if has_y else []) + (
-        [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
-    specs = [pl.BlockSpec((t.bd,), lambda i: (i,))] + (
-        [pl.BlockSpec((s, t.bd), lambda i: (0, i))] if has_y else []) + (
-        [pl.BlockSpec((s,), lambda i: (0,))] if has_inj else [])
+    if m == 1:
+        outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s, d), dt)] if has_y else []) + (
+            [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
+        specs = [pl.BlockSpec((t.bd,), lambda i: (i,))] + (
+            [pl.BlockSpec((s, t.bd), lambda i: (0, i))] if has_y else []) + (
+            [pl.BlockSpec((s,), lambda i: (0,))] if has_inj else [])
+    else:   # x [Mp, D], H' [Mp, S, D], inj [Mp, S]
+        outs = [jax.ShapeDtypeStruct((mp, d), dt)] + ([jax.ShapeDtypeStruct((mp, s, d), dt)] if has_y else []) + (
+            [jax.ShapeDtypeStruct((mp, s), dt)] if has_inj else [])
+        specs = [pl.BlockSpec((mp, t.bd), lambda i: (0, i))] + (
+            [pl.BlockSpec((mp, s, t.bd), lambda i: (0, 0, i))] if has_y else []) + (
+            [pl.BlockSpec((mp, s), lambda i: (0, 0))] if has_inj else [])
     up = pl.pallas_call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
-                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces))),
+                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m),
         grid=(d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs, out_shape=outs,
-        interpret=interpret, name="hc_up1_fp8" if fp8 else "hc_up1", **params,
+        interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
     )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(w_up_scale.astype(F32)),) if fp8 else ()))
-    x = up[0].reshape(*lead, d)
-    h_new = up[1].reshape(h.shape) if has_y else h
-    inj = up[-1].reshape(*lead, s) if has_inj else None
+    real = (lambda a: a) if m == 1 else (lambda a: a[:m])  # noqa: E731  (the padded token rows dropped)
+    x = real(up[0]).reshape(*lead, d)
+    h_new = real(up[1]).reshape(h.shape) if has_y else h
+    inj = real(up[-1]).reshape(*lead, s) if has_inj else None
     return h_new, x, inj
 
 
