@@ -248,6 +248,8 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
             piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
             ss = piece if ss is None else ss + piece
         rstd = lax.rsqrt(ss / d + eps)
+        if m == 1:
+            rstd_ref[...] = rstd            # (where the one-token kernel always stored it)
         acc = None
         for (col, ok, off, wt), hc in zip(tiles, hcs):
             w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
@@ -257,7 +259,6 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         rstds.append(rstd)
         accs.append(acc)
     if m == 1:
-        rstd_ref[...] = rstds[0]
         part_ref[...] = accs[0]
     else:                                   # blocks [1, 1, Mp] and [Mp, bn] (Mp: tokens padded to a power of two)
         mp = rstd_ref.shape[-1]
