@@ -28,6 +28,20 @@ def e2m1_f16(codes):
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
 
 
+def window_operand(a, size: int, lead: tuple, what: str = "operand"):
+    """(buffer [*lead, W], start column) for a kernel operand of `size` columns given as an array (its trailing
+    axes flattened: [*lead, ...]) or as a window (buffer, start) into a wider product (the fused projections), which
+    the kernel reads in place. A buffer of rank len(lead) is one column. Raises for a window past its buffer."""
+    buf, start = a if isinstance(a, tuple) else (a, 0)
+    if buf.ndim == len(lead) or not isinstance(a, tuple):
+        buf = buf.reshape(*lead, -1)
+    start = int(start)
+    if tuple(buf.shape[:-1]) != tuple(lead) or start < 0 or start + size > buf.shape[-1]:
+        raise ValueError(f"{what}: window [{start}, {start + size}) is outside an operand of shape "
+                         f"{tuple(buf.shape)} (leading axes {tuple(lead)})")
+    return buf, start
+
+
 def take_window(buf, start: int, size: int):
     """Columns [start, start + size) of buf [..., W] (the last axis): a projection's output inside a fused
     product, which the kernels read in place as (buffer, start) and the references take as an array. The buffer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fnx.pallas import dispatch
-from fnx.pallas.kernel_math import take_window
+from fnx.pallas.kernel_math import take_window, window_operand
 from fnx.pallas.gdn import reference
 
 OP = "gdn_decode"
@@ -78,18 +78,6 @@ ONE_TOKEN_REASON = ("one token: the recurrence kernel gave no gain in the whole 
 STEP_OP = "gdn_step"
 
 
-def step_operand(a, size: int, bsz: int, name: str):
-    """(buffer [B, 1, W], start column) of a gdn_step operand given as an array (its columns, flattened: qkv
-    [B, 1, C], z [B, 1, HV, dv], b / a [B, 1, HV]) or as a window (buffer [B, 1, W], start) into a wider product
-    (the fused input projections), which the kernel reads in place."""
-    buf, start = a if isinstance(a, tuple) else (a.reshape(bsz, 1, -1), 0)
-    start = int(start)
-    if buf.ndim != 3 or tuple(buf.shape[:2]) != (bsz, 1) or start < 0 or start + size > buf.shape[2]:
-        raise ValueError(f"gdn_step: {name} window [{start}, {start + size}) is outside an operand of shape "
-                         f"{tuple(buf.shape)} (one token per sequence: [B={bsz}, 1, W])")
-    return buf, start
-
-
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
              key_heads: int, eps: float, act: str, inplace: bool = False, tiles=None):
     """One decode token per sequence through a GDN layer's core: causal conv update + silu, the beta / decay gates,
@@ -103,10 +91,10 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     dispatched as "gdn_decode". tiles: `pallas.StepTiles` (BV columns of a head per program; BV < dv puts the
     norm after the kernel). The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
     agree to float error and bf16 runs to a rounding step where XLA keeps excess precision."""
-    bsz = rec.shape[0] if rec.ndim == 4 else -1
     if conv_w.ndim != 2 or a_log.ndim != 1 or norm_w.ndim != 1 or rec.ndim != 4:
         raise ValueError(f"gdn_step: conv_w {tuple(conv_w.shape)} must be [C, K], a_log {tuple(a_log.shape)} [HV], "
                          f"norm_w {tuple(norm_w.shape)} [dv], rec {tuple(rec.shape)} [B, HV, dk, dv]")
+    bsz = rec.shape[0]
     conv_dim, taps = conv_w.shape
     hv, dv = a_log.shape[0], norm_w.shape[0]
     if not isinstance(qkv, tuple) and (qkv.ndim != 3 or tuple(qkv.shape) != (bsz, 1, conv_dim)):
@@ -120,7 +108,7 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     for name, arr in (("b", b), ("a", a)):
         if not isinstance(arr, tuple) and tuple(arr.shape) != (bsz, 1, hv):
             raise ValueError(f"gdn_step: {name} {tuple(arr.shape)} must be {(bsz, 1, hv)}")
-    ops = [step_operand(o, n, bsz, name) for o, n, name in
+    ops = [window_operand(o, n, (bsz, 1), f"gdn_step {name}") for o, n, name in
            ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
     want = {"conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "dt_bias": (dt_bias, (hv,)),
             "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated, softplus
-from fnx.pallas.kernel_math import rnd, take_window
+from fnx.pallas.kernel_math import rnd, take_window, window_operand
 
 F32 = jnp.float32
 
@@ -220,14 +220,13 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, *, key_heads: int, eps: float,
              act: str, tiles: StepTiles | None = None, inplace: bool = False, interpret: bool = False):
     """See `fnx.pallas.gdn.api.gdn_step` (shapes are checked there). qkv, z, b and a: arrays or windows
-    (buffer [B, 1, W], start column), see `step_operand`. inplace: the new recurrent state is written over `rec`
+    (buffer [B, 1, W], start column), see `kernel_math.window_operand`. inplace: the new recurrent state is written over `rec`
     (input_output_aliases; donate it, or XLA copies it first)."""
     bsz = rec.shape[0]
     conv_dim, taps = conv_w.shape
     hv, dv = a_log.shape[0], norm_w.shape[0]
     dk = (conv_dim - hv * dv) // (2 * key_heads)
-    from fnx.pallas.gdn.api import step_operand
-    ops = [step_operand(o, n, bsz, name) for o, n, name in
+    ops = [window_operand(o, n, (bsz, 1), f"gdn_step {name}") for o, n, name in
            ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
     dt = ops[0][0].dtype
     t = tiles or default_step_tiles(bsz, hv, dv)

@@ -26,10 +26,8 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
     FNX_KERNELS; not yet under auto: unmeasured), else the multi-token design (OP, dense weights only)."""
     if tokens == 1:
         return OP_M1, dispatch.resolve(OP_M1, impl, not_applicable=not_applicable)
-    if tokens <= MAX_FEW_TOKENS:
-        why = not_applicable or (None if pow2_streams else "the few-token kernels need a power-of-two stream count")
-        few_impl = impl if impl in (None, "auto", "reference") or why is None else None
-        b = dispatch.resolve(OP_FEW, few_impl, not_applicable=why)
+    if tokens <= MAX_FEW_TOKENS and not_applicable is None and pow2_streams:
+        b = dispatch.resolve(OP_FEW, impl)
         if b != "reference":
             return OP_FEW, b
     why = not_applicable or ("FP8 weights (the multi-token design takes dense ones; the few-token kernels take "

@@ -108,7 +108,8 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
     backend = decode_backend(x, ids.shape[1], gate_up, down, shared_down, impl, tiles)
     if backend == "reference":
         i_s = shared_down.shape[-1]
-        s_gate, s_up, s_sig = (decode_pallas.window_array(a, n) for a, n in ((s_gate, i_s), (s_up, i_s), (s_sig, 1)))
+        s_gate, s_up, s_sig = (decode_pallas.window_array(a, n, x.shape[0])
+                               for a, n in ((s_gate, i_s), (s_up, i_s), (s_sig, 1)))
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
                                     interpret=dispatch.interpret_flag(backend), tiles=tiles)

@@ -399,17 +399,6 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block") -> D
     return dataclasses.replace(t, bn=bn, cw=cw, bn2=bn2, cw2=cw2)
 
 
-def _window(a, size: int):
-    """(buffer [M, W], start) for a window given as an array [M, size] or as (buffer, start)."""
-    buf, start = (a if isinstance(a, tuple) else (a, 0))
-    if buf.ndim == 1:           # [M]: one column
-        buf = buf.reshape(-1, 1)
-    start = int(start)
-    if buf.ndim != 2 or start < 0 or start + size > buf.shape[1]:
-        raise ValueError(f"window [{start}, {start + size}) is outside an operand of shape {tuple(buf.shape)}")
-    return buf, start
-
-
 def slot_meta(ids, w, dt):
     """For the M*K slots (token-major): own [S] int32 (1 where no earlier slot holds the same expert), hit [S*M]
     int32 (1 where the slot owns its expert and token i chose it) and coef [S*M] fp32 (token i's routing weight
@@ -425,10 +414,9 @@ def slot_meta(ids, w, dt):
     return own.astype(jnp.int32), hit.reshape(-1).astype(jnp.int32), coef.reshape(-1)
 
 
-def window_array(a, size: int) -> jax.Array:
+def window_array(a, size: int, m: int) -> jax.Array:
     """The [M, size] array of a window (a plain array, or (buffer, start): sliced)."""
-    buf, start = _window(a, size)
-    return kernel_math.take_window(buf, start, size)
+    return kernel_math.take_window(*kernel_math.window_operand(a, size, (m,), "moe_decode"), size)
 
 
 def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, interpret: bool = False,
@@ -444,7 +432,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
-    (sg, og), (su, ou), (ss, os_) = _window(s_gate, inter_s), _window(s_up, inter_s), _window(s_sig, 1)
+    (sg, og), (su, ou), (ss, os_) = (kernel_math.window_operand(a, n, (m,), "moe_decode")
+                                     for a, n in ((s_gate, inter_s), (s_up, inter_s), (s_sig, 1)))
     n_slots = m * k
     sp = _pow2(n_slots)
     fmt1, w1, _ = reference.kernel_operands(gate_up)
