@@ -112,13 +112,14 @@ def quantize_leaf(path, leaf, quant: str):
         return leaf
     if quant == "fp8+nvfp4" and "experts" in names:
         return chunked(_jitted(q.quantize_nvfp4), leaf)
-    if online_fp8(names):
+    if online_fp8(names, "fp8-head" if FP8_HEAD else "fp8"):
         return chunked(_jitted(q.quantize_fp8_block), leaf)
     return leaf
 
 
 _JITTED = {}
 KEEP_BF16 = None      # --keep-bf16: a compiled regex over param paths that online quantization leaves as they are
+FP8_HEAD = False      # --fp8-head: the lm_head too in FP8 blocks (`fnx.serve --quant fp8-head`)
 
 
 def _jitted(fn):
@@ -135,6 +136,22 @@ def quantize_tree(params, quant: str):
     out = jax.tree_util.tree_map_with_path(lambda path, leaf: quantize_leaf(path, leaf, quant), params)
     jax.block_until_ready(out)
     return out
+
+
+def draft_head_for(head, vocab: int, draft_vocab: int, draft_fp8: bool, dtype):
+    """(hot ids [H] or None, the draft head or None for the model's own lm_head): a hot-token subset of the first
+    `draft_vocab` ids (0: the whole vocabulary) and / or FP8 blocks, built as the engine builds its draft head."""
+    from fnx.model import quant as q
+    if draft_vocab < 0 or draft_vocab > vocab:
+        raise SystemExit(f"--draft-vocab {draft_vocab}: give 0 (the whole vocabulary) up to {vocab}")
+    hot = jnp.arange(draft_vocab, dtype=jnp.int32) if draft_vocab else None
+    out = None
+    if hot is not None:
+        out = (q.dequantize(head, dtype) if q.is_quantized(head) else head)[hot]
+    if draft_fp8:
+        src = head if out is None else out
+        out = src if q.is_quantized(src) else q.quantize_fp8_block(src)
+    return hot, out
 
 
 def nbytes(tree) -> int:
@@ -287,7 +304,8 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
 
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
             host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
-            engine_fetches=(), engine_separate: bool = False, fuse: bool = False):
+            engine_fetches=(), engine_separate: bool = False, fuse: bool = False, draft_vocab: int = 0,
+            draft_fp8: bool = False):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -306,8 +324,11 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         raise SystemExit("--quant with --mesh is not supported by this script yet")
     params = random_tree(shapes, key, dtype, psh, quant)
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
+    # the drafter's head, as `Engine(speculative=Speculative(draft_vocab=..., fp8_head=...))` builds it: the first
+    # `draft_vocab` token ids stand for a hot-token list (random weights: which ids does not matter for time)
+    hot, draft_head = draft_head_for(params["lm_head"], cfg.vocab_size, draft_vocab, draft_fp8, dtype)
     floors = {"decode": floor_bytes(cfg, params, 1), "verify": floor_bytes(cfg, params, k + 1),
-              "draft": floor_bytes(cfg, {"m": mp, "lm": params["lm_head"]}, 1)}
+              "draft": floor_bytes(cfg, {"m": mp, "lm": params["lm_head"] if draft_head is None else draft_head}, 1)}
     res = {"params_gb": nbytes(params) / 1e9, "mtp_gb": nbytes(mp) / 1e9, "fused_projections": fuse}
     # the timed programs read `sparams` / `smp`: each sublayer's input projections fused into one product, as the
     # engine and the server run them by default (fnx.model.fuse); the engine part builds its own from params
@@ -322,7 +343,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     # of host time per call, which the step time would include); the spare capacity covers every call
     calls = (reps + 1) + (ledger_calls + 1)                       # timed + warm-up calls of each kind
     spare = calls + 100 + calls * (k + 1) + 64                    # decode steps, chained steps, MTP rounds
-    cap = ctx + spare
+    # a whole number of 256-token blocks, as a served cache is (`fnx.serve --capacity` 4,096): with 1,532 slots
+    # XLA padded the QSA layer's K and V to 1,536 for its attention dots, two copy kernels per QSA layer per step
+    # that a served step does not run (the 4-layer kernel table of 20e27fc)
+    cap = -(-(ctx + spare) // 256) * 256
     heads = cfg.ngram_heads
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl=moe), donate_argnames=("state",))
     ids = lambda b, l: jnp.zeros((b, l, heads), jnp.int32) if cfg.ple_layer_ids else None  # noqa: E731
@@ -382,7 +406,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
 
     def rnd():
         m, drafts, q = _jit_draft(sparams, smp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
-                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k, greedy=True)
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k, head=draft_head, hot=hot,
+                                  greedy=True)
         mh["m"] = m
         s = holder["s"]
         verify = jnp.concatenate([one, drafts], axis=1)
@@ -446,6 +471,14 @@ def main():
     ap.add_argument("--keep-bf16", default=None, metavar="REGEX",
                     help="with --quant, params whose path ('/'-joined names) matches stay bf16, e.g. "
                          "'input_mix_weight' for an HC boundary A/B")
+    ap.add_argument("--fp8-head", action="store_true",
+                    help="the lm_head in FP8 128x128 blocks too (online, as `fnx.serve --quant fp8-head`); with "
+                         "--quant fp8 or fp8+nvfp4")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="the MTP drafter's head over a hot-token subset of N ids (the engine's draft_vocab; 0: the "
+                         "whole vocabulary)")
+    ap.add_argument("--draft-fp8", action="store_true",
+                    help="the MTP drafter's head in FP8 blocks (the engine's Speculative(fp8_head=True))")
     ap.add_argument("--no-fuse", action="store_true",
                     help="separate input projections (the default fuses each sublayer's, as the engine and the "
                          "server do; never on a mesh)")
@@ -475,7 +508,10 @@ def main():
     ap.add_argument("--mesh", action="append", help="tp=N,ep=N (repeatable: one run per mesh, the first is the "
                     "scaling baseline); without it one device, no mesh")
     args = ap.parse_args()
-    global KEEP_BF16
+    global KEEP_BF16, FP8_HEAD
+    if args.fp8_head and args.quant == "bf16":
+        raise SystemExit("--fp8-head quantizes the lm_head online: give --quant fp8 or fp8+nvfp4 too")
+    FP8_HEAD = args.fp8_head
     if args.keep_bf16:
         import re
         KEEP_BF16 = re.compile(args.keep_bf16)
@@ -529,7 +565,7 @@ def main():
                 r = run_one(cfg, contexts, args.k, args.reps, jnp.bfloat16, mcfg, args.quant, host_ple, args.ledger,
                             args.engine, [int(x) for x in args.engine_slots.split(",")],
                             [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate,
-                            fuse=not args.no_fuse)
+                            fuse=not args.no_fuse, draft_vocab=args.draft_vocab, draft_fp8=args.draft_fp8)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}
@@ -546,6 +582,8 @@ def main():
             with open(args.out, "a") as f:   # each layer count as soon as it ran: a run cut short keeps it
                 f.write(json.dumps({"record": "run", "date": datetime.date.today().isoformat(), "commit": commit,
                                     "device": device.device_kind, "quant": args.quant, "keep_bf16": args.keep_bf16,
+                                    "fp8_head": args.fp8_head, "draft_vocab": args.draft_vocab,
+                                    "draft_fp8": args.draft_fp8,
                                     "ple_store": args.ple_store,
                                     "kernels": kernels_label, "reps": args.reps,
                                     "scan_layers": not args.no_scan, "mtp_round": "greedy",

@@ -52,6 +52,16 @@ def test_bench_decode_online_quant_per_leaf(monkeypatch):
     monkeypatch.setattr(bd, "KEEP_BF16", re.compile("input_mix_weight"))
     assert bd.quantize_leaf(key("attn_hyper_connection", "input_mix_weight_down"), w, "fp8") is w
     assert isinstance(bd.quantize_leaf(key("linear_attn", "in_proj_qkv"), w, "fp8"), quant.Fp8Block)
+    # --fp8-head: the lm_head too; the drafter's head: a hot subset of the first N ids and / or FP8 blocks
+    assert bd.quantize_leaf(key("lm_head"), w, "fp8") is w
+    monkeypatch.setattr(bd, "FP8_HEAD", True)
+    head = bd.quantize_leaf(key("lm_head"), w, "fp8+nvfp4")
+    assert isinstance(head, quant.Fp8Block)
+    assert bd.draft_head_for(w, 256, 0, False, jnp.bfloat16) == (None, None)
+    hot, sub = bd.draft_head_for(head, 256, 100, False, jnp.bfloat16)
+    assert hot.tolist() == list(range(100)) and sub.shape == (100, 256) and sub.dtype == jnp.bfloat16
+    hot, sub = bd.draft_head_for(w, 256, 0, True, jnp.bfloat16)
+    assert hot is None and isinstance(sub, quant.Fp8Block)
 
 
 def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):

@@ -177,7 +177,7 @@ class RowStore:
         """Advisory: start bringing these rows closer (never raises for I/O; errors show up in the fetch)."""
         self._check_open()
         flat, _, _ = self._check_ids(ids)
-        uniq = np.unique(flat)
+        uniq = _unique_inverse(flat)[0]           # Python ints for a decode step's few ids, np.unique beyond
         with self._lock:
             self._stats.prefetch_calls += 1
         self._prefetch(uniq)

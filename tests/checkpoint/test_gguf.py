@@ -97,7 +97,6 @@ def test_gguf_errors(src, tmp_path):
 def test_host_table_view_reads_packed_rows(src, src_model, tmp_path):
     """With the table on the host, a GGUF table is never dequantized whole: rows come from the packed blocks."""
     from fnx.checkpoint import load_any
-    from fnx.checkpoint.gguf_quants import dequantize
     path = write_gguf(src, tmp_path / "tiny-q8.gguf", "mixed")
     out = load_any(str(path), dtype=np.float32, ngram_table="host")
     view = out.ngram[1]

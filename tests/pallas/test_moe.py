@@ -80,7 +80,8 @@ def _assert_bf16_weights(w, w_ref):
 
 @pytest.mark.parametrize("m,e,k,norm", [(5, 512, 10, True), (13, 64, 8, False), (64, 512, 10, True)])
 def test_route_matches_model_route(m, e, k, norm):
-    """13 rows run as two 8-row programs: the padded rows 13..15 are masked out of the loads and stores."""
+    """One row per program (the default BLOCK_M), and 8-row programs: 13 rows run as two, the padded rows 13..15
+    masked out of the loads and stores."""
     d = 64
     x = jax.random.normal(_key(m), (m, d), jnp.float32).astype(BF16)
     p = {"gate": (jax.random.normal(_key(e), (e, d), jnp.float32) * 0.3).astype(BF16)}
@@ -89,6 +90,9 @@ def test_route_matches_model_route(m, e, k, norm):
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
     _assert_bf16_weights(w, w_ref)
     _check_route(logits, k, norm, jnp.float32)   # the fp32 weights before rounding, to an ulp
+    w8, ids8 = routing_pallas.route(logits, k, norm, BF16, interpret=INTERPRET, block_m=8)
+    np.testing.assert_array_equal(np.asarray(ids8), np.asarray(ids_ref))
+    _assert_bf16_weights(w8, w_ref)
 
 
 @pytest.mark.parametrize("impl", [KERNEL, "reference"])
@@ -397,8 +401,8 @@ def test_decode_routing_patterns(case):
                                             ("one", "fp8", 0)])
 def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
     """DecodeTiles.meta 1: the owner flags, the tokens' choices and their weights computed once per call
-    (`slot_meta`) instead of by every program: the same output bits as meta 0, shared and disjoint experts, the
-    in-kernel combine (group 0) and the split one."""
+    (`slot_meta`) instead of by every program, and meta 2 (written by the gate/up kernel): the same output bits as
+    meta 0, shared and disjoint experts, the in-kernel combine (group 0) and the split one."""
     m = 1 if case == "one" else 4
     ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
            "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]], "one": None}[case]
@@ -407,10 +411,31 @@ def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
     run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
     base, got = run(tiles), run(dataclasses.replace(tiles, meta=1))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
+    # meta 2: the gate/up kernel finds the metadata and writes it for the down kernel (no XLA launch)
+    np.testing.assert_array_equal(np.asarray(run(dataclasses.replace(tiles, meta=2))).view(np.uint16),
+                                  np.asarray(base).view(np.uint16))
     _close(got, reference.decode(*args))
     own, hit, coef = decode_pallas.slot_meta(args[2], args[1], BF16)
     assert int(own.sum()) == len(np.unique(np.asarray(args[2])))          # one owner per distinct expert
     assert int(hit.sum()) == m * K                                       # every (token, k) pair counted once
+
+
+@pytest.mark.parametrize("fmt,m,group", [("fp8", 1, 0), ("nvfp4", 1, 0), ("bf16", 3, 0), ("nvfp4", 5, 5),
+                                          ("fp8", 2, 4)])
+def test_decode_hoisted_down_loads_give_the_same_bits(fmt, m, group):
+    """DecodeTiles.hoist 1: a down program issues every slot's weight loads (and the shared expert's) before its
+    arithmetic. The arithmetic and its order are unchanged, so the bits equal hoist 0's, with the combine in the
+    kernel (group 0, the slots unrolled) and with several slots per program; group 0 with the slots looped (M*K >
+    UNROLL_SLOTS) is refused with the reason."""
+    args = _decode_args(fmt, m, 50 + m, shared_fmt="bf16" if fmt == "nvfp4" else None)
+    tiles = dataclasses.replace(DT, group=group, e2m1="f16" if fmt == "nvfp4" else "int")
+    run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
+    base, got = run(tiles), run(dataclasses.replace(tiles, hoist=1))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
+    _close(got, reference.decode(*args))
+    if m * K > decode_pallas.UNROLL_SLOTS:
+        with pytest.raises(NotImplementedError, match="hoist 1 with group 0"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, group=0, hoist=1))
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -461,7 +486,11 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16")),
                            ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=5, e2m1="f16", meta=1)),
-                           ("fp8", m, decode_pallas.DecodeTiles(group=0, meta=1))):
+                           ("fp8", m, decode_pallas.DecodeTiles(group=0, meta=1)),
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(bn2=4, group=0, e2m1="f16", hoist=1)),
+                           ("fp8", m, decode_pallas.DecodeTiles(group=5, meta=1, hoist=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16", meta=2)),
+                           ("fp8", 1, decode_pallas.DecodeTiles(bn2=4, group=0, acc=1, meta=2, hoist=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -72,7 +72,6 @@ def test_step_with_store_rows_equals_step_with_ids(tiny):
     s_rows = init_state(cfg, batch, 64, tiny.dtype)
     prompt = _tokens(tiny, batch, 9, 1)
     pipe.hint_prompt(ctx, prompt)
-    rng = np.random.default_rng(2)
     for r, window in enumerate([prompt] + [_tokens(tiny, batch, 4, 10 + i) for i in range(3)]):
         ticket = pipe.submit_tokens(ctx, window)
         ids, _ = ngram_ids(ctx, window, consts)

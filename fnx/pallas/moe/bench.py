@@ -30,13 +30,17 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta]
+# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist]
 _SWEEP_M1 = [(8, 512, 4, 128, 0, 4, 4), (8, 512, 16, 128, 1, 4, 4), (8, 512, 32, 128, 1, 4, 4),
              (8, 512, 16, 128, 2, 4, 4), (8, 512, 16, 128, 5, 4, 4), (8, 256, 16, 128, 1, 2, 4),
              (4, 512, 8, 128, 1, 2, 2), (4, 512, 8, 128, 1, 4, 2), (8, 512, 8, 128, 1, 2, 2),
              (16, 512, 8, 128, 1, 8, 2), (8, 128, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 1, 2),
              # eleventh session: the gate/up products kept as tiles and summed once per row (acc 1)
-             (8, 512, 8, 128, 1, 4, 2, 1), (4, 512, 16, 128, 1, 2, 4, 1), (4, 512, 8, 128, 1, 4, 2, 1)]
+             (8, 512, 8, 128, 1, 4, 2, 1), (4, 512, 16, 128, 1, 2, 4, 1), (4, 512, 8, 128, 1, 4, 2, 1),
+             # the combine in the kernel (group 0: no partials, no XLA sum, one launch fewer per layer) with every
+             # slot's down loads issued first (hoist 1), narrow output tiles so enough programs run
+             (4, 512, 2, 128, 0, 4, 1, 1, "int", 0, 1), (4, 512, 4, 128, 0, 4, 2, 1, "int", 0, 1),
+             (4, 512, 8, 128, 0, 4, 2, 1, "int", 0, 1), (4, 512, 4, 128, 0, 4, 2, 1)]
 # M = 5 (an MTP k=4 verify window): kernel 1 multiplies each dequantized tile by 5 tokens, so narrower tiles
 # (fewer fp32 values live) are tried against the M = 1 winners; NVFP4 also with its codes read as fp16 bits
 _SWEEP_M5 = [(8, 512, 8, 128, 1, 4, 2), (4, 512, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 4, 2),
@@ -47,13 +51,20 @@ _SWEEP_M5 = [(8, 512, 8, 128, 1, 4, 2), (4, 512, 8, 128, 1, 4, 2), (4, 256, 8, 1
              (4, 512, 8, 128, 5, 4, 2, 0, "f16"), (4, 512, 16, 128, 5, 4, 4, 0, "f16"),
              (4, 512, 32, 128, 1, 4, 4, 0, "f16"),
              # and the slots' owner / token / weight metadata computed once per call (meta 1)
-             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1)]
+             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1),
+             # five or ten slots per down program with their loads issued first (hoist 1)
+             (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1, 1), (4, 512, 8, 128, 10, 4, 2, 0, "f16", 1, 1),
+             # the metadata written by the gate/up kernel (meta 2: no extra launch)
+             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 2), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 2, 1)]
 # NVFP4 at M = 1: its decode is arithmetic-heavy, so fewer columns per load and more warps are tried, then the codes
 # read as fp16 bits (e2m1 "f16") and the products kept as tiles (acc 1)
 _SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2), (8, 256, 8, 128, 1, 4, 2), (4, 256, 8, 128, 1, 2, 2),
                 (8, 512, 16, 128, 1, 8, 4), (16, 256, 8, 128, 1, 8, 2),
                 (8, 512, 16, 128, 1, 8, 4, 0, "f16"), (8, 512, 16, 128, 1, 8, 4, 1, "f16"),
-                (8, 512, 16, 128, 1, 8, 4, 1, "int"), (4, 512, 8, 128, 1, 4, 2, 0, "f16")]
+                (8, 512, 16, 128, 1, 8, 4, 1, "int"), (4, 512, 8, 128, 1, 4, 2, 0, "f16"),
+                # group 0 with the down loads hoisted (see _SWEEP_M1)
+                (4, 512, 2, 128, 0, 4, 1, 0, "f16", 0, 1), (4, 512, 4, 128, 0, 4, 2, 0, "f16", 0, 1),
+                (4, 512, 8, 128, 0, 4, 2, 0, "f16", 0, 1)]
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):

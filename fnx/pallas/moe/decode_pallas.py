@@ -26,7 +26,10 @@ different fp32 order (an ulp of the sum at most). Deterministic: no atomics, a f
 
 Variants (`DecodeTiles`): `acc` 1 keeps one token's gate/up products as tiles over the D chunks and sums each row
 once; `e2m1` "f16" reads NVFP4 codes through fp16 bits (the same weights); `meta` 1 computes each slot's owner
-flag, token choices and routing weights once per call (`slot_meta`) instead of in every program. The shared
+flag, token choices and routing weights once per call (`slot_meta`) instead of in every program (`meta` 2: kernel 1
+finds them and writes them for kernel 2, without the extra XLA launch); `hoist` 1 has a
+kernel-2 program issue every slot's weight loads (and the shared expert's) before its arithmetic, so that group 0
+(no partials and no XLA sum: one launch fewer per layer) waits one memory round trip, not one per slot. The shared
 expert's inputs may be windows (buffer, start column) into the fused router / shared-expert products.
 
 Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
@@ -74,7 +77,13 @@ class DecodeTiles:
                          # bits, one conversion; 2^14 folded into the group scale): the same values
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
-                         # 1: one XLA fusion computes them for every slot first and the programs load them
+                         # 1: one XLA fusion computes them for every slot first and the programs load them;
+                         # 2: kernel 1 finds them as in 0 and its first program per slot writes them, so kernel
+                         # 2's programs load them (the reductions once per slot, no extra launch)
+    hoist: int = 0       # kernel 2: 0 = each slot's weight loads are issued when its turn comes; 1 = every slot's
+                         # of the program and the shared expert's are issued before any arithmetic (one memory
+                         # round trip per program instead of one per slot: what a program walking all K slots,
+                         # group 0, waits on; the slots must be unrolled, M*K <= UNROLL_SLOTS, or grouped)
 
 
 def _pow2(n: int) -> int:
@@ -202,17 +211,31 @@ def _accumulate(m, hits, accs, add):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta):
-    if meta:
+    if meta == 1:
         own_ref, hit_ref, *rest = rest
-    *w_refs, act_ref = rest
+    if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
+        rw_ref, *rest = rest
+        *w_refs, act_ref, own_out, hit_out, coef_out = rest
+    else:
+        *w_refs, act_ref = rest
     s, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[s]
     dt = act_ref.dtype
-    if meta:
+    if meta == 1:
         owner = own_ref[s] != 0
     else:
         flat = _load_ids(ids_ref, n_slots, sp)
         owner = _owner(flat, e, s)
+    if meta == 2:
+        @pl.when(j == 0)
+        def _():    # slot s's owner flag, and per token whether it chose e (owners only) and its weight for e
+            pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+            rw = plgpu.load(rw_ref.at[pl.ds(0, sp)], mask=pos < n_slots, other=0).astype(F32)
+            own_out[s] = owner.astype(jnp.int32)
+            for i in range(m):
+                h = (flat == e) & ((pos // k) == i)
+                hit_out[s * m + i] = (owner & (jnp.sum(jnp.where(h, 1, 0)) > 0)).astype(jnp.int32)
+                coef_out[s * m + i] = jnp.sum(jnp.where(h, rw, 0.0))
 
     @pl.when(owner)
     def _():
@@ -231,7 +254,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             return
         if m == 1:
             hits = None
-        elif meta:
+        elif meta == 1:
             hits = [hit_ref[s * m + i] != 0 for i in range(m)]
         else:
             hits = [_routes_to(flat, e, k, i) for i in range(m)]
@@ -249,7 +272,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1, offs, meta):
+                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -262,7 +285,8 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         rw = plgpu.load(rw_ref.at[pl.ds(0, sp)], mask=pos < n_slots, other=0).astype(F32)
         tok = pos // k
 
-    def slot(s, accs):
+    def slot_loads(s):
+        """Slot s's routing facts and its weight loads (issued, not yet used)."""
         e = ids_ref[s]
         if meta:     # loaded: the owner flag, and per token whether it chose this expert and with what weight
             own = own_ref[s] != 0
@@ -273,7 +297,10 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             hits = [(flat == e) & (tok == i) for i in range(m)]
             routed = [own & (jnp.sum(jnp.where(h, 1, 0)) > 0) for h in hits]
             coefs = [jnp.sum(jnp.where(h, rw, 0.0)) for h in hits]
-        raw = [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
+        return routed, coefs, [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
+
+    def slot(s, accs, loaded=None):
+        routed, coefs, raw = loaded or slot_loads(s)
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1)
@@ -287,9 +314,13 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             out.append(accs[i] + jnp.where(routed[i], term, 0.0))
         return tuple(out)
 
-    def shared():
-        nks = inter_s // cw
-        raw = [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(nks)]
+    nks = inter_s // cw
+
+    def shared_loads():
+        return [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(nks)]
+
+    def shared(raw=None):
+        raw = raw or shared_loads()
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nks):
             w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1)
@@ -306,12 +337,20 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
     if group == 0:          # one program: every slot, the combine and the shared expert, y in dt
         accs = zeros
-        if n_slots <= UNROLL_SLOTS:
+        if hoist:           # every load first (`check`: the slots are unrolled)
+            loaded = [slot_loads(s) for s in range(n_slots)]
+            sh_raw = shared_loads()
             for s in range(n_slots):
-                accs = slot(s, accs)
+                accs = slot(s, accs, loaded[s])
+            sh_terms = shared(sh_raw)
         else:
-            accs = lax.fori_loop(0, n_slots, slot, accs)
-        for i, sh in enumerate(shared()):
+            if n_slots <= UNROLL_SLOTS:
+                for s in range(n_slots):
+                    accs = slot(s, accs)
+            else:
+                accs = lax.fori_loop(0, n_slots, slot, accs)
+            sh_terms = shared()
+        for i, sh in enumerate(sh_terms):
             y_ref[i, pl.ds(c0, bn)] = (rnd(accs[i], dt) + sh).astype(y_ref.dtype)
         return
     # grid axis 1: `group` slots per program, their fp32 partial sums in row gi; the last row is the shared term
@@ -321,8 +360,10 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
     @pl.when(gi < n_groups)
     def _():
         accs = zeros
-        for t in range(group):
-            accs = slot(gi * group + t, accs)
+        slots = [gi * group + t for t in range(group)]
+        loaded = [slot_loads(s) for s in slots] if hoist else [None] * group
+        for s, ld in zip(slots, loaded):
+            accs = slot(s, accs, ld)
         for i in range(m):
             y_ref[gi, i, pl.ds(c0, bn)] = accs[i]
 
@@ -357,8 +398,11 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.cw < 16 or t.cw2 < 16 or ("nvfp4" in fmts.values() and min(t.cw, t.cw2) < 32):
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
-    if t.acc not in (0, 1) or t.meta not in (0, 1) or t.e2m1 not in E2M1_DECODES:
-        return f"tiles {t}: acc and meta must be 0 or 1 and e2m1 one of {E2M1_DECODES}"
+    if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES:
+        return f"tiles {t}: acc and hoist must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
+    if t.hoist and not t.group and n_slots > UNROLL_SLOTS:
+        return f"tiles {t}: hoist 1 with group 0 issues every slot's loads at once, which needs the M*K = " \
+               f"{n_slots} slots unrolled (at most {UNROLL_SLOTS}); give a group"
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
     if d // t.cw > 64 or inter // t.cw2 > 64:
@@ -440,28 +484,34 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     fmt2, w2, _ = reference.kernel_operands(down)
     fmt3, w3, _ = reference.kernel_operands(shared_down)
     flat = ids.reshape(-1).astype(jnp.int32)
-    meta = slot_meta(ids, w, dt) if tiles.meta else ()
+    rw = w.reshape(-1).astype(dt)
+    meta = slot_meta(ids, w, dt) if tiles.meta == 1 else ()
+    act_shape = jax.ShapeDtypeStruct((n_slots, m, inter), dt)
+    meta_shapes = (jax.ShapeDtypeStruct((n_slots,), jnp.int32), jax.ShapeDtypeStruct((n_slots * m,), jnp.int32),
+                   jax.ShapeDtypeStruct((n_slots * m,), F32))
     act = pl.pallas_call(
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
-                          meta=bool(tiles.meta)),
-        out_shape=jax.ShapeDtypeStruct((n_slots, m, inter), dt),
+                          meta=tiles.meta),
+        out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-    )(flat, x, *meta[:2], *w1)
+    )(flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1)
+    if tiles.meta == 2:
+        act, *meta = act
     g = tiles.group
     n_groups = n_slots // g if g else 0
     out_shape = (n_groups + 1, m, d) if g else (m, d)
     y = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
-                          offs=(og, ou, os_), meta=bool(tiles.meta)),
+                          offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist)),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
-    )(flat, w.reshape(-1).astype(dt), act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3)
+    )(flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3)
     if not g:
         return y
     # the routed partials in group order, rounded once, then the shared term (already rounded): as the reference

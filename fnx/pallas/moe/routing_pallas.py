@@ -16,6 +16,11 @@ from jax.experimental.pallas import triton as plgpu
 F32 = jnp.float32
 MAX_TOKENS = 64
 MAX_EXPERTS = 1024
+# Rows per program. The kernel's K rounds of max / argmin are reductions along each row, so a program's latency
+# grows with its rows while rows in separate programs run side by side: in the 48-layer MTP round on the H200
+# (1e3722f) a five-token call in one program of 8 rows took 10.5 us, a one-token call (one row) 3.7 us. One row
+# per program gives five tokens five one-row programs (not yet timed on its own).
+BLOCK_M = 1
 
 
 def _pow2(n: int) -> int:
@@ -55,7 +60,7 @@ def _route_kernel(logits_ref, w_ref, ids_ref, *, m, e, c0, k, norm, bm, be, bk):
 @functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "dtype", "interpret", "block_m",
                                              "num_warps", "cols"))
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, interpret: bool = False,
-          block_m: int = 8, num_warps: int = 4, cols: tuple[int, int] | None = None):
+          block_m: int = BLOCK_M, num_warps: int = 4, cols: tuple[int, int] | None = None):
     """logits [M, E] -> (weights [M, K] `dtype`, ids [M, K] int32), as reference.route; programs of `block_m`
     rows (a power of two), one launch. `cols` (start, E): the logits are those columns of a wider product
     [M, W], read in place."""
