@@ -119,6 +119,8 @@ class Advisor:
         except (AttributeError, OSError) as exc:
             self.reason = f"pidfd_open unavailable ({exc})"
         self.syscalls = 0
+        self._c_nr, self._c_flags = ctypes.c_long(SYS_PROCESS_MADVISE), ctypes.c_uint(0)
+        self._c_fd = ctypes.c_int(self.pidfd if self.pidfd is not None else -1)
 
     @property
     def batched(self) -> bool:
@@ -133,8 +135,10 @@ class Advisor:
                  "fnx.ple: process_madvise is unavailable (%s); prefetch falls back to one madvise call per range, "
                  "which costs about 1.5 us per range (fine for decode, slow for prefill hints)", why)
 
-    def advise(self, iov: np.ndarray, advice: int) -> np.ndarray:
-        """iov [n, 2] uint64 (address, length). Returns a bool [n] mask of ranges that failed.
+    def advise(self, iov: np.ndarray, advice: int, total: int | None = None) -> np.ndarray:
+        """iov [n, 2] uint64 (address, length). Returns a bool [n] mask of ranges that failed. total: the sum of
+        the lengths when the caller knows it (a fetch advises one iov twice; for a decode step's few ranges the
+        NumPy sum is a noticeable part of the call).
 
         A batch whose process_madvise stops early is redone range by range, so the failing ranges are exact."""
         iov = np.ascontiguousarray(iov, dtype=np.uint64)
@@ -142,11 +146,10 @@ class Advisor:
         for lo in range(0, len(iov), self.batch):
             part = iov[lo:lo + self.batch]
             if self.pidfd is not None:
-                want = int(part[:, 1].sum())
+                want = total if total is not None and len(part) == len(iov) else int(part[:, 1].sum())
                 self.syscalls += 1
-                got = _libc.syscall(ctypes.c_long(SYS_PROCESS_MADVISE), ctypes.c_int(self.pidfd),
-                                    ctypes.c_void_p(part.ctypes.data), ctypes.c_size_t(len(part)),
-                                    ctypes.c_int(advice), ctypes.c_uint(0))
+                got = _libc.syscall(self._c_nr, self._c_fd, ctypes.c_void_p(part.ctypes.data),
+                                    ctypes.c_size_t(len(part)), ctypes.c_int(advice), self._c_flags)
                 if got == want:
                     continue
                 if got < 0:

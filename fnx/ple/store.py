@@ -360,10 +360,11 @@ class _MappedStore(RowStore):
         t0 = t1 = t2 = time.perf_counter()
         if self.guard:
             iov, which = lx.page_ranges(0, self._addresses(idx, local), self.src.row_bytes)
-            self._advisor.advise(iov, lx.MADV_WILLNEED)  # start every read; failures show up below
+            total = int(iov[:, 1].sum()) if len(iov) > self._advisor.batch else sum(iov[:, 1].tolist())
+            self._advisor.advise(iov, lx.MADV_WILLNEED, total)  # start every read; failures show up below
             t1 = time.perf_counter()
             if self._populate:
-                ok = ~self._advisor.advise(iov, lx.MADV_POPULATE_READ)[which]
+                ok = ~self._advisor.advise(iov, lx.MADV_POPULATE_READ, total)[which]
             else:
                 ok = self._size_ok(idx, local)
             t2 = time.perf_counter()
