@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnx.config import ModelConfig
-from fnx.engine.engine import _jit_draft, _jit_verify
+from fnx.engine.engine import _jit_draft, _jit_verify, draft_head
 from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys
 from fnx.model.mtp import init_mtp_state, mtp_param_shapes
 from fnx.model.transformer import init_state, param_shapes, step
@@ -140,18 +140,11 @@ def quantize_tree(params, quant: str):
 
 def draft_head_for(head, vocab: int, draft_vocab: int, draft_fp8: bool, dtype):
     """(hot ids [H] or None, the draft head or None for the model's own lm_head): a hot-token subset of the first
-    `draft_vocab` ids (0: the whole vocabulary) and / or FP8 blocks, built as the engine builds its draft head."""
-    from fnx.model import quant as q
+    `draft_vocab` ids (0: the whole vocabulary) and / or FP8 blocks, built by the engine's `draft_head`."""
     if draft_vocab < 0 or draft_vocab > vocab:
         raise SystemExit(f"--draft-vocab {draft_vocab}: give 0 (the whole vocabulary) up to {vocab}")
     hot = jnp.arange(draft_vocab, dtype=jnp.int32) if draft_vocab else None
-    out = None
-    if hot is not None:
-        out = (q.dequantize(head, dtype) if q.is_quantized(head) else head)[hot]
-    if draft_fp8:
-        src = head if out is None else out
-        out = src if q.is_quantized(src) else q.quantize_fp8_block(src)
-    return hot, out
+    return hot, draft_head(head, hot, draft_fp8, dtype)
 
 
 def nbytes(tree) -> int:
@@ -326,9 +319,9 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
     # the drafter's head, as `Engine(speculative=Speculative(draft_vocab=..., fp8_head=...))` builds it: the first
     # `draft_vocab` token ids stand for a hot-token list (random weights: which ids does not matter for time)
-    hot, draft_head = draft_head_for(params["lm_head"], cfg.vocab_size, draft_vocab, draft_fp8, dtype)
+    hot, dhead = draft_head_for(params["lm_head"], cfg.vocab_size, draft_vocab, draft_fp8, dtype)
     floors = {"decode": floor_bytes(cfg, params, 1), "verify": floor_bytes(cfg, params, k + 1),
-              "draft": floor_bytes(cfg, {"m": mp, "lm": params["lm_head"] if draft_head is None else draft_head}, 1)}
+              "draft": floor_bytes(cfg, {"m": mp, "lm": params["lm_head"] if dhead is None else dhead}, 1)}
     res = {"params_gb": nbytes(params) / 1e9, "mtp_gb": nbytes(mp) / 1e9, "fused_projections": fuse}
     # the timed programs read `sparams` / `smp`: each sublayer's input projections fused into one product, as the
     # engine and the server run them by default (fnx.model.fuse); the engine part builds its own from params
@@ -406,7 +399,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
 
     def rnd():
         m, drafts, q = _jit_draft(sparams, smp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
-                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k, head=draft_head, hot=hot,
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, moe, k, head=dhead, hot=hot,
                                   greedy=True)
         mh["m"] = m
         s = holder["s"]

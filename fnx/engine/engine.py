@@ -185,14 +185,7 @@ class Engine:
                 self.mtp = fuse_mtp(self.mtp)
             hot = speculative.hot_ids(self.cfg.vocab_size)
             self.hot = None if hot is None else jnp.asarray(hot)
-            from fnx.model import quant
-            head = model.params["lm_head"]
-            self.draft_head = None
-            if hot is not None:   # the hot rows (of an FP8 head: dequantized, whole 128-row blocks are gone)
-                self.draft_head = (quant.dequantize(head, dtype) if quant.is_quantized(head) else head)[self.hot]
-            if speculative.fp8_head:
-                src = head if self.draft_head is None else self.draft_head
-                self.draft_head = src if quant.is_quantized(src) else quant.quantize_fp8_block(src)
+            self.draft_head = draft_head(model.params["lm_head"], self.hot, speculative.fp8_head, dtype)
             self.mtp_state = init_mtp_state(self.cfg, max_slots, capacity, dtype)
             self.mtp_empty = init_mtp_state(self.cfg, 1, capacity, dtype)
         self.waiting: deque[Request] = deque()
@@ -691,6 +684,19 @@ class Engine:
 
 
 MAX_LOGPROBS = 20
+
+
+def draft_head(head, hot, fp8: bool, dtype):
+    """The MTP drafter's own head, or None when it drafts through the model's lm_head: the rows of the hot-token
+    ids `hot` [H] (of an FP8 head: dequantized, its 128-row blocks no longer whole) and / or FP8 128x128 blocks."""
+    from fnx.model import quant
+    out = None
+    if hot is not None:
+        out = (quant.dequantize(head, dtype) if quant.is_quantized(head) else head)[hot]
+    if fp8:
+        src = head if out is None else out
+        out = src if quant.is_quantized(src) else quant.quantize_fp8_block(src)
+    return out
 
 
 def _n_logprobs(reqs) -> int:

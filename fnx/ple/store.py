@@ -360,7 +360,8 @@ class _MappedStore(RowStore):
         t0 = t1 = t2 = time.perf_counter()
         if self.guard:
             iov, which = lx.page_ranges(0, self._addresses(idx, local), self.src.row_bytes)
-            total = int(iov[:, 1].sum()) if len(iov) > self._advisor.batch else sum(iov[:, 1].tolist())
+            # the range lengths' sum, for both calls (one batch: a decode step's few ranges, in Python ints)
+            total = sum(iov[:, 1].tolist()) if len(iov) <= self._advisor.batch else None
             self._advisor.advise(iov, lx.MADV_WILLNEED, total)  # start every read; failures show up below
             t1 = time.perf_counter()
             if self._populate:

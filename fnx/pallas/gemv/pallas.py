@@ -63,8 +63,6 @@ WIDE_FORMATS = ("bf16", "fp8")
 FMA_MAX_M = 8
 
 
-
-
 def _e2m1_bf16(codes):
     """uint8 E2M1 codes (0..15) -> their exact value as bfloat16, with integer ops and a bitcast.
 
