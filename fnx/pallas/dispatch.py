@@ -46,6 +46,8 @@ VERIFIED_ON_GPU = {
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
     "gdn_step": "H200, 2026-12-01, commit d8545d0: tests/pallas/test_gdn.py (all 25; also 1f19306, all 23)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
+    "hc_boundary_few": "H200, 2026-12-02, commit 2b161d1: tests/pallas/test_hc.py -k few_token_kernels_match "
+                       "(all 4)",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
@@ -77,6 +79,10 @@ AUTO_KEEPS_REFERENCE = {
     # 0.906 with the reference (H200, 4 layers bf16, commit 140df28; BENCHMARKS.md "Sixth H200 session")
     "hc_boundary": "the multi-token boundary (2-32 tokens) measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("
                    + _MODEL_AB + ")",
+    "hc_boundary_few": "measured slower in the MTP round: 4 layers, FP8 + NVFP4, 1K context, H200, commit 2b161d1: "
+                       "3.776 ms of kernel time per round in 385 kernels against 3.618 ms in 448 with XLA's "
+                       "boundary (about 33 us per five-token boundary against 19.5; BENCHMARKS.md, thirteenth "
+                       "H200 session)",
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",

@@ -23,7 +23,8 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
            pow2_streams: bool = True) -> tuple[str, str]:
     """(op, backend) for a boundary over `tokens` tokens. 2..MAX_FEW_TOKENS tokens: the few-token kernels
     (OP_FEW, bf16 or FP8 weights, streams a power of two) when that op resolves to a kernel (named by impl or
-    FNX_KERNELS; not yet under auto: unmeasured), else the multi-token design (OP, dense weights only)."""
+    FNX_KERNELS; not under auto: slower in the MTP round, see dispatch.AUTO_KEEPS_REFERENCE), else the
+    multi-token design (OP, dense weights only)."""
     if tokens == 1:
         return OP_M1, dispatch.resolve(OP_M1, impl, not_applicable=not_applicable)
     if tokens <= MAX_FEW_TOKENS and not_applicable is None and pow2_streams:
