@@ -173,11 +173,13 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
     assert text.count("hc_down1_fp8") and text.count("hc_up1_fp8")
 
 
-@pytest.mark.parametrize("m,dtype,fp8", [(2, jnp.float32, False), (5, jnp.float32, True), (5, jnp.bfloat16, True),
-                                         (8, jnp.bfloat16, False)])
-def test_few_token_kernels_match_reference(m, dtype, fp8, monkeypatch):
-    """2..8 tokens (an MTP verify window) through the one-token kernels looping over the tokens (op
-    "hc_boundary_few"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
+@pytest.mark.parametrize("m,dtype,fp8,tokens", [(2, jnp.float32, False, "grid"), (5, jnp.float32, True, "grid"),
+                                                (5, jnp.bfloat16, True, "grid"), (8, jnp.bfloat16, False, "grid"),
+                                                (2, jnp.float32, False, "loop"), (5, jnp.float32, True, "loop"),
+                                                (5, jnp.bfloat16, True, "loop")])
+def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, monkeypatch):
+    """2..8 tokens (an MTP verify window) through the one-token kernels (op "hc_boundary_few"), one program per
+    token on a grid axis ("grid") or each program walking the tokens ("loop"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
     fp32 to 1e-5 (only the order of sums differs), bf16 within TOL. Auto leaves them off (slower in the round), and
     the multi-token MMA tiles still name the multi-token design."""
     from fnx.model import quant
@@ -195,7 +197,7 @@ def test_few_token_kernels_match_reference(m, dtype, fp8, monkeypatch):
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, p["block_inject_weight"], streams=4, eps=1e-6)
     run = lambda impl: jax.jit(lambda h, y, i: api.hc_boundary(  # noqa: E731
         h, y, i, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6, impl=impl,
-        tiles=kernel.Tiles1(bn=2, bd=16), **kw))(h, y, inj)
+        tiles=kernel.Tiles1(bn=2, bd=16, tokens=tokens), **kw))(h, y, inj)
     got = run(KERNEL)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):

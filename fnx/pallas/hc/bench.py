@@ -110,17 +110,19 @@ def cases(quick: bool) -> list[BenchCase]:
                 out.append(_fp8_case(m, s, d, r, f8, "reference"))
             continue
         from fnx.pallas.hc import pallas as kernel
-        # "pallas" at M > 1 is the multi-token MMA design (its Tiles); "few" the one-token kernels looping over
-        # the tokens (op hc_boundary_few, Tiles1), which also take FP8 weights
+        # "pallas" at M > 1 is the multi-token MMA design (its Tiles); "few" the one-token kernels with a program
+        # per token (op hc_boundary_few, Tiles1), "few-loop" each program walking the tokens; both take FP8 weights
         variants = [("pallas", None if m == 1 else kernel.choose_tiles(d, r)), ("reference", None)]
         if 1 < m <= api.MAX_FEW_TOKENS:
-            variants.append(("few", kernel.choose_tiles1(s, d, r)))
+            t1 = kernel.choose_tiles1(s, d, r)
+            variants += [("few", t1), ("few-loop", dataclasses.replace(t1, tokens="loop"))]
         for impl, tiles in variants:
-            run = "pallas" if impl == "few" else impl
+            run = "pallas" if impl.startswith("few") else impl
             out.append(BenchCase(
                 kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl=impl,
                 fn=lambda *a, _impl=run, _t=tiles: api.hc_boundary(*a, streams=s, eps=1e-6, impl=_impl, tiles=_t),
                 arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
             if m == 1 or impl != "pallas":       # FP8 Wdown / Wup: what the model runs (online FP8)
-                out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), run, label=impl))
+                out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), run, label=impl,
+                                     change={"tokens": "loop"} if impl == "few-loop" else None))
     return out

@@ -151,6 +151,10 @@ class Tiles1:
                             # although the isolated sweep (FNX_HC_SWEEP=1) had 2 warps ahead (28.1 vs 33.8 us)
     num_stages: int = 1
     pieces: bool = True     # unmasked power-of-two pieces (see above); False: one padded, masked tile
+    tokens: str = "grid"    # 2..FEW_MAX_TOKENS tokens: "grid" = one program per token (a grid axis; a token's
+                            # programs read the same weight tiles, the later ones mostly from L2); "loop" = each
+                            # program loads its tiles once and walks the tokens in turn (H200, 2b161d1: ~33 us per
+                            # five-token boundary, latency-bound, against 19.5 for XLA's; "grid" not yet measured)
 
 
 FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (each program loops over them)
@@ -189,10 +193,11 @@ def _dequant_rows(wt, sc, dt):
     return rnd(wt.astype(F32) * sc, dt)
 
 
-def _tok(t: int, stride: int, idx):
-    """idx shifted to token t's row of a [M, stride] operand (token 0: idx itself, so one token's kernel is the
-    same code as before tokens were added)."""
-    return idx if t == 0 else t * stride + idx
+def _tok(t, stride: int, idx):
+    """idx shifted to token t's row of a [M, stride] operand (t an int, or the program's token index on a token
+    grid axis; token 0 as an int: idx itself, so one token's kernel is the same code as before tokens were
+    added)."""
+    return idx if isinstance(t, int) and t == 0 else t * stride + idx
 
 
 def _rows_of(vals, mp: int, shape):
@@ -204,7 +209,7 @@ def _rows_of(vals, mp: int, shape):
     return out
 
 
-def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1):
+def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -237,7 +242,8 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
                                mask=m3 & jnp.logical_not(is_down), other=0.0)            # [bn, p, ch]
         tiles.append((col, ok, off, wt))
     rstds, accs = [], []
-    for t in range(m):                      # tokens: the weight tiles are shared, each token its own norm
+    one = m == 1 or tok_grid                # one token per program (on a token grid axis: the program's token)
+    for t in ([pl.program_id(2)] if tok_grid else range(m)):   # tokens: shared weight tiles, each its own norm
         hcs, ss = [], None
         for col, ok, off, _ in tiles:
             hc = plt.load(h_ref.at[_tok(t, s * d, off)], mask=ok, other=0.0).astype(F32)
@@ -248,7 +254,7 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
             piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
             ss = piece if ss is None else ss + piece
         rstd = lax.rsqrt(ss / d + eps)
-        if m == 1:
+        if one:
             rstd_ref[...] = rstd            # (where the one-token kernel always stored it)
         acc = None
         for (col, ok, off, wt), hc in zip(tiles, hcs):
@@ -258,7 +264,7 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
             acc = piece if acc is None else acc + piece
         rstds.append(rstd)
         accs.append(acc)
-    if m == 1:
+    if one:
         part_ref[...] = accs[0]
     else:                                   # blocks [1, 1, Mp] and [Mp, bn] (Mp: tokens padded to a power of two)
         mp = rstd_ref.shape[-1]
@@ -266,7 +272,7 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         part_ref[...] = _rows_of(accs, mp, (bn,))
 
 
-def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1):
+def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, n_prog=0):
     it = iter(refs)
     part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -281,7 +287,8 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1):
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
     ncb = (r + 127) // 128
-    mp = 1 if m == 1 else x_ref.shape[0]
+    one = m == 1 or tok_grid
+    mp = 1 if one else x_ref.shape[0]
     tiles = []
     for k0, p in pieces:                    # the weight tiles first: in flight early
         k = k0 + jnp.arange(p, dtype=jnp.int32)
@@ -297,7 +304,8 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1):
             wt = _dequant_rows(wt, sc, dt)
         tiles.append((k, kok, wt))
     xs, hos = [], []
-    for t in range(m):                      # tokens: the weight tiles are shared
+    toks = [pl.program_id(1)] if tok_grid else range(m)
+    for t in toks:                          # tokens: the weight tiles are shared
         z = None
         for k, kok, wt in tiles:
             parts = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok,
@@ -312,12 +320,13 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1):
             yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
             injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
             hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-        rstd = plt.load(rstd_ref.at[sj if m == 1 else sj * mp + t])                      # [S] (program row 0)
+        # [S], program row 0 of rstd [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid)
+        rstd = plt.load(rstd_ref.at[sj if m == 1 else t * (n_prog * s) + sj if tok_grid else sj * mp + t])
         w = plt.load(wn_ref.at[rows]).astype(F32)
         hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
         xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
         hos.append(hc)
-    if m == 1:
+    if one:
         x_ref[...] = xs[0].astype(dt)
         if has_y:
             ho_ref[...] = hos[0]
@@ -329,11 +338,11 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1):
         @pl.when(i == 0)
         def _():
             injs = []
-            for t in range(m):
+            for t in toks:
                 pi = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + r + sj[None, :])])  # [S, S]
                 vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
                 injs.append(2.0 * rnd(jax.nn.sigmoid(vi), dt))
-            injo_ref[...] = (injs[0] if m == 1 else _rows_of(injs, mp, (s,))).astype(dt)
+            injo_ref[...] = (injs[0] if one else _rows_of(injs, mp, (s,))).astype(dt)
 
 
 def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
@@ -380,9 +389,17 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     n_down = r // t.bn
     n_prog = n_down + (s // t.bn if has_inj else 0)
     n_rows = n_prog * t.bn
+    grid = m > 1 and t.tokens == "grid"     # one program per token on a grid axis (see Tiles1.tokens)
+    if t.tokens not in ("grid", "loop"):
+        raise ValueError(f"hc_boundary (M = 1): Tiles1.tokens {t.tokens!r}: 'grid' or 'loop'")
     if m == 1:
         down_specs = [pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))]
         down_shapes = [jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)]
+    elif grid:  # the M real tokens (no padding): part [M, S, rows], rstd [M, programs, S]
+        mp = m
+        down_specs = [pl.BlockSpec((None, None, t.bn), lambda n, j, i: (i, j, n)),
+                      pl.BlockSpec((None, 1, 1), lambda n, j, i: (i, n, j))]
+        down_shapes = [jax.ShapeDtypeStruct((m, s, n_rows), F32), jax.ShapeDtypeStruct((m, n_prog, s), F32)]
     else:   # tokens padded to Mp rows: part [Mp, S, rows], rstd [programs, S, Mp]
         down_specs = [pl.BlockSpec((mp, None, t.bn), lambda n, j: (0, j, n)),
                       pl.BlockSpec((1, 1, mp), lambda n, j: (n, j, 0))]
@@ -390,8 +407,8 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     tag = "" if m == 1 else "_few"
     part, rstd = pl.pallas_call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
-                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m),
-        grid=(n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
+                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid),
+        grid=(n_prog, s, m) if grid else (n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
         out_specs=down_specs, out_shape=down_shapes,
         interpret=interpret, name=("hc_down1_fp8" if fp8 else "hc_down1") + tag, **params,
     )(*acts, flat(hc_norm), flat(w_down), *((flat(w_down_scale.astype(F32)),) if fp8 else ()),
@@ -402,6 +419,12 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
         specs = [pl.BlockSpec((t.bd,), lambda i: (i,))] + (
             [pl.BlockSpec((s, t.bd), lambda i: (0, i))] if has_y else []) + (
             [pl.BlockSpec((s,), lambda i: (0,))] if has_inj else [])
+    elif grid:  # x [M, D], H' [M, S, D], inj [M, S]: program (i, token)
+        outs = [jax.ShapeDtypeStruct((m, d), dt)] + ([jax.ShapeDtypeStruct((m, s, d), dt)] if has_y else []) + (
+            [jax.ShapeDtypeStruct((m, s), dt)] if has_inj else [])
+        specs = [pl.BlockSpec((None, t.bd), lambda i, k: (k, i))] + (
+            [pl.BlockSpec((None, s, t.bd), lambda i, k: (k, 0, i))] if has_y else []) + (
+            [pl.BlockSpec((None, s), lambda i, k: (k, 0))] if has_inj else [])
     else:   # x [Mp, D], H' [Mp, S, D], inj [Mp, S]
         outs = [jax.ShapeDtypeStruct((mp, d), dt)] + ([jax.ShapeDtypeStruct((mp, s, d), dt)] if has_y else []) + (
             [jax.ShapeDtypeStruct((mp, s), dt)] if has_inj else [])
@@ -410,11 +433,11 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
             [pl.BlockSpec((mp, s), lambda i: (0, 0))] if has_inj else [])
     up = pl.pallas_call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
-                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m),
-        grid=(d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs, out_shape=outs,
+                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m, tok_grid=grid, n_prog=n_prog),
+        grid=(d // t.bd, m) if grid else (d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs, out_shape=outs,
         interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
     )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(w_up_scale.astype(F32)),) if fp8 else ()))
-    real = (lambda a: a) if m == 1 else (lambda a: a[:m])  # noqa: E731  (the padded token rows dropped)
+    real = (lambda a: a) if m == 1 or grid else (lambda a: a[:m])  # noqa: E731  (the padded token rows dropped)
     x = real(up[0]).reshape(*lead, d)
     h_new = real(up[1]).reshape(h.shape) if has_y else h
     inj = real(up[-1]).reshape(*lead, s) if has_inj else None
