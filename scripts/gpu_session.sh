@@ -88,12 +88,28 @@ case "$part" in
         | grep '"part"' | cut -c1-600
     done ;;
   cmdbuf)  # XLA's command-buffer (CUDA graph) runtime modes against the host time of one decode step: one process
-           # per XLA_FLAGS value (CMDBUF_LAYERS, unrolled, fused projections); the logits fingerprint must agree
-    modes=${CMDBUF_MODES:-"default|--xla_gpu_command_buffer_update_mode=FULL_UPDATE_FREE|--xla_gpu_command_buffer_update_mode=CUSTOM_LIBRARY_UPDATE_FREE|--xla_gpu_enable_command_buffer="}
+           # per XLA_FLAGS value (CMDBUF_LAYERS, unrolled, fused projections); the logits fingerprint must agree.
+           # First, with XLA's command-buffer thunk logging (VLOG 3), how many graph updates the steps cause: each
+           # "updated_allocs=" line is a re-record of the graph's nodes whose buffers moved since the last launch.
+           # Update modes in JAX 0.11.2: ALWAYS_UPDATE (default), SKIP_TEMP (temporaries at fixed VMM addresses),
+           # SKIP_PROFILED (also parameters / outputs that kept their address); both want the VMM allocator. The
+           # names FULL_UPDATE_FREE / CUSTOM_LIBRARY_UPDATE_FREE tried in the eighth session no longer exist (a flag
+           # parse error ends the process: why those runs wrote nothing).
+    if [ -n "${CMDBUF_VLOG:-1}" ]; then
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout ${CMDBUF_S:-150} python scripts/probe_launch.py \
+        --layers ${CMDBUF_LAYERS:-12} --no-scan --fuse --dispatch-only --no-round --reps 20 --chains 5 \
+        --label "cmdbuf:vlog" --out "$OUT/probe" > "$OUT/cmdbuf_vlog.log" 2>&1
+      echo "graph updates (updated_allocs lines): $(grep -c 'updated_allocs' "$OUT/cmdbuf_vlog.log")"
+      grep 'updated_allocs' "$OUT/cmdbuf_vlog.log" | tail -4 | cut -c1-300
+      grep -E '"part": "decode dispatch"' "$OUT/cmdbuf_vlog.log" | cut -c1-500
+    fi
+    modes=${CMDBUF_MODES:-"default|--xla_gpu_command_buffer_update_mode=SKIP_TEMP|--xla_gpu_command_buffer_update_mode=SKIP_PROFILED|--xla_gpu_enable_command_buffer="}
     IFS='|' read -ra mode_list <<< "$modes"
     for m in "${mode_list[@]}"; do
       flags=$([ "$m" = default ] && echo "" || echo "$m")
-      XLA_FLAGS="$flags" timeout ${CMDBUF_S:-150} python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} --no-scan \
+      alloc=$(case "$m" in *SKIP_*) echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm ;; esac)   # (unset otherwise)
+      env $alloc XLA_FLAGS="$flags" timeout ${CMDBUF_S:-150} python scripts/probe_launch.py \
+        --layers ${CMDBUF_LAYERS:-12} --no-scan \
         --fuse --dispatch-only --no-round --reps 20 --chains 5 --label "cmdbuf:$m" --out "$OUT/probe" 2>&1 \
         | grep -E '"part": "decode dispatch"|Error|error:' | cut -c1-700
     done
