@@ -24,12 +24,13 @@
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
 #   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
+#   scripts/gpu_session.sh graph     # host cost per kernel node of a bare chain of N kernels (GRAPH_NODES, GRAPH_MODES)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | cmdbuf | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | cmdbuf | graph | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -118,6 +119,17 @@ case "$part" in
       python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} --no-scan --fuse --dispatch-only --no-round \
       --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
       --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
+  graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
+           # N Pallas kernels in a chain, N = GRAPH_NODES, donated and kept, under each XLA setting of GRAPH_MODES
+    modes=${GRAPH_MODES:-"default|--xla_gpu_command_buffer_update_mode=SKIP_TEMP|--xla_gpu_enable_command_buffer="}
+    IFS='|' read -ra mode_list <<< "$modes"
+    for m in "${mode_list[@]}"; do
+      flags=$([ "$m" = default ] && echo "" || echo "$m")
+      alloc=$(case "$m" in *SKIP_*) echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm ;; esac)
+      env $alloc XLA_FLAGS="$flags" timeout ${GRAPH_S:-120} python scripts/probe_graph.py \
+        --nodes ${GRAPH_NODES:-50 200 800} --label "graph:$m" --out "$OUT/graph" 2>&1 \
+        | grep -E '"part": "slopes"|Error|error:' | cut -c1-700
+    done ;;
   table)   # every kernel of the 4-layer decode step (probe_launch --kernel-table), separate and fused projections,
            # and the chained step time of each in its own process (--fuse is a params change, not a kernel variant)
     for f in "" --fuse; do

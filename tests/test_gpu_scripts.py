@@ -128,3 +128,16 @@ def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
     assert table["loop_multiply_fusion_3"]["body"] == {"convert": 2, "multiply": 1}
     assert table["copy_7"]["op_name"] == "jit(step)/gdn/copy"
     assert table["hc_down1"]["us_per_call"] == 4.0 and "op" not in table["hc_down1"]
+
+
+def test_probe_graph_writes_points_and_slopes(tmp_path):
+    """scripts/probe_graph.py: a chain of N kernels per program, timed per N with the input donated and kept, its
+    result checked against the closed form, then the fitted slopes (numbers meaningless on the CPU)."""
+    _run(["scripts/probe_graph.py", "--nodes", "2", "3", "--reps", "2", "--chain", "2", "--out", str(tmp_path)],
+         tmp_path, timeout=300)
+    recs = [json.loads(line) for line in (tmp_path / "probe_graph.jsonl").read_text().splitlines()]
+    points = [r for r in recs if r["part"] == "point"]
+    assert [(r["nodes"], r["donate"]) for r in points] == [(2, True), (3, True), (2, False), (3, False)]
+    assert all(r["sync_us"] > 0 and r["chained_us"] > 0 and r["calls"] == 1 + 3 + 2 + 3 * 2 for r in points)
+    slopes = recs[-1]
+    assert slopes["part"] == "slopes" and slopes["sync_us_per_node_donated"] is not None

@@ -1,0 +1,135 @@
+"""The host cost of launching N kernels in one jitted program, apart from any model: is the ~3 us per kernel a
+decode step pays on the H200 (and ~19 us on a slower host) the CUDA graph launch itself, or XLA updating the
+graph because buffers moved?
+
+    python scripts/probe_graph.py --nodes 50 200 800 --out gpu_out/graph
+    XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
+        python scripts/probe_graph.py --label skip_temp ...
+
+The program is a chain of N Pallas kernels over a small fp32 vector, each adding 1 to its predecessor's output
+(one kernel source, compiled once; XLA cannot merge custom calls, so each is one node of its command buffer, as
+the step's kernels are).
+For each N and with the vector donated or not it times:
+- dispatch: the host time until the call returns (no wait for the device);
+- sync: one call and a wait for its result;
+- chained: --chain calls in flight, each feeding the next, one wait at the end, per call.
+The slope of each against N is the host (or device) cost per kernel node. The result is checked against the
+closed form. One JSON line per (N, donate) and one with the fitted slopes go to --out/probe_graph.jsonl.
+On a machine without a GPU the kernels run in Pallas's interpreter (the numbers then mean nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+
+def chain_program(n: int, width: int, interpret: bool):
+    """f(x) = x + n, as n separate kernels."""
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    node = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((width,), jnp.float32), interpret=interpret,
+                          name="graph_node")
+
+    def f(x):
+        for _ in range(n):
+            x = node(x)
+        return x
+    return f
+
+
+def measure(n: int, width: int, donate: bool, reps: int, chain: int, interpret: bool) -> dict:
+    f = jax.jit(chain_program(n, width, interpret), donate_argnums=(0,) if donate else ())
+    add = n
+    x = jnp.zeros((width,), jnp.float32)
+    t = time.perf_counter()
+    x = f(x)
+    jax.block_until_ready(x)
+    compile_s = time.perf_counter() - t
+    calls = 1
+    for _ in range(3):                       # warm: XLA records its command buffers after a first plain run
+        x = f(x)
+        calls += 1
+    jax.block_until_ready(x)
+    dispatch, sync = [], []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x = f(x)
+        dispatch.append(time.perf_counter() - t)
+        jax.block_until_ready(x)
+        sync.append(time.perf_counter() - t)
+        calls += 1
+    chained = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(chain):
+            x = f(x)
+        jax.block_until_ready(x)
+        chained.append((time.perf_counter() - t) / chain)
+        calls += chain
+    got = float(np.asarray(x)[0])
+    want = calls * add
+    if abs(got - want) > 1e-6 * want:
+        raise SystemExit(f"probe_graph: N={n} donate={donate}: result {got} != {want}: the program is wrong")
+    us = lambda v: round(float(np.median(v)) * 1e6, 2)  # noqa: E731
+    return {"nodes": n, "donate": donate, "compile_s": round(compile_s, 2), "dispatch_us": us(dispatch),
+            "sync_us": us(sync), "chained_us": round(min(chained) * 1e6, 2), "calls": calls}
+
+
+def slope(rows: list[dict], key: str) -> float | None:
+    if len({r["nodes"] for r in rows}) < 2:
+        return None
+    a = np.polyfit([r["nodes"] for r in rows], [r[key] for r in rows], 1)
+    return round(float(a[0]), 3)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[50, 200, 800])
+    ap.add_argument("--width", type=int, default=1024, help="fp32 elements each kernel reads and writes")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--chain", type=int, default=32, help="calls in flight for the chained time")
+    ap.add_argument("--donate", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
+    ap.add_argument("--out", default="gpu_out/graph")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    interpret = jax.devices()[0].platform != "gpu"
+    commit = os.environ.get("FNX_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    head = {"label": args.label, "device": jax.devices()[0].device_kind, "interpret": interpret,
+            "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"), "width": args.width,
+            "chain": args.chain, "date": time.strftime("%Y-%m-%d"), "commit": commit, "jax": jax.__version__}
+    donates = {"both": (True, False), "yes": (True,), "no": (False,)}[args.donate]
+    path = os.path.join(args.out, "probe_graph.jsonl")
+    rows = []
+    for donate in donates:
+        for n in args.nodes:
+            r = measure(n, args.width, donate, args.reps, args.chain, interpret)
+            rows.append(r)
+            rec = {**head, "part": "point", **r}
+            print(json.dumps(rec), flush=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    fit = {"part": "slopes", **head}
+    for donate in donates:
+        sub = [r for r in rows if r["donate"] == donate]
+        tag = "donated" if donate else "kept"
+        for key in ("dispatch_us", "sync_us", "chained_us"):
+            fit[f"{key}_per_node_{tag}"] = slope(sub, key)
+    print(json.dumps(fit), flush=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(fit) + "\n")
+
+
+if __name__ == "__main__":
+    main()
