@@ -120,14 +120,15 @@ case "$part" in
       --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
       --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
-           # N Pallas kernels in a chain, N = GRAPH_NODES, donated and kept, under each XLA setting of GRAPH_MODES
+           # N Pallas kernels in a chain (N = GRAPH_NODES; alone, donated and kept; with a weight argument each, or one
+           # stacked weight argument), under each XLA setting of GRAPH_MODES
     modes=${GRAPH_MODES:-"default|--xla_gpu_command_buffer_update_mode=SKIP_TEMP|--xla_gpu_enable_command_buffer="}
     IFS='|' read -ra mode_list <<< "$modes"
     for m in "${mode_list[@]}"; do
       flags=$([ "$m" = default ] && echo "" || echo "$m")
       alloc=$(case "$m" in *SKIP_*) echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm ;; esac)
       env $alloc XLA_FLAGS="$flags" timeout ${GRAPH_S:-120} python scripts/probe_graph.py \
-        --nodes ${GRAPH_NODES:-50 200 800} --label "graph:$m" --out "$OUT/graph" 2>&1 \
+        --nodes ${GRAPH_NODES:-50 400} --label "graph:$m" --out "$OUT/graph" 2>&1 \
         | grep -E '"part": "slopes"|Error|error:' | cut -c1-700
     done ;;
   table)   # every kernel of the 4-layer decode step (probe_launch --kernel-table), separate and fused projections,

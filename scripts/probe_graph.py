@@ -2,19 +2,21 @@
 decode step pays on the H200 (and ~19 us on a slower host) the CUDA graph launch itself, or XLA updating the
 graph because buffers moved?
 
-    python scripts/probe_graph.py --nodes 50 200 800 --out gpu_out/graph
+    python scripts/probe_graph.py --nodes 50 400 --out gpu_out/graph
     XLA_PYTHON_CLIENT_ALLOCATOR=vmm XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
         python scripts/probe_graph.py --label skip_temp ...
 
 The program is a chain of N Pallas kernels over a small fp32 vector, each adding 1 to its predecessor's output
 (one kernel source, compiled once; XLA cannot merge custom calls, so each is one node of its command buffer, as
 the step's kernels are).
-For each N and with the vector donated or not it times:
+Each node may also read a weight row of its own (all ones, so the result stays x + N), passed as N separate
+argument arrays ("separate", as the model passes ~34 arrays per layer) or as one stacked [N, width] array that
+node i indexes ("stacked"): whether the host pays per argument array. For each case and N it times:
 - dispatch: the host time until the call returns (no wait for the device);
 - sync: one call and a wait for its result;
 - chained: --chain calls in flight, each feeding the next, one wait at the end, per call.
 The slope of each against N is the host (or device) cost per kernel node. The result is checked against the
-closed form. One JSON line per (N, donate) and one with the fitted slopes go to --out/probe_graph.jsonl.
+closed form. One JSON line per (case, N) and one with the fitted slopes go to --out/probe_graph.jsonl.
 On a machine without a GPU the kernels run in Pallas's interpreter (the numbers then mean nothing)."""
 
 from __future__ import annotations
@@ -29,25 +31,59 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 
-def chain_program(n: int, width: int, interpret: bool):
-    """f(x) = x + n, as n separate kernels."""
-    def kernel(x_ref, o_ref):
+WEIGHTS = ("none", "separate", "stacked")
+
+
+def chain_program(n: int, width: int, interpret: bool, weights: str = "none"):
+    """f(x, w) = x + n as n separate kernels: each adds 1, or its weight row of ones (w: None, a list of n [width]
+    arrays, or one [n, width] array)."""
+    out = jax.ShapeDtypeStruct((width,), jnp.float32)
+    # the Triton lowering, as fnx's kernels use (without compiler params Pallas may pick Mosaic GPU)
+    kw = {"interpret": True} if interpret else {"compiler_params": plt.CompilerParams(num_warps=4)}
+    def one(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1.0
 
-    node = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((width,), jnp.float32), interpret=interpret,
-                          name="graph_node")
+    def add(x_ref, w_ref, o_ref):
+        o_ref[...] = x_ref[...] + w_ref[...]
+    if weights == "none":
+        node = pl.pallas_call(one, out_shape=out, **kw, name="graph_node")
+        return lambda x, w: _repeat(n, lambda i, x: node(x), x)
+    if weights == "separate":
+        node = pl.pallas_call(add, out_shape=out, **kw, name="graph_node_w")
+        return lambda x, w: _repeat(n, lambda i, x: node(x, w[i]), x)
+    if weights != "stacked":
+        raise ValueError(f"weights {weights!r}: one of {WEIGHTS}")
 
-    def f(x):
-        for _ in range(n):
-            x = node(x)
-        return x
-    return f
+    def row(i):   # node i reads row i of the stacked array in place (no slice of it is materialised)
+        return pl.pallas_call(add, out_shape=out, **kw, name="graph_node_s",
+                              in_specs=[pl.BlockSpec((width,), lambda: (0,)),
+                                        pl.BlockSpec((None, width), lambda: (i, 0))],
+                              out_specs=pl.BlockSpec((width,), lambda: (0,)))
+    return lambda x, w: _repeat(n, lambda i, x: row(i)(x, w), x)
 
 
-def measure(n: int, width: int, donate: bool, reps: int, chain: int, interpret: bool) -> dict:
-    f = jax.jit(chain_program(n, width, interpret), donate_argnums=(0,) if donate else ())
+def _repeat(n, fn, x):
+    for i in range(n):
+        x = fn(i, x)
+    return x
+
+
+def weight_args(n: int, width: int, weights: str):
+    if weights == "none":
+        return None
+    if weights == "separate":
+        return [jnp.ones((width,), jnp.float32) for _ in range(n)]
+    return jnp.ones((n, width), jnp.float32)
+
+
+def measure(n: int, width: int, donate: bool, reps: int, chain: int, interpret: bool,
+            weights: str = "none") -> dict:
+    g = jax.jit(chain_program(n, width, interpret, weights), donate_argnums=(0,) if donate else ())
+    w = weight_args(n, width, weights)
+    f = lambda x: g(x, w)  # noqa: E731
     add = n
     x = jnp.zeros((width,), jnp.float32)
     t = time.perf_counter()
@@ -78,9 +114,10 @@ def measure(n: int, width: int, donate: bool, reps: int, chain: int, interpret: 
     got = float(np.asarray(x)[0])
     want = calls * add
     if abs(got - want) > 1e-6 * want:
-        raise SystemExit(f"probe_graph: N={n} donate={donate}: result {got} != {want}: the program is wrong")
+        raise SystemExit(f"probe_graph: N={n} donate={donate} weights={weights}: result {got} != {want}: the "
+                         "program is wrong")
     us = lambda v: round(float(np.median(v)) * 1e6, 2)  # noqa: E731
-    return {"nodes": n, "donate": donate, "compile_s": round(compile_s, 2), "dispatch_us": us(dispatch),
+    return {"nodes": n, "donate": donate, "weights": weights, "compile_s": round(compile_s, 2), "dispatch_us": us(dispatch),
             "sync_us": us(sync), "chained_us": round(min(chained) * 1e6, 2), "calls": calls}
 
 
@@ -93,11 +130,13 @@ def slope(rows: list[dict], key: str) -> float | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, nargs="+", default=[50, 200, 800])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[50, 400])
     ap.add_argument("--width", type=int, default=1024, help="fp32 elements each kernel reads and writes")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--chain", type=int, default=32, help="calls in flight for the chained time")
-    ap.add_argument("--donate", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--cases", nargs="+", default=["none:donated", "none:kept", "separate:donated",
+                                                    "stacked:donated"],
+                    help="weights:donated|kept, weights one of " + ", ".join(WEIGHTS))
     ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
     ap.add_argument("--out", default="gpu_out/graph")
     args = ap.parse_args()
@@ -109,23 +148,27 @@ def main():
     head = {"label": args.label, "device": jax.devices()[0].device_kind, "interpret": interpret,
             "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"), "width": args.width,
             "chain": args.chain, "date": time.strftime("%Y-%m-%d"), "commit": commit, "jax": jax.__version__}
-    donates = {"both": (True, False), "yes": (True,), "no": (False,)}[args.donate]
+    cases = []
+    for c in args.cases:
+        weights, _, keep = c.partition(":")
+        if weights not in WEIGHTS or keep not in ("donated", "kept"):
+            raise SystemExit(f"--cases {c!r}: weights:donated|kept, weights one of {', '.join(WEIGHTS)}")
+        cases.append((c, weights, keep == "donated"))
     path = os.path.join(args.out, "probe_graph.jsonl")
     rows = []
-    for donate in donates:
+    for c, weights, donate in cases:
         for n in args.nodes:
-            r = measure(n, args.width, donate, args.reps, args.chain, interpret)
-            rows.append(r)
-            rec = {**head, "part": "point", **r}
+            r = measure(n, args.width, donate, args.reps, args.chain, interpret, weights)
+            rows.append(dict(r, case=c))
+            rec = {**head, "part": "point", "case": c, **r}
             print(json.dumps(rec), flush=True)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     fit = {"part": "slopes", **head}
-    for donate in donates:
-        sub = [r for r in rows if r["donate"] == donate]
-        tag = "donated" if donate else "kept"
+    for c, _, _ in cases:
+        sub = [r for r in rows if r["case"] == c]
         for key in ("dispatch_us", "sync_us", "chained_us"):
-            fit[f"{key}_per_node_{tag}"] = slope(sub, key)
+            fit[f"{key}_per_node[{c}]"] = slope(sub, key)
     print(json.dumps(fit), flush=True)
     with open(path, "a") as f:
         f.write(json.dumps(fit) + "\n")

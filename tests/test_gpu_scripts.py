@@ -131,13 +131,25 @@ def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
 
 
 def test_probe_graph_writes_points_and_slopes(tmp_path):
-    """scripts/probe_graph.py: a chain of N kernels per program, timed per N with the input donated and kept, its
-    result checked against the closed form, then the fitted slopes (numbers meaningless on the CPU)."""
+    """scripts/probe_graph.py: a chain of N kernels per program (alone, each with its own weight argument, or all
+    reading rows of one stacked argument), timed per N, the result checked against the closed form, then the
+    fitted slopes (numbers meaningless on the CPU). The kernels also lower for CUDA."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.conftest import load_script
     _run(["scripts/probe_graph.py", "--nodes", "2", "3", "--reps", "2", "--chain", "2", "--out", str(tmp_path)],
          tmp_path, timeout=300)
     recs = [json.loads(line) for line in (tmp_path / "probe_graph.jsonl").read_text().splitlines()]
     points = [r for r in recs if r["part"] == "point"]
-    assert [(r["nodes"], r["donate"]) for r in points] == [(2, True), (3, True), (2, False), (3, False)]
+    assert [(r["case"], r["nodes"]) for r in points] == [
+        (c, n) for c in ("none:donated", "none:kept", "separate:donated", "stacked:donated") for n in (2, 3)]
     assert all(r["sync_us"] > 0 and r["chained_us"] > 0 and r["calls"] == 1 + 3 + 2 + 3 * 2 for r in points)
     slopes = recs[-1]
-    assert slopes["part"] == "slopes" and slopes["sync_us_per_node_donated"] is not None
+    assert slopes["part"] == "slopes" and slopes["sync_us_per_node[stacked:donated]"] is not None
+    pg = load_script("probe_graph")
+    x = jax.ShapeDtypeStruct((256,), jnp.float32)
+    for weights, w in (("separate", [x] * 3), ("stacked", jax.ShapeDtypeStruct((3, 256), jnp.float32))):
+        text = jax.jit(pg.chain_program(3, 256, False, weights)).trace(x, w).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("custom_call @__gpu$xla.gpu.triton") == 3, weights     # Triton, not Mosaic GPU
