@@ -7,7 +7,7 @@ from fnx.pallas.hc import reference
 
 OP = "hc_boundary"            # 2..32 tokens: pallas.hc_boundary (padded MMA tiles, two kernels + two XLA steps)
 OP_M1 = "hc_boundary_m1"      # one token: pallas.hc_boundary_m1 (two kernels, nothing between them)
-OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): the one-token kernels looping over the tokens
+OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): the one-token kernels over each token
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
 MAX_FEW_TOKENS = 8           # = pallas.FEW_MAX_TOKENS
 

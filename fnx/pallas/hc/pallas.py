@@ -157,7 +157,7 @@ class Tiles1:
                             # five-token boundary, latency-bound, against 19.5 for XLA's; "grid" not yet measured)
 
 
-FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (each program loops over them)
+FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (Tiles1.tokens: how)
 
 
 def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
@@ -321,7 +321,7 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
             injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
             hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
         # [S], program row 0 of rstd [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid)
-        rstd = plt.load(rstd_ref.at[sj if m == 1 else t * (n_prog * s) + sj if tok_grid else sj * mp + t])
+        rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
         w = plt.load(wn_ref.at[rows]).astype(F32)
         hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
         xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
@@ -396,7 +396,6 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
         down_specs = [pl.BlockSpec((None, t.bn), lambda n, j: (j, n)), pl.BlockSpec((1, 1), lambda n, j: (n, j))]
         down_shapes = [jax.ShapeDtypeStruct((s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s), F32)]
     elif grid:  # the M real tokens (no padding): part [M, S, rows], rstd [M, programs, S]
-        mp = m
         down_specs = [pl.BlockSpec((None, None, t.bn), lambda n, j, i: (i, j, n)),
                       pl.BlockSpec((None, 1, 1), lambda n, j, i: (i, n, j))]
         down_shapes = [jax.ShapeDtypeStruct((m, s, n_rows), F32), jax.ShapeDtypeStruct((m, n_prog, s), F32)]
