@@ -420,6 +420,32 @@ def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
     assert int(hit.sum()) == m * K                                       # every (token, k) pair counted once
 
 
+@pytest.mark.parametrize("case,fmt", [("pairs", "fp8"), ("all_same", "nvfp4"), ("disjoint", "bf16")])
+def test_decode_token_programs_are_batch_invariant(case, fmt):
+    """DecodeTiles.tok 1: a down program per (output tile, token) walks that token's K experts in k order. Each
+    token's row then has the bits of the same token run alone (M = 1), whatever the other tokens chose (experts
+    shared between tokens, all the same, disjoint), and one token alone has the bits of the in-kernel combine
+    (group 0). tok with a slot group is refused with the reason."""
+    m = 4
+    ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
+           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
+    args = _decode_args(fmt, m, 60, ids=ids)
+    tiles = dataclasses.replace(DT, group=0, tok=1, e2m1="f16" if fmt == "nvfp4" else "int")
+    run = lambda t, *a: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*a)  # noqa
+    got = run(tiles, *args)
+    _close(got, reference.decode(*args))
+    x, w, idx, gu, dn, sg, su, ss, sd = args
+    for t in range(m):
+        row = (x[t:t + 1], w[t:t + 1], idx[t:t + 1], gu, dn, sg[t:t + 1], su[t:t + 1], ss[t:t + 1], sd)
+        alone = run(tiles, *row)
+        np.testing.assert_array_equal(np.asarray(got[t:t + 1]).view(np.uint16), np.asarray(alone).view(np.uint16))
+        if t == 0:
+            np.testing.assert_array_equal(np.asarray(alone).view(np.uint16),
+                                          np.asarray(run(dataclasses.replace(tiles, tok=0), *row)).view(np.uint16))
+    with pytest.raises(NotImplementedError, match="tok 1"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, group=1))
+
+
 @pytest.mark.parametrize("fmt,m,group", [("nvfp4", 1, 0), ("bf16", 3, 0), ("fp8", 2, 4)])
 def test_decode_hoisted_down_loads_give_the_same_bits(fmt, m, group):
     """DecodeTiles.hoist 1: a down program issues every slot's weight loads (and the shared expert's) before its
@@ -473,7 +499,8 @@ def test_decode_dispatch_errors():
 
 def test_decode_lowers_for_cuda():
     """Both launches lower through Pallas -> Triton (compute capability 9.0) at the released widths, bf16, FP8
-    and NVFP4 weights, M = 1 and M = 5, the measured tiles and the in-kernel combine (M = 5: its looped slots)."""
+    and NVFP4 weights, M = 1 and M = 5, the measured tiles and the in-kernel combine (M = 5: its looped slots,
+    or a program per token)."""
     n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
     S = jax.ShapeDtypeStruct
 
@@ -489,7 +516,9 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", 1, decode_pallas.DecodeTiles(bn2=4, group=0, e2m1="f16", hoist=1)),
                            ("fp8", m, decode_pallas.DecodeTiles(group=5, meta=1, hoist=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16", meta=2)),
-                           ("fp8", 1, decode_pallas.DecodeTiles(bn2=4, group=0, acc=1, meta=2, hoist=1))):
+                           ("fp8", 1, decode_pallas.DecodeTiles(bn2=4, group=0, acc=1, meta=2, hoist=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=0, e2m1="f16", tok=1)),
+                           ("fp8", m, decode_pallas.DecodeTiles(group=0, meta=1, tok=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

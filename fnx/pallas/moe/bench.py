@@ -31,7 +31,7 @@ BF16 = jnp.bfloat16
 
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist]
-# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist].
+# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok].
 # Each list holds only the variants not yet measured against the current default (`decode_pallas.MEASURED`,
 # the "fused" case), the most promising first, so a sweep cut by its time limit still reaches them. Each case
 # compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
@@ -49,8 +49,12 @@ _SWEEP_M1 = [  # the combine in the kernel (group 0: no partials, no XLA sum, on
              (4, 512, 4, 128, 0, 4, 2, 1)]
 # M = 5 (an MTP k=4 verify window): the down kernel runs 16,320 small programs at group 1 (86 us per layer in the
 # 48-layer round, against 8 us of bytes): several slots per program with their loads issued first (hoist 1),
-# the slot metadata found once (meta 1: one XLA fusion; meta 2: written by the gate/up kernel), wider outputs
-_SWEEP_M5 = [(4, 512, 8, 128, 5, 4, 2, 0, "f16", 1, 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 2, 1),
+# the slot metadata found once (meta 1: one XLA fusion; meta 2: written by the gate/up kernel), wider outputs;
+# first, a down program per (output tile, token) over that token's K experts (tok 1: 1,600 programs of 10 slots,
+# the combine in the kernel, no XLA sum)
+_SWEEP_M5 = [(4, 512, 8, 128, 0, 4, 2, 0, "f16", 0, 0, 1), (4, 512, 8, 128, 0, 4, 2, 0, "f16", 1, 0, 1),
+             (4, 512, 16, 128, 0, 4, 4, 0, "f16", 0, 0, 1),
+             (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1, 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 2, 1),
              (4, 512, 8, 128, 1, 4, 2, 0, "f16", 2), (4, 512, 8, 128, 10, 4, 2, 0, "f16", 1, 1),
              (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1),
              (4, 512, 8, 128, 5, 4, 2, 0, "f16"), (4, 512, 16, 128, 5, 4, 4, 0, "f16"),

@@ -29,8 +29,11 @@ once; `e2m1` "f16" reads NVFP4 codes through fp16 bits (the same weights); `meta
 flag, token choices and routing weights once per call (`slot_meta`) instead of in every program (`meta` 2: kernel 1
 finds them and writes them for kernel 2, without the extra XLA launch); `hoist` 1 has a
 kernel-2 program issue every slot's weight loads (and the shared expert's) before its arithmetic, so that group 0
-(no partials and no XLA sum: one launch fewer per layer) waits one memory round trip, not one per slot. The shared
-expert's inputs may be windows (buffer, start column) into the fused router / shared-expert products.
+(no partials and no XLA sum: one launch fewer per layer) waits one memory round trip, not one per slot; `tok` 1
+runs kernel 2 as one program per (output tile, token) over that token's K experts in k order (their loads first,
+the combine in the kernel): each token's row has the bits of that token run alone, and an expert two tokens chose
+is read by both (the second read mostly from L2). The shared expert's inputs may be windows (buffer, start
+column) into the fused router / shared-expert products.
 
 Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
 block, each element dequantized as round(q * scale) to x.dtype, exactly the reference dequantizer's value; NVFP4
@@ -84,6 +87,10 @@ class DecodeTiles:
                          # of the program and the shared expert's are issued before any arithmetic (one memory
                          # round trip per program instead of one per slot: what a program walking all K slots,
                          # group 0, waits on; the slots must be unrolled, M*K <= UNROLL_SLOTS, or grouped)
+    tok: int = 0         # kernel 2: 1 = one program per (output tile, token), walking that token's K experts in k
+                         # order with their loads issued first, the combine in the kernel (group 0): M*D/bn2
+                         # programs of K slots where group 1 runs M*K*D/bn2 of one slot, each a token's terms in
+                         # the reference's order; an expert two tokens chose is read twice (the second from L2)
 
 
 def _pow2(n: int) -> int:
@@ -271,6 +278,29 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
 
+def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
+    """The shared expert's down rows [c0, c0+bn) over its I_s columns, as stored (loads issued, not yet used)."""
+    return [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(inter_s // cw)]
+
+
+def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s, dt, e2m1, loads, raw=None):
+    """The shared expert's output columns for each of `tokens` (ints, or a program's token index):
+    round(round(silu(gate) * up @ down.T) * round(sigmoid(gate logit))), each [bn] fp32 holding dt values."""
+    raw = raw or loads()
+    acc = [jnp.zeros((bn,), F32) for _ in tokens]
+    for c in range(inter_s // cw):
+        w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1)
+        for n, i in enumerate(tokens):
+            g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
+            u = _xs(su_ref, (i,), offs[1] + c * cw, cw, sfmt == "nvfp4")
+            acc[n] = acc[n] + _rowdot(w_c, [_silu_mul(a, b, dt) for a, b in zip(g, u)])
+    out = []
+    for n, i in enumerate(tokens):
+        gate = rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, offs[2]].astype(F32))), dt)
+        out.append(rnd(rnd(acc[n], dt) * gate, dt))
+    return out
+
+
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist):
     if meta:
@@ -314,25 +344,9 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             out.append(accs[i] + jnp.where(routed[i], term, 0.0))
         return tuple(out)
 
-    nks = inter_s // cw
-
-    def shared_loads():
-        return [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(nks)]
-
-    def shared(raw=None):
-        raw = raw or shared_loads()
-        acc = [jnp.zeros((bn,), F32) for _ in range(m)]
-        for c in range(nks):
-            w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1)
-            for i in range(m):
-                g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
-                u = _xs(su_ref, (i,), offs[1] + c * cw, cw, sfmt == "nvfp4")
-                acc[i] = acc[i] + _rowdot(w_c, [_silu_mul(a, b, dt) for a, b in zip(g, u)])
-        out = []
-        for i in range(m):
-            gate = rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, offs[2]].astype(F32))), dt)
-            out.append(rnd(rnd(acc[i], dt) * gate, dt))
-        return out
+    shared_loads = functools.partial(_shared_loads, sfmt, sh_refs, c0, bn, cw, inter_s)
+    shared = functools.partial(_shared_terms, sfmt, sg_ref, su_ref, ssig_ref, offs, range(m), bn, cw, inter_s,
+                               dt, e2m1, shared_loads)
 
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
     if group == 0:          # one program: every slot, the combine and the shared expert, y in dt
@@ -373,6 +387,34 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             y_ref[gi, i, pl.ds(c0, bn)] = sh
 
 
+def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, sp,
+                     inter, inter_s, bn, cw, e2m1, offs):
+    """DecodeTiles.tok 1: program (j, t) writes output columns [j*bn, +bn) of token t. It issues the down rows of
+    token t's K experts (and the shared expert's) first, then adds each expert's term in k order, as the
+    reference does for every token. Expert e's activations for token t are in the act row of e's owner slot
+    (the first slot holding e: the gate/up kernel computed them there, weight-major)."""
+    dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
+    dt = sg_ref.dtype
+    c0, t = pl.program_id(0) * bn, pl.program_id(1)
+    nk = inter // cw
+    flat = _load_ids(ids_ref, n_slots, sp)
+    pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
+    slots = [t * k + kk for kk in range(k)]
+    experts = [ids_ref[s] for s in slots]
+    raw = [[_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw) for c in range(nk)] for e in experts]
+    sh_raw = _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s)
+    acc = jnp.zeros((bn,), F32)
+    for s, e, r in zip(slots, experts, raw):
+        owner = jnp.min(jnp.where(flat == e, pos, sp))      # a token picks distinct experts: one term each
+        out = jnp.zeros((bn,), F32)
+        for c in range(nk):
+            out = out + _rowdot(_deq(fmt, r[c], bn, cw, dt, e2m1), _xs(act_ref, (owner, t), c * cw, cw,
+                                                                        fmt == "nvfp4"))
+        acc = acc + rnd(rnd(out, dt) * rw_ref[s].astype(F32), dt)
+    sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (t,), bn, cw, inter_s, dt, e2m1, None, sh_raw)[0]
+    y_ref[t, pl.ds(c0, bn)] = (rnd(acc, dt) + sh).astype(y_ref.dtype)
+
+
 def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str | None:
     """None when the kernels cover M tokens routed to k experts each with these weights and tiles, else why not."""
     if m > MAX_TOKENS:
@@ -403,6 +445,10 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.hoist and not t.group and n_slots > UNROLL_SLOTS:
         return f"tiles {t}: hoist 1 with group 0 issues every slot's loads at once, which needs the M*K = " \
                f"{n_slots} slots unrolled (at most {UNROLL_SLOTS}); give a group"
+    if t.tok not in (0, 1) or (t.tok and (t.group or t.meta == 2 or k > UNROLL_SLOTS)):
+        return f"tiles {t}: tok 1 (a down program per output tile and token) combines in the kernel (group 0), " \
+               f"issues the K = {k} experts' loads at once (at most {UNROLL_SLOTS}) and takes no metadata from " \
+               "the gate/up kernel (meta 0 or 1)"
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
     if d // t.cw > 64 or inter // t.cw2 > 64:
@@ -500,6 +546,15 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     )(flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1)
     if tiles.meta == 2:
         act, *meta = act
+    if tiles.tok:
+        return pl.pallas_call(
+            functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
+                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=tiles.e2m1,
+                              offs=(og, ou, os_)),
+            out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
+            interpret=interpret, name="moe_decode_down",
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
+        )(flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3)
     g = tiles.group
     n_groups = n_slots // g if g else 0
     out_shape = (n_groups + 1, m, d) if g else (m, d)
