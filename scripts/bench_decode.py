@@ -436,6 +436,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         try:
             ms = timeit(pre, max(1, reps // 10))
             res[f"prefill_{c}_tok_s"] = c / (ms / 1e3)
+            if ledger_calls and c == contexts[0]:   # where a prefill's time goes, by kernel family (one call)
+                res["ledger_prefill"] = dict(ledger.profile(pre, 1), tokens=c)
         except jax.errors.JaxRuntimeError as exc:  # recorded, not hidden: the run goes on to the next context
             res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
         del st_box
@@ -562,7 +564,7 @@ def main():
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}
-            for key in ("ledger_decode", "ledger_mtp_round"):
+            for key in ("ledger_decode", "ledger_mtp_round", "ledger_prefill"):
                 if key in r:
                     led = r[key]
                     led["launches_per_layer"] = round(led["launches_per_call"] / n, 2)   # issue 8 asks <= ~6
