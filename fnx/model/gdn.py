@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
-from fnx.pallas.gdn.api import gdn_recurrent, gdn_step
+from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step
 from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after  # noqa: F401  (PLE uses the conv)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
@@ -51,8 +50,9 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     return blocks[..., 0, :c, :c]
 
 
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
-    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results."""
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None):
+    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results. The intra-chunk
+    products run batched over the chunks in XLA; the sequential pass over the chunks is `gdn_chunk_scan`."""
     b, length, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-length) % chunk
@@ -76,18 +76,10 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     new_values, k_cumdecay = mm(inv, v_beta), mm(inv, decayed_k_beta)
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]     # [B, H, N, 1, 1]
-
-    def step(s, inp):
-        nv, kcd, qi, ia, ki, cd = inp
-        v_new = nv - mm(kcd, s)
-        out = mm(qi, s) + mm(ia, v_new)
-        s = s * cd + mm(jnp.swapaxes(ki, -1, -2), v_new)
-        return s, out
-
-    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q, intra, k, chunk_decay))
-    state, o = lax.scan(step, state, xs)                     # o [N, B, H, C, dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(b, h, n * chunk, dv)[:, :, :length]
+    chunk_decay = jnp.exp(cum[..., -1])                     # [B, H, N]
+    # the chunks one after another: one Pallas launch (op "gdn_prefill") or XLA's scan (the reference)
+    o, state = gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl=impl)
+    o = o.reshape(b, h, n * chunk, dv)[:, :, :length]
     return jnp.moveaxis(o, 1, 2), state
 
 

@@ -135,3 +135,35 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     return kernel.gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
                            key_heads=key_heads, eps=eps, act=act, inplace=inplace, tiles=tiles,
                            interpret=dispatch.interpret_flag(backend))
+
+
+OP_PREFILL = "gdn_prefill"
+CHUNK_SCAN_MAX_DK = 256         # the kernel holds a [dk, BV] fp32 state tile and [C, dk] chunk tiles in registers
+
+
+def gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl: str | None = None, *,
+                   tiles=None):
+    """The sequential pass of the chunked gated delta rule (prefill) over N chunks of C tokens: per chunk
+    v_new = nv - kcd S, o = q S + intra v_new, S = S * decay + k^T v_new, in fp32 (`reference.chunk_scan` has the
+    shapes). One Pallas launch holds each (sequence, head, value-column block)'s state tile across all chunks,
+    where XLA's scan runs several small kernels per chunk. Op name for FNX_KERNELS: "gdn_prefill"."""
+    bsz, h, n, c, dv = new_values.shape
+    dk = k.shape[-1]
+    want = {"k_cumdecay": (bsz, h, n, c, dk), "q": (bsz, h, n, c, dk), "k": (bsz, h, n, c, dk),
+            "intra": (bsz, h, n, c, c), "chunk_decay": (bsz, h, n), "state": (bsz, h, dk, dv)}
+    for name, a in (("k_cumdecay", k_cumdecay), ("q", q), ("k", k), ("intra", intra),
+                    ("chunk_decay", chunk_decay), ("state", state)):
+        if a.shape != want[name] or a.dtype != F32:
+            raise ValueError(f"gdn_chunk_scan: {name} {a.shape} {a.dtype} must be fp32 {want[name]}")
+    if new_values.dtype != F32:
+        raise ValueError(f"gdn_chunk_scan: new_values must be fp32, got {new_values.dtype}")
+    why = None
+    if not (_is_pow2(dk) and _is_pow2(dv) and _is_pow2(c)) or min(dk, dv, c) < 16 or dk > CHUNK_SCAN_MAX_DK:
+        why = (f"the kernel's dots need power-of-two dims of at least 16 (chunk {c}, dk {dk}, dv {dv}) and dk <= "
+               f"{CHUNK_SCAN_MAX_DK}")
+    backend = dispatch.resolve(OP_PREFILL, impl, not_applicable=why)
+    if backend == "reference":
+        return reference.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state)
+    from fnx.pallas.gdn import pallas as kernel
+    return kernel.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state,
+                             interpret=dispatch.interpret_flag(backend), tiles=tiles)

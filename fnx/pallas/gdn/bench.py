@@ -94,8 +94,48 @@ def step_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
+CHUNK = 64
+
+
+def prefill_floor_bytes(bsz: int, tokens: int, hv=HV, dk=DK, dv=DV, c=CHUNK) -> int:
+    """The chunk pass's fp32 operands read once (new values, k_cumdecay, q, k, the intra-chunk products, the chunk
+    decays), its outputs written once, the state read and written."""
+    n = tokens // c
+    return bsz * hv * (n * c * (2 * dv + 3 * dk + c) * 4 + n * 4 + 2 * dk * dv * 4)
+
+
+def _prefill_args(key, bsz, tokens, c=CHUNK):
+    ks = jax.random.split(key, 7)
+    n = tokens // c
+    f = lambda i, shape, s=0.1: s * jax.random.normal(ks[i], shape, jnp.float32)  # noqa: E731
+    return (f(0, (bsz, HV, n, c, DV), 1.0), f(1, (bsz, HV, n, c, DK)), f(2, (bsz, HV, n, c, DK)),
+            jnp.tril(f(3, (bsz, HV, n, c, c))), f(4, (bsz, HV, n, c, DK)),
+            jax.random.uniform(ks[5], (bsz, HV, n), minval=0.3, maxval=1.0), f(6, (bsz, HV, DK, DV), 1.0))
+
+
+def prefill_cases(quick: bool) -> list[BenchCase]:
+    """The prefill's pass over the chunks (op gdn_prefill): XLA's scan against the one-launch kernel, 1K and 8K
+    tokens of one sequence (16 / 128 chunks of 64), BV = 32 and 64."""
+    from fnx.pallas.gdn.pallas import ScanTiles
+    out = []
+    for tokens in ((256,) if quick else (1024, 8192)):
+        per_set = prefill_floor_bytes(1, tokens)
+        sets = [_prefill_args(jax.random.key(i), 1, tokens) for i in range(n_sets(per_set))]
+        shape = f"B=1 tokens={tokens} HV={HV} dk={DK} dv={DV} chunk={CHUNK}"
+        fl = tokens * HV * (6 * DK * DV + 2 * CHUNK * DV)        # 3 [C x dk] x [dk x dv] and 1 [C x C] x [C x dv]
+        out.append(BenchCase(kernel="gdn_prefill", shape=shape, impl="reference",
+                             fn=lambda *a: api.gdn_chunk_scan(*a, impl="reference"), arg_sets=sets, bytes=per_set,
+                             flops=fl, extra={"tokens": tokens}))
+        for bv in ((32,) if quick else (32, 64)):
+            out.append(BenchCase(kernel="gdn_prefill", shape=shape, impl="pallas",
+                                 fn=lambda *a, _t=ScanTiles(block_v=bv): api.gdn_chunk_scan(*a, impl="pallas",
+                                                                                              tiles=_t),
+                                 arg_sets=sets, bytes=per_set, flops=fl, extra={"tokens": tokens, "block_v": bv}))
+    return out
+
+
 def cases(quick: bool) -> list[BenchCase]:
-    out = step_cases(quick)
+    out = step_cases(quick) + prefill_cases(quick)
     batches = (1,) if quick else (1, 8, 32)
     for bsz in batches:
         for length in (1, 5):

@@ -254,3 +254,50 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     if bv != dv:                                            # the norm over whole heads, after the kernel
         o = rms_norm_gated(o, take_window(zb[:, 0], zs, hv * dv).reshape(bsz, hv, dv), norm_w, eps, act)
     return o.reshape(bsz, 1, hv, dv), conv.reshape(conv_state.shape), rec
+
+
+# ---- prefill: the chunks' sequential pass (op "gdn_prefill") ------------------------------------------------------
+#
+# Grid (B, H, dv / BV): program (b, h, j) keeps columns [j BV, (j+1) BV) of head h's fp32 state in registers and
+# walks the N chunks in order. Per chunk: v_new = nv - kcd S, o = q S + intra v_new (stored), S = S * decay +
+# k^T v_new: four [C x dk] / [C x C] by [dk | C x BV] products on the tensor cores at fp32 ("ieee") precision.
+# The chunk-local quantities (the UT inverse and its products) come from batched XLA ops before it.
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanTiles:
+    block_v: int = 32       # BV: state columns per program (a power of two dividing dv, at least 16)
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _chunk_scan_kernel(nv_ref, kcd_ref, q_ref, ia_ref, k_ref, cd_ref, s_ref, o_ref, sout_ref, *, n, bv):
+    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * bv, bv)
+    dot = functools.partial(jnp.dot, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+
+    def body(i, s):
+        nv = nv_ref[b, h, i, :, cols]                       # [C, BV]
+        kcd, qi, ki = kcd_ref[b, h, i], q_ref[b, h, i], k_ref[b, h, i]     # [C, dk]
+        v_new = nv - dot(kcd, s)
+        o_ref[b, h, i, :, cols] = dot(qi, s) + dot(ia_ref[b, h, i], v_new)
+        return s * cd_ref[b, h, i] + dot(ki.T, v_new)
+
+    sout_ref[b, h, :, cols] = lax.fori_loop(0, n, body, s_ref[b, h, :, cols])
+
+
+def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, *, interpret: bool = False,
+               tiles: ScanTiles | None = None):
+    """`api.gdn_chunk_scan` in one launch (shapes checked there): (o [B, H, N, C, dv], final state) in fp32."""
+    bsz, h, n, c, dv = new_values.shape
+    t = tiles or ScanTiles(block_v=min(32, dv))
+    if dv % t.block_v or t.block_v < 16 or t.block_v & (t.block_v - 1):
+        raise ValueError(f"gdn chunk_scan: block_v {t.block_v} must be a power of two >= 16 dividing dv={dv}")
+    params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps,
+                                                                              num_stages=t.num_stages)}
+    return pl.pallas_call(
+        functools.partial(_chunk_scan_kernel, n=n, bv=t.block_v),
+        grid=(bsz, h, dv // t.block_v),
+        out_shape=(jax.ShapeDtypeStruct(new_values.shape, F32), jax.ShapeDtypeStruct(state.shape, F32)),
+        interpret=interpret, name="gdn_chunk_scan", **params,
+    )(new_values, k_cumdecay, q, intra, k, chunk_decay, state)

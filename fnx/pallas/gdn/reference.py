@@ -142,3 +142,23 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     o, rec = recurrent(q, k, v, g, beta, rec, scale=q.shape[-1] ** -0.5, qk_l2norm=True, out_dtype=qkv.dtype,
                        norm=(z, norm_w, eps, act))
     return o, conv_state, rec
+
+
+def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state):
+    """The sequential part of the chunked (WY / UT) form, over N chunks of C tokens, in fp32 at HIGHEST precision.
+    Per chunk n: v_new = nv_n - kcd_n S; o_n = q_n S + intra_n v_new; S = S * decay_n + k_n^T v_new.
+
+    new_values [B, H, N, C, dv]; k_cumdecay, q, k [B, H, N, C, dk]; intra [B, H, N, C, C]; chunk_decay [B, H, N]
+    (exp of the chunk's summed log decay); state [B, H, dk, dv]. Returns (o [B, H, N, C, dv], the final state)."""
+    mm = lambda a, c: jnp.matmul(a, c, precision=lax.Precision.HIGHEST)  # noqa: E731
+
+    def step(s, inp):
+        nv, kcd, qi, ia, ki, cd = inp
+        v_new = nv - mm(kcd, s)
+        out = mm(qi, s) + mm(ia, v_new)
+        s = s * cd[..., None, None] + mm(jnp.swapaxes(ki, -1, -2), v_new)
+        return s, out
+
+    xs = tuple(jnp.moveaxis(a, 2, 0) for a in (new_values, k_cumdecay, q, intra, k, chunk_decay))
+    state, o = lax.scan(step, state, xs)                     # o [N, B, H, C, dv]
+    return jnp.moveaxis(o, 0, 2), state
