@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from fnx.pallas.gdn import api, reference
+from fnx.pallas.gdn.bench import chunk_scan_args
 from fnx.pallas.gdn.pallas import Tiles
 from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
@@ -353,20 +354,12 @@ def test_model_decode_through_the_step_kernel(monkeypatch, tmp_path):
 
 # ---- prefill: the chunks' sequential pass (op "gdn_prefill") -------------------------------------------------------
 
-def _chunk_inputs(key, bsz, h, n, c, dk, dv):
-    ks = jax.random.split(key, 7)
-    f = lambda i, shape, s=0.1: s * jax.random.normal(ks[i], shape, jnp.float32)  # noqa: E731
-    return (f(0, (bsz, h, n, c, dv), 1.0), f(1, (bsz, h, n, c, dk)), f(2, (bsz, h, n, c, dk)),
-            jnp.tril(f(3, (bsz, h, n, c, c))), f(4, (bsz, h, n, c, dk)),
-            jax.random.uniform(ks[5], (bsz, h, n), minval=0.3, maxval=1.0), f(6, (bsz, h, dk, dv), 1.0))
-
-
 @pytest.mark.parametrize("bsz,h,n,c,dk,dv,bv", [(1, 3, 5, 16, 32, 64, 32), (2, 2, 1, 32, 16, 32, 16)])
 def test_chunk_scan_kernel_matches_reference(bsz, h, n, c, dk, dv, bv):
     """One program per (sequence, head, value-column block) carries its state tile through every chunk: outputs and
     final state equal XLA's scan in fp32 (the order of the dk- and C-sums differs: 1e-5 relative)."""
     from fnx.pallas.gdn.pallas import ScanTiles
-    args = _chunk_inputs(seed(), bsz, h, n, c, dk, dv)
+    args = chunk_scan_args(seed(), bsz, h, n, c, dk, dv)
     want_o, want_s = reference.chunk_scan(*args)
     got_o, got_s = jax.jit(lambda *a: api.gdn_chunk_scan(*a, impl=KERNEL, tiles=ScanTiles(block_v=bv)))(*args)
     for got, want in ((got_o, want_o), (got_s, want_s)):
@@ -387,7 +380,7 @@ def test_chunked_prefill_through_the_kernel_matches_token_by_token():
         o, s = jax.jit(lambda *a, impl=impl: gdn.delta_rule_chunked(*a, impl=impl))(q, k, v, g, beta, state)
         np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.asarray(s), np.asarray(want_s), rtol=1e-4, atol=1e-4)
-    bad = _chunk_inputs(seed(), 1, 1, 2, 16, 24, 32)                   # dk 24: not a power of two
+    bad = chunk_scan_args(seed(), 1, 1, 2, 16, 24, 32)                   # dk 24: not a power of two
     with pytest.raises(Exception, match="power-of-two"):
         api.gdn_chunk_scan(*bad, impl=KERNEL)
     with pytest.raises(ValueError, match="must be fp32"):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.gdn import api
 from fnx.pallas.gdn.pallas import StepTiles, Tiles, default_tiles
+from fnx.model.gdn import CHUNK     # the model's prefill chunk
 
 HK, HV, DK, DV = 16, 48, 128, 128
 
@@ -94,9 +95,6 @@ def step_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
-CHUNK = 64
-
-
 def prefill_floor_bytes(bsz: int, tokens: int, hv=HV, dk=DK, dv=DV, c=CHUNK) -> int:
     """The chunk pass's fp32 operands read once (new values, k_cumdecay, q, k, the intra-chunk products, the chunk
     decays), its outputs written once, the state read and written."""
@@ -104,13 +102,14 @@ def prefill_floor_bytes(bsz: int, tokens: int, hv=HV, dk=DK, dv=DV, c=CHUNK) -> 
     return bsz * hv * (n * c * (2 * dv + 3 * dk + c) * 4 + n * 4 + 2 * dk * dv * 4)
 
 
-def _prefill_args(key, bsz, tokens, c=CHUNK):
+def chunk_scan_args(key, bsz, h, n, c, dk, dv):
+    """Random fp32 operands of `api.gdn_chunk_scan` (N chunks of C tokens, H heads): lower-triangular intra-chunk
+    products, chunk decays in (0.3, 1). Shared by the bench and the tests."""
     ks = jax.random.split(key, 7)
-    n = tokens // c
     f = lambda i, shape, s=0.1: s * jax.random.normal(ks[i], shape, jnp.float32)  # noqa: E731
-    return (f(0, (bsz, HV, n, c, DV), 1.0), f(1, (bsz, HV, n, c, DK)), f(2, (bsz, HV, n, c, DK)),
-            jnp.tril(f(3, (bsz, HV, n, c, c))), f(4, (bsz, HV, n, c, DK)),
-            jax.random.uniform(ks[5], (bsz, HV, n), minval=0.3, maxval=1.0), f(6, (bsz, HV, DK, DV), 1.0))
+    return (f(0, (bsz, h, n, c, dv), 1.0), f(1, (bsz, h, n, c, dk)), f(2, (bsz, h, n, c, dk)),
+            jnp.tril(f(3, (bsz, h, n, c, c))), f(4, (bsz, h, n, c, dk)),
+            jax.random.uniform(ks[5], (bsz, h, n), minval=0.3, maxval=1.0), f(6, (bsz, h, dk, dv), 1.0))
 
 
 def prefill_cases(quick: bool) -> list[BenchCase]:
@@ -120,7 +119,8 @@ def prefill_cases(quick: bool) -> list[BenchCase]:
     out = []
     for tokens in ((256,) if quick else (1024, 8192)):
         per_set = prefill_floor_bytes(1, tokens)
-        sets = [_prefill_args(jax.random.key(i), 1, tokens) for i in range(n_sets(per_set))]
+        sets = [chunk_scan_args(jax.random.key(i), 1, HV, tokens // CHUNK, CHUNK, DK, DV)
+                for i in range(n_sets(per_set))]
         shape = f"B=1 tokens={tokens} HV={HV} dk={DK} dv={DV} chunk={CHUNK}"
         fl = tokens * HV * (6 * DK * DV + 2 * CHUNK * DV)        # 3 [C x dk] x [dk x dv] and 1 [C x C] x [C x dv]
         out.append(BenchCase(kernel="gdn_prefill", shape=shape, impl="reference",
