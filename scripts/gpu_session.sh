@@ -98,7 +98,7 @@ case "$part" in
            # names FULL_UPDATE_FREE / CUSTOM_LIBRARY_UPDATE_FREE tried in the eighth session no longer exist (a flag
            # parse error ends the process: why those runs wrote nothing).
     if [ -n "${CMDBUF_VLOG:-1}" ]; then
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout ${CMDBUF_S:-150} python scripts/probe_launch.py \
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout ${CMDBUF_S:-150} python scripts/probe_launch.py --io ${CMDBUF_IO:-plain} \
         --layers ${CMDBUF_LAYERS:-12} --no-scan --fuse --dispatch-only --no-round --reps 20 --chains 5 \
         --label "cmdbuf:vlog" --out "$OUT/probe" > "$OUT/cmdbuf_vlog.log" 2>&1
       echo "graph updates (updated_allocs lines): $(grep -c 'updated_allocs' "$OUT/cmdbuf_vlog.log")"
@@ -115,21 +115,33 @@ case "$part" in
         --fuse --dispatch-only --no-round --reps 20 --chains 5 --label "cmdbuf:$m" --out "$OUT/probe" 2>&1 \
         | grep -E '"part": "decode dispatch"|Error|error:' | cut -c1-700
     done
-    # where the host time of one step goes, command buffers kept on while profiling
-    XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${CMDBUF_PROFILE_FLAGS:-}" timeout ${CMDBUF_S:-150} \
+    # where the host time of one step goes, command buffers kept on while profiling (CMDBUF_PROFILE=0 skips it)
+    [ "${CMDBUF_PROFILE:-1}" = 0 ] || XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${CMDBUF_PROFILE_FLAGS:-}" timeout ${CMDBUF_S:-150} \
       python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} --no-scan --fuse --dispatch-only --no-round \
       --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
       --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
            # N Pallas kernels in a chain (N = GRAPH_NODES; alone, donated and kept; with a weight argument each, or one
-           # stacked weight argument), under each XLA setting of GRAPH_MODES
-    modes=${GRAPH_MODES:-"default|--xla_gpu_command_buffer_update_mode=SKIP_TEMP|--xla_gpu_enable_command_buffer="}
+           # stacked weight argument; GRAPH_CASES), under each XLA setting of GRAPH_MODES. GRAPH_VLOG=1 first runs
+           # the cases once with XLA's command-buffer log and counts, per case, the graph re-records (updated_allocs)
+           # and the allocations that moved: which buffers make XLA re-record a step's whole graph every launch
+    cases=${GRAPH_CASES:-"none:donated none:kept separate:donated stacked:donated"}
+    if [ "${GRAPH_VLOG:-0}" = 1 ]; then
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout ${GRAPH_S:-120} python scripts/probe_graph.py \
+        --nodes ${GRAPH_NODES:-50 400} --cases $cases --markers --label "graph:vlog" --out "$OUT/graph" \
+        > "$OUT/graph_vlog.log" 2>&1
+      awk '/^=== case/ {c=$3" N="$4} /updated_allocs=/ {n[c]++; split($0, a, "updated_allocs="); split(a[2], b, ";"); u[c]+=b[1]}
+           /"part": "point"/ {match($0, /"calls": [0-9]+/); k[c]=substr($0, RSTART+9, RLENGTH-9)}
+           END {for (c in k) print "re-records " c ": " n[c]+0 " of " k[c] " calls, allocations moved " u[c]+0}' \
+        "$OUT/graph_vlog.log" | sort
+    fi
+    modes=${GRAPH_MODES-"default|--xla_gpu_command_buffer_update_mode=SKIP_TEMP|--xla_gpu_enable_command_buffer="}
     IFS='|' read -ra mode_list <<< "$modes"
     for m in "${mode_list[@]}"; do
       flags=$([ "$m" = default ] && echo "" || echo "$m")
       alloc=$(case "$m" in *SKIP_*) echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm ;; esac)
       env $alloc XLA_FLAGS="$flags" timeout ${GRAPH_S:-120} python scripts/probe_graph.py \
-        --nodes ${GRAPH_NODES:-50 400} --label "graph:$m" --out "$OUT/graph" 2>&1 \
+        --nodes ${GRAPH_NODES:-50 400} --cases $cases --label "graph:$m" --out "$OUT/graph" 2>&1 \
         | grep -E '"part": "slopes"|Error|error:' | cut -c1-700
     done ;;
   table)   # every kernel of the 4-layer decode step (probe_launch --kernel-table), separate and fused projections,

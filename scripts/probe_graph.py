@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import time
 
 import jax
@@ -35,6 +36,8 @@ from jax.experimental.pallas import triton as plt
 
 
 WEIGHTS = ("none", "separate", "stacked")
+EXTRAS = ("", "dot", "out2")   # dot: one XLA matmul node first (cuBLAS or a GEMM fusion, with its workspace);
+                               # out2: a second, non-donated output (a reduce of the result) next to the donated one
 
 
 def chain_program(n: int, width: int, interpret: bool, weights: str = "none"):
@@ -79,11 +82,29 @@ def weight_args(n: int, width: int, weights: str):
     return jnp.ones((n, width), jnp.float32)
 
 
+def with_extra(prog, extra: str, width: int):
+    """prog(x, w) -> x + n, with the case's extra: (prog, its extra arguments, how to take x out of a result)."""
+    if extra == "":
+        return prog, (), lambda r: r
+    if extra == "dot":   # a [8, 1024] x [1024, 1024] product of zeros added first: a library / GEMM node
+        def g(x, w, a, b):
+            d = jnp.dot(a, b, preferred_element_type=jnp.float32).reshape(-1)
+            return prog(x + jnp.resize(d, (width,)), w)
+        return g, (jnp.zeros((8, 1024), jnp.float32), jnp.zeros((1024, 1024), jnp.float32)), lambda r: r
+    if extra == "out2":
+        def g(x, w):
+            y = prog(x, w)
+            return y, jnp.sum(y, keepdims=True)
+        return g, (), lambda r: r[0]
+    raise ValueError(f"extra {extra!r}: one of {EXTRAS}")
+
+
 def measure(n: int, width: int, donate: bool, reps: int, chain: int, interpret: bool,
-            weights: str = "none") -> dict:
-    g = jax.jit(chain_program(n, width, interpret, weights), donate_argnums=(0,) if donate else ())
+            weights: str = "none", extra: str = "") -> dict:
+    prog, more, first = with_extra(chain_program(n, width, interpret, weights), extra, width)
+    g = jax.jit(prog, donate_argnums=(0,) if donate else ())
     w = weight_args(n, width, weights)
-    f = lambda x: g(x, w)  # noqa: E731
+    f = lambda x: first(g(x, w, *more))  # noqa: E731
     add = n
     x = jnp.zeros((width,), jnp.float32)
     t = time.perf_counter()
@@ -114,10 +135,10 @@ def measure(n: int, width: int, donate: bool, reps: int, chain: int, interpret: 
     got = float(np.asarray(x)[0])
     want = calls * add
     if abs(got - want) > 1e-6 * want:
-        raise SystemExit(f"probe_graph: N={n} donate={donate} weights={weights}: result {got} != {want}: the "
+        raise SystemExit(f"probe_graph: N={n} donate={donate} weights={weights} extra={extra}: result {got} != {want}: the "
                          "program is wrong")
     us = lambda v: round(float(np.median(v)) * 1e6, 2)  # noqa: E731
-    return {"nodes": n, "donate": donate, "weights": weights, "compile_s": round(compile_s, 2), "dispatch_us": us(dispatch),
+    return {"nodes": n, "donate": donate, "weights": weights, "extra": extra, "compile_s": round(compile_s, 2), "dispatch_us": us(dispatch),
             "sync_us": us(sync), "chained_us": round(min(chained) * 1e6, 2), "calls": calls}
 
 
@@ -136,7 +157,10 @@ def main():
     ap.add_argument("--chain", type=int, default=32, help="calls in flight for the chained time")
     ap.add_argument("--cases", nargs="+", default=["none:donated", "none:kept", "separate:donated",
                                                     "stacked:donated"],
-                    help="weights:donated|kept, weights one of " + ", ".join(WEIGHTS))
+                    help="weights:donated|kept[:extra], weights one of " + ", ".join(WEIGHTS) + "; extra one of "
+                         + ", ".join(e for e in EXTRAS if e))
+    ap.add_argument("--markers", action="store_true",
+                    help="print '=== case C N' to stderr before each measurement (to split XLA's VLOG by case)")
     ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
     ap.add_argument("--out", default="gpu_out/graph")
     args = ap.parse_args()
@@ -150,22 +174,26 @@ def main():
             "chain": args.chain, "date": time.strftime("%Y-%m-%d"), "commit": commit, "jax": jax.__version__}
     cases = []
     for c in args.cases:
-        weights, _, keep = c.partition(":")
-        if weights not in WEIGHTS or keep not in ("donated", "kept"):
-            raise SystemExit(f"--cases {c!r}: weights:donated|kept, weights one of {', '.join(WEIGHTS)}")
-        cases.append((c, weights, keep == "donated"))
+        weights, _, rest = c.partition(":")
+        keep, _, extra = rest.partition(":")
+        if weights not in WEIGHTS or keep not in ("donated", "kept") or extra not in EXTRAS:
+            raise SystemExit(f"--cases {c!r}: weights:donated|kept[:extra], weights one of {', '.join(WEIGHTS)}, "
+                             f"extra one of {', '.join(e for e in EXTRAS if e)}")
+        cases.append((c, weights, keep == "donated", extra))
     path = os.path.join(args.out, "probe_graph.jsonl")
     rows = []
-    for c, weights, donate in cases:
+    for c, weights, donate, extra in cases:
         for n in args.nodes:
-            r = measure(n, args.width, donate, args.reps, args.chain, interpret, weights)
+            if args.markers:
+                print(f"=== case {c} {n}", file=sys.stderr, flush=True)
+            r = measure(n, args.width, donate, args.reps, args.chain, interpret, weights, extra)
             rows.append(dict(r, case=c))
             rec = {**head, "part": "point", "case": c, **r}
             print(json.dumps(rec), flush=True)
             with open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
     fit = {"part": "slopes", **head}
-    for c, _, _ in cases:
+    for c, *_ in cases:
         sub = [r for r in rows if r["case"] == c]
         for key in ("dispatch_us", "sync_us", "chained_us"):
             fit[f"{key}_per_node[{c}]"] = slope(sub, key)

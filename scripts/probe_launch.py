@@ -180,6 +180,11 @@ def main():
                     help="profile --calls decode steps and list the host-side events per call (launch, command "
                          "buffer update, thunks)")
     ap.add_argument("--host-top", type=int, default=60, help="how many host events --host-profile lists")
+    ap.add_argument("--io", default="plain", choices=("plain", "stable", "both"),
+                    help="stable: the step's per-call input (tokens) and outputs (logits, the greedy next tokens) live "
+                         "in a donated buffer that every output aliases, so no buffer of the step's command buffer "
+                         "moves between calls (XLA re-records a command buffer whose buffers moved: ~2 us per node); "
+                         "the host reads the tokens through a separate one-kernel copy. both: plain, then stable")
     ap.add_argument("--kernel-variants", default="",
                     help="';'-separated FNX_KERNELS values ('auto' for none) timed one after another in this "
                          "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
@@ -259,6 +264,46 @@ def main():
         g["host_ms_per_call_by_event"] = host_events(trace, args.calls)
         return led, g
 
+    def stable_io_timings():
+        """The step with every per-call buffer at a fixed address: tokens in, logits and the greedy next tokens out,
+        all in `io`, donated and returned (so each output aliases an input: XLA keeps the address), the state
+        donated as always. What an engine would pay: the step, then a one-kernel copy of the tokens to read."""
+        def step_io(params, state, io, pid):
+            logits, state, _, _ = step(params, state, io["tokens"], pid, cfg=cfg, moe_impl="auto")
+            nxt = jnp.argmax(logits[:, -1].astype(jnp.float32), axis=-1).astype(jnp.int32)[:, None]
+            return state, {"tokens": nxt, "logits": logits.astype(io["logits"].dtype)}
+        fn = jax.jit(step_io, donate_argnames=("state", "io"))
+        fetch = jax.jit(lambda io: io["tokens"] + 0)
+        v = cfg.vocab_size
+        io = {"tokens": jnp.ones((1, 1), jnp.int32), "logits": jnp.zeros((1, 1, v), dtype)}
+        st = {"s": dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx)), "io": io}
+        jax.block_until_ready(st)
+        compiled = fn.lower(params, st["s"], st["io"], pid).compile()
+        emit({"part": "stable io hlo", **hlo_report(compiled.as_text())})
+        disp, tot = [], []
+        for i in range(args.reps + 2):
+            t = time.perf_counter()
+            st["s"], st["io"] = compiled(params, st["s"], st["io"], pid)
+            t1 = time.perf_counter()
+            toks = fetch(st["io"])
+            jax.block_until_ready(toks)
+            if i >= 2:
+                disp.append(t1 - t)
+                tot.append(time.perf_counter() - t)
+        chains = []
+        for _ in range(args.chains):
+            t = time.perf_counter()
+            for _ in range(args.reps):
+                st["s"], st["io"] = compiled(params, st["s"], st["io"], pid)
+            jax.block_until_ready(st["io"])
+            chains.append((time.perf_counter() - t) / args.reps)
+        emit({"part": "decode dispatch", "io": "stable",
+              "dispatch_ms": float(np.median(disp)) * 1e3, "step_ms": float(np.median(tot)) * 1e3,
+              "chained_ms_per_step": float(np.median(chains)) * 1e3,
+              "chained_ms_all": [round(c * 1e3, 4) for c in chains],
+              "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
+        hold["s"] = st["s"]
+
     def dispatch_timings(step_fn, label=None):
         """Unprofiled: host time to dispatch one step, the step end to end, and steps kept in flight (each step's
         state feeds the next on the device, no host round trip between them: what an overlapped scheduler would
@@ -295,7 +340,10 @@ def main():
               "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
         hold["s"] = st["s"]
 
-    dispatch_timings(step_j)
+    if args.io != "stable":
+        dispatch_timings(step_j)
+    if args.io != "plain":
+        stable_io_timings()
     if args.kernel_variants:
         # A/B of the kernel choice in the whole step: each variant is one FNX_KERNELS value, traced afresh
         saved = os.environ.get("FNX_KERNELS")
