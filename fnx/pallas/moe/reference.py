@@ -82,10 +82,31 @@ def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array) -> jax
     return experts(gate_up, down, xb.reshape(n * b, d), idx).reshape(n, b, d)
 
 
+def round_to(x: jax.Array, dtype) -> jax.Array:
+    """x (fp32) rounded to `dtype`'s precision, kept in fp32: where the kernels round an intermediate (`rnd`).
+    For bf16 through lax.reduce_precision, which XLA keeps: a dtype op, or a convert to bf16 and back, XLA:CPU may
+    compute in fp32 and leave unrounded (excess precision: in a bf16 combine of 5 tokens a third of the outputs
+    came out an ulp off the rounded terms' sum).
+    reduce_precision flushes fp16's subnormals where a convert keeps them, so other narrow dtypes convert."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= 4:
+        return x.astype(F32)
+    if dtype == jnp.bfloat16:
+        return lax.reduce_precision(x.astype(F32), exponent_bits=8, mantissa_bits=7)
+    return x.astype(dtype).astype(F32)
+
+
+def _weighted_sum(outs: jax.Array, w: jax.Array) -> jax.Array:
+    """sum_k round(outs[t, k] * w[t, k]) in fp32 (w rounded to outs.dtype first), unrounded: [T, D]."""
+    dt = outs.dtype
+    terms = round_to(outs.astype(F32) * w.astype(dt).astype(F32)[..., None], dt)
+    return jnp.sum(terms, axis=1)
+
+
 def combine(outs: jax.Array, w: jax.Array) -> jax.Array:
-    """outs [T, K, D], w [T, K] -> [T, D]: each output times its weight (rounded), summed over k in fp32, one
-    rounding (the transformers grouped_mm combine)."""
-    return jnp.sum((outs * w[..., None]).astype(F32), axis=1).astype(outs.dtype)
+    """outs [T, K, D], w [T, K] -> [T, D]: each output times its weight, rounded to outs.dtype (explicitly, as the
+    kernels do: `round_to`), summed over k in fp32, one rounding (the transformers grouped_mm combine)."""
+    return _weighted_sum(outs, w).astype(outs.dtype)
 
 
 def dedupe(idx: jax.Array, n_experts: int, n_slots: int | None = None):
@@ -106,10 +127,14 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down):
     """The MoE block after its router (fnx.model.moe.moe_block's arithmetic): x [M, D], routing weights w [M, K]
     and ids [M, K], the shared expert's gate / up projections [M, I_s] and gate logit [M, 1], shared_down
     [D, I_s] -> [M, D] = combine(routed experts) + sigmoid(logit) * shared_down(silu(gate) * up), each step
-    rounded to x.dtype."""
+    rounded to x.dtype. The roundings after the experts are explicit (`round_to`) where the decode kernels round:
+    each weighted term, the routed sum, the shared expert's silu(gate) * up (its sigmoid, the product
+    with gate, the product with up), its down product, the sigmoid gate and the gated shared term."""
     dt = x.dtype
-    routed = combine(experts(gate_up, down, x, ids), w.astype(dt))
-    a = jax.nn.silu(s_gate.astype(dt)) * s_up.astype(dt)
-    s = lax.dot_general(a, _dequantize(shared_down, dt), (((1,), (1,)), ((), ())), precision=HIGHEST,
-                        preferred_element_type=F32).astype(dt)
-    return routed + jax.nn.sigmoid(s_sig.reshape(-1, 1).astype(dt)) * s
+    routed = round_to(_weighted_sum(experts(gate_up, down, x, ids), w), dt)
+    g, u = (v.astype(dt).astype(F32) for v in (s_gate, s_up))
+    a = round_to(round_to(g * round_to(jax.nn.sigmoid(g), dt), dt) * u, dt).astype(dt)
+    s = round_to(lax.dot_general(a, _dequantize(shared_down, dt), (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                 preferred_element_type=F32), dt)
+    gate = round_to(jax.nn.sigmoid(s_sig.reshape(-1, 1).astype(dt).astype(F32)), dt)
+    return (routed + round_to(gate * s, dt)).astype(dt)
