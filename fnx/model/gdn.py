@@ -136,6 +136,8 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
             q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
         q, k, v = (t.astype(F32) for t in (q, k, v))
         q, k = l2norm(q), l2norm(k)
+        # impl None, as gdn_step and gdn_recurrent above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
+        # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
         o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
         o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
     return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, aux

@@ -387,6 +387,52 @@ def test_chunked_prefill_through_the_kernel_matches_token_by_token():
         api.gdn_chunk_scan(*(a.astype(jnp.bfloat16) for a in bad[:1]), *bad[1:], impl=KERNEL)
 
 
+def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch):
+    """gdn_layer's multi-token path leaves the chunk pass's backend to fnx.pallas.dispatch (impl None, as its
+    decode ops), so FNX_KERNELS=gdn_prefill=... reaches gdn_chunk_scan: the reference and the kernel each run when
+    named (70 tokens: two chunks; the second sequence padded after 50), with the same outputs and states, and a
+    backend the op does not have is refused."""
+    from types import SimpleNamespace
+
+    from fnx.model import gdn
+    from fnx.pallas.gdn import pallas as kernel
+    hk, hv, dk, dv, d, length = 2, 4, 16, 16, 64, 70       # dk, dv: powers of two >= 16, which the kernel takes
+    cfg = SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                          linear_value_head_dim=dv, rms_norm_eps=1e-6, output_gate_type="sigmoid")
+    kw = step_inputs(seed(), bsz=2, hk=hk, hv=hv, dk=dk, dv=dv, n_valid=(1, 1))
+    ks = jax.random.split(seed(), 6)
+    w = lambda k, n, m=d: jax.random.normal(k, (n, m)) * m ** -0.5  # noqa: E731
+    p = {"in_proj_qkv": w(ks[0], kw["qkv"].shape[2]), "in_proj_z": w(ks[1], hv * dv), "in_proj_b": w(ks[2], hv),
+         "in_proj_a": w(ks[3], hv), "conv1d": kw["conv_w"], "A_log": kw["a_log"], "dt_bias": kw["dt_bias"],
+         "norm": kw["norm_w"], "out_proj": w(ks[4], d, hv * dv)}
+    x = jax.random.normal(ks[5], (2, length, d))
+    n_valid = jnp.array([length, 50], jnp.int32)
+    calls = []
+    for mod, name in ((kernel, "kernel"), (reference, "reference")):
+        real = mod.chunk_scan
+        monkeypatch.setattr(mod, "chunk_scan",
+                            lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+
+    def run(choice):
+        monkeypatch.setenv("FNX_KERNELS", f"gdn_prefill={choice}")
+        jax.clear_caches()                      # dispatch reads FNX_KERNELS when the layer is traced
+        calls.clear()
+        out = jax.jit(lambda p, x: gdn.gdn_layer(p, x, kw["conv_state"], kw["rec"], cfg, n_valid)[:3])(p, x)
+        return out, list(calls)
+
+    try:
+        want, ref_calls = run("reference")
+        got, kernel_calls = run(KERNEL)
+        assert ref_calls == ["reference"] and kernel_calls == ["kernel"], (ref_calls, kernel_calls)
+        for g, r in zip(got, want):            # y, the conv state (moved, not computed), the recurrent state
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+        with pytest.raises(ValueError, match="gdn_prefill supports"):
+            run("triton")
+    finally:
+        monkeypatch.delenv("FNX_KERNELS")
+        jax.clear_caches()
+
+
 def test_chunk_scan_lowers_for_cuda_released_shapes():
     """48 value heads of 128, 1K tokens in 16 chunks of 64: one launch through Pallas -> Triton."""
     S = jax.ShapeDtypeStruct
