@@ -189,7 +189,7 @@ def _prefill_cases(quick, weights, key, n_exp, top_k, d, inter) -> list[BenchCas
         for i in range(2):
             ks = jax.random.split(jax.random.fold_in(key, 7000 + 10 * m + i), 2)
             sets.append((jax.random.normal(ks[0], (m, d), BF16), jax.random.normal(ks[1], (n_exp, d), BF16) * 0.05))
-        for fmt in ("bf16", "fp8"):
+        for fmt in ("bf16", "fp8", "nvfp4"):   # nvfp4: the served experts, whose prefill auto leaves on XLA
             gu, dn = weights[fmt]
             nbytes = n_exp * (_expert_bytes(gu) + _expert_bytes(dn)) + 2 * m * d * 2 * (1 + top_k)
             variants = [("grouped", None)] + [("grouped_pallas", t) for t in PREFILL_TILES]
