@@ -47,7 +47,9 @@ VERIFIED_ON_GPU = {
     "gdn_step": "H200, 2026-12-01, commit d8545d0: tests/pallas/test_gdn.py (all 25; also 1f19306, all 23)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
     "hc_boundary_few": "H200, 2026-12-02, commit 2b161d1: tests/pallas/test_hc.py -k few_token_kernels_match "
-                       "(all 4), the 'loop' layout; the 'grid' layout (Tiles1.tokens, 98b1817) not yet run there",
+                       "(all 4), the 'loop' layout; both layouts ('grid' and 'loop', 8 cases) at commit 0400fd0",
+    "gdn_prefill": "H200, 2026-12-02, commit 0400fd0: tests/pallas/test_gdn.py -k chunk (the chunk-scan kernel "
+                   "against the reference, and the chunked prefill through it against token-by-token decoding)",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
@@ -79,10 +81,14 @@ AUTO_KEEPS_REFERENCE = {
     # 0.906 with the reference (H200, 4 layers bf16, commit 140df28; BENCHMARKS.md "Sixth H200 session")
     "hc_boundary": "the multi-token boundary (2-32 tokens) measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("
                    + _MODEL_AB + ")",
-    "hc_boundary_few": "measured slower in the MTP round: 4 layers, FP8 + NVFP4, 1K context, H200, commit 2b161d1: "
-                       "3.776 ms of kernel time per round in 385 kernels against 3.618 ms in 448 with XLA's "
-                       "boundary (about 33 us per five-token boundary against 19.5; BENCHMARKS.md, thirteenth "
-                       "H200 session)",
+    "hc_boundary_few": "measured slower in the MTP round: 4 layers, FP8 + NVFP4, 1K context, H200: 3.618 ms of "
+                       "kernel time per round in 448 kernels with XLA's boundary, against 3.776 ms in 385 with the "
+                       "'loop' kernels (commit 2b161d1, about 33 us per five-token boundary against 19.5) and "
+                       "3.710 ms in 359 with the 'grid' ones (commit 0400fd0, about 31 us; BENCHMARKS.md, "
+                       "thirteenth and fourteenth H200 sessions)",
+    "gdn_prefill": "measured slower: the one-launch chunk pass took 6.73 ms for 1,024 tokens (48 heads, chunks of 64, "
+                   "BV 32; 12.67 ms at BV 64) and 53.1 ms for 8,192, against 0.69 and 5.02 ms for XLA's scan (H200, "
+                   "commit 0400fd0; BENCHMARKS.md, fourteenth H200 session)",
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",
