@@ -184,8 +184,24 @@ def _check_tokens(model: Model, tokens) -> np.ndarray:
     return tokens.astype(np.int32)
 
 
-def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_hidden: bool = False):
-    """Run new tokens [B, L] on `state` (consumed). Returns (logits [B, L, V], new state[, pre-mixer hidden])."""
+# Tokens per call of `extend` (and so `forward`): longer inputs run in chunks of this many, one after another on the
+# state. At the released widths one 8,192-token call of the 48-layer model asked the H200 for a single 35 GiB buffer
+# (the MoE's experts for every token at once) and failed, where 2,048-token chunks ran (BENCHMARKS.md, fourteenth
+# H200 session). The engine prefills the same way (`prefill_chunk`).
+PREFILL_CHUNK = 2048
+
+
+def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_hidden: bool = False,
+           chunk: int | None = PREFILL_CHUNK):
+    """Run new tokens [B, L] on `state` (consumed). Returns (logits [B, L, V], new state[, pre-mixer hidden]).
+
+    More than `chunk` tokens run as chunks of `chunk` (the last one shorter) through the same step, one after
+    another: the same logits and state as one call, with one chunk's activations in memory at a time. Each distinct
+    chunk length compiles once. chunk=None runs the whole input in one call. The n-gram ids (and a host store's
+    rows) of the whole input are computed first, so a PLE failure under the "fail" policy leaves the state as it
+    was."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive number of tokens or None, got {chunk!r}")
     tokens = _check_tokens(model, token_ids)
     pos = np.asarray(state["pos"])
     capacity = _capacity(state)
@@ -199,8 +215,18 @@ def extend(model: Model, state: dict, token_ids, moe_impl: str = "auto", return_
             from fnx.ple.store import PleFetchError
             raise PleFetchError(f"PLE rows of {int(missing.sum())} sequence(s) could not be read "
                                 f"({model.ple_store.last_error}); the state is unchanged")
-    logits, state, hidden, _ = _jit_step(model.params, state, jnp.asarray(tokens), ple, model.cfg, moe_impl)
-    return (logits, state, hidden) if return_hidden else (logits, state)
+    n = tokens.shape[1]
+    bounds = [(0, n)] if chunk is None or n <= chunk else [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+    logits, hidden = [], []
+    for a, b in bounds:
+        part = ple if ple is None or len(bounds) == 1 else ple[:, a:b]
+        lg, state, hd, _ = _jit_step(model.params, state, jnp.asarray(tokens[:, a:b]), part, model.cfg, moe_impl)
+        logits.append(lg)
+        hidden.append(hd)
+    logits = logits[0] if len(logits) == 1 else jnp.concatenate(logits, axis=1)
+    if not return_hidden:
+        return logits, state
+    return logits, state, hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden, axis=1)
 
 
 def _capacity(state: dict) -> int | None:
@@ -211,8 +237,9 @@ def _capacity(state: dict) -> int | None:
     return None
 
 
-def forward(model: Model, token_ids, moe_impl: str = "auto", return_layers: bool = False):
-    """Logits [B, T, V] for whole sequences from a fresh state.
+def forward(model: Model, token_ids, moe_impl: str = "auto", return_layers: bool = False,
+            chunk: int | None = PREFILL_CHUNK):
+    """Logits [B, T, V] for whole sequences from a fresh state, in calls of up to `chunk` tokens (see `extend`).
 
     With `return_layers`, also a dict: "hidden" [layers, B, T, S*D] (every layer's output, all hyper-connection
     streams), "experts" [layers, B, T, K] (routed expert ids) and "final" [B, T, S*D] (the pre-mixer hidden).
@@ -223,7 +250,7 @@ def forward(model: Model, token_ids, moe_impl: str = "auto", return_layers: bool
     tokens = _check_tokens(model, token_ids)
     if not return_layers:
         state = new_state(model, tokens.shape[0], tokens.shape[1])
-        logits, _ = extend(model, state, tokens, moe_impl)
+        logits, _ = extend(model, state, tokens, moe_impl, chunk=chunk)
         return logits
     logits, hidden, aux = _jit_collect(model.params, jnp.asarray(tokens), _device_tables(model), model.cfg, moe_impl)
     return logits, {"hidden": aux["hidden"], "experts": aux["experts"], "final": hidden}

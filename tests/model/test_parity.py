@@ -70,6 +70,25 @@ def test_prefill_then_decode(cases, name):
     assert np.asarray(state["pos"]).tolist() == [total, total]
 
 
+def test_chunked_calls_match_the_reference(cases):
+    """`forward` / `extend` in chunks of 7 tokens (the last one shorter, chunk edges inside the compressed blocks and
+    the GDN chunks, past the selection budget): the reference's logits, and the hidden and state of one call."""
+    c = cases("tiny-b")
+    ids = c.tokens(2, sparse_len(c.cfg), seed=6)
+    err = rel_err(fnx.forward(c.model, ids, chunk=7), c.reference(ids))
+    print(f"tiny-b chunks of 7, T={ids.shape[1]}: rel err {err:.2e}")
+    assert err < TOL
+    one = fnx.extend(c.model, fnx.new_state(c.model, 2, ids.shape[1]), ids, chunk=None, return_hidden=True)
+    many = fnx.extend(c.model, fnx.new_state(c.model, 2, ids.shape[1]), ids, chunk=7, return_hidden=True)
+    assert many[0].shape == one[0].shape and many[2].shape == one[2].shape
+    assert rel_err(many[2], one[2]) < TOL
+    assert np.asarray(many[1]["pos"]).tolist() == np.asarray(one[1]["pos"]).tolist() == [ids.shape[1]] * 2
+    np.testing.assert_array_equal(np.asarray(many[1]["ngram_ctx"]), np.asarray(one[1]["ngram_ctx"]))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="chunk must be"):
+            fnx.forward(c.model, ids, chunk=bad)
+
+
 def test_batch_rows_are_independent(cases):
     """A batch of two different sequences gives each row the logits it gets alone. Within float32 noise: the
     matmuls' accumulation order depends on the batch shape (measured ~1e-6); leakage between rows would show at
