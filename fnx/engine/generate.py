@@ -12,7 +12,7 @@ import numpy as np
 
 from fnx.engine.engine import Engine, Output, SpeculativeConfig
 from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys, sample
-from fnx.model.api import Model
+from fnx.model.api import PREFILL_CHUNK, Model
 from fnx.model.ngram_device import NgramDeviceTables, ngram_ids_device
 from fnx.model.transformer import init_state, step
 
@@ -141,30 +141,34 @@ def _drive(engine: Engine, own: bool = False) -> Iterator[Output]:
 # ---- the jitted loop ---------------------------------------------------------------------------------------------
 
 def generate_jit(model: Model, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None,
-                 seed: int = 0):
+                 seed: int = 0, prefill_chunk: int | None = PREFILL_CHUNK):
     """Batched generation as one jitted program: prefill [B, P] (equal-length prompts), then a `lax.while_loop`
     of decode steps until every row has stopped or `max_new_tokens` are out; the PLE n-gram ids are computed on
     the device with 32-bit arithmetic (exact, see `fnx.model.ngram_device`). Row b samples with seed + b.
-    Returns (tokens [B, max_new_tokens] with -1 after a row stops, lengths [B]).
+    Prompts longer than `prefill_chunk` tokens prefill in chunks of that many (a `lax.scan`, then the rest), as
+    `fnx.extend` does; None prefills in one call. Returns (tokens [B, max_new_tokens] with -1 after a row
+    stops, lengths [B]).
 
         toks, lengths = fnx.generate_jit(model, [[1, 2, 3], [4, 5, 6]], 16)
     """
     prompt = np.asarray(prompt_ids, np.int32)
     if prompt.ndim == 1:
         prompt = prompt[None]
-    fn = generate_fn(model, max_new_tokens, sampling)
+    fn = generate_fn(model, max_new_tokens, sampling, prefill_chunk)
     seeds = jnp.asarray(seed, jnp.uint32) + jnp.arange(prompt.shape[0], dtype=jnp.uint32)
     return _jit_core(fn.params, jnp.asarray(prompt), seeds, SamplingArrays.stack([fn.sp] * prompt.shape[0]),
-                     jnp.asarray(fn.stops), fn.tables, cfg=fn.cfg, max_new=fn.max_new)
+                     jnp.asarray(fn.stops), fn.tables, cfg=fn.cfg, max_new=fn.max_new, chunk=fn.chunk)
 
 
 class _GenerateFn:
     """A pure, jittable, vmappable generator: `fn(prompt [P], seed) -> (tokens [N], length)`."""
 
-    def __init__(self, model: Model, max_new: int, sampling: SamplingParams):
+    def __init__(self, model: Model, max_new: int, sampling: SamplingParams, chunk: int | None = PREFILL_CHUNK):
         from fnx.model.api import require_device_table
         require_device_table(model, "the jitted generate")
-        self.params, self.cfg, self.max_new = model.params, model.cfg, max_new
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive number of tokens or None, got {chunk!r}")
+        self.params, self.cfg, self.max_new, self.chunk = model.params, model.cfg, max_new, chunk
         self.sp = sampling
         self.tables = NgramDeviceTables.build(model.ngram) if model.ngram is not None else None
         eos = self.cfg.eos_token_id
@@ -179,10 +183,12 @@ class _GenerateFn:
 
     def batched(self, prompt, seeds):
         return _generate_core(self.params, prompt, seeds, SamplingArrays.stack([self.sp] * prompt.shape[0]),
-                              jnp.asarray(self.stops), self.tables, cfg=self.cfg, max_new=self.max_new)
+                              jnp.asarray(self.stops), self.tables, cfg=self.cfg, max_new=self.max_new,
+                              chunk=self.chunk)
 
 
-def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | None = None) -> _GenerateFn:
+def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | None = None,
+                prefill_chunk: int | None = PREFILL_CHUNK) -> _GenerateFn:
     """The generator as a pure function of (prompt ids [P], seed) for research code: jit it, vmap it over prompts
     and seeds, or call it inside a larger program.
 
@@ -193,14 +199,30 @@ def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | No
     if sampling.uses_penalties:
         raise ValueError("the jitted generator does not apply repetition/presence/frequency penalties; "
                          "use generate()")
-    return _GenerateFn(model, max_new_tokens, sampling)
+    return _GenerateFn(model, max_new_tokens, sampling, prefill_chunk)
 
 
-def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new):
+def _prefill(params, state, prompt, tables, cfg, chunk):
+    """The prompt [B, P] through the model: the chunks before the last token's chunk under a `lax.scan` (one trace
+    of the step), then the rest (1..chunk tokens, the last one's logits) -> (logits [B, L, V], state)."""
+    bsz, plen = prompt.shape
+    n_scan = 0 if chunk is None else (plen - 1) // chunk
+
+    def run(st, toks):
+        ids = ngram_ids_device(st["ngram_ctx"], toks, tables) if tables is not None else None
+        logits, st, _, _ = step(params, st, toks, ids, cfg=cfg)
+        return logits, st
+
+    if n_scan:
+        xs = prompt[:, :n_scan * chunk].reshape(bsz, n_scan, chunk).transpose(1, 0, 2)
+        state, _ = jax.lax.scan(lambda st, toks: (run(st, toks)[1], None), state, xs)
+    return run(state, prompt[:, n_scan * (chunk or 0):])
+
+
+def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new, chunk=PREFILL_CHUNK):
     bsz, plen = prompt.shape
     state = init_state(cfg, bsz, plen + max_new, params["embed_tokens"].dtype)
-    ids = ngram_ids_device(state["ngram_ctx"], prompt, tables) if tables is not None else None
-    logits, state, _, _ = step(params, state, prompt, ids, cfg=cfg)
+    logits, state = _prefill(params, state, prompt, tables, cfg, chunk)
     tok, _ = sample(logits[:, -1], sp, row_keys(seeds, jnp.zeros((bsz,), jnp.uint32)))
     out = jnp.full((bsz, max_new), -1, jnp.int32).at[:, 0].set(tok)
     done = jnp.isin(tok, stops)
@@ -224,4 +246,4 @@ def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new):
     return out, jnp.sum(out >= 0, axis=1)
 
 
-_jit_core = jax.jit(_generate_core, static_argnames=("cfg", "max_new"))
+_jit_core = jax.jit(_generate_core, static_argnames=("cfg", "max_new", "chunk"))

@@ -87,6 +87,11 @@ def test_generate_jit_equals_engine(tiny_models):
     toks, lengths = fnx.generate_jit(model, prompts, 9, SamplingParams(ignore_eos=True))
     assert np.asarray(lengths).tolist() == [9, 9]
     assert np.asarray(toks).tolist() == _no_eos(model, prompts, 9)
+    # the prompt prefilled in chunks (two of 4 under a scan, then 3), as a long prompt is: the same tokens
+    chunked, _ = fnx.generate_jit(model, prompts, 9, SamplingParams(ignore_eos=True), prefill_chunk=4)
+    assert np.asarray(chunked).tolist() == np.asarray(toks).tolist()
+    with pytest.raises(ValueError, match="prefill_chunk must be"):
+        fnx.generate_jit(model, prompts, 9, prefill_chunk=0)
 
 
 def test_stream_and_stops(tiny_models):
