@@ -8,6 +8,8 @@ the kernel (or, inplace, the state itself)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -354,14 +356,18 @@ def test_model_decode_through_the_step_kernel(monkeypatch, tmp_path):
 
 # ---- prefill: the chunks' sequential pass (op "gdn_prefill") -------------------------------------------------------
 
-@pytest.mark.parametrize("bsz,h,n,c,dk,dv,bv", [(1, 3, 5, 16, 32, 64, 32), (2, 2, 1, 32, 16, 32, 16)])
-def test_chunk_scan_kernel_matches_reference(bsz, h, n, c, dk, dv, bv):
+@pytest.mark.parametrize("bsz,h,n,c,dk,dv,bv,precision", [(1, 3, 5, 16, 32, 64, 32, "ieee"),
+                                                          (2, 2, 1, 32, 16, 32, 16, "ieee"),
+                                                          (1, 3, 5, 16, 32, 64, 32, "tf32x3")])
+def test_chunk_scan_kernel_matches_reference(bsz, h, n, c, dk, dv, bv, precision):
     """One program per (sequence, head, value-column block) carries its state tile through every chunk: outputs and
-    final state equal XLA's scan in fp32 (the order of the dk- and C-sums differs: 1e-5 relative)."""
+    final state equal XLA's scan in fp32 (the order of the dk- and C-sums differs: 1e-5 relative). "tf32x3" (three
+    tensor-core products per fp32 product) is held to the same bound on a GPU; the interpreter computes it at fp32."""
     from fnx.pallas.gdn.pallas import ScanTiles
     args = chunk_scan_args(seed(), bsz, h, n, c, dk, dv)
     want_o, want_s = reference.chunk_scan(*args)
-    got_o, got_s = jax.jit(lambda *a: api.gdn_chunk_scan(*a, impl=KERNEL, tiles=ScanTiles(block_v=bv)))(*args)
+    tiles = ScanTiles(block_v=bv, precision=precision)
+    got_o, got_s = jax.jit(lambda *a: api.gdn_chunk_scan(*a, impl=KERNEL, tiles=tiles))(*args)
     for got, want in ((got_o, want_o), (got_s, want_s)):
         assert got.shape == want.shape and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
@@ -433,14 +439,18 @@ def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch):
         jax.clear_caches()
 
 
-def test_chunk_scan_lowers_for_cuda_released_shapes():
-    """48 value heads of 128, 1K tokens in 16 chunks of 64: one launch through Pallas -> Triton."""
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3", "tf32"])
+def test_chunk_scan_lowers_for_cuda_released_shapes(precision):
+    """48 value heads of 128, 1K tokens in 16 chunks of 64: one launch through Pallas -> Triton, at each product
+    precision; an unknown one is refused."""
     S = jax.ShapeDtypeStruct
     b, h, n, c, d = 1, 48, 16, 64, 128
     f32 = jnp.float32
     sds = [S((b, h, n, c, d), f32), S((b, h, n, c, d), f32), S((b, h, n, c, d), f32), S((b, h, n, c, c), f32),
            S((b, h, n, c, d), f32), S((b, h, n), f32), S((b, h, d, d), f32)]
     from fnx.pallas.gdn import pallas as kernel
-    text = jax.jit(kernel.chunk_scan).trace(*sds).lower(
-        lowering_platforms=("cuda",)).as_text()
+    fn = functools.partial(kernel.chunk_scan, tiles=kernel.ScanTiles(precision=precision))
+    text = jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("gdn_chunk_scan") >= 1 and "__gpu$xla.gpu.triton" in text
+    with pytest.raises(ValueError, match="precision 'fp64'"):
+        jax.jit(functools.partial(kernel.chunk_scan, tiles=kernel.ScanTiles(precision="fp64"))).trace(*sds)

@@ -114,7 +114,8 @@ def chunk_scan_args(key, bsz, h, n, c, dk, dv):
 
 def prefill_cases(quick: bool) -> list[BenchCase]:
     """The prefill's pass over the chunks (op gdn_prefill): XLA's scan against the one-launch kernel, 1K and 8K
-    tokens of one sequence (16 / 128 chunks of 64), BV = 32 and 64."""
+    tokens of one sequence (16 / 128 chunks of 64): tf32x3 products at BV 32 / 64 and 8 warps, tf32, and the
+    measured "ieee" products at BV 32."""
     from fnx.pallas.gdn.pallas import ScanTiles
     out = []
     for tokens in ((256,) if quick else (1024, 8192)):
@@ -126,11 +127,18 @@ def prefill_cases(quick: bool) -> list[BenchCase]:
         out.append(BenchCase(kernel="gdn_prefill", shape=shape, impl="reference",
                              fn=lambda *a: api.gdn_chunk_scan(*a, impl="reference"), arg_sets=sets, bytes=per_set,
                              flops=fl, extra={"tokens": tokens}))
-        for bv in ((32,) if quick else (32, 64)):
-            out.append(BenchCase(kernel="gdn_prefill", shape=shape, impl="pallas",
-                                 fn=lambda *a, _t=ScanTiles(block_v=bv): api.gdn_chunk_scan(*a, impl="pallas",
-                                                                                              tiles=_t),
-                                 arg_sets=sets, bytes=per_set, flops=fl, extra={"tokens": tokens, "block_v": bv}))
+        # the tensor-core variants first (never measured), then the measured "ieee" one at BV 32
+        variants = ([ScanTiles(block_v=32, precision="tf32x3")] if quick else
+                    [ScanTiles(block_v=32, precision="tf32x3"), ScanTiles(block_v=64, precision="tf32x3"),
+                     ScanTiles(block_v=32, precision="tf32x3", num_warps=8), ScanTiles(block_v=32, precision="tf32"),
+                     ScanTiles(block_v=32)])
+        for t in variants:
+            out.append(BenchCase(kernel="gdn_prefill", shape=shape,
+                                 impl=f"pallas:{t.precision},bv{t.block_v},w{t.num_warps}",
+                                 fn=lambda *a, _t=t: api.gdn_chunk_scan(*a, impl="pallas", tiles=_t),
+                                 arg_sets=sets, bytes=per_set, flops=fl,
+                                 extra={"tokens": tokens, "block_v": t.block_v, "precision": t.precision,
+                                        "num_warps": t.num_warps}))
     return out
 
 
