@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fnx.pallas import kernel_math
+from fnx.pallas import kernel_math, stacked
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -252,9 +252,9 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
         raise ValueError("the fused argmax needs split == 1 (each program must see whole dot products)")
     out_dtype = x.dtype if t.split == 1 else F32
     if fmt == "nvfp4":
-        args = (xb[:, 0::2], w, xb[:, 1::2], scale, scale_2.astype(F32))
+        args = (xb[:, 0::2], w, xb[:, 1::2], scale, stacked.astype(scale_2, F32))
     elif fmt == "fp8":
-        args = (xb, w, scale.astype(F32))
+        args = (xb, w, stacked.astype(scale, F32))
     else:
         args = (xb, w)
     if t.mode == "loop":
@@ -265,14 +265,14 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
         out_shape = (jax.ShapeDtypeStruct((n // t.bn, mp), F32), jax.ShapeDtypeStruct((n // t.bn, mp), jnp.int32))
     else:
         out_shape = jax.ShapeDtypeStruct((t.split, mp, n), out_dtype)
-    out = pl.pallas_call(
-        kern,
+    out = stacked.call(
+        kern, args,
         out_shape=out_shape,
         grid=(n // t.bn, t.split) if t.mode == "loop" else (n // t.bn,),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_{fmt}" if t.mode == "loop" else f"fnx_gemv_{fmt}_{t.mode}",
-    )(*args)
+    )
     if argmax:
         mx, ix = out
         best = jnp.argmax(mx[:, :m], axis=0)            # first (lowest-column) tile among equal maxima
@@ -349,12 +349,13 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
     mp = 1 << (m - 1).bit_length() if t.mode == "fma" else max(16, 1 << (m - 1).bit_length())
     xb = x.astype(BF16) if mp == m else jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
     n1_prog = n1 // t.bn
-    y1, y2 = pl.pallas_call(
+    y1, y2 = stacked.call(
         functools.partial(_pair_kernel, t=t, k=k, m=m, n1_prog=n1_prog, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype),
+        (xb, w1, stacked.astype(scale1, F32), stacked.flatten(w2)),
         out_shape=(jax.ShapeDtypeStruct((1, mp, n1), x.dtype), jax.ShapeDtypeStruct((m * n2,), x.dtype)),
         grid=(n1_prog + -(-n2 // bn2),),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_pair_fp8_{t.mode}",
-    )(xb, w1, scale1.astype(F32), w2.reshape(-1))
+    )
     return y1[0, :m], y2.reshape(m, n2)

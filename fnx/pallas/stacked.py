@@ -1,0 +1,107 @@
+"""Layer views of stacked weights: one argument array per weight kind instead of one per layer.
+
+The host cost of launching a jitted program grows with its argument arrays: about 1.2 us each on the H200 host,
+where a stacked argument that every kernel node indexes costs nothing per node (`scripts/probe_graph.py`,
+BENCHMARKS.md fourteenth H200 session). The 48-layer step passes 1,646 parameter arrays. With the weights of
+same-shaped layers stacked [L, ...], a layer reads its slice, but a slice of an XLA value that feeds a Pallas
+(Triton) custom call is copied first: XLA's dynamic-slice fusion serves only registered custom calls and cuBLAS.
+So the kernels take the stack itself, with a leading block of one layer squeezed out (`BlockSpec((None, ...))`,
+the index static): no copy, and the kernel body sees the same ref as with a per-layer array.
+
+- `LayerRef(stack, index)`: layer `index` of `stack`, with the slice's shape, dtype and ndim. Kernel wrappers pass
+  it to `call` unchanged; everything else gets the slice through `get` / `materialize` (an XLA slice, which XLA
+  fuses into its consumer fusion).
+- `call(kernel, args, **pallas_call_kwargs)`: `pl.pallas_call(kernel, ...)(*args)`, where an argument may be a
+  `LayerRef`; every other argument is one whole block, as a pallas_call without in_specs passes it.
+- `astype(x, dtype)`: a LayerRef already of that dtype stays a view; otherwise the converted slice.
+- `flatten(x)`: x.reshape(-1), a LayerRef staying a view."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class LayerRef:
+    """A pytree: through a jit boundary its stack is the argument (one array for all layers), the index static."""
+    stack: jax.Array
+    index: int
+
+    def tree_flatten(self):
+        return (self.stack,), self.index
+
+    @classmethod
+    def tree_unflatten(cls, index, children):
+        ref = object.__new__(cls)           # no checks: JAX unflattens with placeholders too
+        object.__setattr__(ref, "stack", children[0])
+        object.__setattr__(ref, "index", index)
+        return ref
+
+    def __post_init__(self):
+        if isinstance(self.index, bool) or not isinstance(self.index, int):
+            raise TypeError(f"LayerRef index must be a Python int (static), got {type(self.index).__name__}")
+        if not 0 <= self.index < self.stack.shape[0]:
+            raise IndexError(f"LayerRef index {self.index} outside a stack of {self.stack.shape[0]}")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.stack.ndim - 1
+
+    def get(self) -> jax.Array:
+        return self.stack[self.index]
+
+
+def materialize(x):
+    """x, or for a LayerRef its layer's slice."""
+    return x.get() if isinstance(x, LayerRef) else x
+
+
+def astype(x, dtype):
+    """x.astype(dtype), keeping a LayerRef a view when its dtype already matches (no copy)."""
+    if isinstance(x, LayerRef):
+        return x if jnp.dtype(x.dtype) == jnp.dtype(dtype) else x.get().astype(dtype)
+    return x.astype(dtype)
+
+
+def flatten(x):
+    """x.reshape(-1), a LayerRef staying a view (its stack reshaped [L, -1]: a bitcast, no copy)."""
+    if isinstance(x, LayerRef):
+        return LayerRef(x.stack.reshape(x.stack.shape[0], -1), x.index)
+    return x.reshape(-1)
+
+
+def _whole(shape):
+    nd = len(shape)
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * nd)
+
+
+def _layer(ref: LayerRef):
+    nd, i = ref.ndim, ref.index
+    return pl.BlockSpec((None, *ref.shape), lambda *_: (i,) + (0,) * nd)
+
+
+def call(kernel, args, **kwargs):
+    """`pl.pallas_call(kernel, **kwargs)(*args)` with LayerRef arguments read in place from their stacks. Without a
+    LayerRef among args this is the plain call (no in_specs), so a kernel is unchanged until it is given one."""
+    if not any(isinstance(a, LayerRef) for a in args):
+        return pl.pallas_call(kernel, **kwargs)(*args)
+    if "in_specs" in kwargs:
+        raise ValueError("stacked.call builds the in_specs itself (whole blocks, one layer of a stack)")
+    if "grid" not in kwargs:
+        kwargs["grid"] = ()
+    specs = [_layer(a) if isinstance(a, LayerRef) else _whole(jnp.shape(a)) for a in args]
+    arrays = [a.stack if isinstance(a, LayerRef) else a for a in args]
+    return pl.pallas_call(kernel, in_specs=specs, **kwargs)(*arrays)

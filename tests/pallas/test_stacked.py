@@ -1,0 +1,127 @@
+"""Layer views of stacked weights (fnx/pallas/stacked.py): a kernel given LayerRef(stack, i) reads layer i of the
+stack in place and computes exactly what it computes from the layer's own array."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fnx.model import quant
+from fnx.pallas import stacked
+from fnx.pallas.gemv import api
+from fnx.pallas.gemv import pallas as gp
+from tests.pallas.kernel_mode import INTERPRET
+
+F32 = jnp.float32
+L = 3
+
+
+def _stack(arrays):
+    return jnp.stack(arrays)
+
+
+def test_layer_ref_is_a_view_until_materialized():
+    s = jnp.arange(L * 4 * 6, dtype=F32).reshape(L, 4, 6)
+    r = stacked.LayerRef(s, 1)
+    assert r.shape == (4, 6) and r.dtype == F32 and r.ndim == 2
+    np.testing.assert_array_equal(np.asarray(stacked.materialize(r)), np.asarray(s[1]))
+    assert stacked.materialize(s) is s
+    assert stacked.astype(r, F32) is r                              # already that dtype: still a view
+    b = stacked.astype(r, jnp.bfloat16)
+    assert isinstance(b, jax.Array) and b.dtype == jnp.bfloat16 and b.shape == (4, 6)
+    f = stacked.flatten(r)
+    assert isinstance(f, stacked.LayerRef) and f.shape == (24,) and f.index == 1
+    np.testing.assert_array_equal(np.asarray(f.get()), np.asarray(s[1]).reshape(-1))
+    for bad in (L, -1):
+        with pytest.raises(IndexError, match="outside a stack"):
+            stacked.LayerRef(s, bad)
+    with pytest.raises(TypeError, match="static"):
+        stacked.LayerRef(s, jnp.int32(1))
+
+
+def _layers(fmt, n, k, key):
+    """L layers of one weight kind: the per-layer raw arrays (w, scale, scale_2) and their stacks."""
+    per = []
+    for i in range(L):
+        w = jax.random.normal(jax.random.fold_in(key, i), (n, k), F32) * k ** -0.5
+        if fmt == "bf16":
+            per.append((w.astype(jnp.bfloat16), None, None))
+        elif fmt == "fp8":
+            q = quant.quantize_fp8_block(w)
+            per.append((q.w, q.scale_inv, None))
+        else:
+            q = quant.quantize_nvfp4(w)
+            per.append((q.w, q.scale, q.scale_2))
+    stacks = tuple(None if per[0][j] is None else _stack([p[j] for p in per]) for j in range(3))
+    return per, stacks
+
+
+def _no_slices(fn, *args):
+    """The jaxpr of fn(*args) reads its stacks only through the kernel: no slice, squeeze or gather of them."""
+    eqns = [str(e.primitive) for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns]
+    return not any(p in ("slice", "dynamic_slice", "squeeze", "gather") for p in eqns), eqns
+
+
+@pytest.mark.parametrize("fmt,mode", [("bf16", None), ("fp8", None), ("fp8", "fma"), ("nvfp4", None)])
+def test_gemv_reads_a_layer_of_the_stack_in_place(fmt, mode):
+    n, k = 128, 2048
+    key = jax.random.PRNGKey(int(np.random.SeedSequence().entropy % 2**31))
+    per, (ws, ss, s2s) = _layers(fmt, n, k, key)
+    x = jax.random.normal(jax.random.fold_in(key, 99), (2, k), F32).astype(jnp.bfloat16)
+    t = api.heuristic_tiles(fmt, n, k, 1 if mode == "fma" else 2)
+    if mode == "fma":
+        assert t.mode == "fma"
+        x = x[:1]
+    for i in range(L):
+        w, s, s2 = per[i]
+        want = gp.gemv(x, w, s, s2, fmt=fmt, tiles=t, interpret=INTERPRET)
+        view = lambda st: None if st is None else stacked.LayerRef(st, i)   # noqa: E731
+
+        def run(x, ws, ss, s2s):
+            return gp.gemv(x, view(ws), view(ss), view(s2s), fmt=fmt, tiles=t, interpret=INTERPRET)
+        got = jax.jit(run)(x, ws, ss, s2s)
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+        ok, eqns = _no_slices(run, x, ws, ss, s2s)
+        assert ok, eqns
+
+
+def test_pair_reads_layers_of_the_stacks_in_place():
+    k, n1, n2 = 2048, 256, 96
+    key = jax.random.PRNGKey(5)
+    per1, (w1s, s1s, _) = _layers("fp8", n1, k, key)
+    per2, (w2s, _, _) = _layers("bf16", n2, k, jax.random.fold_in(key, 7))
+    x = jax.random.normal(jax.random.fold_in(key, 8), (1, k), F32).astype(jnp.bfloat16)
+    t = api.tiles_for("fp8", n1, k, 1)
+    assert t.mode != "loop"
+    for i in range(L):
+        want = gp.gemv_pair(x, per1[i][0], per1[i][1], per2[i][0], tiles=t, interpret=INTERPRET)
+
+        def run(x, w1s, s1s, w2s):
+            return gp.gemv_pair(x, stacked.LayerRef(w1s, i), stacked.LayerRef(s1s, i), stacked.LayerRef(w2s, i),
+                                tiles=t, interpret=INTERPRET)
+        got = jax.jit(run)(x, w1s, s1s, w2s)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
+        ok, eqns = _no_slices(run, x, w1s, s1s, w2s)
+        assert ok, eqns
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
+def test_stacked_gemv_lowers_for_cuda_at_released_shapes(fmt):
+    """The GDN out_proj (2560 x 6144) of 36 stacked layers, layer 17, at one token: one Triton call on the
+    stacks."""
+    n, k, layers = 2560, 6144, 36
+    S = jax.ShapeDtypeStruct
+    t = api.tiles_for(fmt, n, k, 1)
+    if fmt == "fp8":
+        args = (S((layers, n, k), jnp.float8_e4m3fn), S((layers, n // 128, k // 128), F32), None)
+    elif fmt == "nvfp4":
+        args = (S((layers, n, k // 2), jnp.uint8), S((layers, n, k // 16), jnp.float8_e4m3fn), S((layers, n), F32))
+    else:
+        args = (S((layers, n, k), jnp.bfloat16), None, None)
+
+    def run(x, w, s, s2):
+        view = lambda a: None if a is None else stacked.LayerRef(a, 17)   # noqa: E731
+        return gp.gemv(x, view(w), view(s), view(s2), fmt=fmt, tiles=t)
+    text = jax.jit(run).trace(S((1, k), jnp.bfloat16), *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "fnx_gemv" in text
