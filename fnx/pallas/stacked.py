@@ -95,13 +95,18 @@ def _layer(ref: LayerRef):
 
 def call(kernel, args, **kwargs):
     """`pl.pallas_call(kernel, **kwargs)(*args)` with LayerRef arguments read in place from their stacks. Without a
-    LayerRef among args this is the plain call (no in_specs), so a kernel is unchanged until it is given one."""
+    LayerRef among args this is the plain call, so a kernel is unchanged until it is given one. The in_specs given
+    (or, without any, whole blocks) stay for the other arguments; a LayerRef's is its layer's block, the whole
+    layer (a kernel that takes an argument whole, as `BlockSpec(memory_space=ANY)` or without specs, sees the same
+    ref shape)."""
     if not any(isinstance(a, LayerRef) for a in args):
         return pl.pallas_call(kernel, **kwargs)(*args)
-    if "in_specs" in kwargs:
-        raise ValueError("stacked.call builds the in_specs itself (whole blocks, one layer of a stack)")
+    given = kwargs.pop("in_specs", None)
+    if given is not None and len(given) != len(args):
+        raise ValueError(f"stacked.call: {len(given)} in_specs for {len(args)} arguments")
     if "grid" not in kwargs:
         kwargs["grid"] = ()
-    specs = [_layer(a) if isinstance(a, LayerRef) else _whole(jnp.shape(a)) for a in args]
+    specs = [_layer(a) if isinstance(a, LayerRef) else _whole(jnp.shape(a)) if given is None else given[i]
+             for i, a in enumerate(args)]
     arrays = [a.stack if isinstance(a, LayerRef) else a for a in args]
     return pl.pallas_call(kernel, in_specs=specs, **kwargs)(*arrays)

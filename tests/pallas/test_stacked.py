@@ -10,7 +10,7 @@ from fnx.model import quant
 from fnx.pallas import stacked
 from fnx.pallas.gemv import api
 from fnx.pallas.gemv import pallas as gp
-from tests.pallas.kernel_mode import INTERPRET
+from tests.pallas.kernel_mode import INTERPRET, KERNEL
 
 F32 = jnp.float32
 L = 3
@@ -125,3 +125,39 @@ def test_stacked_gemv_lowers_for_cuda_at_released_shapes(fmt):
         return gp.gemv(x, view(w), view(s), view(s2), fmt=fmt, tiles=t)
     text = jax.jit(run).trace(S((1, k), jnp.bfloat16), *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "fnx_gemv" in text
+
+
+@pytest.mark.parametrize("m,fp8", [(1, False), (1, True), (3, True)])
+def test_hc_boundary_reads_layers_of_the_stacks_in_place(m, fp8):
+    """The one- and few-token HC kernels given layer views of stacked Wdown / Wup (their FP8 block scales), norm and
+    Winj: the layer's own arrays' bits, and no slice of a stack in the program."""
+    from fnx.pallas.hc import api as hc
+    from fnx.pallas.hc import pallas as hk
+    from tests.pallas.test_hc import _fp8, _inputs
+    s, d, r = 4, 320, 40
+    layers = [_inputs((1, m), s, d, r, jnp.bfloat16, 100 + i) for i in range(L)]
+    h, y, inj, _ = layers[0]
+    names = ("hc_norm", "input_mix_weight_down", "input_mix_weight_up", "block_inject_weight")
+    per = []
+    for _, _, _, p in layers:
+        if fp8:
+            q = _fp8(p)
+            down, up = q["input_mix_weight_down"], q["input_mix_weight_up"]
+            per.append((p["hc_norm"], down.w, up.w, p["block_inject_weight"], down.scale_inv, up.scale_inv))
+        else:
+            per.append((*(p[k] for k in names), None, None))
+    stacks = tuple(None if per[0][j] is None else _stack([q[j] for q in per]) for j in range(6))
+    tiles = hk.Tiles1(bn=2, bd=16)
+
+    def run(h, y, inj, ws, i):
+        v = [None if a is None else stacked.LayerRef(a, i) for a in ws]
+        return hc.hc_boundary(h, y, inj, *v[:4], streams=s, eps=1e-6, impl=KERNEL, tiles=tiles,
+                              w_down_scale=v[4], w_up_scale=v[5])
+    for i in range(L):
+        want = hc.hc_boundary(h, y, inj, *per[i][:4], streams=s, eps=1e-6, impl=KERNEL, tiles=tiles,
+                              w_down_scale=per[i][4], w_up_scale=per[i][5])
+        got = jax.jit(run, static_argnums=4)(h, y, inj, stacks, i)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
+        ok, eqns = _no_slices(lambda h, y, inj, ws: run(h, y, inj, ws, i), h, y, inj, stacks)
+        assert ok, eqns

@@ -19,7 +19,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from fnx.pallas import dispatch
+from fnx.pallas import dispatch, stacked
 from fnx.pallas.gemv import pallas as gp
 from fnx.pallas.gemv import reference
 
@@ -147,11 +147,13 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
     why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, w_dtype=w.dtype)
     backend = dispatch.resolve(f"gemv_{fmt}", impl, not_applicable=why)
     if backend == "reference":
+        w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         return reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if dispatch.active_mesh() is not None:      # params on a mesh: the kernel per shard (gemv/mesh.py)
         from fnx.pallas.gemv import mesh as gm
+        w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         aux = (scale,) if fmt == "fp8" else (scale, scale_2) if fmt == "nvfp4" else ()
         return gm.partitioned(fmt, dispatch.interpret_flag(backend))(x2, w, *aux).reshape(*lead, -1)
     t = tiles_for(fmt, w.shape[0], k, x2.shape[0])
@@ -167,6 +169,7 @@ def linear_argmax(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, 
     why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, argmax=True, w_dtype=w.dtype)
     backend = dispatch.resolve(f"gemv_{fmt}_argmax", impl, not_applicable=why)
     if backend == "reference":
+        w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         y = reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
         return reference.argmax_rows(y)
     lead, k = x.shape[:-1], x.shape[-1]

@@ -67,6 +67,10 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
                              "design's Tiles")
     else:
         op, which = choose(impl, None, tokens, fp8, streams & (streams - 1) == 0)
+    if which == "reference" or op not in (OP_M1, OP_FEW):   # these take arrays: a layer of a stack is sliced
+        from fnx.pallas.stacked import materialize
+        hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale = (
+            materialize(a) for a in (hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale))
     if which == "reference":
         if fp8:
             from fnx.pallas.gemv.reference import dequantize

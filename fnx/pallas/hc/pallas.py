@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas import stacked
 from fnx.pallas.kernel_math import rnd
 
 F32 = jnp.float32
@@ -382,7 +383,8 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
         params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
     has_y, has_inj = y is not None, w_inj is not None
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    flat = lambda a: a.reshape(-1)  # noqa: E731
+    flat = stacked.flatten                  # a weight may be a layer of a stack (fnx.pallas.stacked): read in place
+    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
     acts = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ())
     ch = _largest_pow2_divisor(d, 128)      # a chunk never crosses a 128-column block (one FP8 scale per chunk)
     q = d // ch
@@ -404,14 +406,15 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
                       pl.BlockSpec((1, 1, mp), lambda n, j: (n, j, 0))]
         down_shapes = [jax.ShapeDtypeStruct((mp, s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s, mp), F32)]
     tag = "" if m == 1 else "_few"
-    part, rstd = pl.pallas_call(
+    part, rstd = stacked.call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
                           has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid),
+        (*acts, flat(hc_norm), flat(w_down), *((flat(f32(w_down_scale)),) if fp8 else ()),
+         *((flat(w_inj),) if has_inj else ())),
         grid=(n_prog, s, m) if grid else (n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
         out_specs=down_specs, out_shape=down_shapes,
         interpret=interpret, name=("hc_down1_fp8" if fp8 else "hc_down1") + tag, **params,
-    )(*acts, flat(hc_norm), flat(w_down), *((flat(w_down_scale.astype(F32)),) if fp8 else ()),
-      *((flat(w_inj),) if has_inj else ()))
+    )
     if m == 1:
         outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s, d), dt)] if has_y else []) + (
             [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
@@ -430,12 +433,13 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
         specs = [pl.BlockSpec((mp, t.bd), lambda i: (0, i))] + (
             [pl.BlockSpec((mp, s, t.bd), lambda i: (0, 0, i))] if has_y else []) + (
             [pl.BlockSpec((mp, s), lambda i: (0, 0))] if has_inj else [])
-    up = pl.pallas_call(
+    up = stacked.call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
                           fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m, tok_grid=grid, n_prog=n_prog),
-        grid=(d // t.bd, m) if grid else (d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs, out_shape=outs,
-        interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
-    )(flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(w_up_scale.astype(F32)),) if fp8 else ()))
+        (flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(f32(w_up_scale)),) if fp8 else ())),
+        grid=(d // t.bd, m) if grid else (d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs,
+        out_shape=outs, interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
+    )
     real = (lambda a: a) if m == 1 or grid else (lambda a: a[:m])  # noqa: E731  (the padded token rows dropped)
     x = real(up[0]).reshape(*lead, d)
     h_new = real(up[1]).reshape(h.shape) if has_y else h
