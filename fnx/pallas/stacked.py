@@ -88,17 +88,23 @@ def _whole(shape):
     return pl.BlockSpec(tuple(shape), lambda *_: (0,) * nd)
 
 
-def _layer(ref: LayerRef):
-    nd, i = ref.ndim, ref.index
-    return pl.BlockSpec((None, *ref.shape), lambda *_: (i,) + (0,) * nd)
+def _layer(ref: LayerRef, given=None):
+    """The spec of a LayerRef operand: layer `index`, then the block the kernel asked for (`given`, whose
+    index map gets the grid indices), or without one the whole layer."""
+    i = ref.index
+    if given is None or getattr(given, "block_shape", None) is None:
+        nd = ref.ndim
+        return pl.BlockSpec((None, *ref.shape), lambda *_: (i,) + (0,) * nd)
+    inner = given.index_map
+    return pl.BlockSpec((None, *given.block_shape), lambda *g: (i, *inner(*g)))
 
 
 def call(kernel, args, **kwargs):
     """`pl.pallas_call(kernel, **kwargs)(*args)` with LayerRef arguments read in place from their stacks. Without a
     LayerRef among args this is the plain call, so a kernel is unchanged until it is given one. The in_specs given
-    (or, without any, whole blocks) stay for the other arguments; a LayerRef's is its layer's block, the whole
-    layer (a kernel that takes an argument whole, as `BlockSpec(memory_space=ANY)` or without specs, sees the same
-    ref shape)."""
+    (or, without any, whole blocks) stay for the other arguments. A LayerRef's spec is its layer, then the block
+    its given spec asks for (the grid indices mapped as before), or the whole layer where the kernel takes the
+    operand whole (`BlockSpec(memory_space=ANY)` or no specs): the kernel sees the same ref either way."""
     if not any(isinstance(a, LayerRef) for a in args):
         return pl.pallas_call(kernel, **kwargs)(*args)
     given = kwargs.pop("in_specs", None)
@@ -106,7 +112,9 @@ def call(kernel, args, **kwargs):
         raise ValueError(f"stacked.call: {len(given)} in_specs for {len(args)} arguments")
     if "grid" not in kwargs:
         kwargs["grid"] = ()
-    specs = [_layer(a) if isinstance(a, LayerRef) else _whole(jnp.shape(a)) if given is None else given[i]
-             for i, a in enumerate(args)]
+    specs = []
+    for j, a in enumerate(args):
+        g = None if given is None else given[j]
+        specs.append(_layer(a, g) if isinstance(a, LayerRef) else _whole(jnp.shape(a)) if g is None else g)
     arrays = [a.stack if isinstance(a, LayerRef) else a for a in args]
     return pl.pallas_call(kernel, in_specs=specs, **kwargs)(*arrays)

@@ -126,6 +126,8 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
         why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
     backend = dispatch.resolve(STEP_OP, impl, not_applicable=why)
     if backend == "reference":
+        from fnx.pallas.stacked import materialize       # layers of stacks: the reference slices them
+        conv_w, a_log, dt_bias, norm_w = (materialize(x) for x in (conv_w, a_log, dt_bias, norm_w))
         qkv, z, b, a = (take_window(buf, s, n) for (buf, s), n in zip(ops, (conv_dim, hv * dv, hv, hv)))
         return reference.gdn_step(qkv, z.reshape(bsz, 1, hv, dv), b, a, conv_state, conv_w, a_log, dt_bias, norm_w,
                                   rec, n_valid, key_heads=key_heads, eps=eps, act=act, recurrent=gdn_recurrent)

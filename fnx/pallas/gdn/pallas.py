@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated, softplus
+from fnx.pallas import stacked
 from fnx.pallas.kernel_math import rnd, take_window, window_operand
 
 F32 = jnp.float32
@@ -246,13 +247,15 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
                                rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
                                win=tuple((buf.shape[2], start) for buf, start in ops))
     (qb, _), (zb, zs), (bb, _), (ab, _) = ops
-    o, rec, conv = pl.pallas_call(
-        kernel, grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+    o, rec, conv = stacked.call(
+        kernel, (n_valid.astype(jnp.int32), flat(qb), flat(conv_state), stacked.flatten(conv_w), flat(bb), flat(ab),
+                 a_log, dt_bias, flat(zb), norm_w, rec),
+        grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={10: 1} if inplace else {}, interpret=interpret, name="gdn_step", **params,
-    )(n_valid.astype(jnp.int32), flat(qb), flat(conv_state), flat(conv_w), flat(bb), flat(ab), a_log, dt_bias,
-      flat(zb), norm_w, rec)
+    )   # conv_w, a_log, dt_bias and norm_w may be layers of stacks (fnx.pallas.stacked): read in place
     if bv != dv:                                            # the norm over whole heads, after the kernel
-        o = rms_norm_gated(o, take_window(zb[:, 0], zs, hv * dv).reshape(bsz, hv, dv), norm_w, eps, act)
+        o = rms_norm_gated(o, take_window(zb[:, 0], zs, hv * dv).reshape(bsz, hv, dv), stacked.materialize(norm_w),
+                           eps, act)
     return o.reshape(bsz, 1, hv, dv), conv.reshape(conv_state.shape), rec
 
 
