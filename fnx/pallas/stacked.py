@@ -10,7 +10,7 @@ the index static): no copy, and the kernel body sees the same ref as with a per-
 
 - `LayerRef(stack, index)`: layer `index` of `stack`, with the slice's shape, dtype and ndim. Kernel wrappers pass
   it to `call` unchanged; everything else gets the slice through `get` / `materialize` (an XLA slice, which XLA
-  fuses into its consumer fusion).
+  fuses into its consumer fusion); `materialize_tree` for a whole pytree.
 - `call(kernel, args, **pallas_call_kwargs)`: `pl.pallas_call(kernel, ...)(*args)`, where an argument may be a
   `LayerRef`; every other argument is one whole block, as a pallas_call without in_specs passes it.
 - `astype(x, dtype)`: a LayerRef already of that dtype stays a view; otherwise the converted slice.
@@ -67,6 +67,11 @@ class LayerRef:
 def materialize(x):
     """x, or for a LayerRef its layer's slice."""
     return x.get() if isinstance(x, LayerRef) else x
+
+
+def materialize_tree(tree):
+    """`materialize` on every LayerRef of a pytree (a quantized weight's fields, a layer's params)."""
+    return jax.tree.map(materialize, tree, is_leaf=lambda a: isinstance(a, LayerRef))
 
 
 def astype(x, dtype):

@@ -11,7 +11,7 @@ import logging
 
 import jax
 
-from fnx.pallas import dispatch, kernel_math
+from fnx.pallas import dispatch, kernel_math, stacked
 from fnx.pallas.moe import decode_pallas, experts_pallas, reference, routing_pallas
 
 log = logging.getLogger("fnx.pallas")
@@ -50,7 +50,7 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, impl: str | None = None
               "the model's 'grouped' path)"
     backend = dispatch.resolve("moe_experts", impl, not_applicable=why)
     if backend == "reference":
-        return reference.experts(gate_up, down, x, idx)
+        return reference.experts(*stacked.materialize_tree((gate_up, down)), x, idx)
     return experts_pallas.experts(gate_up, down, x, idx, interpret=dispatch.interpret_flag(backend), tiles=tiles)
 
 
@@ -110,6 +110,7 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
         i_s = shared_down.shape[-1]
         s_gate, s_up, s_sig = (decode_pallas.window_array(a, n, x.shape[0])
                                for a, n in ((s_gate, i_s), (s_up, i_s), (s_sig, 1)))
+        gate_up, down, shared_down = stacked.materialize_tree((gate_up, down, shared_down))
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
                                     interpret=dispatch.interpret_flag(backend), tiles=tiles)
@@ -141,6 +142,6 @@ def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, impl: 
     blocks, block_expert [n_blocks] -> y [n_blocks, B, D]. Reference: each block through the gather arithmetic."""
     backend = grouped_backend(gate_up, down, xb.shape[1], impl, tiles)
     if backend == "reference":
-        return reference.experts_blocks(gate_up, down, xb, block_expert)
+        return reference.experts_blocks(*stacked.materialize_tree((gate_up, down)), xb, block_expert)
     return experts_pallas.experts_blocks(gate_up, down, xb, block_expert, interpret=dispatch.interpret_flag(backend),
                                          tiles=tiles)

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnx.pallas import kernel_math
+from fnx.pallas import kernel_math, stacked
 from fnx.pallas.kernel_math import rnd
 from fnx.pallas.moe import reference
 
@@ -535,38 +535,41 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     act_shape = jax.ShapeDtypeStruct((n_slots, m, inter), dt)
     meta_shapes = (jax.ShapeDtypeStruct((n_slots,), jnp.int32), jax.ShapeDtypeStruct((n_slots * m,), jnp.int32),
                    jax.ShapeDtypeStruct((n_slots * m,), F32))
-    act = pl.pallas_call(
+    act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                           meta=tiles.meta),
+        (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
-    )(flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1)
+    )
     if tiles.meta == 2:
         act, *meta = act
     if tiles.tok:
-        return pl.pallas_call(
+        return stacked.call(
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
                               inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=tiles.e2m1,
                               offs=(og, ou, os_)),
+            (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
             out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
             interpret=interpret, name="moe_decode_down",
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
-        )(flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3)
+        )
     g = tiles.group
     n_groups = n_slots // g if g else 0
     out_shape = (n_groups + 1, m, d) if g else (m, d)
-    y = pl.pallas_call(
+    y = stacked.call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist)),
+        (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
-    )(flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3)
+    )
     if not g:
         return y
     # the routed partials in group order, rounded once, then the shared term (already rounded): as the reference

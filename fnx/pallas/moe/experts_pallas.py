@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnx.pallas import kernel_math
+from fnx.pallas import kernel_math, stacked
 from fnx.pallas.moe import reference
 
 F32 = jnp.float32
@@ -215,20 +215,22 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     # NVFP4: the activations split into their even and odd columns here (a copy of activations only), so each
     # nibble of a packed byte meets its own contiguous activation tile
     xs = (x[..., 0::2], x[..., 1::2]) if fmt1 == "nvfp4" else (x,)
-    act = pl.pallas_call(
+    act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk, per_slot=per_slot),
+        (experts, *xs, *w1),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, *xs, *w1)
+    )
     acts = (act[:, :, 0::2], act[:, :, 1::2]) if fmt2 == "nvfp4" else (act,)
-    return pl.pallas_call(
+    return stacked.call(
         functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2),
+        (experts, *acts, *w2),
         out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
         grid=(s, d // bn2),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, *acts, *w2)
+    )
 
 
 def experts(gate_up, down, x: jax.Array, idx: jax.Array, *, interpret: bool = False,

@@ -28,11 +28,12 @@ def weight_format(w) -> str:
 def kernel_operands(w):
     """(format, the arrays a kernel reads in argument order, static meta) of an expert weight: dense (w,), None;
     FP8 (q, fp32 block scales), the block; NVFP4 (packed codes, E4M3 scales, fp32 row globals), the group."""
+    from fnx.pallas.stacked import astype      # the fields may be layers of stacks: kept views where no cast
     fmt = weight_format(w)
     if fmt == "fp8_block":
-        return fmt, (w.w, w.scale_inv.astype(F32)), tuple(w.block)
+        return fmt, (w.w, astype(w.scale_inv, F32)), tuple(w.block)
     if fmt == "nvfp4":
-        return fmt, (w.w, w.scale, w.scale_2.astype(F32)), w.group
+        return fmt, (w.w, w.scale, astype(w.scale_2, F32)), w.group
     return fmt, (w,), None
 
 
