@@ -83,6 +83,11 @@ class ModelConfig:
     # (no per-layer weight slices inside a loop: on a GPU a loop materialises a copy of every dense weight that
     # a Pallas kernel reads, each step; BENCHMARKS.md "Third H200 session")
     scan_layers: bool = True
+    # with scan_layers: run the stacked groups unrolled anyway, each layer reading its slice of the stacked params
+    # in place (fnx.pallas.stacked.LayerRef: the kernels index the stack, no copy), with every layer's state
+    # separate as when unrolled. One argument array per weight kind and group position instead of one per layer:
+    # a launch's host time grows by about 1.2 us per argument array (BENCHMARKS.md, fourteenth H200 session)
+    unroll_stacked: bool = False
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):

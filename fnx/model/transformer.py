@@ -61,6 +61,12 @@ def layer_plan(cfg: ModelConfig) -> tuple[Segment, ...]:
     return tuple(plan)
 
 
+def state_plan(cfg: ModelConfig) -> tuple[Segment, ...]:
+    """The plan the decode state follows: the params' (`layer_plan`), except with `cfg.unroll_stacked`, where the
+    params keep their stacked groups but every layer has its own state (the unrolled plan)."""
+    return layer_plan(cfg.replace(scan_layers=False) if cfg.unroll_stacked else cfg)
+
+
 # ---- parameter and state shapes ------------------------------------------------------------------------------
 
 def _hc_shapes(cfg, inject=True):
@@ -163,7 +169,7 @@ def _layer_state(cfg: ModelConfig, i: int, batch: int, capacity: int, dtype):
 def init_state(cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16) -> dict:
     """Empty decode state for `batch` sequences of up to `capacity` tokens (MODEL_SPEC.md section 9)."""
     segments = []
-    for seg in layer_plan(cfg):
+    for seg in state_plan(cfg):
         per = []
         for j in range(seg.period):
             st = _layer_state(cfg, seg.start + j, batch, capacity, dtype)
@@ -337,6 +343,11 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
     new_segments, aux_segments = list(front["segments"]), list(front["aux"])
     per_layer = front.get("layers")                                  # (hidden, expert ids) when collecting
     plan = layer_plan(cfg)
+    if cfg.unroll_stacked:
+        if (lo, hi) != (0, len(plan)) or collect:
+            raise NotImplementedError("unroll_stacked runs the whole step (no front / back split of the PLE fetch, no "
+                                      "per-layer collection): use the unrolled or the scanned layout for those")
+        return _run_stacked(cfg, plan, params, state, carry, meta, moe_impl, snapshots)
     for seg, seg_params, seg_state in zip(plan[lo:hi], params["segments"][lo:hi], state["segments"][lo:hi]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
@@ -372,6 +383,28 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
                 for j in range(seg.period):
                     per_layer[seg.start + g * seg.period + j] = jax.tree.map(lambda a: a[g], seen[j])
     return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": per_layer, "meta": meta}
+
+
+def _run_stacked(cfg, plan, params, state, carry, meta, moe_impl, snapshots):
+    """`cfg.unroll_stacked`: every layer in order, unrolled. A stacked group's layer g reads its params as
+    `LayerRef(stack, g)` views (kernels index the stack in place; XLA ops take the slice, which XLA fuses); the
+    state is per layer (`state_plan`). Returns what `_run` returns, the state and aux in the per-layer plan."""
+    from fnx.pallas.stacked import LayerRef
+    new_segments, aux_segments = [], []
+    layer_states = state["segments"]             # one (state,) per layer: the unrolled plan
+    for seg, seg_params in zip(plan, params["segments"]):
+        for g in range(seg.reps):
+            for j in range(seg.period):
+                i = seg.start + g * seg.period + j
+                p = seg_params[j]
+                if seg.scanned:
+                    p = jax.tree.map(lambda a, g=g: LayerRef(a, g), p)
+                carry, st, aux, _ = decoder_layer(cfg, cfg.layer_types[i], i in cfg.ple_layers, p,
+                                                  layer_states[i][0], carry[0], meta, moe_impl, snapshots,
+                                                  None if carry[1] is None else carry[1:], True)
+                new_segments.append((st,))
+                aux_segments.append((aux,))
+    return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": None, "meta": meta}
 
 
 def _finish(params, state, tokens, out, cfg, snapshots, collect):
@@ -419,7 +452,7 @@ def rollback(cfg: ModelConfig, state: dict, aux: dict, n_keep: jax.Array) -> dic
         return st
 
     segments = []
-    for seg, seg_state, seg_aux in zip(layer_plan(cfg), state["segments"], aux["segments"]):
+    for seg, seg_state, seg_aux in zip(state_plan(cfg), state["segments"], aux["segments"]):
         segments.append(tuple(fix(st, ax, seg.scanned) for st, ax in zip(seg_state, seg_aux)))
     width = state["ngram_ctx"].shape[1]
     ctx = gdn.window_after(aux["ngram_x"][..., None], n_keep, width)[..., 0]
@@ -428,7 +461,7 @@ def rollback(cfg: ModelConfig, state: dict, aux: dict, n_keep: jax.Array) -> dic
 
 def _batch_axis_tree(cfg: ModelConfig, state: dict):
     segs = [tuple(jax.tree.map(lambda _: 1 if seg.scanned else 0, st) for st in seg_state)
-            for seg, seg_state in zip(layer_plan(cfg), state["segments"])]
+            for seg, seg_state in zip(state_plan(cfg), state["segments"])]
     return {"pos": 0, "ngram_ctx": 0, "segments": segs}
 
 

@@ -63,6 +63,46 @@ class LayerRef:
     def get(self) -> jax.Array:
         return self.stack[self.index]
 
+    # XLA-side code (norms, gates, reference paths) uses a layer's weight as an array: it gets the slice, which XLA
+    # fuses into the consuming fusion. Only a Pallas kernel needs the view itself (`call`).
+    def __jax_array__(self):
+        return self.get()
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def T(self):  # noqa: N802
+        return self.get().T
+
+    def astype(self, dtype):
+        return self.get().astype(dtype)
+
+    def reshape(self, *shape):
+        return self.get().reshape(*shape)
+
+    def __getitem__(self, idx):
+        return self.get()[idx]
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError("a LayerRef is a view inside a traced program; materialize() it there")
+
+    __add__ = lambda self, o: self.get() + o          # noqa: E731
+    __radd__ = lambda self, o: o + self.get()         # noqa: E731
+    __sub__ = lambda self, o: self.get() - o          # noqa: E731
+    __rsub__ = lambda self, o: o - self.get()         # noqa: E731
+    __mul__ = lambda self, o: self.get() * o          # noqa: E731
+    __rmul__ = lambda self, o: o * self.get()         # noqa: E731
+    __truediv__ = lambda self, o: self.get() / o      # noqa: E731
+    __rtruediv__ = lambda self, o: o / self.get()     # noqa: E731
+    __matmul__ = lambda self, o: self.get() @ o       # noqa: E731
+    __rmatmul__ = lambda self, o: o @ self.get()      # noqa: E731
+    __neg__ = lambda self: -self.get()                # noqa: E731
+
 
 def materialize(x):
     """x, or for a LayerRef its layer's slice."""

@@ -78,3 +78,37 @@ def test_load_unrolls_on_an_accelerator(twelve, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert not fnx.load(scanned.path, dtype=np.float32).cfg.scan_layers
     assert fnx.load(scanned.path, dtype=np.float32, scan_layers=True).cfg.scan_layers
+
+
+def _stacked_unrolled(scanned):
+    """The scanned model's stacked params, run unrolled: every layer reads its views of the stacks."""
+    return fnx.Model(scanned.cfg.replace(unroll_stacked=True), scanned.params, scanned.mtp, scanned.path,
+                     scanned.tokenizer, scanned.generation_config)
+
+
+def test_stacked_params_run_unrolled_agree(twelve):
+    """`unroll_stacked`: the scanned layout's params (one array per weight kind and group position), every layer
+    unrolled with its own state: the unrolled model's logits, decode and state, with far fewer argument arrays."""
+    import jax
+    scanned, flat = twelve
+    model = _stacked_unrolled(scanned)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, scanned.cfg.vocab_size, size=(2, 23))
+    assert rel_err(fnx.forward(model, ids), fnx.forward(flat, ids)) < 1e-6
+    assert rel_err(prefill_then_decode(model, ids, 17, 40), prefill_then_decode(flat, ids, 17, 40)) < 1e-6
+    st = fnx.new_state(model, 2, 40)
+    assert len(st["segments"]) == scanned.cfg.num_hidden_layers            # the state: one per layer
+    assert len(jax.tree.leaves(model.params)) < len(jax.tree.leaves(flat.params))
+    with pytest.raises(NotImplementedError, match="unroll_stacked"):
+        fnx.forward(model, ids, return_layers=True)
+
+
+def test_stacked_params_run_unrolled_speculative_decode_agrees(twelve):
+    from fnx.engine import SamplingParams, SpeculativeConfig
+    scanned, flat = twelve
+    prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
+    sp = SamplingParams(ignore_eos=True)
+    want = fnx.generate(flat, prompts, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))
+    got = fnx.generate(_stacked_unrolled(scanned), prompts, max_new_tokens=8, sampling=sp,
+                       speculative=SpeculativeConfig(k=2))
+    assert got == want
