@@ -484,6 +484,10 @@ def main():
                          "server do; never on a mesh)")
     ap.add_argument("--no-scan", action="store_true",
                     help="every layer separate and unrolled (ModelConfig.scan_layers=False) instead of scanned groups")
+    ap.add_argument("--unroll-stacked", action="store_true",
+                    help="the scanned layout's stacked params run unrolled, every layer reading its views of the "
+                         "stacks (ModelConfig.unroll_stacked): the unrolled program with one argument array per "
+                         "weight kind and group position")
     ap.add_argument("--quick", action="store_true", help="fewer reps and contexts")
     ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
@@ -518,6 +522,8 @@ def main():
     if args.quick:
         args.reps, args.contexts = 5, "1024,8192"
     contexts = [int(c) for c in args.contexts.split(",")]
+    if args.unroll_stacked and args.no_scan:
+        raise SystemExit("--unroll-stacked runs the scanned layout's stacks unrolled: drop --no-scan")
     if args.prefill_chunk < 1 or any(c % min(c, args.prefill_chunk) for c in contexts):
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: give a positive chunk that divides every context "
                          f"larger than it (contexts {contexts})")
@@ -557,8 +563,9 @@ def main():
                          else os.environ.get("FNX_KERNELS", "auto"))
         runs = {}
         for n in layer_counts:
-            cfg = bench_config(n, args.tiny, scan=not args.no_scan,
+            cfg = bench_config(n, args.tiny, scan=not args.no_scan or args.unroll_stacked,
                                ple_width=None if host_ple is None else host_ple.store.width * host_ple.consts.num_heads)
+            cfg = cfg.replace(unroll_stacked=args.unroll_stacked)
             if mcfg is not None:  # the XLA reference paths, or with --mesh-kernels the GEMV kernels per shard
                 from fnx.pallas import dispatch
                 with dispatch.on_mesh(mcfg) if args.mesh_kernels else dispatch.force("reference"):
@@ -590,12 +597,13 @@ def main():
                                     "draft_fp8": args.draft_fp8,
                                     "ple_store": args.ple_store,
                                     "kernels": kernels_label, "reps": args.reps,
-                                    "scan_layers": not args.no_scan, "mtp_round": "greedy",
-                                    **line}) + "\n")
+                                    "scan_layers": not args.no_scan, "unroll_stacked": args.unroll_stacked,
+                                    "mtp_round": "greedy", **line}) + "\n")
         rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
                "platform": device.platform, "jax": jax.__version__, "host": platform.node(), "k": args.k,
                "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
-               "ple_store": args.ple_store, "scan_layers": not args.no_scan, "mtp_round": "greedy",
+               "ple_store": args.ple_store, "scan_layers": not args.no_scan, "unroll_stacked": args.unroll_stacked,
+               "mtp_round": "greedy",
                "kernels": kernels_label,
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:

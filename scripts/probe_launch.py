@@ -167,6 +167,8 @@ def main():
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
                     help="weights: bf16, FP8 blocks for dense + experts, or FP8 dense + NVFP4 experts")
     ap.add_argument("--no-scan", action="store_true", help="every layer separate and unrolled (no lax.scan)")
+    ap.add_argument("--unroll-stacked", action="store_true",
+                    help="the scanned layout's stacked params, every layer unrolled through views of the stacks")
     ap.add_argument("--dispatch-only", action="store_true", help="only the unprofiled dispatch / chained timings")
     ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
     ap.add_argument("--fp8-head", action="store_true",
@@ -202,7 +204,9 @@ def main():
     from fnx.model.transformer import init_state, param_shapes, step
     from fnx.pallas import ledger
 
-    cfg = bd.bench_config(args.layers, args.tiny, scan=not args.no_scan)
+    if args.unroll_stacked and args.no_scan:
+        raise SystemExit("--unroll-stacked runs the scanned layout's stacks unrolled: drop --no-scan")
+    cfg = bd.bench_config(args.layers, args.tiny, scan=not args.no_scan).replace(unroll_stacked=args.unroll_stacked)
     dtype = jnp.bfloat16
     params = bd.random_tree(param_shapes(cfg, dtype), jax.random.PRNGKey(0), dtype)
     mshapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), mtp_param_shapes(cfg),
@@ -231,7 +235,8 @@ def main():
         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
 
     def emit(rec):
-        rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan, "quant": args.quant,
+        rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan,
+               "unroll_stacked": args.unroll_stacked, "quant": args.quant,
                "fused_projections": args.fuse, "fp8_head": args.fp8_head,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
                "commit": commit, **rec}

@@ -105,7 +105,8 @@ def dequantize(w, dtype=F32) -> jax.Array:
 def take(w, idx: jax.Array):
     """w[idx] along the leading (expert) axis, for arrays and quantized weights alike."""
     if is_quantized(w):
-        return jax.tree.map(lambda a: a[idx], w)
+        from fnx.pallas.stacked import tree_map     # fields may be layer views of stacks
+        return tree_map(lambda a: a[idx], w)
     return w[idx]
 
 

@@ -102,6 +102,9 @@ class LayerRef:
     __matmul__ = lambda self, o: self.get() @ o       # noqa: E731
     __rmatmul__ = lambda self, o: o @ self.get()      # noqa: E731
     __neg__ = lambda self: -self.get()                # noqa: E731
+    __and__ = lambda self, o: self.get() & o          # noqa: E731
+    __rshift__ = lambda self, o: self.get() >> o      # noqa: E731
+    __pow__ = lambda self, o: self.get() ** o         # noqa: E731
 
 
 def materialize(x):
@@ -109,9 +112,19 @@ def materialize(x):
     return x.get() if isinstance(x, LayerRef) else x
 
 
+def is_ref(a) -> bool:
+    return isinstance(a, LayerRef)
+
+
 def materialize_tree(tree):
     """`materialize` on every LayerRef of a pytree (a quantized weight's fields, a layer's params)."""
-    return jax.tree.map(materialize, tree, is_leaf=lambda a: isinstance(a, LayerRef))
+    return jax.tree.map(materialize, tree, is_leaf=is_ref)
+
+
+def tree_map(fn, tree):
+    """jax.tree.map with each LayerRef one leaf (a LayerRef is a pytree whose child is the whole stack: a plain
+    tree.map would apply fn to the stack, e.g. index its layer axis)."""
+    return jax.tree.map(fn, tree, is_leaf=is_ref)
 
 
 def astype(x, dtype):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -58,11 +59,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quant", choices=["fp8", "fp8-head"], default=None,
                    help="online weight-only quantization while loading a BF16 checkpoint: fp8 (the dense "
                         "projections and experts in FP8 128x128 blocks), fp8-head (those and the lm_head)")
-    p.add_argument("--layers", choices=["auto", "unrolled", "scanned"], default="auto",
+    p.add_argument("--layers", choices=["auto", "unrolled", "scanned", "stacked"], default="auto",
                    help="params layout: 'unrolled' keeps every layer's params separate (the faster decode on a GPU: "
                         "a scanned loop copies its stacked state and the weights each kernel reads, every step), "
-                        "'scanned' stacks identical layer groups under lax.scan (faster compiles); auto: unrolled "
-                        "on an accelerator, scanned on the CPU (a converted checkpoint keeps its saved layout)")
+                        "'scanned' stacks identical layer groups under lax.scan (faster compiles), 'stacked' keeps "
+                        "the scanned stacks but runs every layer unrolled, the kernels reading each layer's slice "
+                        "in place (far fewer argument arrays per launch; not yet measured against 'unrolled'); "
+                        "auto: unrolled on an accelerator, scanned on the CPU (a converted checkpoint keeps its "
+                        "saved layout)")
     p.add_argument("--compile-cache", default=None,
                    help="directory for JAX's persistent compilation cache, so a restart skips the compiles it has "
                         "already done ('' turns it off; default: $JAX_COMPILATION_CACHE_DIR when set, else "
@@ -177,7 +181,7 @@ def main(argv=None) -> int:
     elif cache == "":
         jax.config.update("jax_compilation_cache_dir", None)
     converted = model_dir.is_dir() and is_converted(model_dir)
-    scan_layers = {"unrolled": False, "scanned": True}.get(args.layers)
+    scan_layers = {"unrolled": False, "scanned": True, "stacked": True}.get(args.layers)
     if args.layers == "auto" and backend != "cpu" and not converted:
         scan_layers = False
     dtype = {"float32": np.float32, "bfloat16": jnp.bfloat16}.get(
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
                          scan_layers=scan_layers, quant=args.quant)
     except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation
         return _fail(f"could not load {model_dir}: {e}")
+    if args.layers == "stacked":
+        model = dataclasses.replace(model, cfg=model.cfg.replace(unroll_stacked=True))
     t_load = time.perf_counter() - t0
     if tokenizer.vocab_size > model.cfg.vocab_size:
         return _fail(f"tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's vocab_size "
@@ -213,7 +219,7 @@ def main(argv=None) -> int:
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
           f"PLE table: {args.ple_store}{'' if args.ple_store == 'device' else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
-          f"layers {'scanned' if model.cfg.scan_layers else 'unrolled'}, "
+          f"layers {'stacked' if model.cfg.unroll_stacked else 'scanned' if model.cfg.scan_layers else 'unrolled'}, "
           f"input projections {'fused' if engine.fused else 'separate'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)
 

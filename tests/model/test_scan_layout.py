@@ -95,7 +95,7 @@ def test_stacked_params_run_unrolled_agree(twelve):
     rng = np.random.default_rng(1)
     ids = rng.integers(0, scanned.cfg.vocab_size, size=(2, 23))
     assert rel_err(fnx.forward(model, ids), fnx.forward(flat, ids)) < 1e-6
-    assert rel_err(prefill_then_decode(model, ids, 17, 40), prefill_then_decode(flat, ids, 17, 40)) < 1e-6
+    assert rel_err(prefill_then_decode(model, ids, 20, 40), prefill_then_decode(flat, ids, 20, 40)) < 1e-6
     st = fnx.new_state(model, 2, 40)
     assert len(st["segments"]) == scanned.cfg.num_hidden_layers            # the state: one per layer
     assert len(jax.tree.leaves(model.params)) < len(jax.tree.leaves(flat.params))
@@ -108,7 +108,7 @@ def test_stacked_params_run_unrolled_speculative_decode_agrees(twelve):
     scanned, flat = twelve
     prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
     sp = SamplingParams(ignore_eos=True)
-    want = fnx.generate(flat, prompts, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))
-    got = fnx.generate(_stacked_unrolled(scanned), prompts, max_new_tokens=8, sampling=sp,
+    want = fnx.generate(flat, prompts, max_new_tokens=5, sampling=sp, speculative=SpeculativeConfig(k=2))
+    got = fnx.generate(_stacked_unrolled(scanned), prompts, max_new_tokens=5, sampling=sp,
                        speculative=SpeculativeConfig(k=2))
     assert got == want

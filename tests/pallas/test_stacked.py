@@ -56,35 +56,54 @@ def _layers(fmt, n, k, key):
     return per, stacks
 
 
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:       # a jaxpr Literal
+        return False
+    return True
+
+
+def _kernel_reads(jaxpr, stacks):
+    """Walk a jaxpr (into nested jits) from the vars `stacks` (name -> var): (the stacks some pallas_call reads in
+    place, or through a reshape / convert; the pallas_calls that read a slice of one instead, by kernel name; the
+    pallas_calls by kernel name)."""
+    read, sliced, calls = set(), {}, {}
+
+    def walk(jx, names):   # names: var -> the stack it is (or is a reshape of)
+        made_by = {o: e for e in jx.eqns for o in e.outvars}
+        for e in jx.eqns:
+            prim = str(e.primitive)
+            src = e.invars[0] if e.invars else None
+            if prim in ("reshape", "convert_element_type") and _hashable(src) and src in names:
+                names[e.outvars[0]] = names[src]
+            if "pallas_call" in prim:
+                name = str(e.params.get("name_and_src_info") or e.params.get("name")).split(" ")[0]
+                calls[name] = calls.get(name, 0) + 1
+                for v in filter(_hashable, e.invars):
+                    if v in names:
+                        read.add(names[v])
+                    p = made_by.get(v)
+                    if p is not None and str(p.primitive) in ("slice", "dynamic_slice", "squeeze", "gather") \
+                            and _hashable(p.invars[0]) and p.invars[0] in names:
+                        sliced[name] = sliced.get(name, 0) + 1
+                continue
+            sub = e.params.get("jaxpr")
+            if sub is not None:
+                inner = getattr(sub, "jaxpr", sub)
+                walk(inner, {iv: names[ov] for ov, iv in zip(e.invars, inner.invars) if _hashable(ov) and ov in names})
+    walk(jaxpr, dict(stacks))
+    return read, sliced, calls
+
+
 def _no_slices(fn, *args):
     """fn(*args)'s kernels read the stacks in place: every stack argument in use reaches a pallas_call as it is (or
     through a reshape, a bitcast; through nested jits too), and no pallas_call operand is a slice of one (XLA would
     copy it first). Returns (ok, what was seen)."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     top = {v: k for k, (v, a) in enumerate(zip(jaxpr.invars, jax.tree.leaves(args))) if a.ndim and a.shape[0] == L}
-    read, sliced = set(), []
-
-    def walk(jx, names):   # names: var -> the top-level stack it is (or is a reshape of)
-        made_by = {o: e for e in jx.eqns for o in e.outvars}
-        for e in jx.eqns:
-            prim = str(e.primitive)
-            if prim in ("reshape", "convert_element_type") and e.invars[0] in names:
-                names[e.outvars[0]] = names[e.invars[0]]
-            if "pallas_call" in prim:
-                for v in e.invars:
-                    if v in names:
-                        read.add(names[v])
-                    p = made_by.get(v)
-                    if p is not None and str(p.primitive) in ("slice", "dynamic_slice", "squeeze", "gather") \
-                            and p.invars[0] in names:
-                        sliced.append(prim)
-                continue
-            sub = e.params.get("jaxpr")
-            if sub is not None:
-                inner = getattr(sub, "jaxpr", sub)
-                walk(inner, {iv: names[ov] for ov, iv in zip(e.invars, inner.invars) if ov in names})
-    walk(jaxpr, dict(top))
-    used = {top[v] for e in jaxpr.eqns for v in e.invars if v in top}      # (a field no code reads is not passed)
+    read, sliced, _ = _kernel_reads(jaxpr, top)
+    used = {top[v] for e in jaxpr.eqns for v in e.invars if _hashable(v) and v in top}   # (unread fields: not passed)
     return used <= read and not sliced, {"unread stacks": len(used - read), "sliced": sliced}
 
 
@@ -252,3 +271,37 @@ def test_moe_decode_reads_layers_of_the_stacked_experts_in_place(fmt, m, group):
     ref = jax.jit(run, static_argnums=(2, 3))(act, stacks, 1, "reference")
     want = jax.jit(lambda: moe.decode(*act[:3], *weights[1][:2], *act[3:], weights[1][2], impl="reference"))()
     np.testing.assert_allclose(np.asarray(ref, F32), np.asarray(want, F32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_whole_step_reads_every_stack_in_place(tokens, monkeypatch):
+    """The 12-layer tiny model (two stacked groups) with `unroll_stacked`, FP8 dense and NVFP4 experts, fused
+    projections, every kernel named (interpret mode): its decode step (1 token) and verify window (5) pass the
+    stacks to the kernels whole, never a slice of one; the stacked layout takes far fewer argument arrays."""
+    from functools import partial
+
+    from fnx.model.fuse import fuse_projections
+    from fnx.model.transformer import init_state, param_shapes, step
+    from tests.conftest import load_script
+    monkeypatch.setenv("FNX_KERNELS", "pallas_interpret")
+    bd = load_script("bench_decode")
+    counts = {}
+    for stack in (False, True):
+        cfg = bd.bench_config(12, True, scan=stack).replace(unroll_stacked=stack)
+        p = bd.random_tree(param_shapes(cfg, jnp.bfloat16), jax.random.PRNGKey(0), jnp.bfloat16)
+        counts[stack] = p = fuse_projections(cfg, bd.quantize_tree(p, "fp8+nvfp4"))
+    cfg = bd.bench_config(12, True, scan=True).replace(unroll_stacked=True)
+    st = init_state(cfg, 1, 256, jnp.bfloat16)
+    tok = jnp.ones((1, tokens), jnp.int32)
+    pid = jnp.zeros((1, tokens, cfg.ngram_heads), jnp.int32) if cfg.ple_layer_ids else None
+    jaxpr = jax.make_jaxpr(partial(step, cfg=cfg))(p, st, tok, pid).jaxpr
+    leaves = jax.tree.leaves(p)
+    stacks = {v: v for v, a in zip(jaxpr.invars, leaves) if a.ndim and a.shape[0] == 2}     # reps = 2 groups
+    read, sliced, calls = _kernel_reads(jaxpr, stacks)
+    assert not sliced, sliced
+    assert len(read) > 0.75 * len(stacks), (len(read), len(stacks))     # the rest: norms and gates, XLA's
+    for kernel in ("fnx_gemv_fp8", "moe_decode_gate_up", "moe_decode_down", "qsa_decode_attention"):
+        assert calls.get(kernel), calls
+    assert any(k.startswith("hc_down1_fp8") for k in calls), calls
+    # 12 layers: 324 argument arrays stacked against 478 unrolled (48 layers: 324 against 1,864)
+    assert len(leaves) < 0.7 * len(jax.tree.leaves(counts[False])), (len(leaves), len(jax.tree.leaves(counts[False])))

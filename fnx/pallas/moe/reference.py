@@ -61,7 +61,8 @@ e2m1_bits_to_f32 = gemv_reference.e2m1_to_f32   # E2M1 codes -> fp32 from the bi
 
 
 def _take(w, idx):
-    return jax.tree.map(lambda a: a[idx], w) if weight_format(w) != "dense" else w[idx]
+    from fnx.pallas.stacked import tree_map         # fields may be layer views of stacks
+    return tree_map(lambda a: a[idx], w) if weight_format(w) != "dense" else w[idx]
 
 
 def experts(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
