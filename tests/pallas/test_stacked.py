@@ -305,3 +305,27 @@ def test_whole_step_reads_every_stack_in_place(tokens, monkeypatch):
     assert any(k.startswith("hc_down1_fp8") for k in calls), calls
     # 12 layers: 324 argument arrays stacked against 478 unrolled (48 layers: 324 against 1,864)
     assert len(leaves) < 0.7 * len(jax.tree.leaves(counts[False])), (len(leaves), len(jax.tree.leaves(counts[False])))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_gdn_recurrent_norm_weight_from_a_stack(fuse):
+    """The verify window's recurrence with the GDN output norm fused into the kernel (or after it, in XLA): a layer
+    view of the stacked norm weight gives the layer's own array's result."""
+    from fnx.pallas.gdn import api as gdn
+    from fnx.pallas.gdn.pallas import Tiles
+    from tests.pallas.test_gdn import DV, KW, TILES, inputs
+    q, k, v, g, beta, s0 = inputs(jax.random.PRNGKey(3), 3, dtype=F32)
+    z = jax.random.normal(jax.random.PRNGKey(4), v.shape, F32)
+    ws = 1.0 + 0.1 * jax.random.normal(jax.random.PRNGKey(5), (L, DV))
+    tiles = Tiles(block_v=DV, fuse_norm=True) if fuse else TILES
+
+    def run(ws, norm_w):
+        return gdn.gdn_recurrent(q, k, v, g, beta, s0, impl=KERNEL, out_dtype=F32, tiles=tiles,
+                                 norm=(z, norm_w, 1e-6, "silu"), **KW)
+    want = jax.jit(lambda w: run(None, w))(ws[L - 1])
+    got = jax.jit(lambda st: run(st, stacked.LayerRef(st, L - 1)))(ws)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    if fuse:
+        ok, seen = _no_slices(lambda st: run(st, stacked.LayerRef(st, L - 1)), ws)
+        assert ok, seen

@@ -130,12 +130,12 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
     kernel = functools.partial(_kernel, length=length, keep_steps=keep_steps, with_initial=steps_with_initial,
                                qk_l2norm=qk_l2norm, scale=scale, unroll=t.unroll,
                                norm=None if norm is None else (float(norm[2]), norm[3]))
-    res = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+    res = stacked.call(     # the norm weight may be a layer of a stack (fnx.pallas.stacked): read in place
+        kernel, operands, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={5: 1} if inplace else {},
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret, name="gdn_recurrent",
-    )(*operands)
+    )
     return tuple(res)
 
 
