@@ -12,7 +12,8 @@ the index static): no copy, and the kernel body sees the same ref as with a per-
   it to `call` unchanged; everything else gets the slice through `get` / `materialize` (an XLA slice, which XLA
   fuses into its consumer fusion); `materialize_tree` for a whole pytree.
 - `call(kernel, args, **pallas_call_kwargs)`: `pl.pallas_call(kernel, ...)(*args)`, where an argument may be a
-  `LayerRef`; every other argument is one whole block, as a pallas_call without in_specs passes it.
+  `LayerRef`: its spec is its layer, then the block the kernel's own spec asks for; the other arguments keep the
+  specs given (whole blocks without any).
 - `astype(x, dtype)`: a LayerRef already of that dtype stays a view; otherwise the converted slice.
 - `flatten(x)`: x.reshape(-1), a LayerRef staying a view."""
 
