@@ -78,10 +78,21 @@ def random_tree(shapes, key, dtype, shardings=None, quant: str = "bf16"):
         return makers[key_](k)
     out = []
     for k, (path, s), sh in zip(keys, leaves, shs):
-        leaf = make(k, tuple(s.shape), sh)
-        if quant != "bf16":
-            leaf = quantize_leaf(path, leaf, quant)
-            jax.block_until_ready(leaf)
+        shape = tuple(s.shape)
+        if quant != "bf16" and sh is None and len(shape) > 3:
+            # a leaf stacked over layer groups (the scanned layout): drawn and quantized one group at a time, so
+            # the bf16 stack of a group position's experts (34 GiB at the released widths) never exists whole
+            parts = []
+            for kk in jax.random.split(k, shape[0]):
+                part = quantize_leaf(path, make(kk, shape[1:], None), quant)
+                parts.append(jax.block_until_ready(part))
+            leaf = jax.tree.map(lambda *a: jnp.stack(a), *parts)
+            del parts
+        else:
+            leaf = make(k, shape, sh)
+            if quant != "bf16":
+                leaf = quantize_leaf(path, leaf, quant)
+        jax.block_until_ready(leaf)
         out.append(leaf)
     return jax.tree.unflatten(treedef, out)
 

@@ -270,7 +270,10 @@ def test_moe_decode_reads_layers_of_the_stacked_experts_in_place(fmt, m, group):
         assert ok, seen
     ref = jax.jit(run, static_argnums=(2, 3))(act, stacks, 1, "reference")
     want = jax.jit(lambda: moe.decode(*act[:3], *weights[1][:2], *act[3:], weights[1][2], impl="reference"))()
-    np.testing.assert_allclose(np.asarray(ref, F32), np.asarray(want, F32), rtol=1e-6, atol=1e-6)
+    # XLA's reference path: on the CPU the slice fuses into the same arithmetic; on a GPU a slice fused into a
+    # dot can change the dot's emitter, and the bf16 output then differs by up to one bf16 ulp (H200, 0f73286)
+    tol = 1e-6 if jax.default_backend() == "cpu" else 2.0 ** -7
+    np.testing.assert_allclose(np.asarray(ref, F32), np.asarray(want, F32), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("tokens", [1, 5])
