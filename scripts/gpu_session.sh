@@ -67,17 +67,17 @@ case "$part" in
     rm -rf "$OUT"/probe/trace_* "$OUT"/probe/decode_hlo* ;;
   decode)   # DECODE_QUANT bf16 | fp8 | fp8+nvfp4; DECODE_KERNELS a FNX_KERNELS value (empty: auto, the verified set);
             # DECODE_LAYERS (4,8: give DECODE_S >= 400 for both; 48 with fp8+nvfp4 fits one H200: the full model),
-            # DECODE_ARGS extra flags (--no-scan: every layer unrolled, as fnx.serve loads on a GPU)
+            # DECODE_ARGS extra flags (--unroll-stacked: the layout fnx.serve runs on a GPU; --no-scan: every layer separate)
     FNX_KERNELS=${DECODE_KERNELS:-} timeout ${DECODE_S:-270} python scripts/bench_decode.py --reps 5 --layers ${DECODE_LAYERS:-4,8} --ledger 5 \
       --contexts ${DECODE_CTX:-1024} --quant ${DECODE_QUANT:-bf16} ${DECODE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/decode_${DECODE_QUANT:-bf16}.log" | grep -v Warning | tail -12 ;;
-  full)    # FULL_LAYOUT: --no-scan (default, as served) or --unroll-stacked (the stacked params run unrolled)
+  full)    # FULL_LAYOUT: --unroll-stacked (default: the stacked params run unrolled, as served) or --no-scan
            # the whole 48-layer model at the released widths on one H200 (FP8 dense, NVFP4 experts, unrolled, fused
            # projections as served): decode step, MTP k=4 round, prefill 1K, ledgers with their top kernels (~5 min;
            # FULL_ARGS extra bench_decode flags, e.g. --no-fuse, or --keep-bf16 input_mix_weight for bf16 HC;
            # FULL_CTX the context, 1024 by default: issue 8's round target is at 8192, its QSA ones at 32K / 128K,
            # where the KV capacity also decides the QSA path, see fnx/pallas/qsa/README.md)
-    timeout ${FULL_S:-560} python scripts/bench_decode.py --reps 5 --layers 48 ${FULL_LAYOUT:---no-scan} --ledger 5 --contexts ${FULL_CTX:-1024} \
+    timeout ${FULL_S:-560} python scripts/bench_decode.py --reps 5 --layers 48 ${FULL_LAYOUT:---unroll-stacked} --ledger 5 --contexts ${FULL_CTX:-1024} \
       --quant fp8+nvfp4 ${FULL_ARGS:-} --out "$OUT/bench_decode.jsonl" > "$OUT/full48.log" 2>&1
     grep -E '^# ledger|"part": "decode"|Error' "$OUT/full48.log" | cut -c1-400 ;;
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
@@ -90,7 +90,7 @@ case "$part" in
       timeout ${PROBE_S:-150} python scripts/probe_launch.py --layers $n --out "$OUT/probe" ${PROBE_ARGS:-} 2>&1 \
         | grep '"part"' | cut -c1-600
     done ;;
-  cmdbuf)  # CMDBUF_LAYOUT: --no-scan (default) or --unroll-stacked
+  cmdbuf)  # CMDBUF_LAYOUT: --unroll-stacked (default, as served) or --no-scan
            # XLA's command-buffer (CUDA graph) runtime modes against the host time of one decode step: one process
            # per XLA_FLAGS value (CMDBUF_LAYERS, unrolled, fused projections); the logits fingerprint must agree.
            # First, with XLA's command-buffer thunk logging (VLOG 3), how many graph updates the steps cause: each
@@ -101,7 +101,7 @@ case "$part" in
            # parse error ends the process: why those runs wrote nothing).
     if [ -n "${CMDBUF_VLOG:-1}" ]; then
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout ${CMDBUF_S:-150} python scripts/probe_launch.py --io ${CMDBUF_IO:-plain} \
-        --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---no-scan} --fuse --dispatch-only --no-round --reps 20 --chains 5 \
+        --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---unroll-stacked} --fuse --dispatch-only --no-round --reps 20 --chains 5 \
         --label "cmdbuf:vlog" --out "$OUT/probe" > "$OUT/cmdbuf_vlog.log" 2>&1
       echo "graph updates (updated_allocs lines): $(grep -c 'updated_allocs' "$OUT/cmdbuf_vlog.log")"
       grep 'updated_allocs' "$OUT/cmdbuf_vlog.log" | tail -4 | cut -c1-300
@@ -113,13 +113,13 @@ case "$part" in
       flags=$([ "$m" = default ] && echo "" || echo "$m")
       alloc=$(case "$m" in *SKIP_*) echo XLA_PYTHON_CLIENT_ALLOCATOR=vmm ;; esac)   # (unset otherwise)
       env $alloc XLA_FLAGS="$flags" timeout ${CMDBUF_S:-150} python scripts/probe_launch.py \
-        --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---no-scan} \
+        --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---unroll-stacked} \
         --fuse --dispatch-only --no-round --reps 20 --chains 5 --label "cmdbuf:$m" --out "$OUT/probe" 2>&1 \
         | grep -E '"part": "decode dispatch"|Error|error:' | cut -c1-700
     done
     # where the host time of one step goes, command buffers kept on while profiling (CMDBUF_PROFILE=0 skips it)
     [ "${CMDBUF_PROFILE:-1}" = 0 ] || XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true ${CMDBUF_PROFILE_FLAGS:-}" timeout ${CMDBUF_S:-150} \
-      python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---no-scan} --fuse --dispatch-only --no-round \
+      python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---unroll-stacked} --fuse --dispatch-only --no-round \
       --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
       --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):

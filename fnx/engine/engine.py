@@ -150,9 +150,6 @@ class Engine:
         (about 2 GB in FP8 for the released model), so drop it, or pass False."""
         if ple_fetch not in PLE_FETCH:
             raise ValueError(f"ple_fetch must be one of {PLE_FETCH}, got {ple_fetch!r}")
-        if model.cfg.unroll_stacked and model.ple_store is not None and ple_fetch in ("pipeline", "split"):
-            raise ValueError(f"ple_fetch={ple_fetch!r} splits the step at the PLE layer, which the stacked layers "
-                             "(ModelConfig.unroll_stacked) do not: use 'sync' or a callback, or unrolled layers")
         if max_slots < 1 or capacity < 8:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:

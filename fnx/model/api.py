@@ -78,8 +78,12 @@ class Model:
         return self.__dict__["_ngram"]
 
 
+LAYOUTS = ("auto", "unrolled", "scanned", "stacked")
+
+
 def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str | None = None,
-         ple_store: str = "device", ple_options: dict | None = None, scan_layers: bool | None = None) -> Model:
+         ple_store: str = "device", ple_options: dict | None = None, scan_layers: bool | None = None,
+         layers: str = "auto") -> Model:
     """Read a checkpoint into an `fnx.Model`: an HF directory (config.json + safetensors; BF16, FP8 block or
     NVFP4, streamed onto the device; `quant="fp8"` quantizes the dense projections and experts while loading,
     `quant="fp8-head"` the lm_head too) or a directory
@@ -92,16 +96,34 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     no table and every step's rows are fetched on the host from the ids of its tokens (`Engine`, `extend`).
     ple_options go to `open_store` (policy, deadline_s, io_threads, ...).
 
-    scan_layers: False keeps every layer's params separate and unrolls the layers in every program (longer
-    compiles; on a GPU no per-step copies of the weights a scanned loop slices out, and the MoE kernels run: see
-    fnx.pallas.dispatch.in_scanned_layers); True stacks identical layer groups under lax.scan; None (default):
-    unrolled on an accelerator (as `fnx.serve --layers auto`), the config's (scanned) on the CPU and for an
-    fnx-converted checkpoint (restored in its saved layout)."""
+    layers: the params layout (as `fnx.serve --layers`).
+    - "unrolled": every layer's params separate, every layer unrolled in every program (longer compiles).
+    - "scanned": identical layer groups stacked [groups, ...] and run under lax.scan (the shortest compiles; on a
+      GPU the loop copies the weights each kernel reads out of the stacks every step, so the MoE kernels stay off:
+      see fnx.pallas.dispatch.in_scanned_layers).
+    - "stacked": the scanned params, every layer run unrolled, the kernels reading each layer's slice of the
+      stacks in place (`ModelConfig.unroll_stacked`). A step takes about a sixth of the unrolled layout's
+      argument arrays; on the H200 (48 layers, 8K context) a decode step took 6.02 ms chained against 9.56 ms
+      unrolled, an MTP k=4 round 21.4 ms against 31.3 ms (BENCHMARKS.md, fifteenth session).
+    - "auto" (default): stacked on an accelerator, scanned on the CPU. An fnx-converted checkpoint is restored in
+      its saved layout (a scanned one runs stacked on an accelerator).
+    scan_layers (older spelling): True is "scanned", False "unrolled"; it may not contradict `layers`."""
     from fnx.checkpoint import load_any
     from fnx.checkpoint.orbax_io import is_converted
     from fnx.ple.store import MODES
-    if scan_layers is None and jax.default_backend() != "cpu" and not is_converted(path):
-        scan_layers = False
+    if layers not in LAYOUTS:
+        raise ValueError(f"layers must be one of {LAYOUTS}, got {layers!r}")
+    if scan_layers is not None:
+        named = "scanned" if scan_layers else "unrolled"
+        if layers not in ("auto", named):
+            raise ValueError(f"scan_layers={scan_layers} contradicts layers={layers!r}")
+        layers = named
+    converted = is_converted(path)
+    if layers == "auto":
+        layers = "scanned" if jax.default_backend() == "cpu" else "stacked"
+        scan_layers = None if converted else layers != "unrolled"     # a converted tree keeps its saved layout
+    else:
+        scan_layers = layers != "unrolled"
     if ple_store not in MODES:
         raise ValueError(f"ple_store must be one of {MODES}, got {ple_store!r}")
     host = ple_store != "device"
@@ -109,6 +131,9 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
         raise ValueError("ple_options apply to a host ple_store (pinned, pageable, swap, direct), not 'device'")
     out = load_any(path, dtype=dtype, quant=quant, progress=progress, ngram_table="host" if host else "device",
                    scan_layers=scan_layers)
+    cfg = out.cfg
+    if layers == "stacked" and cfg.scan_layers:
+        cfg = cfg.replace(unroll_stacked=True)
     store = None
     if host:
         if not out.cfg.ple_layer_ids:
@@ -126,7 +151,7 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
             import json
             with open(gpath, encoding="utf-8") as f:
                 gen_cfg = json.load(f)
-    return Model(out.cfg, out.params, out.mtp, d, tokenizer, gen_cfg, store)
+    return Model(cfg, out.params, out.mtp, d, tokenizer, gen_cfg, store)
 
 
 def _is_quant(x) -> bool:

@@ -267,8 +267,10 @@ def front_inputs(cfg: ModelConfig, params: dict, state: dict) -> tuple[dict, dic
     split = ple_split_point(cfg)
     if split is None:
         raise ValueError("this config has no PLE layer to split the step at")
+    # the state's segments follow `state_plan`: one per layer with `unroll_stacked`, where the params' are groups
+    state_split = layer_plan(cfg)[split].start if cfg.unroll_stacked else split
     return ({"embed_tokens": params["embed_tokens"], "segments": params["segments"][:split]},
-            {"pos": state["pos"], "ngram_ctx": state["ngram_ctx"], "segments": state["segments"][:split]})
+            {"pos": state["pos"], "ngram_ctx": state["ngram_ctx"], "segments": state["segments"][:state_split]})
 
 
 def _check_ple(cfg, ple_ids, ple_rows):
@@ -344,10 +346,8 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
     per_layer = front.get("layers")                                  # (hidden, expert ids) when collecting
     plan = layer_plan(cfg)
     if cfg.unroll_stacked:
-        if (lo, hi) != (0, len(plan)) or collect:
-            raise NotImplementedError("unroll_stacked runs the whole step (no front / back split of the PLE fetch, no "
-                                      "per-layer collection): use the unrolled or the scanned layout for those")
-        return _run_stacked(cfg, plan, params, state, carry, meta, moe_impl, snapshots)
+        return _run_stacked(cfg, plan[lo:hi], params["segments"][lo:hi], state, carry, meta, moe_impl, snapshots,
+                            new_segments, aux_segments, per_layer)
     for seg, seg_params, seg_state in zip(plan[lo:hi], params["segments"][lo:hi], state["segments"][lo:hi]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
@@ -385,26 +385,30 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
     return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": per_layer, "meta": meta}
 
 
-def _run_stacked(cfg, plan, params, state, carry, meta, moe_impl, snapshots):
-    """`cfg.unroll_stacked`: every layer in order, unrolled. A stacked group's layer g reads its params as
-    `LayerRef(stack, g)` views (kernels index the stack in place; XLA ops take the slice, which XLA fuses); the
-    state is per layer (`state_plan`). Returns what `_run` returns, the state and aux in the per-layer plan."""
+def _run_stacked(cfg, plan, params_segments, state, carry, meta, moe_impl, snapshots, new_segments, aux_segments,
+                 per_layer):
+    """`cfg.unroll_stacked`: the layers of the plan segments given, in order, unrolled. A stacked group's layer g
+    reads its params as `LayerRef(stack, g)` views (kernels index the stack in place; XLA ops take the slice); the
+    state is per layer (`state_plan`), so its segments are indexed by layer. Appends to new_segments /
+    aux_segments (the front's, when continuing one) and fills per_layer when collecting; returns what `_run`
+    returns, in the per-layer plan."""
     from fnx.pallas.stacked import LayerRef
-    new_segments, aux_segments = [], []
     layer_states = state["segments"]             # one (state,) per layer: the unrolled plan
-    for seg, seg_params in zip(plan, params["segments"]):
+    for seg, seg_params in zip(plan, params_segments):
         for g in range(seg.reps):
             for j in range(seg.period):
                 i = seg.start + g * seg.period + j
                 p = seg_params[j]
                 if seg.scanned:
                     p = jax.tree.map(lambda a, g=g: LayerRef(a, g), p)
-                carry, st, aux, _ = decoder_layer(cfg, cfg.layer_types[i], i in cfg.ple_layers, p,
-                                                  layer_states[i][0], carry[0], meta, moe_impl, snapshots,
-                                                  None if carry[1] is None else carry[1:], True)
+                carry, st, aux, ids = decoder_layer(cfg, cfg.layer_types[i], i in cfg.ple_layers, p,
+                                                    layer_states[i][0], carry[0], meta, moe_impl, snapshots,
+                                                    None if carry[1] is None else carry[1:], True)
                 new_segments.append((st,))
                 aux_segments.append((aux,))
-    return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": None, "meta": meta}
+                if per_layer is not None:
+                    per_layer[i] = (hyper.combine(*carry), ids)
+    return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": per_layer, "meta": meta}
 
 
 def _finish(params, state, tokens, out, cfg, snapshots, collect):

@@ -68,16 +68,28 @@ def test_scanned_groups_trace_as_scanned_layers(twelve, monkeypatch):
     assert not dispatch.scanned_layers()
 
 
-def test_load_unrolls_on_an_accelerator(twelve, monkeypatch):
-    """fnx.load's default layout: the config's (scanned) on the CPU, unrolled when the default backend is an
-    accelerator (only the layout is decided here: nothing runs)."""
+def test_load_layouts(twelve, monkeypatch):
+    """fnx.load's layouts: by default the config's (scanned) on the CPU, and on an accelerator the stacked params
+    run unrolled (only the layout is decided here: nothing runs); each layout by name; the older scan_layers
+    spelling; contradictions and unknown names refused."""
     import jax
     scanned, _ = twelve
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert fnx.load(scanned.path, dtype=np.float32).cfg.scan_layers
+    cfg = fnx.load(scanned.path, dtype=np.float32).cfg
+    assert cfg.scan_layers and not cfg.unroll_stacked
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert not fnx.load(scanned.path, dtype=np.float32).cfg.scan_layers
-    assert fnx.load(scanned.path, dtype=np.float32, scan_layers=True).cfg.scan_layers
+    cfg = fnx.load(scanned.path, dtype=np.float32).cfg
+    assert cfg.scan_layers and cfg.unroll_stacked
+    for layers, scan, unroll in (("unrolled", False, False), ("scanned", True, False), ("stacked", True, True)):
+        cfg = fnx.load(scanned.path, dtype=np.float32, layers=layers).cfg
+        assert (cfg.scan_layers, cfg.unroll_stacked) == (scan, unroll), layers
+    assert not fnx.load(scanned.path, dtype=np.float32, scan_layers=False).cfg.scan_layers
+    cfg = fnx.load(scanned.path, dtype=np.float32, scan_layers=True).cfg
+    assert cfg.scan_layers and not cfg.unroll_stacked
+    with pytest.raises(ValueError, match="contradicts"):
+        fnx.load(scanned.path, dtype=np.float32, scan_layers=False, layers="stacked")
+    with pytest.raises(ValueError, match="layers must be one of"):
+        fnx.load(scanned.path, dtype=np.float32, layers="flat")
 
 
 def _stacked_unrolled(scanned):
@@ -99,8 +111,39 @@ def test_stacked_params_run_unrolled_agree(twelve):
     st = fnx.new_state(model, 2, 40)
     assert len(st["segments"]) == scanned.cfg.num_hidden_layers            # the state: one per layer
     assert len(jax.tree.leaves(model.params)) < len(jax.tree.leaves(flat.params))
-    with pytest.raises(NotImplementedError, match="unroll_stacked"):
-        fnx.forward(model, ids, return_layers=True)
+    got, got_layers = fnx.forward(model, ids[:, :9], return_layers=True)       # every layer's output collected
+    want, want_layers = fnx.forward(flat, ids[:, :9], return_layers=True)
+    assert rel_err(got, want) < 1e-6
+    for key in want_layers:
+        assert rel_err(got_layers[key], want_layers[key]) < 1e-6, key
+
+
+def test_stacked_step_split_at_the_ple_layer(twelve):
+    """The stacked layout split at the PLE layer (the Engine's pipeline / split PLE fetch): step_back of step_front,
+    the front given only `front_inputs` (its state cut by layer, the params by group), is the whole step: the
+    same logits, state and rollback material."""
+    import jax
+    import jax.numpy as jnp
+    from fnx.model.transformer import front_inputs, ple_split_point, step, step_back, step_front
+    from fnx.ple import initial_context, ngram_ids
+    scanned, _ = twelve
+    model = _stacked_unrolled(scanned)
+    cfg = model.cfg
+    assert ple_split_point(cfg) is not None
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 5)), jnp.int32)
+    ids = jnp.asarray(ngram_ids(initial_context(2, model.ngram), np.asarray(toks), model.ngram)[0], jnp.int32)
+    state = fnx.new_state(model, 2, 16)
+    n_valid = jnp.asarray([5, 3], jnp.int32)
+    whole = jax.jit(lambda s: step(model.params, s, toks, ids, cfg=cfg, n_valid=n_valid, snapshots=True))(state)
+    front = jax.jit(lambda p, s: step_front(p, s, toks, cfg=cfg, n_valid=n_valid, snapshots=True))(
+        *front_inputs(cfg, model.params, state))
+    halves = jax.jit(lambda s, f: step_back(model.params, s, toks, f, ids, cfg=cfg, n_valid=n_valid,
+                                            snapshots=True))(state, front)
+    # two programs against one: XLA fuses the float32 arithmetic differently (ulps), so not bit for bit
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(halves), strict=True):
+        assert a.shape == b.shape
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, np.abs(a).max()))
 
 
 def test_stacked_params_run_unrolled_speculative_decode_agrees(twelve):

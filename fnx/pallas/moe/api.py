@@ -69,7 +69,7 @@ def _scanned_reason() -> str | None:
         return None
     return ("inside a scanned layer group the kernel's expert weights are a slice of the stacked params, which the "
             "loop would copy whole each step (every expert, where decode reads 10 of 512); load with "
-            "scan_layers=False (the default on a GPU) to run the kernels")
+            "layers='stacked' (the default on a GPU) or 'unrolled' to run the kernels")
 
 
 # Token counts up to here run the fused decode kernels under "auto", per expert format, by measurement on the H200
@@ -118,8 +118,10 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
 
 # Expert formats whose prefill blocks run the Pallas kernels under "auto", by measurement on the H200 (released
 # shapes, blocks of 64 rows, BLOCK_TILES; BENCHMARKS.md tenth session), against XLA's grouped matmul: bf16 1,024
-# tokens 2.55 vs 7.90 ms, 4,096 tokens 4.40 vs 14.16 ms; FP8 1,024 tokens 2.29 vs 8.07 ms (lax.ragged_dot: 87 ms).
-GROUPED_AUTO_FORMATS = ("dense", "fp8_block")
+# tokens 2.55 vs 7.90 ms, 4,096 tokens 4.40 vs 14.16 ms; FP8 1,024 tokens 2.29 vs 8.07 ms (lax.ragged_dot: 87 ms);
+# NVFP4 (fifteenth session, 95044db; XLA's grouped matmul dequantizes every expert each call) 1,024 tokens 4.40 vs
+# 11.95 ms, 4,096 tokens 8.54 vs 20.96 ms (128-row tiles: 6.11 / 11.78 ms).
+GROUPED_AUTO_FORMATS = ("dense", "fp8_block", "nvfp4")
 
 
 def grouped_backend(gate_up, down, block_rows: int, impl: str | None = None,

@@ -161,6 +161,14 @@ def _check(fmt, meta, rows_tile, k_tile, name, shape):
 # The prefill blocks' tiles, measured on the H200 (BENCHMARKS.md, tenth session; released shapes, blocks of 64
 # rows): M = 1024 tokens, bf16 experts, 2.55 ms against 2.93 ms at 64-wide tiles (XLA's grouped matmul 7.90 ms).
 BLOCK_TILES = Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warps=8)
+# NVFP4 experts decode each tile with integer ops first; 64-wide tiles with 4 warps measured faster (fifteenth
+# session, 95044db): 1,024 tokens 4.40 ms against 6.11 ms at BLOCK_TILES, 4,096 tokens 8.54 against 11.78 ms.
+BLOCK_TILES_BY_FORMAT = {"nvfp4": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64)}
+
+
+def block_tiles(gate_up) -> Tiles:
+    """The prefill blocks' default tiles for these experts' format (before shrinking to the dims)."""
+    return BLOCK_TILES_BY_FORMAT.get(reference.weight_format(gate_up), BLOCK_TILES)
 
 
 def default_tiles(d: int, inter: int, base: Tiles | None = None) -> Tiles:
@@ -252,13 +260,14 @@ def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, *, int
     why = blocks_not_applicable(gate_up, down, xb.shape[1], tiles)
     if why:
         raise NotImplementedError(f"Pallas grouped MoE: {why}")
-    tiles = tiles or default_tiles(xb.shape[-1], down.shape[-1], BLOCK_TILES)
+    tiles = tiles or default_tiles(xb.shape[-1], down.shape[-1], block_tiles(gate_up))
     return experts_slots(gate_up, down, xb, block_expert, interpret=interpret, tiles=tiles)[:, :xb.shape[1]]
 
 
 def blocks_not_applicable(gate_up, down, b: int, tiles: Tiles | None = None) -> str | None:
-    """None when experts_blocks serves blocks of `b` rows of these weights (at `tiles`, default BLOCK_TILES
+    """None when experts_blocks serves blocks of `b` rows of these weights (at `tiles`, default `block_tiles`
     shrunk to the dims), else why not."""
     if b & (b - 1) or b < MIN_ROWS or b > MAX_BLOCK_ROWS:
         return f"block rows must be a power of two in [{MIN_ROWS}, {MAX_BLOCK_ROWS}], got {b}"
-    return tiles_not_applicable(gate_up, down, tiles or default_tiles(down.shape[1], down.shape[-1], BLOCK_TILES))
+    return tiles_not_applicable(gate_up, down,
+                                tiles or default_tiles(down.shape[1], down.shape[-1], block_tiles(gate_up)))
