@@ -351,13 +351,8 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
     for seg, seg_params, seg_state in zip(plan[lo:hi], params["segments"][lo:hi], state["segments"][lo:hi]):
         kinds = [cfg.layer_types[seg.start + j] for j in range(seg.period)]
         if not seg.scanned:
-            carry, st, aux, ids = decoder_layer(cfg, kinds[0], seg.start in cfg.ple_layers, seg_params[0],
-                                                seg_state[0], carry[0], meta, moe_impl, snapshots,
-                                                None if carry[1] is None else carry[1:], True)
-            new_segments.append((st,))
-            aux_segments.append((aux,))
-            if collect:
-                per_layer[seg.start] = (hyper.combine(*carry), ids)
+            carry = _unrolled_layer(cfg, seg.start, seg_params[0], seg_state[0], carry, meta, moe_impl, snapshots,
+                                    new_segments, aux_segments, per_layer)
             continue
 
         def body(carry, xs, kinds=kinds):
@@ -401,14 +396,21 @@ def _run_stacked(cfg, plan, params_segments, state, carry, meta, moe_impl, snaps
                 p = seg_params[j]
                 if seg.scanned:
                     p = jax.tree.map(lambda a, g=g: LayerRef(a, g), p)
-                carry, st, aux, ids = decoder_layer(cfg, cfg.layer_types[i], i in cfg.ple_layers, p,
-                                                    layer_states[i][0], carry[0], meta, moe_impl, snapshots,
-                                                    None if carry[1] is None else carry[1:], True)
-                new_segments.append((st,))
-                aux_segments.append((aux,))
-                if per_layer is not None:
-                    per_layer[i] = (hyper.combine(*carry), ids)
+                carry = _unrolled_layer(cfg, i, p, layer_states[i][0], carry, meta, moe_impl, snapshots,
+                                        new_segments, aux_segments, per_layer)
     return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": per_layer, "meta": meta}
+
+
+def _unrolled_layer(cfg, i, p, st, carry, meta, moe_impl, snapshots, new_segments, aux_segments, per_layer):
+    """Layer i outside any scan (params p, state st): appends its new state and rollback material, records its
+    output when collecting (per_layer not None), returns the new carry."""
+    carry, st, aux, ids = decoder_layer(cfg, cfg.layer_types[i], i in cfg.ple_layers, p, st, carry[0], meta,
+                                        moe_impl, snapshots, None if carry[1] is None else carry[1:], True)
+    new_segments.append((st,))
+    aux_segments.append((aux,))
+    if per_layer is not None:
+        per_layer[i] = (hyper.combine(*carry), ids)
+    return carry
 
 
 def _finish(params, state, tokens, out, cfg, snapshots, collect):

@@ -17,6 +17,28 @@ def twelve(tiny, tmp_path_factory):
     return fnx.load(path, dtype=np.float32, scan_layers=True), fnx.load(path, dtype=np.float32, scan_layers=False)
 
 
+PROMPTS = [[3, 5, 7, 11, 13], [17, 19, 23]]
+
+
+@pytest.fixture(scope="module")
+def flat_ref(twelve):
+    """The unrolled model's results every other layout is compared with, computed once: logits of one call, of a
+    prefill then token-by-token decode, every layer's output, and greedy MTP speculative generation (k = 2)."""
+    from fnx.engine import SamplingParams, SpeculativeConfig
+    _, flat = twelve
+    ids = np.random.default_rng(0).integers(0, flat.cfg.vocab_size, size=(2, 23))
+    sp = SamplingParams(ignore_eos=True)
+    return {"ids": ids, "logits": fnx.forward(flat, ids), "decode": prefill_then_decode(flat, ids, 17, 40),
+            "layers": fnx.forward(flat, ids[:, :9], return_layers=True),
+            "spec": fnx.generate(flat, PROMPTS, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))}
+
+
+def _speculative(model):
+    from fnx.engine import SamplingParams, SpeculativeConfig
+    return fnx.generate(model, PROMPTS, max_new_tokens=8, sampling=SamplingParams(ignore_eos=True),
+                        speculative=SpeculativeConfig(k=2))
+
+
 def test_layouts(twelve, tmp_path):
     from fnx.checkpoint import load_any
     from fnx.checkpoint.orbax_io import save
@@ -30,23 +52,16 @@ def test_layouts(twelve, tmp_path):
         load_any(tmp_path / "conv", scan_layers=False)
 
 
-def test_scanned_and_unrolled_agree(twelve):
-    scanned, flat = twelve
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, scanned.cfg.vocab_size, size=(2, 23))
-    a, b = fnx.forward(scanned, ids), fnx.forward(flat, ids)
-    assert rel_err(b, a) < 1e-6
-    assert rel_err(prefill_then_decode(flat, ids, 17, 40), prefill_then_decode(scanned, ids, 17, 40)) < 1e-6
+def test_scanned_and_unrolled_agree(twelve, flat_ref):
+    scanned, _ = twelve
+    ids = flat_ref["ids"]
+    assert rel_err(fnx.forward(scanned, ids), flat_ref["logits"]) < 1e-6
+    assert rel_err(prefill_then_decode(scanned, ids, 17, 40), flat_ref["decode"]) < 1e-6
 
 
-def test_speculative_decode_agrees(twelve):
-    from fnx.engine import SamplingParams, SpeculativeConfig
-    scanned, flat = twelve
-    prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
-    sp = SamplingParams(ignore_eos=True)
-    want = fnx.generate(scanned, prompts, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))
-    got = fnx.generate(flat, prompts, max_new_tokens=8, sampling=sp, speculative=SpeculativeConfig(k=2))
-    assert got == want
+def test_speculative_decode_agrees(twelve, flat_ref):
+    scanned, _ = twelve
+    assert _speculative(scanned) == flat_ref["spec"]
 
 
 def test_scanned_groups_trace_as_scanned_layers(twelve, monkeypatch):
@@ -98,21 +113,21 @@ def _stacked_unrolled(scanned):
                      scanned.tokenizer, scanned.generation_config)
 
 
-def test_stacked_params_run_unrolled_agree(twelve):
+def test_stacked_params_run_unrolled_agree(twelve, flat_ref):
     """`unroll_stacked`: the scanned layout's params (one array per weight kind and group position), every layer
-    unrolled with its own state: the unrolled model's logits, decode and state, with far fewer argument arrays."""
+    unrolled with its own state: the unrolled model's logits, decode, state and per-layer outputs, with far fewer
+    argument arrays."""
     import jax
     scanned, flat = twelve
     model = _stacked_unrolled(scanned)
-    rng = np.random.default_rng(1)
-    ids = rng.integers(0, scanned.cfg.vocab_size, size=(2, 23))
-    assert rel_err(fnx.forward(model, ids), fnx.forward(flat, ids)) < 1e-6
-    assert rel_err(prefill_then_decode(model, ids, 20, 40), prefill_then_decode(flat, ids, 20, 40)) < 1e-6
+    ids = flat_ref["ids"]
+    assert rel_err(fnx.forward(model, ids), flat_ref["logits"]) < 1e-6
+    assert rel_err(prefill_then_decode(model, ids, 17, 40), flat_ref["decode"]) < 1e-6
     st = fnx.new_state(model, 2, 40)
     assert len(st["segments"]) == scanned.cfg.num_hidden_layers            # the state: one per layer
     assert len(jax.tree.leaves(model.params)) < len(jax.tree.leaves(flat.params))
     got, got_layers = fnx.forward(model, ids[:, :9], return_layers=True)       # every layer's output collected
-    want, want_layers = fnx.forward(flat, ids[:, :9], return_layers=True)
+    want, want_layers = flat_ref["layers"]
     assert rel_err(got, want) < 1e-6
     for key in want_layers:
         assert rel_err(got_layers[key], want_layers[key]) < 1e-6, key
@@ -146,12 +161,5 @@ def test_stacked_step_split_at_the_ple_layer(twelve):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, np.abs(a).max()))
 
 
-def test_stacked_params_run_unrolled_speculative_decode_agrees(twelve):
-    from fnx.engine import SamplingParams, SpeculativeConfig
-    scanned, flat = twelve
-    prompts = [[3, 5, 7, 11, 13], [17, 19, 23]]
-    sp = SamplingParams(ignore_eos=True)
-    want = fnx.generate(flat, prompts, max_new_tokens=5, sampling=sp, speculative=SpeculativeConfig(k=2))
-    got = fnx.generate(_stacked_unrolled(scanned), prompts, max_new_tokens=5, sampling=sp,
-                       speculative=SpeculativeConfig(k=2))
-    assert got == want
+def test_stacked_params_run_unrolled_speculative_decode_agrees(twelve, flat_ref):
+    assert _speculative(_stacked_unrolled(twelve[0])) == flat_ref["spec"]
