@@ -29,6 +29,7 @@ def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     r = httpx.get(f"{server.base}/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert "layers scanned" in server.output()             # --layers auto on the CPU: the config's layout
     page = httpx.get(f"{server.base}/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"] and 'id="stop"' in page.text
 

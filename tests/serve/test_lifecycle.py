@@ -57,7 +57,8 @@ def test_unusable_compile_cache_is_a_clear_error(tmp_path):
 def small(serve_checkpoint, jax_cache, tmp_path_factory):
     s = Server(serve_checkpoint, tmp_path_factory.mktemp("logs") / "small.log", jax_cache,
                "--max-slots", "1", "--max-queue", "1", "--capacity", "1024", "--prefill-chunk", "16",
-               "--shutdown-timeout", "20", "--ple-store", "pageable", "--ple-deadline-ms", "2000")
+               "--shutdown-timeout", "20", "--ple-store", "pageable", "--ple-deadline-ms", "2000",
+               "--layers", "stacked", "--ple-fetch", "pipeline")
     yield s
     s.stop()
 
@@ -71,9 +72,11 @@ def first_event(lines):
 
 
 def test_host_ple_store_serves(small):
-    """The table stays in a read-only mmap of the checkpoint's shards; requests are served from its rows."""
-    assert "PLE table: pageable" in small.output()
-    assert "layers scanned" in small.output()              # auto on the CPU: the config's layout
+    """The table stays in a read-only mmap of the checkpoint's shards; requests are served from its rows, here
+    with the stacked layout (the default on a GPU) and the step split at the PLE layer while a host thread fetches
+    the rows (pipeline)."""
+    assert "PLE table: pageable (pipeline)" in small.output()
+    assert "layers stacked" in small.output()
     assert "input projections fused" in small.output()
     r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, max_tokens=3), timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
