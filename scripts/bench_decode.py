@@ -574,7 +574,7 @@ def main():
                          else os.environ.get("FNX_KERNELS", "auto"))
         runs = {}
         for n in layer_counts:
-            cfg = bench_config(n, args.tiny, scan=not args.no_scan or args.unroll_stacked,
+            cfg = bench_config(n, args.tiny, scan=not args.no_scan,
                                ple_width=None if host_ple is None else host_ple.store.width * host_ple.consts.num_heads)
             cfg = cfg.replace(unroll_stacked=args.unroll_stacked)
             if mcfg is not None:  # the XLA reference paths, or with --mesh-kernels the GEMV kernels per shard

@@ -118,10 +118,9 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
         if layers not in ("auto", named):
             raise ValueError(f"scan_layers={scan_layers} contradicts layers={layers!r}")
         layers = named
-    converted = is_converted(path)
     if layers == "auto":
         layers = "scanned" if jax.default_backend() == "cpu" else "stacked"
-        scan_layers = None if converted else layers != "unrolled"     # a converted tree keeps its saved layout
+        scan_layers = None if is_converted(path) else True      # a converted tree keeps its saved layout
     else:
         scan_layers = layers != "unrolled"
     if ple_store not in MODES:
