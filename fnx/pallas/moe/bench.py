@@ -30,38 +30,25 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 
 
-# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist]
-# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok].
-# Each list holds only the variants not yet measured against the current default (`decode_pallas.MEASURED`,
+# DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
+# wround]. Each list holds only the variants not yet measured against the current default (`decode_pallas.MEASURED`,
 # the "fused" case), the most promising first, so a sweep cut by its time limit still reaches them. Each case
 # compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
-#   is the default);
+#   is the default), and the in-kernel combine with hoisted loads / slot metadata (0400fd0);
 # - one token, NVFP4: 9 at e055557 and 7c11243 (the fp16-decode winner is the default);
 # - five tokens: 5 narrower tile sets with integer e2m1, each 370-470 us against the default's 250-275 us, at
-#   00a2dc9 and 2b161d1, and two fp16-decode sets at 7c11243.
-_SWEEP_M1 = [  # the combine in the kernel (group 0: no partials, no XLA sum, one launch fewer per layer) with every
-               # slot's down loads issued first (hoist 1), narrow output tiles so enough programs run
-             (4, 512, 4, 128, 0, 4, 2, 1, "int", 0, 1), (4, 512, 2, 128, 0, 4, 1, 1, "int", 0, 1),
-             (4, 512, 8, 128, 0, 4, 2, 1, "int", 0, 1),
-             # the slot metadata written by the gate/up kernel (meta 2: no reductions in the down programs)
-             (4, 512, 8, 128, 1, 4, 2, 1, "int", 2),
-             (4, 512, 4, 128, 0, 4, 2, 1)]
-# M = 5 (an MTP k=4 verify window): the down kernel runs 16,320 small programs at group 1 (86 us per layer in the
-# 48-layer round, against 8 us of bytes): several slots per program with their loads issued first (hoist 1),
-# the slot metadata found once (meta 1: one XLA fusion; meta 2: written by the gate/up kernel), wider outputs;
-# first, a down program per (output tile, token) over that token's K experts (tok 1: 1,600 programs of 10 slots,
-# the combine in the kernel, no XLA sum)
-_SWEEP_M5 = [(4, 512, 8, 128, 0, 4, 2, 0, "f16", 0, 0, 1), (4, 512, 8, 128, 0, 4, 2, 0, "f16", 1, 0, 1),
-             (4, 512, 16, 128, 0, 4, 4, 0, "f16", 0, 0, 1),
-             (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1, 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 2, 1),
-             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 2), (4, 512, 8, 128, 10, 4, 2, 0, "f16", 1, 1),
-             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1), (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1),
-             (4, 512, 8, 128, 5, 4, 2, 0, "f16"), (4, 512, 16, 128, 5, 4, 4, 0, "f16"),
-             (4, 512, 32, 128, 1, 4, 4, 0, "f16")]
-# NVFP4 at M = 1: group 0 with the down loads hoisted, and meta 2 (see _SWEEP_M1)
-_SWEEP_NVFP4 = [(4, 512, 4, 128, 0, 4, 2, 0, "f16", 0, 1), (4, 512, 2, 128, 0, 4, 1, 0, "f16", 0, 1),
-                (4, 512, 8, 128, 0, 4, 2, 0, "f16", 0, 1), (4, 512, 8, 128, 1, 4, 2, 0, "f16", 2)]
+#   00a2dc9 and 2b161d1, two fp16-decode sets at 7c11243, and (bf16) the slot groups, metadata and hoisting at
+#   0400fd0 / a616029, all slower than the default.
+# This session's question: are the kernels bound by the instructions per weight? `wround` 0 leaves out the bf16
+# rounding of every dequantized weight and the per-weight scale multiplies (FP8: the block scale on the
+# activation; NVFP4: the global on the row sum), as the GEMV kernels do.
+_SWEEP_M1 = [(4, 512, 8, 128, 1, 4, 2, 1, "int", 0, 0, 0, 0)]       # FP8 / bf16: the default, unrounded
+_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "f16", 0, 0, 0, 0),       # the NVFP4 default, unrounded
+             (4, 512, 8, 128, 0, 4, 2, 0, "f16", 0, 0, 1, 0)]       # a down program per token, unrounded
+_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 0, "f16", 0, 0, 0, 0),    # the default, unrounded
+                (4, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0),    # and its products kept as tiles
+                (8, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0)]    # with 8 rows per gate/up program
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):

@@ -91,6 +91,11 @@ class DecodeTiles:
                          # order with their loads issued first, the combine in the kernel (group 0): M*D/bn2
                          # programs of K slots where group 1 runs M*K*D/bn2 of one slot, each a token's terms in
                          # the reference's order; an expert two tokens chose is read twice (the second from L2)
+    wround: int = 1      # 1: every dequantized FP8 / NVFP4 weight rounded to x.dtype, as the reference's
+                         # dequantize-then-matmul; 0: the scales applied in fp32 and no weight rounded, as the GEMV
+                         # kernels do (FP8: each 128-column block's scale on the activation columns; NVFP4: code *
+                         # group scale, exact in fp32, and the row's global on the row's sum): fewer instructions per
+                         # weight, results within the weights' bf16 rounding of the reference
 
 
 def _pow2(n: int) -> int:
@@ -129,12 +134,14 @@ def _e2m1_f16(c):
     return kernel_math.e2m1_f16(c).astype(F32)
 
 
-def _deq(fmt, raw, rows, cw, dt, e2m1="int"):
+def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True):
     """A chunk loaded by `_raw`, dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of
     one [rows, cw] tile, or for NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high
     nibbles as the bytes hold them: never interleaved; `_xs` loads the matching activation columns). NVFP4 with
     e2m1 "f16": code * 2^-14 times (scale * 2^14) is code * scale exactly (a power of two moves between two exact
-    factors), so the product with the global scale rounds as the reference's."""
+    factors), so the product with the global scale rounds as the reference's. Without `wround` no weight is
+    rounded and the scales that `_col_scale` / `_row_scale` return are left out: FP8 gives q, NVFP4 code * scale
+    (exact in fp32). A dense weight already in dt (or bf16 under fp32) rounds to itself: no rounding is issued."""
     if fmt == "nvfp4":
         group = 16
         p, sc, s2 = raw
@@ -143,14 +150,51 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int"):
         if e2m1 == "f16":
             sc = sc * kernel_math.E2M1_F16_SCALE
         sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
-        s2 = s2[:, None]
         code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
+        if not wround:
+            return tuple(code(c) * sc for c in (p & 0xF, p >> 4))
+        s2 = s2[:, None]
         return tuple(rnd(code(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
     q = raw[0].astype(F32)
     if fmt == "fp8_block":
+        if not wround:
+            return (q,)
         s = raw[1]
         q = q * (s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :])
+        return (rnd(q, dt),)
+    if _exact_in(raw[0].dtype, dt):
+        return (q,)
     return (rnd(q, dt),)
+
+
+def _exact_in(src, dt) -> bool:
+    """True when every src value is a dt value (rounding to dt changes nothing)."""
+    src, dt = jnp.dtype(src), jnp.dtype(dt)
+    return src == dt or (src == jnp.dtype(jnp.bfloat16) and dt == jnp.dtype(F32))
+
+
+def _col_scale(fmt, raw, cw, wround):
+    """Without `wround`, an FP8 chunk's block scales per activation column (a scalar for one block, else [cw]):
+    x * s per column is the scale of every row of the tile (the tile's rows sit in one 128-row block). Else None."""
+    if wround or fmt != "fp8_block":
+        return None
+    s = raw[1]
+    return s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)
+
+
+def _row_scale(fmt, raw, wround):
+    """Without `wround`, an NVFP4 tile's global scale per row [rows], for its row sums. Else None."""
+    return raw[2] if not wround and fmt == "nvfp4" else None
+
+
+def _scaled(xs, cs):
+    """Activation pieces times the column scales (`_col_scale`), or as they are."""
+    return xs if cs is None else [x * cs for x in xs]
+
+
+def _rows(acc, rs):
+    """Row sums times the row scales (`_row_scale`), or as they are."""
+    return acc if rs is None else acc * rs
 
 
 def _xs(ref, lead, c0, cw, halves):
@@ -217,7 +261,7 @@ def _accumulate(m, hits, accs, add):
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
-def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta):
+def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -250,13 +294,16 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         rg, ru = j * bn, inter + j * bn
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
+        deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround)
+        cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
+        rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
             tg = tu = None
             for c in range(nk):
                 xv = _xs(x_ref, (0,), c * cw, cw, fmt == "nvfp4")
-                tg = _tile_fma(tg, _deq(fmt, raw_g[c], bn, cw, dt, e2m1), xv)
-                tu = _tile_fma(tu, _deq(fmt, raw_u[c], bn, cw, dt, e2m1), xv)
-            a = _silu_mul(rnd(_tiles_sum(tg), dt), rnd(_tiles_sum(tu), dt), dt)
+                tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
+                tu = _tile_fma(tu, deq(raw_u[c]), _scaled(xv, cs[c][1]))
+            a = _silu_mul(rnd(_rows(_tiles_sum(tg), rs_g), dt), rnd(_rows(_tiles_sum(tu), rs_u), dt), dt)
             act_ref[s, 0, pl.ds(rg, bn)] = a.astype(dt)
             return
         if m == 1:
@@ -267,14 +314,14 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             hits = [_routes_to(flat, e, k, i) for i in range(m)]
         accs = [(jnp.zeros((bn,), F32), jnp.zeros((bn,), F32)) for _ in range(m)]
         for c in range(nk):
-            wg, wu = _deq(fmt, raw_g[c], bn, cw, dt, e2m1), _deq(fmt, raw_u[c], bn, cw, dt, e2m1)
+            wg, wu = deq(raw_g[c]), deq(raw_u[c])
 
             def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
-                return acc[0] + _rowdot(wg, xv), acc[1] + _rowdot(wu, xv)
+                return acc[0] + _rowdot(wg, _scaled(xv, cs[c][0])), acc[1] + _rowdot(wu, _scaled(xv, cs[c][1]))
             accs = _accumulate(m, hits, accs, add)
         for i in range(m):      # tokens not routed here store silu(0) * 0 = 0, never read by the down kernel
-            a = _silu_mul(rnd(accs[i][0], dt), rnd(accs[i][1], dt), dt)
+            a = _silu_mul(rnd(_rows(accs[i][0], rs_g), dt), rnd(_rows(accs[i][1], rs_u), dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
 
@@ -283,26 +330,29 @@ def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
     return [_raw(sfmt, sh_refs, (), c0, bn, c * cw, cw) for c in range(inter_s // cw)]
 
 
-def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s, dt, e2m1, loads, raw=None):
+def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s, dt, e2m1, wround, loads,
+                  raw=None):
     """The shared expert's output columns for each of `tokens` (ints, or a program's token index):
     round(round(silu(gate) * up @ down.T) * round(sigmoid(gate logit))), each [bn] fp32 holding dt values."""
     raw = raw or loads()
     acc = [jnp.zeros((bn,), F32) for _ in tokens]
     for c in range(inter_s // cw):
-        w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1)
+        w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1, wround)
+        cs = _col_scale(sfmt, raw[c], cw, wround)
         for n, i in enumerate(tokens):
             g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
             u = _xs(su_ref, (i,), offs[1] + c * cw, cw, sfmt == "nvfp4")
-            acc[n] = acc[n] + _rowdot(w_c, [_silu_mul(a, b, dt) for a, b in zip(g, u)])
+            acc[n] = acc[n] + _rowdot(w_c, _scaled([_silu_mul(a, b, dt) for a, b in zip(g, u)], cs))
+    rs = _row_scale(sfmt, raw[0], wround)
     out = []
     for n, i in enumerate(tokens):
         gate = rnd(1.0 / (1.0 + jnp.exp(-ssig_ref[i, offs[2]].astype(F32))), dt)
-        out.append(rnd(rnd(acc[n], dt) * gate, dt))
+        out.append(rnd(rnd(_rows(acc[n], rs), dt) * gate, dt))
     return out
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist):
+                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -333,20 +383,22 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         routed, coefs, raw = loaded or slot_loads(s)
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nk):
-            w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1)
+            w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround)
+            cs = _col_scale(fmt, raw[c], cw, wround)
 
-            def add(i, a, w_c=w_c, c=c):
-                return a + _rowdot(w_c, _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"))
+            def add(i, a, w_c=w_c, c=c, cs=cs):
+                return a + _rowdot(w_c, _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs))
             acc = _accumulate(m, routed, acc, add)
+        rs = _row_scale(fmt, raw[0], wround)
         out = []
         for i in range(m):
-            term = rnd(rnd(acc[i], dt) * coefs[i], dt)
+            term = rnd(rnd(_rows(acc[i], rs), dt) * coefs[i], dt)
             out.append(accs[i] + jnp.where(routed[i], term, 0.0))
         return tuple(out)
 
     shared_loads = functools.partial(_shared_loads, sfmt, sh_refs, c0, bn, cw, inter_s)
     shared = functools.partial(_shared_terms, sfmt, sg_ref, su_ref, ssig_ref, offs, range(m), bn, cw, inter_s,
-                               dt, e2m1, shared_loads)
+                               dt, e2m1, wround, shared_loads)
 
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
     if group == 0:          # one program: every slot, the combine and the shared expert, y in dt
@@ -388,7 +440,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
 
 def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, sp,
-                     inter, inter_s, bn, cw, e2m1, offs):
+                     inter, inter_s, bn, cw, e2m1, offs, wround):
     """DecodeTiles.tok 1: program (j, t) writes output columns [j*bn, +bn) of token t. It issues the down rows of
     token t's K experts (and the shared expert's) first, then adds each expert's term in k order, as the
     reference does for every token. Expert e's activations for token t are in the act row of e's owner slot
@@ -408,10 +460,12 @@ def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, 
         owner = jnp.min(jnp.where(flat == e, pos, sp))      # a token picks distinct experts: one term each
         out = jnp.zeros((bn,), F32)
         for c in range(nk):
-            out = out + _rowdot(_deq(fmt, r[c], bn, cw, dt, e2m1), _xs(act_ref, (owner, t), c * cw, cw,
-                                                                        fmt == "nvfp4"))
+            xv = _scaled(_xs(act_ref, (owner, t), c * cw, cw, fmt == "nvfp4"), _col_scale(fmt, r[c], cw, wround))
+            out = out + _rowdot(_deq(fmt, r[c], bn, cw, dt, e2m1, wround), xv)
+        out = _rows(out, _row_scale(fmt, r[0], wround))
         acc = acc + rnd(rnd(out, dt) * rw_ref[s].astype(F32), dt)
-    sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (t,), bn, cw, inter_s, dt, e2m1, None, sh_raw)[0]
+    sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (t,), bn, cw, inter_s, dt, e2m1, wround, None,
+                       sh_raw)[0]
     y_ref[t, pl.ds(c0, bn)] = (rnd(acc, dt) + sh).astype(y_ref.dtype)
 
 
@@ -440,8 +494,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.cw < 16 or t.cw2 < 16 or ("nvfp4" in fmts.values() and min(t.cw, t.cw2) < 32):
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
-    if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES:
-        return f"tiles {t}: acc and hoist must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
+    if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES \
+            or t.wround not in (0, 1):
+        return f"tiles {t}: acc, hoist and wround must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
     if t.hoist and not t.group and n_slots > UNROLL_SLOTS:
         return f"tiles {t}: hoist 1 with group 0 issues every slot's loads at once, which needs the M*K = " \
                f"{n_slots} slots unrolled (at most {UNROLL_SLOTS}); give a group"
@@ -538,7 +593,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
-                          meta=tiles.meta),
+                          meta=tiles.meta, wround=bool(tiles.wround)),
         (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
@@ -551,7 +606,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         return stacked.call(
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
                               inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=tiles.e2m1,
-                              offs=(og, ou, os_)),
+                              offs=(og, ou, os_), wround=bool(tiles.wround)),
             (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
             out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
             interpret=interpret, name="moe_decode_down",
@@ -563,7 +618,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     y = stacked.call(
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
-                          offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist)),
+                          offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
+                          wround=bool(tiles.wround)),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
