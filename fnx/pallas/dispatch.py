@@ -86,9 +86,8 @@ AUTO_KEEPS_REFERENCE = {
                        "'loop' kernels (commit 2b161d1, about 33 us per five-token boundary against 19.5) and "
                        "3.710 ms in 359 with the 'grid' ones (commit 0400fd0, about 31 us; BENCHMARKS.md, "
                        "thirteenth and fourteenth H200 sessions)",
-    "gdn_prefill": "measured slower: the one-launch chunk pass took 6.73 ms for 1,024 tokens (48 heads, chunks of 64, "
-                   "BV 32; 12.67 ms at BV 64) and 53.1 ms for 8,192, against 0.69 and 5.02 ms for XLA's scan (H200, "
-                   "commit 0400fd0; BENCHMARKS.md, fourteenth H200 session)",
+    # gdn_prefill is on: with "tf32x3" products the chunk pass took 0.42 / 3.07 ms for 1K / 8K tokens against 0.69 /
+    # 5.01 ms for XLA's scan (H200, commit 89aa848; the "ieee" products of the first kernel took 6.73 / 53.1 ms)
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",

@@ -123,12 +123,15 @@ def _fp8(p):
                 input_mix_weight_up=quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("dtype,pieces", [(jnp.bfloat16, True), (jnp.float32, True), (jnp.float32, False)])
-def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces):
+@pytest.mark.parametrize("dtype,pieces,wround", [(jnp.bfloat16, True, 1), (jnp.float32, True, 1),
+                                                 (jnp.float32, False, 1), (jnp.bfloat16, True, 0),
+                                                 (jnp.float32, True, 0), (jnp.float32, False, 0)])
+def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wround):
     """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
     reference on the weights the model uses (dequantized, rounded to the activation dtype); and the model's
     gated_residual / boundary wiring: one and two tokens through the kernels, more than 8 tokens through the
-    reference (a named kernel raises there)."""
+    reference (a named kernel raises there). `wround` 0 puts each block scale on the fp32 sum of its piece and
+    rounds no weight: in fp32 only the order of operations differs (1e-5); in bf16 within the same bound."""
     from fnx.model import quant
     from fnx.pallas import dispatch
     h, y, inj, p = _inputs((1, 1), 4, 320, 160, dtype, np.random.randint(1 << 30))
@@ -137,7 +140,7 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces):
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6)
     got = jax.jit(lambda h, y, i: api.hc_boundary(
         h, y, i, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w, p["block_inject_weight"],
-        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces),
+        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround),
         w_down_scale=q["input_mix_weight_down"].scale_inv, w_up_scale=q["input_mix_weight_up"].scale_inv))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
@@ -168,9 +171,11 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
     sds = [jax.ShapeDtypeStruct((1, sd), bf), jax.ShapeDtypeStruct((1, d), bf), jax.ShapeDtypeStruct((1, 4), bf),
            jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8),
            jax.ShapeDtypeStruct((4, sd), bf), jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)]
-    f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8]))
-    text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("hc_down1_fp8") and text.count("hc_up1_fp8")
+    for tiles in (None, kernel.Tiles1(bn=2, bd=8, wround=0)):
+        f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7],
+                                                     w_up_scale=a[8], tiles=tiles))
+        text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("hc_down1_fp8") and text.count("hc_up1_fp8")
 
 
 @pytest.mark.parametrize("m,dtype,fp8,tokens", [(2, jnp.float32, False, "grid"), (5, jnp.float32, True, "grid"),

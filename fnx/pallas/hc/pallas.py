@@ -156,6 +156,10 @@ class Tiles1:
                             # programs read the same weight tiles, the later ones mostly from L2); "loop" = each
                             # program loads its tiles once and walks the tokens in turn (H200, 2b161d1: ~33 us per
                             # five-token boundary, latency-bound, against 19.5 for XLA's; "grid" not yet measured)
+    wround: int = 1         # FP8 weights: 1 = each weight dequantized and rounded to the activation dtype, as the
+                            # reference; 0 = each 128-column piece's products summed first and its block scale
+                            # applied to the fp32 sum (no weight rounded, one multiply per piece instead of one per
+                            # weight, as the GEMV kernels do): within the weights' bf16 rounding of the reference
 
 
 FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (Tiles1.tokens: how)
@@ -163,7 +167,9 @@ FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many to
 
 def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
-    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8))
+    # wround 0: the MoE decode kernels, bound like these by their instructions per weight, ran 12-20% faster
+    # without the per-weight scale and rounding (H200, 89aa848); whether the boundary gains is measured in the step
+    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8), wround=0)
 
 
 def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
@@ -210,7 +216,7 @@ def _rows_of(vals, mp: int, shape):
     return out
 
 
-def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False):
+def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, wround=True):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -237,16 +243,20 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         if fp8:   # the bn rows sit in one 128-row block (bn divides 128), a chunk in one 128-column block
             sc = plt.load(sd_ref.at[(n * bn) // 128 * ncb + (j * d + chunk * ch) // 128],
                           mask=(chunk < q) & is_down, other=0.0)                        # [p]
-            wt = _dequant_rows(wt, sc[None, :, None], dt)
+            if wround:
+                wt = _dequant_rows(wt, sc[None, :, None], dt)
+            else:       # the scale goes on each chunk's sum; a Winj program's chunks (q masked to 0) keep 1
+                wt = wt.astype(F32)
+                csc = jnp.where(is_down, sc, 1.0)
         if has_inj:
             wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
                                mask=m3 & jnp.logical_not(is_down), other=0.0)            # [bn, p, ch]
-        tiles.append((col, ok, off, wt))
+        tiles.append((col, ok, off, wt, csc if fp8 and not wround else None))
     rstds, accs = [], []
     one = m == 1 or tok_grid                # one token per program (on a token grid axis: the program's token)
     for t in ([pl.program_id(2)] if tok_grid else range(m)):   # tokens: shared weight tiles, each its own norm
         hcs, ss = [], None
-        for col, ok, off, _ in tiles:
+        for col, ok, off, *_ in tiles:
             hc = plt.load(h_ref.at[_tok(t, s * d, off)], mask=ok, other=0.0).astype(F32)
             if has_y:
                 yv = plt.load(y_ref.at[_tok(t, d, col)], mask=ok, other=0.0).astype(F32)
@@ -258,10 +268,11 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         if one:
             rstd_ref[...] = rstd            # (where the one-token kernel always stored it)
         acc = None
-        for (col, ok, off, wt), hc in zip(tiles, hcs):
+        for (col, ok, off, wt, csc), hc in zip(tiles, hcs):
             w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
             hn = rnd(hc * rstd * (1.0 + w), dt)                                         # [p, ch]
-            piece = jnp.sum(jnp.sum(wt.astype(F32) * hn[None], axis=2), axis=1)          # [bn]
+            chunks = jnp.sum(wt.astype(F32) * hn[None], axis=2)                          # [bn, p]
+            piece = jnp.sum(chunks if csc is None else chunks * csc[None, :], axis=1)     # [bn]
             acc = piece if acc is None else acc + piece
         rstds.append(rstd)
         accs.append(acc)
@@ -273,7 +284,8 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         part_ref[...] = _rows_of(accs, mp, (bn,))
 
 
-def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, n_prog=0):
+def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, n_prog=0,
+                wround=True):
     it = iter(refs)
     part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -300,20 +312,25 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
             rb = ((sj * d + i * bd) // 128) * ncb                                        # [S]
             if p <= 128 and k0 % p == 0:          # the piece lies in one 128-column block: one scale per stream
                 sc = plt.load(su_ref.at[rb + k0 // 128])[:, None, None]                 # [S, 1, 1]
+                if not wround:                    # on the piece's fp32 sums instead (Tiles1.wround)
+                    tiles.append((k, kok, wt.astype(F32), sc[:, :, 0]))
+                    continue
             else:                                 # the padded tile: one scale per weight
                 sc = plt.load(su_ref.at[rb[:, None] + k[None, :] // 128], mask=kok, other=0.0)[:, None, :]
             wt = _dequant_rows(wt, sc, dt)
-        tiles.append((k, kok, wt))
+        tiles.append((k, kok, wt, None))
     xs, hos = [], []
     toks = [pl.program_id(1)] if tok_grid else range(m)
     for t in toks:                          # tokens: the weight tiles are shared
         z = None
-        for k, kok, wt in tiles:
+        for k, kok, wt, psc in tiles:
             parts = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok,
                              other=0.0)                                                  # [S, p]
             v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
             u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                # silu, rounded like the model
             piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                   # [S, bd]
+            if psc is not None:
+                piece = piece * psc
             z = piece if z is None else z + piece
         mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
         hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                    # [S, bd]
@@ -408,7 +425,8 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     tag = "" if m == 1 else "_few"
     part, rstd = stacked.call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
-                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid),
+                          has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid,
+                          wround=bool(t.wround)),
         (*acts, flat(hc_norm), flat(w_down), *((flat(f32(w_down_scale)),) if fp8 else ()),
          *((flat(w_inj),) if has_inj else ())),
         grid=(n_prog, s, m) if grid else (n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
@@ -435,7 +453,8 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
             [pl.BlockSpec((mp, s), lambda i: (0, 0))] if has_inj else [])
     up = stacked.call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
-                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m, tok_grid=grid, n_prog=n_prog),
+                          fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m, tok_grid=grid, n_prog=n_prog,
+                          wround=bool(t.wround)),
         (flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(f32(w_up_scale)),) if fp8 else ())),
         grid=(d // t.bd, m) if grid else (d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs,
         out_shape=outs, interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
