@@ -44,11 +44,17 @@ BF16 = jnp.bfloat16
 # rounding of every dequantized weight and the per-weight scale multiplies (FP8: the block scale on the
 # activation; NVFP4: the global on the row sum), as the GEMV kernels do.
 _SWEEP_M1 = [(4, 512, 8, 128, 1, 4, 2, 1, "int", 0, 0, 0, 0)]       # FP8 / bf16: the default, unrounded
-_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "f16", 0, 0, 0, 0),       # the NVFP4 default, unrounded
-             (4, 512, 8, 128, 0, 4, 2, 0, "f16", 0, 0, 1, 0)]       # a down program per token, unrounded
-_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 0, "f16", 0, 0, 0, 0),    # the default, unrounded
-                (4, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0),    # and its products kept as tiles
-                (8, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0)]    # with 8 rows per gate/up program
+# measured at 89aa848 and now the defaults: unrounded weights, NVFP4 products kept as tiles. Next: the tiles again,
+# now that each weight costs fewer instructions
+_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "f16", 1, 0, 0, 0),       # slot metadata once (meta 1)
+             (4, 512, 8, 128, 5, 4, 2, 0, "f16", 1, 1, 0, 0),       # 5 slots per down program, loads first
+             (2, 512, 8, 128, 1, 4, 2, 0, "f16", 0, 0, 0, 0)]       # 2 rows per gate/up program
+_SWEEP_NVFP4 = [(2, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0),    # 2 rows per gate/up program
+                (4, 512, 8, 128, 1, 8, 2, 1, "f16", 0, 0, 0, 0),    # 8 warps
+                (4, 256, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0),    # 256-column loads
+                (4, 512, 16, 128, 1, 4, 4, 1, "f16", 0, 0, 0, 0),   # 16 down columns per program
+                (4, 512, 4, 128, 1, 4, 1, 1, "f16", 0, 0, 0, 0),    # 4, one warp
+                (2, 512, 8, 128, 1, 2, 2, 1, "f16", 0, 0, 0, 0)]    # 2 rows, 2 warps
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):
