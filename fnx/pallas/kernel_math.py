@@ -28,6 +28,42 @@ def e2m1_f16(codes):
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
 
 
+# Four packed bytes (one 32-bit register: Triton's `pack` = 4 for 8-bit elements) -> the fp32 values x 2^-14 of
+# their low nibbles (SHIFTS 9, 12) or their high nibbles (SHIFTS 5, 8), $0-$3 in element order. prmt spreads two
+# bytes into the two 16-bit halves of a word; per half, the code's magnitude bits land on fp16 bits 9-11 and its
+# sign on bit 15 (the `e2m1_f16` placement, two codes per shift / and / or), and cvt.f32.f16 converts each half.
+# One block per nibble: JAX's lowering of a multi-result inline-asm primitive returns one result (JAX 0.10.2).
+_E2M1_ASM = """{{
+.reg .b32 z, x01, x23, t1, t2, w;
+.reg .b16 h0, h1;
+mov.b32 z, 0;
+prmt.b32 x01, $4, z, 0x4140;
+prmt.b32 x23, $4, z, 0x4342;
+shl.b32 t1, x01, {0}; and.b32 t1, t1, 0x0E000E00; shl.b32 t2, x01, {1}; and.b32 t2, t2, 0x80008000; or.b32 w, t1, t2;
+mov.b32 {{h0, h1}}, w; cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1;
+shl.b32 t1, x23, {0}; and.b32 t1, t1, 0x0E000E00; shl.b32 t2, x23, {1}; and.b32 t2, t2, 0x80008000; or.b32 w, t1, t2;
+mov.b32 {{h0, h1}}, w; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
+}}"""
+E2M1_ASM_SHIFTS = {"low": (9, 12), "high": (5, 8)}
+
+
+def e2m1_pair_f32(packed, asm: bool = False):
+    """Packed NVFP4 bytes (uint8, low nibble = even column) -> (low, high) nibble values x 2^-14 in fp32, the
+    values of `e2m1_f16` (callers fold E2M1_F16_SCALE into a scale). asm=True (inside a Pallas Triton kernel on an
+    NVIDIA GPU only) decodes four bytes per inline-PTX block (`_E2M1_ASM`); the jnp form is the same arithmetic, and
+    what the interpreter runs (it cannot run PTX)."""
+    if asm:
+        import jax
+        from jax.experimental.pallas import triton as plt
+        out = jax.ShapeDtypeStruct(packed.shape, F32)
+        u8 = packed.astype(jnp.uint8)
+        return tuple(plt.elementwise_inline_asm(_E2M1_ASM.format(*E2M1_ASM_SHIFTS[h]), args=[u8],
+                                                constraints="=f,=f,=f,=f,r", pack=4, result_shape_dtypes=[out])[0]
+                     for h in ("low", "high"))
+    p = packed.astype(jnp.uint32)
+    return e2m1_f16(p & 0xF).astype(F32), e2m1_f16(p >> 4).astype(F32)
+
+
 def window_operand(a, size: int, lead: tuple, what: str = "operand"):
     """(buffer [*lead, W], start column) for a kernel operand of `size` columns given as an array (its trailing
     axes flattened: [*lead, ...]) or as a window (buffer, start) into a wider product (the fused projections), which

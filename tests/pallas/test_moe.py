@@ -318,18 +318,20 @@ def test_decode_matches_reference(fmt, m, shared_fmt, group):
 
 @pytest.mark.parametrize("fmt,m,acc,e2m1", [
     ("nvfp4", 1, 1, "f16"), ("nvfp4", 1, 0, "f16"), ("nvfp4", 5, 0, "f16"), ("fp8", 1, 1, "int"),
-    ("bf16", 1, 1, "int"), ("fp8", 4, 1, "int")])
+    ("bf16", 1, 1, "int"), ("fp8", 4, 1, "int"), ("nvfp4", 1, 1, "asm"), ("nvfp4", 5, 0, "asm")])
 def test_decode_variants_match_reference(fmt, m, acc, e2m1):
     """The kernel variants the H200 sweeps: per-row tiles summed once (`acc` 1, one token; more tokens ignore it)
     and E2M1 codes read through fp16 bits (`e2m1` "f16"). The f16 decode gives the same weights, so with `acc` 0
-    the output has the same bits as the integer decode."""
+    the output has the same bits as the integer decode. "asm" (the same placement in inline PTX, four bytes at a
+    time) gives the f16 decode's values, so the same bits: compiled, this checks the PTX; the interpreter cannot
+    run PTX and runs the f16 decode, so on the CPU only the rest of the path is checked."""
     args = _decode_args(fmt, m, 20 + m)
     tiles = dataclasses.replace(DT, group=1, acc=acc, e2m1=e2m1)
     got = jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=tiles))(*args)
     _close(got, reference.decode(*args))
-    if e2m1 == "f16" and not acc:
+    if e2m1 in ("f16", "asm") and (not acc or e2m1 == "asm"):
         base = jax.jit(lambda *a: decode_pallas.moe_decode(
-            *a, interpret=INTERPRET, tiles=dataclasses.replace(tiles, e2m1="int")))(*args)
+            *a, interpret=INTERPRET, tiles=dataclasses.replace(tiles, e2m1="int" if e2m1 == "f16" else "f16")))(*args)
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
 
 
@@ -564,7 +566,9 @@ def test_decode_lowers_for_cuda():
                            ("fp8", m, decode_pallas.DecodeTiles(group=0, meta=1, tok=1)),
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, e2m1="f16", wround=0)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16", wround=0)),
-                           ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1, wround=0))):
+                           ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1, wround=0)),
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm"))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

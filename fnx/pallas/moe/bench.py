@@ -47,10 +47,13 @@ BF16 = jnp.bfloat16
 #   (54.6-55.9). 4 down columns with one warp gave 46.4 us once and 62.4 us when repeated next to the default: noise.
 #   Five tokens: group 5 with hoisted loads 339.8, bn 2 270.6, one-warp 4-column down programs 215.1 / 228.7 (meta
 #   0 / 1), against the default's 227.5.
+# Next: the E2M1 decode in inline PTX (e2m1 "asm": four bytes per block, two codes per integer op), not yet compiled
+# on a GPU; its compiled test (test_decode_variants_match_reference[...asm]) first.
 _SWEEP_M1: list = []
-_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "f16", 1, 0, 0, 0)]   # the slot metadata once (meta 1): 214.9 against
+_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "asm", 0, 0, 0, 0),   # the default with the PTX decode
+             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1, 0, 0, 0)]   # the slot metadata once (meta 1): 214.9 against
                                                                  # 227.5 us once, within the noise: again
-_SWEEP_NVFP4: list = []
+_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0)]    # the default with the PTX decode
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):

@@ -60,7 +60,7 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
-E2M1_DECODES = ("int", "f16")
+E2M1_DECODES = ("int", "f16", "asm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,9 @@ class DecodeTiles:
                          # reduction per chunk); 1 = kept as tiles, added elementwise, summed once per row (more
                          # registers, one reduction); more tokens always use 0
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
-                         # bits, one conversion; 2^14 folded into the group scale): the same values
+                         # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
+                         # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
+                         # a GPU only, the interpreter runs "f16"): the same values
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
                          # 1: one XLA fusion computes them for every slot first and the programs load them;
@@ -145,16 +147,20 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True):
     if fmt == "nvfp4":
         group = 16
         p, sc, s2 = raw
-        p = p.astype(jnp.uint32)
         sc = sc.astype(F32)
-        if e2m1 == "f16":
+        if e2m1 in ("f16", "asm"):
             sc = sc * kernel_math.E2M1_F16_SCALE
         sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
-        code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
+        if e2m1 == "asm":
+            codes = kernel_math.e2m1_pair_f32(p, asm=True)
+        else:
+            p = p.astype(jnp.uint32)
+            code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
+            codes = (code(p & 0xF), code(p >> 4))
         if not wround:
-            return tuple(code(c) * sc for c in (p & 0xF, p >> 4))
+            return tuple(c * sc for c in codes)
         s2 = s2[:, None]
-        return tuple(rnd(code(c) * sc * s2, dt) for c in (p & 0xF, p >> 4))
+        return tuple(rnd(c * sc * s2, dt) for c in codes)
     q = raw[0].astype(F32)
     if fmt == "fp8_block":
         if not wround:
@@ -582,6 +588,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
+    if interpret and tiles.e2m1 == "asm":     # the interpreter runs no PTX: the same values through jnp
+        tiles = dataclasses.replace(tiles, e2m1="f16")
     (sg, og), (su, ou), (ss, os_) = (kernel_math.window_operand(a, n, (m,), "moe_decode")
                                      for a, n in ((s_gate, inter_s), (s_up, inter_s), (s_sig, 1)))
     n_slots = m * k
