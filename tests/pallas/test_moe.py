@@ -648,11 +648,13 @@ def test_model_decode_nvfp4_experts_through_the_fused_moe(monkeypatch, tmp_path)
     monkeypatch.delenv("FNX_KERNELS")
     jax.clear_caches()
     assert calls and all(isinstance(w, quant.Nvfp4) for w in calls)
-    lp = lambda x: np.asarray(x, np.float64) - np.log(np.sum(np.exp(
-        np.asarray(x, np.float64) - np.max(x, -1, keepdims=True)), -1, keepdims=True)) - np.max(x, -1, keepdims=True)
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
     def kl(p, q_):
-        a, b = lp(p), lp(q_)
+        a, b = log_softmax(p), log_softmax(q_)
         return float(np.mean(np.sum(np.exp(a) * (a - b), -1)))
     err = rel_err(got, want)
     stats = {"kernel_vs_reference": err, "kl_kernel_vs_reference": kl(want, got),
