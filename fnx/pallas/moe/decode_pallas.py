@@ -39,7 +39,9 @@ Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 wit
 block, each element dequantized as round(q * scale) to x.dtype, exactly the reference dequantizer's value; NVFP4
 (E2M1 codes decoded with integer ops, E4M3 scales per 16 values, the fp32 global per row, (code * scale) * global
 rounded once as the reference): the low and high nibbles meet the even and odd activation columns, loaded with a
-stride of 2, so no tile is ever interleaved."""
+stride of 2, so no tile is ever interleaved. With `DecodeTiles.wround` 0 (the measured default for FP8 and NVFP4)
+no weight is rounded: FP8 block scales multiply the activation columns and NVFP4's global multiplies each row's
+sum, as the GEMV kernels do; the results then differ from the reference by the weights' bf16 rounding."""
 
 from __future__ import annotations
 
