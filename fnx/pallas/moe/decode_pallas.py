@@ -282,6 +282,8 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
     dt = act_ref.dtype
     if meta == 1:
         owner = own_ref[s] != 0
+    elif m == 1 and meta == 0:  # one token's K experts are distinct: every slot owns its expert, no reduction
+        owner = None
     else:
         flat = _load_ids(ids_ref, n_slots, sp)
         owner = _owner(flat, e, s)
@@ -296,8 +298,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
                 hit_out[s * m + i] = (owner & (jnp.sum(jnp.where(h, 1, 0)) > 0)).astype(jnp.int32)
                 coef_out[s * m + i] = jnp.sum(jnp.where(h, rw, 0.0))
 
-    @pl.when(owner)
-    def _():
+    def body():
         nk = d // cw
         rg, ru = j * bn, inter + j * bn
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
@@ -331,6 +332,11 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         for i in range(m):      # tokens not routed here store silu(0) * 0 = 0, never read by the down kernel
             a = _silu_mul(rnd(_rows(accs[i][0], rs_g), dt), rnd(_rows(accs[i][1], rs_u), dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
+
+    if owner is None:
+        body()
+    else:
+        pl.when(owner)(body)
 
 
 def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
@@ -367,7 +373,8 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
     dt = sg_ref.dtype
     c0 = pl.program_id(0) * bn
     nk = inter // cw
-    if not meta:
+    one = m == 1 and not meta       # one token: its K experts are distinct, each slot owns its expert
+    if not meta and not one:
         flat = _load_ids(ids_ref, n_slots, sp)
         pos = lax.broadcasted_iota(jnp.int32, (sp,), 0)
         rw = plgpu.load(rw_ref.at[pl.ds(0, sp)], mask=pos < n_slots, other=0).astype(F32)
@@ -380,6 +387,8 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             own = own_ref[s] != 0
             routed = [hit_ref[s * m + i] != 0 for i in range(m)]
             coefs = [coef_ref[s * m + i] for i in range(m)]
+        elif one:    # the token chose this slot's expert with this slot's weight: no reductions over the ids
+            own, routed, coefs = None, [True], [rw_ref[s].astype(F32)]
         else:
             own = _owner(flat, e, s)
             hits = [(flat == e) & (tok == i) for i in range(m)]
