@@ -48,6 +48,7 @@ def wide_candidates(fmt: str, n: int, k: int) -> list:
     if bk is None:
         return []
     out = [gp.Tiles(bn, bk, 1, 4, 1, mode="fma") for bn in (4, 8, 16, 32)]
+    out += [gp.Tiles(bn, bk, 1, 4, 1, mode="fma", acc=1) for bn in (4, 8, 16)]    # one row reduction per program
     out += [gp.Tiles(bn, bk, 1, 4, 1, mode="dot") for bn in (16, 32)]
     return [t for t in out if gp.check_tiles(fmt, n, k, t) is None]
 

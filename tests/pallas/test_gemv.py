@@ -92,6 +92,7 @@ def test_nvfp4_decodes_are_exact_and_agree_bit_for_bit():
 
 
 WIDE = [gp.Tiles(4, 64, 1, mode="fma"), gp.Tiles(16, 128, 1, mode="fma", num_warps=2),
+        gp.Tiles(8, 128, 1, mode="fma", acc=1),   # one token: products kept as a tile (more tokens ignore acc)
         gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(32, 64, 1, mode="dot", num_warps=8)]
 
 
@@ -242,10 +243,15 @@ def test_tile_variants_lower_for_cuda():
     cases += [(f, gp.Tiles(bn, 512, 1, 4, 1, mode=mode), a) for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(
         dtype=jnp.bfloat16), None, None))) for bn, mode in ((8, "fma"), (32, "dot"))]
     cases += [("nvfp4", gp.Tiles(64, 256, 2, dec=d), nv) for d in gp.DECODES]
-    for fmt, t, args in cases:
+    one = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)     # "fma" with acc 1 keeps its tile at one token only
+    cases = [(f, t, a, x) for f, t, a in cases] + [(f, gp.Tiles(8, 512, 1, 4, 1, mode="fma", acc=1), a, one)
+                                                   for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(
+                                                       dtype=jnp.bfloat16), None, None)))]
+    for fmt, t, args, xs in cases:
         f = lambda x, w, s, s2: gp.gemv(x, w, s, s2, fmt=fmt, tiles=t)
-        text = jax.jit(f).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(f).trace(xs, *args).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text, (fmt, t)
+    assert "acc=1" in gp.check_tiles("fp8", n, k, gp.Tiles(64, 256, 4, acc=1))
 
 
 @pytest.mark.gpu
