@@ -3,6 +3,7 @@ one helper that turns a window into a wider product back into an array (`take_wi
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -53,7 +54,6 @@ def e2m1_pair_f32(packed, asm: bool = False):
     NVIDIA GPU only) decodes four bytes per inline-PTX block (`_E2M1_ASM`); the jnp form is the same arithmetic, and
     what the interpreter runs (it cannot run PTX)."""
     if asm:
-        import jax
         from jax.experimental.pallas import triton as plt
         out = jax.ShapeDtypeStruct(packed.shape, F32)
         u8 = packed.astype(jnp.uint8)
