@@ -169,7 +169,9 @@ def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
     # wround 0: the MoE decode kernels, bound like these by their instructions per weight, ran 12-20% faster
     # without the per-weight scale and rounding (H200, 89aa848); whether the boundary gains is measured in the step
-    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8), wround=0)
+    # bd 4: twice the up1 programs of bd 8. The seventeenth session's sweep (H200, 9a1f780, bf16 weights, one
+    # token): the pair took 26.6 us at bd 4 (26.3 with 2 warps) against 41.5 at bd 8; bd 16 39.2, bn 1 30.6
+    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 4), wround=0)
 
 
 def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
