@@ -28,7 +28,7 @@ SWEEP = ({}, {"bd": 16}, {"bd": 64}, {"bkr": 32}, {"bkr": 128}, {"num_warps": 2}
 
 # the one-token kernels (Tiles1), swept at M = 1 (wround 1: the FP8 weights rounded as before a9d89fd; with the
 # per-weight rounding gone, each program's normalisation of its stream is a larger share of its work: bn 4 halves it)
-SWEEP1 = ({}, {"bd": 8}, {"bd": 2}, {"num_warps": 2}, {"num_warps": 8}, {"bn": 1}, {"wround": 1}, {"bd": 2, "num_warps": 2},
+SWEEP1 = ({}, {"bd": 4}, {"bd": 2}, {"num_warps": 2}, {"num_warps": 8}, {"bn": 1}, {"wround": 1}, {"bd": 2, "num_warps": 2},
           {"bn": 1, "num_warps": 2}, {"pieces": False})
 
 

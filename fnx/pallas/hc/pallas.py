@@ -169,9 +169,10 @@ def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
     # wround 0: the MoE decode kernels, bound like these by their instructions per weight, ran 12-20% faster
     # without the per-weight scale and rounding (H200, 89aa848); whether the boundary gains is measured in the step
-    # bd 4: twice the up1 programs of bd 8. The seventeenth session's sweep (H200, 9a1f780, bf16 weights, one
-    # token): the pair took 26.6 us at bd 4 (26.3 with 2 warps) against 41.5 at bd 8; bd 16 39.2, bn 1 30.6
-    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 4), wround=0)
+    # bd 8. The seventeenth session (H200) isolated the pair at one token: bf16 weights 26.6 us at bd 4 against 41.5
+    # at bd 8 (9a1f780), FP8 weights 31.4 against 33.1, bd 2 27.4 (ac51c89). In the 48-layer step bd 4 gave HC
+    # 0.992 ms against 0.965 at bd 8 the session before (noise-level), so bd 8, chosen in the step, stays
+    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8), wround=0)
 
 
 def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
