@@ -17,6 +17,12 @@ def rnd(x, dt):
     return x.astype(dt).astype(F32)
 
 
+def block_cols(s, cw: int):
+    """FP8 128x128 blocks: a K chunk's block scales s [cw / 128], one per 128 columns, spread to its cw columns
+    ([cw]; a chunk inside one block keeps its scalar), for x * s per activation column."""
+    return s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)
+
+
 def e2m1_f16(codes):
     """E2M1 codes (integers 0..15) -> value * 2^-14 as float16, with two shifts, an or and a bitcast.
 

@@ -1,5 +1,6 @@
 """Weight-streaming GEMV kernels in Pallas interpret mode against the fp32 reference (fnx/pallas/gemv)."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,7 +94,8 @@ def test_nvfp4_decodes_are_exact_and_agree_bit_for_bit():
 
 WIDE = [gp.Tiles(4, 64, 1, mode="fma"), gp.Tiles(16, 128, 1, mode="fma", num_warps=2),
         gp.Tiles(8, 128, 1, mode="fma", acc=1),   # one token: products kept as a tile (more tokens ignore acc)
-        gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(32, 64, 1, mode="dot", num_warps=8)]
+        gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(32, 64, 1, mode="dot", num_warps=8),
+        gp.Tiles(8, 128, 1, mode="fma", rows=2)]  # two row tiles per program, the second's loads issued first
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -133,10 +135,34 @@ def test_whole_k_modes_refuse_what_they_do_not_serve():
     assert "minimum" in gp.check_tiles("bf16", n, k, gp.Tiles(8, 128, 1, mode="dot"))
     assert "too many" in gp.check_tiles("fp8", 128, 128 * 65, gp.Tiles(16, 128, 1, mode="dot"))
     assert "unknown mode" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 128, 1, mode="wide"))
+    assert "do not divide" in gp.check_tiles("bf16", 48, k, gp.Tiles(16, 128, 1, mode="fma", rows=2))
+    assert "whole-K modes" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 128, 1, rows=2))
     x = jnp.ones((gp.FMA_MAX_M + 1, k), jnp.bfloat16)
     with pytest.raises(ValueError, match="M <= 8"):
         gp.gemv(x, jnp.ones((n, k), jnp.bfloat16), fmt="bf16", tiles=gp.Tiles(16, 128, 1, mode="fma"),
                 interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("mode", ["fma", "dot"])
+def test_row_tiles_per_program_give_the_same_bits(fmt, mode):
+    """`Tiles.rows` only changes which program computes a row tile and when its loads are issued: every output
+    (and the fused argmax) has the bits of one row tile per program (16 row tiles: one program writes them all)."""
+    n, k = 256, 512
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    w, extra, _ = _weights(fmt, n, k, key)
+    base = gp.Tiles(16, 128, 1, num_stages=1, mode=mode)
+    for m in ((1, 3) if mode == "fma" else (2,)):
+        x = jax.random.normal(jax.random.fold_in(key, m), (m, k), F32).astype(jnp.bfloat16)
+        want = np.asarray(gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=base, interpret=INTERPRET), np.float32)
+        for rows in (2, 4, 16):
+            t = dataclasses.replace(base, rows=rows)
+            got = np.asarray(gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=t, interpret=INTERPRET), np.float32)
+            np.testing.assert_array_equal(got, want, err_msg=f"{t} m={m}")
+            ids = gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=t, interpret=INTERPRET, argmax=True)
+            np.testing.assert_array_equal(
+                np.asarray(ids), np.asarray(gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=base,
+                                                    interpret=INTERPRET, argmax=True)))
 
 
 def test_tuned_fma_tiles_are_not_used_beyond_their_token_count(monkeypatch):
@@ -244,9 +270,10 @@ def test_tile_variants_lower_for_cuda():
         dtype=jnp.bfloat16), None, None))) for bn, mode in ((8, "fma"), (32, "dot"))]
     cases += [("nvfp4", gp.Tiles(64, 256, 2, dec=d), nv) for d in gp.DECODES]
     one = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)     # "fma" with acc 1 keeps its tile at one token only
-    cases = [(f, t, a, x) for f, t, a in cases] + [(f, gp.Tiles(8, 512, 1, 4, 1, mode="fma", acc=1), a, one)
+    cases = [(f, t, a, x) for f, t, a in cases] + [(f, gp.Tiles(8, 512, 1, 4, 1, mode="fma", acc=acc, rows=r), a, one)
                                                    for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(
-                                                       dtype=jnp.bfloat16), None, None)))]
+                                                       dtype=jnp.bfloat16), None, None)))
+                                                   for acc, r in ((1, 1), (0, 2), (1, 4))]
     for fmt, t, args, xs in cases:
         f = lambda x, w, s, s2: gp.gemv(x, w, s, s2, fmt=fmt, tiles=t)
         text = jax.jit(f).trace(xs, *args).lower(lowering_platforms=("cuda",)).as_text()
@@ -278,8 +305,9 @@ def test_gpu_kernel_matches_reference_at_released_shapes(fmt):
 
 # ---- gemv_pair: an FP8 product and a narrow bf16 one of the same x, one launch --------------------------------------
 
-@pytest.mark.parametrize("m,n2,mode", [(1, 96, "fma"), (1, 513, "fma"), (3, 13, "fma"), (2, 40, "dot")])
-def test_pair_equals_the_two_products(m, n2, mode):
+@pytest.mark.parametrize("m,n2,mode,rows", [(1, 96, "fma", 1), (1, 513, "fma", 1), (3, 13, "fma", 1),
+                                            (2, 40, "dot", 1), (1, 96, "fma", 4)])
+def test_pair_equals_the_two_products(m, n2, mode, rows):
     """The FP8 half is the whole-K kernel's own body (the same bits as `gemv` with the same tiles); the narrow bf16
     half against the fp32 reference within one output rounding (its rows past N2 masked: 513 = the router + the
     shared expert's gate logit, 13 a row count below one tile)."""
@@ -288,7 +316,7 @@ def test_pair_equals_the_two_products(m, n2, mode):
     w1, extra, _ = _weights("fp8", n1, k, key)
     w2, _, _ = _weights("bf16", n2, k, jax.random.fold_in(key, 1))
     x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), F32).astype(jnp.bfloat16)
-    t = gp.Tiles(16 if mode == "fma" else 32, 512, 1, num_warps=4, num_stages=1, mode=mode)
+    t = gp.Tiles(16 if mode == "fma" else 32, 512, 1, num_warps=4, num_stages=1, mode=mode, rows=rows)
     y1, y2 = gp.gemv_pair(x, w1, extra["scale"], w2, tiles=t, interpret=INTERPRET)
     assert y1.shape == (m, n1) and y2.shape == (m, n2) and y1.dtype == y2.dtype == jnp.bfloat16
     want1 = gp.gemv(x, w1, extra["scale"], fmt="fp8", tiles=t, interpret=INTERPRET)

@@ -58,6 +58,9 @@ class Tiles:
     acc: int = 0       # "fma" at one token: 0 = each chunk's products summed across the row at once (a cross-thread
                        # reduction per chunk); 1 = kept as a [BN, BK] fp32 tile over the chunks and summed once (the
                        # MoE decode kernels' `acc`, 4-10% faster there on the H200); more tokens always use 0
+    rows: int = 1      # whole-K modes: row tiles of BN per program, walked in turn, the next tile's loads issued
+                       # before the current tile's arithmetic (registers hold two tiles), so a program's loads and
+                       # arithmetic overlap instead of alternating; N / (BN * rows) programs
 
 
 DECODES = ("f32", "f32g", "bf16")
@@ -158,21 +161,39 @@ def _chunk_width(fmt: str, t: Tiles) -> int:
 
 
 def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None):
-    """One program: BN output rows over the whole K axis. The K/BK chunk loads are unrolled and the weight
-    tiles are all loaded before any arithmetic, so every load of the program is in flight at once (a looped
-    program waits one DRAM latency per step). FP8: a tile's rows sit in one 128-row block, so "fma" folds the
-    block scales into the activation (x * s per column, fp32) and "dot" scales each 128-column partial."""
+    """One program: `t.rows` row tiles of BN output rows, each over the whole K axis. A tile's K/BK chunk loads are
+    unrolled and all issued before its arithmetic (a looped program waits one DRAM latency per step); with
+    several row tiles the next tile's loads are issued before the current tile's arithmetic. FP8: a tile's rows
+    sit in one 128-row block, so "fma" folds the block scales into the activation (x * s per column, fp32) and
+    "dot" scales each 128-column partial."""
     outs = rest[-2:] if argmax else rest[-1:]
     s_ref = rest[0] if fmt == "fp8" else None
-    n = pl.program_id(0) if n is None else n      # given: a caller that read it outside a branch (gemv_pair)
-    row0 = n * t.bn
+    prog = pl.program_id(0) if n is None else n   # given: a caller that read it outside a branch (gemv_pair)
     mp = x_ref.shape[0]
     cw = _chunk_width(fmt, t)
     nk = k // cw
-    ws = [w_ref[pl.ds(row0, t.bn), pl.ds(j * cw, cw)] for j in range(nk)]          # weights first
-    if fmt == "fp8":   # the tile's block scales: a vector of cw / 128 per chunk, or one scalar
-        ss = [s_ref[row0 // 128, pl.ds(j * cw // 128, cw // 128)] if cw > 128 else s_ref[row0 // 128, j * cw // 128]
-              for j in range(nk)]
+
+    def load(tile):
+        row0 = tile * t.bn
+        ws = [w_ref[pl.ds(row0, t.bn), pl.ds(j * cw, cw)] for j in range(nk)]
+        ss = None
+        if fmt == "fp8":   # the tile's block scales: a vector of cw / 128 per chunk, or one scalar
+            ss = [s_ref[row0 // 128, pl.ds(j * cw // 128, cw // 128)] if cw > 128 else s_ref[row0 // 128, j * cw // 128]
+                  for j in range(nk)]
+        return ws, ss
+
+    pending = load(prog * t.rows)
+    for r in range(t.rows):
+        ws, ss = pending
+        if r + 1 < t.rows:
+            pending = load(prog * t.rows + r + 1)       # in flight during this tile's arithmetic
+        tile_id = prog * t.rows + r
+        acc = _wide_tile(x_ref, ws, ss, fmt=fmt, t=t, m=m, mp=mp, cw=cw, nk=nk)
+        _store(acc, outs, tile_id, 0, tile_id * t.bn, t.bn, out_dtype, argmax)
+
+
+def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, nk: int):
+    """One row tile's [Mp, BN] fp32 products from its loaded chunks `ws` (and FP8 block scales `ss`)."""
     acc = jnp.zeros((mp, t.bn), F32)
     if t.mode == "fma":
         rows = lax.broadcasted_iota(jnp.int32, (mp, t.bn), 0)
@@ -181,7 +202,7 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
         for j in range(nk):
             wf = ws[j].astype(F32)                                                    # [BN, CW]
             if fmt == "fp8":   # per column: its block's scale (fp32), folded into the activation
-                sx = jnp.broadcast_to(ss[j][:, None], (cw // 128, 128)).reshape(cw) if cw > 128 else ss[j]
+                sx = kernel_math.block_cols(ss[j], cw) if cw > 128 else ss[j]
             for i in range(m):
                 xv = x_ref[i, pl.ds(j * cw, cw)].astype(F32)                          # [CW]
                 if fmt == "fp8":
@@ -198,7 +219,7 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
         for j in range(nk):
             part = _dot(x_ref[:, pl.ds(j * cw, cw)], ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
-    _store(acc, outs, n, 0, row0, t.bn, out_dtype, argmax)
+    return acc
 
 
 def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
@@ -212,6 +233,8 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
         return _check_wide(fmt, n, k, t)
     if t.acc:
         return f"acc={t.acc} keeps the products of mode 'fma' as a tile: not for mode 'loop'"
+    if t.rows != 1:
+        return f"rows={t.rows} row tiles per program are for the whole-K modes, not mode 'loop'"
     if t.bn < 16 or t.bk < 32:
         return f"tiles bn={t.bn} bk={t.bk} are below the 16 x 32 minimum"
     if n % t.bn:
@@ -238,6 +261,8 @@ def _check_wide(fmt: str, n: int, k: int, t: Tiles) -> str | None:
         return f"tiles bn={t.bn} bk={t.bk} are below the {t.mode} minimum ({16 if t.mode == 'dot' else 1} x 16)"
     if n % t.bn or k % t.bk:
         return f"bn={t.bn} / bk={t.bk} do not divide N={n} / K={k}"
+    if t.rows < 1 or n % (t.bn * t.rows):
+        return f"rows={t.rows} row tiles of bn={t.bn} per program do not divide N={n}"
     cw = _chunk_width(fmt, t)
     if k // cw > 64:
         return f"{k // cw} K chunks of {cw} columns is too many to unroll (at most 64)"
@@ -281,7 +306,7 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     out = stacked.call(
         kern, args,
         out_shape=out_shape,
-        grid=(n // t.bn, t.split) if t.mode == "loop" else (n // t.bn,),
+        grid=(n // t.bn, t.split) if t.mode == "loop" else (n // (t.bn * t.rows),),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_{fmt}" if t.mode == "loop" else f"fnx_gemv_{fmt}_{t.mode}",
@@ -361,7 +386,7 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
     bn2, cw2 = side
     mp = 1 << (m - 1).bit_length() if t.mode == "fma" else max(16, 1 << (m - 1).bit_length())
     xb = x.astype(BF16) if mp == m else jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
-    n1_prog = n1 // t.bn
+    n1_prog = n1 // (t.bn * t.rows)
     y1, y2 = stacked.call(
         functools.partial(_pair_kernel, t=t, k=k, m=m, n1_prog=n1_prog, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype),
         (xb, w1, stacked.astype(scale1, F32), stacked.flatten(w2)),

@@ -168,7 +168,7 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True):
         if not wround:
             return (q,)
         s = raw[1]
-        q = q * (s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)[None, :])
+        q = q * kernel_math.block_cols(s, cw)
         return (rnd(q, dt),)
     if _exact_in(raw[0].dtype, dt):
         return (q,)
@@ -186,8 +186,7 @@ def _col_scale(fmt, raw, cw, wround):
     x * s per column is the scale of every row of the tile (the tile's rows sit in one 128-row block). Else None."""
     if wround or fmt != "fp8_block":
         return None
-    s = raw[1]
-    return s if cw <= 128 else jnp.broadcast_to(s[:, None], (cw // 128, 128)).reshape(cw)
+    return kernel_math.block_cols(raw[1], cw)
 
 
 def _row_scale(fmt, raw, wround):
