@@ -356,6 +356,29 @@ def test_decode_unrounded_weights(fmt, m, shared_fmt, acc, group):
         _close(run(dataclasses.replace(tiles, group=0, tok=1), *args), want)
 
 
+@pytest.mark.parametrize("m,shared_fmt,acc,group,e2m1", [
+    (1, "nvfp4", 1, 1, "f16"), (1, "fp8", 0, 0, "int"), (5, "nvfp4", 0, 1, "asm"), (3, "fp8", 0, 0, "f16")])
+def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
+    """`gsum` 1 (NVFP4, wround 0): each 16-value group's products summed, then its scale applied once. Within the
+    bound of the reference, and within an fp32 reordering of the per-weight-scale kernel: at most two bf16 ulps
+    apart, most outputs identical (a scale applied to the wrong group, or twice, would miss by far more).
+    `tok` 1 too at several tokens. With `wround` 1 it is refused: the reference rounds each weight."""
+    args = _decode_args("nvfp4", m, 60 + m, shared_fmt=shared_fmt)
+    tiles = dataclasses.replace(DT, group=group, acc=acc, e2m1=e2m1, wround=0, gsum=1)
+    run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
+    got = run(tiles, *args)
+    _close(got, reference.decode(*args))
+    per_weight = np.asarray(run(dataclasses.replace(tiles, gsum=0), *args), np.float32)
+    g = np.asarray(got, np.float32)
+    ulp = np.abs(per_weight) * 2.0 ** -7 + np.abs(per_weight).max() * 2.0 ** -14
+    assert np.all(np.abs(g - per_weight) <= 2 * ulp), np.max(np.abs(g - per_weight) / ulp)
+    assert np.mean(g == per_weight) > 0.5, np.mean(g == per_weight)
+    if m > 1:
+        _close(run(dataclasses.replace(tiles, group=0, tok=1), *args), reference.decode(*args))
+    with pytest.raises(NotImplementedError, match="gsum 1"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, wround=1))
+
+
 def test_e2m1_f16_codes():
     """Every E2M1 code through fp16 bits, times 2^14, is its value (the subnormal codes 0.5 and -0.5 included)."""
     codes = jnp.arange(16, dtype=jnp.uint32)
@@ -568,7 +591,9 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="f16", wround=0)),
                            ("fp8", 1, decode_pallas.DecodeTiles(group=1, acc=1, wround=0)),
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0)),
-                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm"))):
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm")),
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm", wround=0, gsum=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

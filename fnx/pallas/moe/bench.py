@@ -31,7 +31,7 @@ BF16 = jnp.bfloat16
 
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
-# wround]. Each list holds only the variants not yet measured against the current default (`decode_pallas.MEASURED`,
+# wround, gsum]. Each list holds only the variants not yet measured against the current default (`decode_pallas.MEASURED`,
 # the "fused" case), the most promising first, so a sweep cut by its time limit still reaches them. Each case
 # compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
@@ -47,13 +47,16 @@ BF16 = jnp.bfloat16
 #   (54.6-55.9). 4 down columns with one warp gave 46.4 us once and 62.4 us when repeated next to the default: noise.
 #   Five tokens: group 5 with hoisted loads 339.8, bn 2 270.6, one-warp 4-column down programs 215.1 / 228.7 (meta
 #   0 / 1), against the default's 227.5.
-# Next: the E2M1 decode in inline PTX (e2m1 "asm": four bytes per block, two codes per integer op), not yet compiled
-# on a GPU; its compiled test (test_decode_variants_match_reference[...asm]) first.
+# - seventeenth session (9a1f780): the E2M1 decode in inline PTX (e2m1 "asm") at five tokens 207.0 against 235.9 us
+#   (meta 1 with "f16": 217.9), so "asm" is the five-token default (`MEASURED_TOKENS`); at one token 64.0 against
+#   59.0 us, so one token keeps "f16".
+# Next: group sums (gsum 1: each NVFP4 group's scale applied to its sum, not to each weight; not yet compiled on a
+# GPU), then meta 1 with the "asm" decode at five tokens.
 _SWEEP_M1: list = []
-_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "asm", 0, 0, 0, 0),   # the default with the PTX decode
-             (4, 512, 8, 128, 1, 4, 2, 0, "f16", 1, 0, 0, 0)]   # the slot metadata once (meta 1): 214.9 against
-                                                                 # 227.5 us once, within the noise: again
-_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0)]    # the default with the PTX decode
+_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "asm", 0, 0, 0, 0, 1),   # the default with group sums
+             (4, 512, 8, 128, 1, 4, 2, 0, "asm", 1, 0, 0, 0, 0)]   # the slot metadata once (meta 1)
+_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0, 1),   # the default with group sums
+                (4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1)]   # and with the PTX decode
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):

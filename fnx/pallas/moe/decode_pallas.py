@@ -41,7 +41,9 @@ block, each element dequantized as round(q * scale) to x.dtype, exactly the refe
 rounded once as the reference): the low and high nibbles meet the even and odd activation columns, loaded with a
 stride of 2, so no tile is ever interleaved. With `DecodeTiles.wround` 0 (the measured default for FP8 and NVFP4)
 no weight is rounded: FP8 block scales multiply the activation columns and NVFP4's global multiplies each row's
-sum, as the GEMV kernels do; the results then differ from the reference by the weights' bf16 rounding."""
+sum, as the GEMV kernels do; the results then differ from the reference by the weights' bf16 rounding. NVFP4 with
+`DecodeTiles.gsum` 1 (and wround 0) also leaves the group scales off the weights: each 16-value group's products
+are summed first and its scale multiplies the sum (other formats ignore it)."""
 
 from __future__ import annotations
 
@@ -100,6 +102,10 @@ class DecodeTiles:
                          # kernels do (FP8: each 128-column block's scale on the activation columns; NVFP4: code *
                          # group scale, exact in fp32, and the row's global on the row's sum): fewer instructions per
                          # weight, results within the weights' bf16 rounding of the reference
+    gsum: int = 0        # NVFP4 with wround 0: 1 = each 16-value group's products summed first and its scale applied
+                         # to the group sum (one multiply per group instead of one per weight, and the scales are
+                         # not spread over the tile's columns); the scales then enter in a different fp32 order.
+                         # Other formats ignore it
 
 
 def _pow2(n: int) -> int:
@@ -138,20 +144,47 @@ def _e2m1_f16(c):
     return kernel_math.e2m1_f16(c).astype(F32)
 
 
-def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True):
+class _Grouped:
+    """An NVFP4 chunk for group sums (`DecodeTiles.gsum`): the (low, high) nibble code tiles [rows, cw/2] without
+    their scales, and the group scales [rows, cw/16] in fp32 (with E2M1_F16_SCALE folded in for the fp16-bit
+    decodes): `_group_sums` multiplies each 16-value group's sum once."""
+
+    def __init__(self, codes, sc):
+        self.codes, self.sc = codes, sc
+
+
+def _group_sums(g, xs):
+    """[rows, cw/16]: per row and 16-column group, sum_c code * x over its 8 low and 8 high nibble columns, times
+    the group's scale. A byte's two codes are the same group's: packed columns [8j, 8j+8) are group j."""
+    rows, half = g.codes[0].shape
+    part = None
+    for c, x in zip(g.codes, xs):
+        t = jnp.sum((c * x[None, :]).reshape(rows, half // 8, 8), axis=2)
+        part = t if part is None else part + t
+    return part * g.sc
+
+
+def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
     """A chunk loaded by `_raw`, dequantized in fp32 and rounded to dt as the reference does, in fp32: a tuple of
     one [rows, cw] tile, or for NVFP4 two [rows, cw/2] tiles, the even and the odd columns (the low and high
     nibbles as the bytes hold them: never interleaved; `_xs` loads the matching activation columns). NVFP4 with
     e2m1 "f16": code * 2^-14 times (scale * 2^14) is code * scale exactly (a power of two moves between two exact
     factors), so the product with the global scale rounds as the reference's. Without `wround` no weight is
     rounded and the scales that `_col_scale` / `_row_scale` return are left out: FP8 gives q, NVFP4 code * scale
-    (exact in fp32). A dense weight already in dt (or bf16 under fp32) rounds to itself: no rounding is issued."""
+    (exact in fp32). A dense weight already in dt (or bf16 under fp32) rounds to itself: no rounding is issued.
+    NVFP4 with `gsum` (and no `wround`): a `_Grouped`, the codes and the unspread group scales."""
     if fmt == "nvfp4":
         group = 16
         p, sc, s2 = raw
         sc = sc.astype(F32)
         if e2m1 in ("f16", "asm"):
             sc = sc * kernel_math.E2M1_F16_SCALE
+        if gsum and not wround:
+            if e2m1 == "asm":
+                return _Grouped(kernel_math.e2m1_pair_f32(p, asm=True), sc)
+            p = p.astype(jnp.uint32)
+            code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
+            return _Grouped((code(p & 0xF), code(p >> 4)), sc)
         sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
         if e2m1 == "asm":
             codes = kernel_math.e2m1_pair_f32(p, asm=True)
@@ -216,6 +249,8 @@ def _xs(ref, lead, c0, cw, halves):
 
 def _rowdot(ws, xs):
     """sum_c w[r, c] * x[c] in fp32 over the tile pieces: [rows]."""
+    if isinstance(ws, _Grouped):
+        return jnp.sum(_group_sums(ws, xs), axis=1)
     acc = jnp.sum(ws[0] * xs[0][None, :], axis=1)
     for w, x in zip(ws[1:], xs[1:]):
         acc = acc + jnp.sum(w * x[None, :], axis=1)
@@ -223,8 +258,9 @@ def _rowdot(ws, xs):
 
 
 def _tile_fma(acc, ws, xs):
-    """acc (a tuple of tiles shaped like ws, or None) + w * x elementwise, per tile piece: no reduction."""
-    prods = [w * x[None, :] for w, x in zip(ws, xs)]
+    """acc (a tuple of tiles shaped like ws, or None) + w * x elementwise, per tile piece: no reduction (group
+    sums: one [rows, cw/16] tile of scaled group sums)."""
+    prods = [_group_sums(ws, xs)] if isinstance(ws, _Grouped) else [w * x[None, :] for w, x in zip(ws, xs)]
     return tuple(prods) if acc is None else tuple(a + p for a, p in zip(acc, prods))
 
 
@@ -268,7 +304,8 @@ def _accumulate(m, hits, accs, add):
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
-def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround):
+def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
+                    gsum=False):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -302,7 +339,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         rg, ru = j * bn, inter + j * bn
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
-        deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround)
+        deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
         cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
         rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
@@ -344,13 +381,13 @@ def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
 
 
 def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s, dt, e2m1, wround, loads,
-                  raw=None):
+                  raw=None, gsum=False):
     """The shared expert's output columns for each of `tokens` (ints, or a program's token index):
     round(round(silu(gate) * up @ down.T) * round(sigmoid(gate logit))), each [bn] fp32 holding dt values."""
     raw = raw or loads()
     acc = [jnp.zeros((bn,), F32) for _ in tokens]
     for c in range(inter_s // cw):
-        w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1, wround)
+        w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
         cs = _col_scale(sfmt, raw[c], cw, wround)
         for n, i in enumerate(tokens):
             g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
@@ -365,7 +402,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround):
+                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -399,7 +436,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         routed, coefs, raw = loaded or slot_loads(s)
         acc = [jnp.zeros((bn,), F32) for _ in range(m)]
         for c in range(nk):
-            w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround)
+            w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
             cs = _col_scale(fmt, raw[c], cw, wround)
 
             def add(i, a, w_c=w_c, c=c, cs=cs):
@@ -414,7 +451,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     shared_loads = functools.partial(_shared_loads, sfmt, sh_refs, c0, bn, cw, inter_s)
     shared = functools.partial(_shared_terms, sfmt, sg_ref, su_ref, ssig_ref, offs, range(m), bn, cw, inter_s,
-                               dt, e2m1, wround, shared_loads)
+                               dt, e2m1, wround, shared_loads, gsum=gsum)
 
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
     if group == 0:          # one program: every slot, the combine and the shared expert, y in dt
@@ -456,7 +493,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
 
 def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, sp,
-                     inter, inter_s, bn, cw, e2m1, offs, wround):
+                     inter, inter_s, bn, cw, e2m1, offs, wround, gsum=False):
     """DecodeTiles.tok 1: program (j, t) writes output columns [j*bn, +bn) of token t. It issues the down rows of
     token t's K experts (and the shared expert's) first, then adds each expert's term in k order, as the
     reference does for every token. Expert e's activations for token t are in the act row of e's owner slot
@@ -477,11 +514,11 @@ def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, 
         out = jnp.zeros((bn,), F32)
         for c in range(nk):
             xv = _scaled(_xs(act_ref, (owner, t), c * cw, cw, fmt == "nvfp4"), _col_scale(fmt, r[c], cw, wround))
-            out = out + _rowdot(_deq(fmt, r[c], bn, cw, dt, e2m1, wround), xv)
+            out = out + _rowdot(_deq(fmt, r[c], bn, cw, dt, e2m1, wround, gsum), xv)
         out = _rows(out, _row_scale(fmt, r[0], wround))
         acc = acc + rnd(rnd(out, dt) * rw_ref[s].astype(F32), dt)
     sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (t,), bn, cw, inter_s, dt, e2m1, wround, None,
-                       sh_raw)[0]
+                       sh_raw, gsum)[0]
     y_ref[t, pl.ds(c0, bn)] = (rnd(acc, dt) + sh).astype(y_ref.dtype)
 
 
@@ -511,8 +548,11 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
     if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES \
-            or t.wround not in (0, 1):
-        return f"tiles {t}: acc, hoist and wround must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
+            or t.wround not in (0, 1) or t.gsum not in (0, 1):
+        return f"tiles {t}: acc, hoist, wround and gsum must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
+    if t.gsum and t.wround:
+        return f"tiles {t}: gsum 1 applies each NVFP4 group's scale to its sum, so no weight is dequantized on its " \
+               "own: it needs wround 0"
     if t.hoist and not t.group and n_slots > UNROLL_SLOTS:
         return f"tiles {t}: hoist 1 with group 0 issues every slot's loads at once, which needs the M*K = " \
                f"{n_slots} slots unrolled (at most {UNROLL_SLOTS}); give a group"
@@ -623,7 +663,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
-                          meta=tiles.meta, wround=bool(tiles.wround)),
+                          meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
         (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
@@ -636,7 +676,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         return stacked.call(
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
                               inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=tiles.e2m1,
-                              offs=(og, ou, os_), wround=bool(tiles.wround)),
+                              offs=(og, ou, os_), wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
             (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
             out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
             interpret=interpret, name="moe_decode_down",
@@ -649,7 +689,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
-                          wround=bool(tiles.wround)),
+                          wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
