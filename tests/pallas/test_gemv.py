@@ -155,7 +155,7 @@ def test_row_tiles_per_program_give_the_same_bits(fmt, mode):
     for m in ((1, 3) if mode == "fma" else (2,)):
         x = jax.random.normal(jax.random.fold_in(key, m), (m, k), F32).astype(jnp.bfloat16)
         want = np.asarray(gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=base, interpret=INTERPRET), np.float32)
-        for rows in (2, 4, 16):
+        for rows in (2, 16):
             t = dataclasses.replace(base, rows=rows)
             got = np.asarray(gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=t, interpret=INTERPRET), np.float32)
             np.testing.assert_array_equal(got, want, err_msg=f"{t} m={m}")
