@@ -202,7 +202,7 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
         for j in range(nk):
             wf = ws[j].astype(F32)                                                    # [BN, CW]
             if fmt == "fp8":   # per column: its block's scale (fp32), folded into the activation
-                sx = kernel_math.block_cols(ss[j], cw) if cw > 128 else ss[j]
+                sx = kernel_math.block_cols(ss[j], cw)
             for i in range(m):
                 xv = x_ref[i, pl.ds(j * cw, cw)].astype(F32)                          # [CW]
                 if fmt == "fp8":

@@ -31,9 +31,9 @@ BF16 = jnp.bfloat16
 
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
-# wround, gsum]. Each list holds only the variants not yet measured against the current default (`decode_pallas.MEASURED`,
-# the "fused" case), the most promising first, so a sweep cut by its time limit still reaches them. Each case
-# compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
+# wround, gsum]. Each list holds only the variants not yet measured against the current default
+# (`decode_pallas.MEASURED` / `MEASURED_TOKENS`, the "fused" case), the most promising first, so a sweep cut by its
+# time limit still reaches them. Each case compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
 #   is the default), and the in-kernel combine with hoisted loads / slot metadata (0400fd0);
 # - one token, NVFP4: 9 at e055557 and 7c11243 (the fp16-decode winner is the default);
