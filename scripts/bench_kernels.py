@@ -40,7 +40,8 @@ def _commit() -> str:
 
 def wide_candidates(fmt: str, n: int, k: int) -> list:
     """Whole-K-per-program tiles (modes "fma" and "dot", bf16 and FP8): row tiles 4-32 ("dot" needs 16+), the
-    widest K chunk of 512 / 256 / 128 that divides K, 4 warps; "fma" also with 2 or 4 row tiles per program."""
+    widest K chunk of 512 / 256 / 128 that divides K, 4 warps; "fma" also with 2 or 4 row tiles per program, and
+    with K split over 2 or 4 programs."""
     from fnx.pallas.gemv import pallas as gp
     if fmt not in gp.WIDE_FORMATS:
         return []
@@ -52,6 +53,8 @@ def wide_candidates(fmt: str, n: int, k: int) -> list:
     out += [gp.Tiles(bn, bk, 1, 4, 1, mode="dot") for bn in (16, 32)]
     # several row tiles per program, the next tile's loads in flight during the current tile's arithmetic
     out += [gp.Tiles(bn, bk, 1, 4, 1, mode="fma", rows=r) for bn, r in ((8, 2), (16, 2), (8, 4))]
+    # K split over 2 or 4 programs (fp32 partials, one XLA sum): more programs for layers with few rows
+    out += [gp.Tiles(bn, bk, sp, 4, 1, mode="fma") for bn, sp in ((8, 2), (8, 4), (16, 2))]
     return [t for t in out if gp.check_tiles(fmt, n, k, t) is None]
 
 
@@ -60,8 +63,8 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
     heuristic's row tile and split with each K step (128; FP8 also 256 and 512, as several 128-column blocks per
     step; NVFP4 256 and 512), for NVFP4 each decode variant, and the whole-K modes (`wide_candidates`). Stage 2 around the stage-1 best: for a looped best, row tiles 32/64/128 (16 too for
     narrow N), K split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps, 4 or 5 pipeline stages;
-    for a whole-K best, half and double its row tile, 2 and 8 warps, the other K chunks and 1 / 2 / 4 row tiles per
-    program."""
+    for a whole-K best, half and double its row tile, 2 and 8 warps, the other K chunks, 1 / 2 / 4 row tiles per
+    program and K split 1 / 2 / 4 ways."""
     from fnx.pallas.gemv import api
     from fnx.pallas.gemv import pallas as gp
     heur = api.heuristic_tiles(fmt, n, k, 1)
@@ -86,6 +89,7 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
         opts += [dataclasses.replace(base, bn=b) for b in (base.bn // 2, base.bn * 2)]
         opts += [dataclasses.replace(base, bk=b) for b in (128, 256, 512, 1024) if b != base.bk]
         opts += [dataclasses.replace(base, rows=r) for r in (1, 2, 4) if r != base.rows]
+        opts += [dataclasses.replace(base, split=sp) for sp in (1, 2, 4) if sp != base.split]
         return [t for t in opts if t.bn >= 1 and gp.check_tiles(fmt, n, k, t) is None]
     for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
         if n % bn:

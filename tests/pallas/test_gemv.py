@@ -95,7 +95,8 @@ def test_nvfp4_decodes_are_exact_and_agree_bit_for_bit():
 WIDE = [gp.Tiles(4, 64, 1, mode="fma"), gp.Tiles(16, 128, 1, mode="fma", num_warps=2),
         gp.Tiles(8, 128, 1, mode="fma", acc=1),   # one token: products kept as a tile (more tokens ignore acc)
         gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(32, 64, 1, mode="dot", num_warps=8),
-        gp.Tiles(8, 128, 1, mode="fma", rows=2)]  # two row tiles per program, the second's loads issued first
+        gp.Tiles(8, 128, 1, mode="fma", rows=2),  # two row tiles per program, the second's loads issued first
+        gp.Tiles(8, 64, 2, mode="fma"), gp.Tiles(16, 64, 2, mode="dot", rows=2)]   # K split over two programs
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -119,6 +120,8 @@ def test_whole_k_modes_match_fp32_reference(fmt, name, n, k):
             assert y.shape == (m, n) and y.dtype == jnp.bfloat16
             err = np.abs(np.asarray(y, np.float32) - np.asarray(ref)).max() / np.abs(np.asarray(ref)).max()
             assert err <= TOL, (fmt, name, t, m, err, f"seed {seed}")
+        if t.split != 1:            # the fused argmax needs whole dot products per program
+            continue
         x = jax.random.normal(key, (3, k), F32).astype(jnp.bfloat16)
         ids = gp.gemv(x, w, extra.get("scale"), fmt=fmt, tiles=t, interpret=INTERPRET, argmax=True)
         logits = np.asarray(reference.linear_f32(x, wf))
@@ -130,7 +133,8 @@ def test_whole_k_modes_match_fp32_reference(fmt, name, n, k):
 
 def test_whole_k_modes_refuse_what_they_do_not_serve():
     n, k = 256, 512
-    assert "split must be 1" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 128, 2, mode="fma"))
+    assert "split=4" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 256, 4, mode="fma"))   # 128-column slices
+    assert gp.check_tiles("bf16", n, k, gp.Tiles(16, 128, 2, mode="fma")) is None
     assert "streams" in gp.check_tiles("nvfp4", n, k, gp.Tiles(16, 128, 1, mode="fma"))
     assert "minimum" in gp.check_tiles("bf16", n, k, gp.Tiles(8, 128, 1, mode="dot"))
     assert "too many" in gp.check_tiles("fp8", 128, 128 * 65, gp.Tiles(16, 128, 1, mode="dot"))
@@ -274,6 +278,8 @@ def test_tile_variants_lower_for_cuda():
                                                    for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(
                                                        dtype=jnp.bfloat16), None, None)))
                                                    for acc, r in ((1, 1), (0, 2), (1, 4))]
+    cases += [("fp8", gp.Tiles(8, 512, 3, 4, 1, mode="fma"), fp8, x), ("fp8", gp.Tiles(8, 512, 4, 4, 1, mode="fma",
+                                                                                        rows=2), fp8, one)]
     for fmt, t, args, xs in cases:
         f = lambda x, w, s, s2: gp.gemv(x, w, s, s2, fmt=fmt, tiles=t)
         text = jax.jit(f).trace(xs, *args).lower(lowering_platforms=("cuda",)).as_text()
@@ -353,6 +359,10 @@ def test_pair_dispatch_and_model_wiring(monkeypatch):
     assert "fnx_gemv_pair" not in str(jaxpr)               # FNX_KERNELS names it, the call is not served: apart
     with pytest.raises(dispatch.NotApplicable, match="loop"):
         api.linear_pair(x[..., :512], small.w, small.scale_inv, wb[:, :512], impl=KERNEL)
+    split = gp.Tiles(16, 512, 2, num_stages=1, mode="fma")       # a tuned split-K entry runs unsplit in the pair
+    assert api.pair_tiles(split) == dataclasses.replace(split, split=1)
+    with pytest.raises(ValueError, match="without split-K"):
+        gp.gemv_pair(x[0], q.w, q.scale_inv, wb, tiles=split, interpret=True)
     with pytest.raises(dispatch.NotApplicable, match="narrow"):
         api.linear_pair(x, q.w, q.scale_inv, jnp.zeros((2048, k), jnp.bfloat16), impl=KERNEL)
     monkeypatch.setenv("FNX_KERNELS", "gemv_pair=reference")

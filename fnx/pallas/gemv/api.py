@@ -195,15 +195,24 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
     m = 1
     for d in x_shape[:-1]:
         m *= d
-    t = tiles_for("fp8", w1_shape[0], x_shape[-1], m)
+    t = pair_tiles(tiles_for("fp8", w1_shape[0], x_shape[-1], m))
     if t.mode == "loop":
         return "the FP8 product's tiles walk K in a loop (split-K): only whole-K tiles pair"
+    why = gp.check_tiles("fp8", w1_shape[0], x_shape[-1], t)
+    if why:
+        return f"the FP8 product's tiles {t} without split-K: {why}"
     if jnp.dtype(w2_dtype) != jnp.bfloat16:
         return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
     if w2_shape[1] != x_shape[-1] or gp.pair_side_tiles(w2_shape[0], x_shape[-1]) is None:
         return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows of K={x_shape[-1]} in at "
                 f"most 16 power-of-two chunks")
     return None
+
+
+def pair_tiles(t: gp.Tiles) -> gp.Tiles:
+    """The FP8 product's tiles inside the pair kernel: whole-K tiles tuned with split-K (a grid axis the pair's
+    one-axis grid does not have) run unsplit there; looped tiles stay as they are (the pair does not apply)."""
+    return t if t.mode == "loop" or t.split == 1 else dataclasses.replace(t, split=1)
 
 
 def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *, impl: str | None = None):
@@ -217,6 +226,6 @@ def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *
         return linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    t = tiles_for("fp8", w1.shape[0], k, x2.shape[0])
+    t = pair_tiles(tiles_for("fp8", w1.shape[0], k, x2.shape[0]))
     y1, y2 = gp.gemv_pair(x2, w1, scale1, w2, tiles=t, interpret=dispatch.interpret_flag(backend))
     return y1.reshape(*lead, -1), y2.reshape(*lead, -1)

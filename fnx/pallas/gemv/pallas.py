@@ -61,6 +61,8 @@ class Tiles:
     rows: int = 1      # whole-K modes: row tiles of BN per program, walked in turn, the next tile's loads issued
                        # before the current tile's arithmetic (registers hold two tiles), so a program's loads and
                        # arithmetic overlap instead of alternating; N / (BN * rows) programs
+# `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
+# above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 
 
 DECODES = ("f32", "f32g", "bf16")
@@ -169,17 +171,19 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
     outs = rest[-2:] if argmax else rest[-1:]
     s_ref = rest[0] if fmt == "fp8" else None
     prog = pl.program_id(0) if n is None else n   # given: a caller that read it outside a branch (gemv_pair)
+    ks = pl.program_id(1) if t.split > 1 else 0   # the K slice (split-K over whole-K programs)
     mp = x_ref.shape[0]
     cw = _chunk_width(fmt, t)
-    nk = k // cw
+    nk = k // t.split // cw
+    k0 = ks * (k // t.split)
 
     def load(tile):
         row0 = tile * t.bn
-        ws = [w_ref[pl.ds(row0, t.bn), pl.ds(j * cw, cw)] for j in range(nk)]
+        ws = [w_ref[pl.ds(row0, t.bn), pl.ds(k0 + j * cw, cw)] for j in range(nk)]
         ss = None
         if fmt == "fp8":   # the tile's block scales: a vector of cw / 128 per chunk, or one scalar
-            ss = [s_ref[row0 // 128, pl.ds(j * cw // 128, cw // 128)] if cw > 128 else s_ref[row0 // 128, j * cw // 128]
-                  for j in range(nk)]
+            ss = [s_ref[row0 // 128, pl.ds((k0 + j * cw) // 128, cw // 128)] if cw > 128
+                  else s_ref[row0 // 128, (k0 + j * cw) // 128] for j in range(nk)]
         return ws, ss
 
     pending = load(prog * t.rows)
@@ -188,11 +192,11 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
         if r + 1 < t.rows:
             pending = load(prog * t.rows + r + 1)       # in flight during this tile's arithmetic
         tile_id = prog * t.rows + r
-        acc = _wide_tile(x_ref, ws, ss, fmt=fmt, t=t, m=m, mp=mp, cw=cw, nk=nk)
-        _store(acc, outs, tile_id, 0, tile_id * t.bn, t.bn, out_dtype, argmax)
+        acc = _wide_tile(x_ref, ws, ss, fmt=fmt, t=t, m=m, mp=mp, cw=cw, nk=nk, k0=k0)
+        _store(acc, outs, tile_id, ks, tile_id * t.bn, t.bn, out_dtype, argmax)
 
 
-def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, nk: int):
+def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, nk: int, k0=0):
     """One row tile's [Mp, BN] fp32 products from its loaded chunks `ws` (and FP8 block scales `ss`)."""
     acc = jnp.zeros((mp, t.bn), F32)
     if t.mode == "fma":
@@ -204,7 +208,7 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
             if fmt == "fp8":   # per column: its block's scale (fp32), folded into the activation
                 sx = kernel_math.block_cols(ss[j], cw)
             for i in range(m):
-                xv = x_ref[i, pl.ds(j * cw, cw)].astype(F32)                          # [CW]
+                xv = x_ref[i, pl.ds(k0 + j * cw, cw)].astype(F32)                     # [CW]
                 if fmt == "fp8":
                     xv = xv * sx
                 if t.acc and m == 1:    # the products kept as a tile, one row reduction after the last chunk
@@ -217,7 +221,7 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
             acc = jnp.where(rows == i, accs[i][None, :], acc)
     else:
         for j in range(nk):
-            part = _dot(x_ref[:, pl.ds(j * cw, cw)], ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
+            part = _dot(x_ref[:, pl.ds(k0 + j * cw, cw)], ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
     return acc
 
@@ -253,19 +257,19 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
 def _check_wide(fmt: str, n: int, k: int, t: Tiles) -> str | None:
     if fmt not in WIDE_FORMATS:
         return f"mode {t.mode!r} streams {WIDE_FORMATS} weights, not {fmt}"
-    if t.split != 1:
-        return f"mode {t.mode!r} owns the whole K axis per program (split must be 1, not {t.split})"
+    if t.split < 1 or k % t.split or (k // t.split) % _chunk_width(fmt, t):
+        return f"split={t.split}: K={k} must split into slices of whole {_chunk_width(fmt, t)}-column chunks"
     if t.acc not in (0, 1) or (t.acc and t.mode != "fma"):
         return f"acc={t.acc}: 0, or 1 with mode 'fma' (the products kept as a tile)"
     if t.bn < (16 if t.mode == "dot" else 1) or t.bk < 16:
         return f"tiles bn={t.bn} bk={t.bk} are below the {t.mode} minimum ({16 if t.mode == 'dot' else 1} x 16)"
     if n % t.bn or k % t.bk:
         return f"bn={t.bn} / bk={t.bk} do not divide N={n} / K={k}"
+    cw = _chunk_width(fmt, t)
+    if k // t.split // cw > 64:
+        return f"{k // t.split // cw} K chunks of {cw} columns per program is too many to unroll (at most 64)"
     if t.rows < 1 or n % (t.bn * t.rows):
         return f"rows={t.rows} row tiles of bn={t.bn} per program do not divide N={n}"
-    cw = _chunk_width(fmt, t)
-    if k // cw > 64:
-        return f"{k // cw} K chunks of {cw} columns is too many to unroll (at most 64)"
     if fmt == "fp8" and (128 % t.bn or (128 % t.bk and t.bk % 128)):
         return "fp8 128x128 blocks need bn to divide 128 and bk to divide 128 or be a multiple of it"
     return None
@@ -306,7 +310,7 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     out = stacked.call(
         kern, args,
         out_shape=out_shape,
-        grid=(n // t.bn, t.split) if t.mode == "loop" else (n // (t.bn * t.rows),),
+        grid=(n // t.bn, t.split) if t.mode == "loop" or t.split > 1 else (n // (t.bn * t.rows),),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_{fmt}" if t.mode == "loop" else f"fnx_gemv_{fmt}_{t.mode}",
@@ -375,8 +379,9 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
     n1, n2 = w1.shape[0], w2.shape[0]
     t = tiles
     why = check_tiles("fp8", n1, k, t)
-    if why or t.mode == "loop":
-        raise ValueError(f"gemv_pair: the FP8 product N={n1} K={k} needs whole-K tiles: {why or 'mode loop'}")
+    if why or t.mode == "loop" or t.split != 1:
+        raise ValueError(f"gemv_pair: the FP8 product N={n1} K={k} needs whole-K tiles without split-K: "
+                         f"{why or t}")
     if t.mode == "fma" and m > FMA_MAX_M:
         raise ValueError(f"gemv_pair: mode 'fma' serves M <= {FMA_MAX_M} tokens, not {m}")
     side = pair_side_tiles(n2, k)
