@@ -169,6 +169,33 @@ def test_row_tiles_per_program_give_the_same_bits(fmt, mode):
                                                     interpret=INTERPRET, argmax=True)))
 
 
+def _pallas_grid(fn, *args):
+    """The grid of the one pallas_call in fn's jaxpr."""
+    def find(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                return e.params["grid_mapping"].grid
+            for p in e.params.values():
+                inner = getattr(p, "jaxpr", None)
+                found = inner is not None and find(getattr(inner, "jaxpr", inner))
+                if found:
+                    return found
+        return None
+    return find(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.mark.parametrize("t,grid", [(gp.Tiles(16, 64, 1, mode="fma"), (16,)),
+                                    (gp.Tiles(16, 64, 1, mode="fma", rows=4), (4,)),
+                                    (gp.Tiles(16, 64, 2, mode="dot", rows=2), (8, 2)),
+                                    (gp.Tiles(16, 64, 4), (16, 4))])
+def test_grid_has_one_program_per_row_tiles_and_k_slice(t, grid):
+    """N / (bn * rows) programs along the rows (in the interpreter an extra program's clamped loads and stores
+    would rewrite the last tile with its own values: invisible in the outputs), times the K slices."""
+    n, k = 256, 512
+    x, w = jnp.ones((2, k), jnp.bfloat16), jnp.ones((n, k), jnp.bfloat16)
+    assert _pallas_grid(lambda x, w: gp.gemv(x, w, fmt="bf16", tiles=t, interpret=True), x, w) == grid
+
+
 def test_tuned_fma_tiles_are_not_used_beyond_their_token_count(monkeypatch):
     """A tuned "fma" entry (M bucket 1) serves one token (FMA_AUTO_MAX_M); more tokens get the heuristic's looped
     tiles (measured faster at five), unless an entry tuned at their own bucket names "fma"."""

@@ -310,7 +310,7 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     out = stacked.call(
         kern, args,
         out_shape=out_shape,
-        grid=(n // t.bn, t.split) if t.mode == "loop" or t.split > 1 else (n // (t.bn * t.rows),),
+        grid=(n // (t.bn * t.rows),) + ((t.split,) if t.mode == "loop" or t.split > 1 else ()),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_{fmt}" if t.mode == "loop" else f"fnx_gemv_{fmt}_{t.mode}",
