@@ -179,19 +179,15 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
         sc = sc.astype(F32)
         if e2m1 in ("f16", "asm"):
             sc = sc * kernel_math.E2M1_F16_SCALE
-        if gsum and not wround:
-            if e2m1 == "asm":
-                return _Grouped(kernel_math.e2m1_pair_f32(p, asm=True), sc)
-            p = p.astype(jnp.uint32)
-            code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
-            return _Grouped((code(p & 0xF), code(p >> 4)), sc)
-        sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
         if e2m1 == "asm":
             codes = kernel_math.e2m1_pair_f32(p, asm=True)
         else:
             p = p.astype(jnp.uint32)
             code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
             codes = (code(p & 0xF), code(p >> 4))
+        if gsum and not wround:
+            return _Grouped(codes, sc)
+        sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
         if not wround:
             return tuple(c * sc for c in codes)
         s2 = s2[:, None]
