@@ -30,6 +30,13 @@ log = logging.getLogger("fnx.pallas")
 
 BACKENDS = ("reference", "pallas", "pallas_interpret")
 
+# Every op name `resolve` is called with (tests/pallas/test_dispatch.py checks each kernel module's names against
+# it). FNX_KERNELS="op=backend" with any other op name is an error: a misspelt name would otherwise leave every op
+# on "auto" without a word.
+KNOWN_OPS = ("gemv_bf16", "gemv_fp8", "gemv_nvfp4", "gemv_bf16_argmax", "gemv_fp8_argmax", "gemv_nvfp4_argmax",
+             "gemv_pair", "gdn_decode", "gdn_step", "gdn_prefill", "hc_boundary", "hc_boundary_m1", "hc_boundary_few",
+             "qsa_decode_attention", "qsa_index_scores", "moe_route", "moe_experts", "moe_decode", "moe_grouped")
+
 # Ops whose compiled kernel has passed its tests on a GPU (`pytest tests/pallas` on the H200 runs every kernel
 # test against the compiled kernel): only these are picked by "auto". Every other kernel is tested in interpret
 # mode and lowers for CUDA, but runs on a GPU only when named (impl= or FNX_KERNELS), until its GPU run passes.
@@ -265,6 +272,12 @@ def env_choice(op: str) -> str | None:
         name, sep, value = part.partition("=")
         if not sep or not name.strip():
             raise ValueError(f"FNX_KERNELS={spec!r}: {part!r} is not op=backend")
+        if name.strip() not in KNOWN_OPS:
+            import difflib
+            near = [o for o in KNOWN_OPS if o.startswith(name.strip())] or \
+                difflib.get_close_matches(name.strip(), KNOWN_OPS, n=1)
+            raise ValueError(f"FNX_KERNELS={spec!r}: no op is named {name.strip()!r}"
+                             f"{f' (did you mean {near[0]!r}?)' if near else ''}; the ops: {', '.join(KNOWN_OPS)}")
         if name.strip() == op:
             choice = value.strip()
     return choice

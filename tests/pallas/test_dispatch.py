@@ -129,3 +129,26 @@ def test_qsa_attention_kernel_under_auto_only_for_long_caches(fake_gpu):
     assert qsa_api.backend(prefer_reference=long_) == "pallas"
     assert qsa_api.backend("pallas", prefer_reference=short) == "pallas"
     assert dispatch.resolve(qsa_api.SCORES_OP) == "reference"
+
+
+def test_env_names_only_known_ops(monkeypatch):
+    """A misspelt op in FNX_KERNELS is an error naming the nearest op, not a silent "auto" for every op."""
+    monkeypatch.setenv("FNX_KERNELS", "qsa_decode=pallas")
+    with pytest.raises(ValueError, match="no op is named 'qsa_decode' \\(did you mean 'qsa_decode_attention'"):
+        dispatch.resolve("gemv_fp8")
+    monkeypatch.setenv("FNX_KERNELS", "gemv_fp8=reference,qsa_decode_attention=reference")
+    assert dispatch.resolve("qsa_decode_attention") == "reference"
+
+
+def test_known_ops_cover_every_kernel_module():
+    """KNOWN_OPS holds each op name the kernel modules resolve, and the tables keyed by op name use only those."""
+    from fnx.pallas.gdn import api as gdn_api
+    from fnx.pallas.gemv import api as gemv_api
+    from fnx.pallas.hc import api as hc_api
+    from fnx.pallas.qsa import api as qsa_api
+    names = {gdn_api.OP, gdn_api.STEP_OP, gdn_api.OP_PREFILL, hc_api.OP, hc_api.OP_M1, hc_api.OP_FEW, qsa_api.OP,
+             qsa_api.SCORES_OP, gemv_api.PAIR_OP, "moe_route", "moe_experts", "moe_decode", "moe_grouped"}
+    names |= {f"gemv_{f}{s}" for f in gemv_api.FORMATS for s in ("", "_argmax")}
+    assert names == set(dispatch.KNOWN_OPS)
+    for table in (dispatch.VERIFIED_ON_GPU, dispatch.AUTO_KEEPS_REFERENCE, dict.fromkeys(dispatch.MESH_READY)):
+        assert set(table) <= set(dispatch.KNOWN_OPS), set(table) - set(dispatch.KNOWN_OPS)
