@@ -357,13 +357,15 @@ def test_decode_unrounded_weights(fmt, m, shared_fmt, acc, group):
 
 
 @pytest.mark.parametrize("m,shared_fmt,acc,group,e2m1", [
-    (1, "nvfp4", 1, 1, "f16"), (1, "fp8", 0, 0, "int"), (5, "nvfp4", 0, 1, "asm"), (2, "fp8", 0, 0, "f16")])
+    (1, "nvfp4", 1, 1, "f16"), (1, "fp8", 0, 0, "int"), (5, "nvfp4", 0, 1, "asm"), (2, "fp8", 0, 0, "f16"),
+    (5, "nvfp4", 1, 1, "asm"), (3, "fp8", 1, 0, "f16")])   # acc 1 with several tokens: group-sum tiles per token
 def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
     """`gsum` 1 (NVFP4, wround 0): each 16-value group's products summed, then its scale applied once. Within the
     bound of the reference, and within an fp32 reordering of the per-weight-scale kernel: at most two bf16 ulps
     apart, most outputs identical (a scale applied to the wrong group, or twice, would miss by far more).
-    `tok` 1 too at several tokens. With `wround` 1 it is refused: the reference rounds each weight."""
-    args = _decode_args("nvfp4", m, 60 + m, shared_fmt=shared_fmt)
+    `tok` 1 too at several tokens. With `wround` 1 it is refused: the reference rounds each weight. acc 1 with
+    several tokens keeps each token's group sums as tiles over the chunks: another fp32 order, the same bound."""
+    args = _decode_args("nvfp4", m, 60 + m + 7 * acc, shared_fmt=shared_fmt)
     tiles = dataclasses.replace(DT, group=group, acc=acc, e2m1=e2m1, wround=0, gsum=1)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = run(tiles, *args)
@@ -593,7 +595,8 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm")),
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
-                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm", wround=0, gsum=1))):
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm", wround=0, gsum=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -50,13 +50,15 @@ BF16 = jnp.bfloat16
 # - seventeenth session (9a1f780): the E2M1 decode in inline PTX (e2m1 "asm") at five tokens 207.0 against 235.9 us
 #   (meta 1 with "f16": 217.9), so "asm" is the five-token default (`MEASURED_TOKENS`); at one token 64.0 against
 #   59.0 us, so one token keeps "f16".
-# Next: group sums (gsum 1: each NVFP4 group's scale applied to its sum, not to each weight; not yet compiled on a
-# GPU), then meta 1 with the "asm" decode at five tokens.
+# - eighteenth session (85747e6): group sums (gsum 1) with the PTX decode at one token 44.5 against 57.2 us for the
+#   "f16" default (gsum 1 with "f16": 59.7), so "asm" + gsum is the one-token default; at five tokens gsum 1 with a
+#   row reduction per chunk (acc 0) 218.1 and meta 1 with "asm" 203.0, against the default's 202.6.
+# Next: at five tokens, gsum 1 with acc 1 (each token's group sums kept as tiles, one row reduction at the end: the
+# arrangement that won at one token; not yet compiled on a GPU); then the same with 2 warps for the down kernel.
 _SWEEP_M1: list = []
-_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 0, "asm", 0, 0, 0, 0, 1),   # the default with group sums
-             (4, 512, 8, 128, 1, 4, 2, 0, "asm", 1, 0, 0, 0, 0)]   # the slot metadata once (meta 1)
-_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 1, "f16", 0, 0, 0, 0, 1),   # the default with group sums
-                (4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1)]   # and with the PTX decode
+_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1),   # group sums kept as tiles per token
+             (4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1)]   # the same, one-warp down programs
+_SWEEP_NVFP4: list = []
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):

@@ -79,7 +79,9 @@ class DecodeTiles:
     num_warps2: int = 4
     acc: int = 0         # one token: 0 = each chunk's products summed across the row at once (a cross-thread
                          # reduction per chunk); 1 = kept as tiles, added elementwise, summed once per row (more
-                         # registers, one reduction); more tokens always use 0
+                         # registers, one reduction). More tokens: 0; with gsum 1, acc 1 keeps each routed token's
+                         # group sums as a [bn, cw/16] tile over the chunks (gate/up and the routed down terms),
+                         # one row reduction per token at the end instead of one per chunk
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
@@ -353,14 +355,20 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             hits = [hit_ref[s * m + i] != 0 for i in range(m)]
         else:
             hits = [_routes_to(flat, e, k, i) for i in range(m)]
-        accs = [(jnp.zeros((bn,), F32), jnp.zeros((bn,), F32)) for _ in range(m)]
+        gtiles = acc_tiles and gsum and not wround and fmt == "nvfp4"   # group-sum tiles per token
+        z = jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32)
+        accs = [(z, z) for _ in range(m)]
         for c in range(nk):
             wg, wu = deq(raw_g[c]), deq(raw_u[c])
 
             def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
+                if gtiles:
+                    return acc[0] + _group_sums(wg, xv), acc[1] + _group_sums(wu, xv)
                 return acc[0] + _rowdot(wg, _scaled(xv, cs[c][0])), acc[1] + _rowdot(wu, _scaled(xv, cs[c][1]))
             accs = _accumulate(m, hits, accs, add)
+        if gtiles:
+            accs = [(jnp.sum(a, axis=1), jnp.sum(b, axis=1)) for a, b in accs]
         for i in range(m):      # tokens not routed here store silu(0) * 0 = 0, never read by the down kernel
             a = _silu_mul(rnd(_rows(accs[i][0], rs_g), dt), rnd(_rows(accs[i][1], rs_u), dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
@@ -398,7 +406,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False):
+                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -428,16 +436,23 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             coefs = [jnp.sum(jnp.where(h, rw, 0.0)) for h in hits]
         return routed, coefs, [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
 
+    gtiles = m > 1 and acc_tiles and gsum and not wround and fmt == "nvfp4"    # group-sum tiles per token
+
     def slot(s, accs, loaded=None):
         routed, coefs, raw = loaded or slot_loads(s)
-        acc = [jnp.zeros((bn,), F32) for _ in range(m)]
+        acc = [jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32) for _ in range(m)]
         for c in range(nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
             cs = _col_scale(fmt, raw[c], cw, wround)
 
             def add(i, a, w_c=w_c, c=c, cs=cs):
-                return a + _rowdot(w_c, _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs))
+                xv = _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4")
+                if gtiles:
+                    return a + _group_sums(w_c, xv)
+                return a + _rowdot(w_c, _scaled(xv, cs))
             acc = _accumulate(m, routed, acc, add)
+        if gtiles:
+            acc = [jnp.sum(a, axis=1) for a in acc]
         rs = _row_scale(fmt, raw[0], wround)
         out = []
         for i in range(m):
@@ -587,7 +602,8 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # NVFP4 layer at five tokens took 207.0 us with the E2M1 decode in inline PTX (e2m1 "asm") against 235.9 with "f16"
 # (and 217.9 with the slot metadata once, meta 1); at one token "asm" took 64.0 against 59.0 us, so it stays "f16".
 # In the 48-layer MTP round at 8K (ac51c89) the MoE family fell from 7.86 to 6.83 ms of kernel time with it.
-# At five tokens the eighteenth session measured "asm" with gsum 0 at 202.6 us and with gsum 1 at 203.0: gsum stays 0.
+# At five tokens the eighteenth session measured "asm" at 202.6 us, with gsum 1 (acc 0: a row reduction per chunk)
+# at 218.1 and with meta 1 at 203.0: gsum and meta stay 0 there.
 MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], e2m1="asm", gsum=0)}
 
 
@@ -688,7 +704,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
-                          wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
+                          wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc)),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
