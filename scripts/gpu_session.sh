@@ -23,6 +23,7 @@
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
+#   scripts/gpu_session.sh roundtable  # every kernel of the step, draft and verify at 8K (ROUND_CTX), matched to HLO
 #   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
 #   scripts/gpu_session.sh graph     # host cost per kernel node of a bare chain of N kernels (GRAPH_NODES, GRAPH_MODES)
 set -uo pipefail
@@ -30,7 +31,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | cmdbuf | graph | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -152,6 +153,14 @@ case "$part" in
       timeout ${TABLE_S:-150} python scripts/probe_launch.py --layers 4 --dispatch-only --no-round --kernel-table \
         --calls 3 --chains 5 $f --out "$OUT/probe" 2>&1 | grep -E '"part"|^ +[0-9.]+ us' | cut -c1-300 | head -30
     done ;;
+  roundtable)   # every kernel of the step and of the MTP round's draft and verify programs, matched to their HLO
+                # (op_name, fused opcodes): 4 layers, FP8 dense + NVFP4 experts, fused projections, at ROUND_CTX
+                # (8192: issue 8's round target); where the round's "other XLA" and cuBLAS time comes from
+    timeout ${ROUND_S:-200} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse --context ${ROUND_CTX:-8192} \
+      --kernel-table --reps 5 --calls 3 --chains 2 --label roundtable --out "$OUT/probe" ${ROUND_ARGS:-} > "$OUT/roundtable.log" 2>&1
+    grep -E '"part": "(kernel table|draft|verify|decode)"' "$OUT/roundtable.log" | cut -c1-260
+    grep -E '^ +[0-9.]+ us' "$OUT/roundtable.log" | head -70
+    rm -rf "$OUT"/probe/trace_* "$OUT"/probe/decode_hlo* ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \

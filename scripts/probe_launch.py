@@ -161,6 +161,9 @@ def main():
     ap.add_argument("--calls", type=int, default=5, help="profiled calls")
     ap.add_argument("--reps", type=int, default=30, help="unprofiled calls for the median")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=1024,
+                    help="tokens already in the cache when the timed calls start (the KV capacity follows it): "
+                         "the QSA layers' and the MTP layer's attention grow with it; issue 8's round target is at 8192")
     ap.add_argument("--label", default=os.environ.get("XLA_FLAGS", "") or "default")
     ap.add_argument("--out", default="gpu_out/probe")
     ap.add_argument("--no-round", action="store_true", help="the decode step only")
@@ -177,7 +180,9 @@ def main():
                     help="fuse each sublayer's input projections (fnx.model.fuse) in the target and MTP params")
     ap.add_argument("--kernel-table", action="store_true",
                     help="profile the decode step and list every kernel it launches (time per call, the HLO "
-                         "instruction it comes from, its op_name and fused opcodes) to --out/kernel_table_*.jsonl")
+                         "instruction it comes from, its op_name and fused opcodes) to --out/kernel_table_*.jsonl; "
+                         "without --no-round / --dispatch-only also the MTP round's draft and verify programs "
+                         "(kernel_table_draft_* / kernel_table_verify_*)")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile --calls decode steps and list the host-side events per call (launch, command "
                          "buffer update, thunks)")
@@ -194,6 +199,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     # the files of runs with different layers or weights must not overwrite each other's
     tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}{'_fused' if args.fuse else ''}"
+                 f"{f'_ctx{args.context}' if args.context != 1024 else ''}"
                  f"{'_fp8head' if args.fp8_head else ''}"
                  ).strip("_")[:60]
 
@@ -220,7 +226,7 @@ def main():
     if args.fuse:
         from fnx.model.fuse import fuse_mtp, fuse_projections
         params, mp = fuse_projections(cfg, params), fuse_mtp(mp)
-    ctx, heads = 1024, cfg.ngram_heads
+    ctx, heads = args.context, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
     cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8) * (args.k + 2)
     state = init_state(cfg, 1, cap, dtype)
@@ -237,7 +243,7 @@ def main():
     def emit(rec):
         rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan,
                "unroll_stacked": args.unroll_stacked, "quant": args.quant,
-               "fused_projections": args.fuse, "fp8_head": args.fp8_head,
+               "fused_projections": args.fuse, "fp8_head": args.fp8_head, "context": ctx,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
                "commit": commit, **rec}
         print(json.dumps(rec), flush=True)
@@ -366,23 +372,28 @@ def main():
                 os.environ.pop("FNX_KERNELS", None)
             else:
                 os.environ["FNX_KERNELS"] = saved
-    if args.kernel_table:
-        led = ledger.profile(dec, args.calls, log_dir=os.path.join(args.out, f"trace_table_{tag}"))
+    def write_table(fn, hlo_text: str, name: str, program: str, top: int = 40):
+        """Profile `args.calls` calls of fn and list every kernel they launch, matched to `hlo_text`'s
+        instructions, to --out/kernel_table_<name>.jsonl; print the `top` costliest."""
+        led = ledger.profile(fn, args.calls, log_dir=os.path.join(args.out, f"trace_{name}"))
         import gzip
         with gzip.open(led["trace"], "rt") as f:
             trace = json.load(f)
-        table = kernel_table(ledger.device_kernels(trace), args.calls, hlo_fusions(text))
-        path = os.path.join(args.out, f"kernel_table_{tag}.jsonl")
+        table = kernel_table(ledger.device_kernels(trace), args.calls, hlo_fusions(hlo_text))
+        path = os.path.join(args.out, f"kernel_table_{name}.jsonl")
         with open(path, "w") as f:
             for row in table:
                 f.write(json.dumps(row) + "\n")
         matched = sum(1 for r in table if r.get("op"))
-        emit({"part": "kernel table", "kernels_per_call": led["launches_per_call"],
+        emit({"part": "kernel table", "program": program, "kernels_per_call": led["launches_per_call"],
               "busy_ms_per_call": led["busy_ms_per_call"], "distinct_kernels": len(table),
               "matched_to_hlo": matched, "file": os.path.basename(path)})
-        for row in sorted(table, key=lambda r: -r["us_per_call"])[:40]:
+        for row in sorted(table, key=lambda r: -r["us_per_call"] * r["per_call"])[:top]:
             print(f"{row['us_per_call']:8.2f} us x{row['per_call']:.0f} {row['kernel'][:40]:40s} "
                   f"{row.get('op', '?'):22s} {row.get('op_name', '')[-70:]}", flush=True)
+
+    if args.kernel_table:
+        write_table(dec, text, tag, "decode")
     if args.host_profile:
         # host-side events of one profiled decode step (XLA runs command buffers while profiling only with
         # --xla_enable_command_buffers_during_profiling=true in XLA_FLAGS: set it to see graph launch / update)
@@ -425,6 +436,16 @@ def main():
         hold["s"] = s
         jax.block_until_ready(toks)
 
+    if args.kernel_table:   # the round's two programs, each matched to its own optimized HLO
+        draft_args = (params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32), jnp.ones((1,), jnp.int32), sp, keys,
+                      cfg, "auto", k)
+        draft_hlo = _jit_draft.lower(*draft_args, greedy=True).compile().as_text()
+        draft()
+        verify_args = (params, hold["s"], jnp.concatenate([one, parts["d"]], axis=1), jnp.ones((1,), bool), pk,
+                       parts["q"], sp, keys, cfg, "auto", 0)
+        verify_hlo = _jit_verify.lower(*verify_args, greedy=True).compile().as_text()
+        write_table(draft, draft_hlo, f"draft_{tag}", "draft", top=25)
+        write_table(verify, verify_hlo, f"verify_{tag}", "verify", top=40)
     for name, fn in (("draft", draft), ("verify", verify)):
         ms = timed(fn, args.reps)
         led, g = profiled(name, fn)

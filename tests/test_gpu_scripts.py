@@ -81,18 +81,22 @@ def test_probe_launch_writes_every_part(tmp_path):
     no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
     parts use the engine's greedy programs, tested in tests/engine."""
     _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "2", "--calls", "1",
-          "--chains", "2", "--kernel-variants", "reference", "--kernel-table", "--no-round", "--out", str(tmp_path)],
-         tmp_path)
+          "--chains", "2", "--kernel-variants", "reference", "--kernel-table", "--context", "100", "--out",
+          str(tmp_path)], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     parts = [r["part"] for r in recs]
-    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "decode"]
-    assert recs[4]["kernels_per_call"] == 0 and (tmp_path / recs[4]["file"]).exists()   # no device lanes on a CPU
+    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "decode",
+                     "kernel table", "kernel table", "draft", "verify"]
+    assert [r.get("program") for r in recs if r["part"] == "kernel table"] == ["decode", "draft", "verify"]
+    for r in (r for r in recs if r["part"] == "kernel table"):
+        assert r["kernels_per_call"] == 0 and (tmp_path / r["file"]).exists()   # no device lanes on a CPU
+    assert all(r["context"] == 100 for r in recs)
     disp = recs[1]
     assert disp["step_ms"] > 0 and disp["chained_ms_per_step"] > 0 and disp["param_leaves"] > 0
     assert len(disp["chained_ms_all"]) == 2
     assert recs[2]["kernels"] == recs[3]["kernels"] == "reference" and recs[3]["chained_ms_per_step"] > 0
-    assert (tmp_path / "trace_decode_default_4l_bf16.json.gz").exists()
-    assert (tmp_path / "decode_hlo_default_4l_bf16.txt").exists()
+    assert (tmp_path / "trace_decode_default_4l_bf16_ctx100.json.gz").exists()
+    assert (tmp_path / "decode_hlo_default_4l_bf16_ctx100.txt").exists()
 
 
 def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
