@@ -337,14 +337,16 @@ def test_decode_variants_match_reference(fmt, m, acc, e2m1):
 
 @pytest.mark.parametrize("fmt,m,shared_fmt,acc,group", [
     ("nvfp4", 1, "fp8", 1, 1), ("nvfp4", 1, "nvfp4", 0, 0), ("nvfp4", 5, "fp8", 0, 1), ("fp8", 1, None, 1, 1),
-    ("fp8", 3, None, 0, 0)])
+    ("fp8", 3, None, 0, 0),
+    ("fp8", 5, None, 1, 1), ("nvfp4", 3, "fp8", 1, 0)])   # acc 1, several tokens: 16-column partial-sum tiles
 def test_decode_unrounded_weights(fmt, m, shared_fmt, acc, group):
     """`wround` 0: the scales go on the activation columns (FP8) or the row sums (NVFP4's global) in fp32 and no
     weight is rounded to bf16, as the GEMV kernels do. The result is within the same bound of the reference (the
     weights' bf16 rounding is far below an output's bf16 ulp on average), and differs from the rounded kernel's
     bits: the variant really leaves the rounding out. A missing or doubled scale would miss by orders of
-    magnitude. `tok` 1 (the per-token down programs) is checked too for the several-token case."""
-    args = _decode_args(fmt, m, 40 + m, shared_fmt=shared_fmt)
+    magnitude. `tok` 1 (the per-token down programs) is checked too for the several-token case. With several
+    tokens, acc 1 keeps each token's 16-column partial sums as tiles (rounded and unrounded weights alike)."""
+    args = _decode_args(fmt, m, 40 + m + 11 * acc, shared_fmt=shared_fmt)
     tiles = dataclasses.replace(DT, group=group, acc=acc, e2m1="f16" if fmt == "nvfp4" else "int", wround=0)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = run(tiles, *args)
@@ -596,7 +598,8 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm")),
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm", wround=0, gsum=1)),
-                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1))):
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
+                           ("fp8", m, decode_pallas.DecodeTiles(group=1, acc=1, wround=0))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -53,11 +53,13 @@ BF16 = jnp.bfloat16
 # - eighteenth session (85747e6): group sums (gsum 1) with the PTX decode at one token 44.5 against 57.2 us for the
 #   "f16" default (gsum 1 with "f16": 59.7), so "asm" + gsum is the one-token default; at five tokens gsum 1 with a
 #   row reduction per chunk (acc 0) 218.1 and meta 1 with "asm" 203.0, against the default's 202.6.
-# Next: at five tokens, gsum 1 with acc 1 (each token's group sums kept as tiles, one row reduction at the end: the
-# arrangement that won at one token; not yet compiled on a GPU); then the same with 2 warps for the down kernel.
+# Next: at five tokens, acc 1 (each token's 16-column partial sums kept as tiles, one row reduction at the end: the
+# arrangement that won at one token; not yet compiled on a GPU), with and without gsum; then one-warp down programs.
+# (At five tokens FP8 runs these tiles too: e2m1 and gsum mean nothing there.)
 _SWEEP_M1: list = []
 _SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1),   # group sums kept as tiles per token
-             (4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1)]   # the same, one-warp down programs
+             (4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 0),   # partial sums of scaled weights as tiles
+             (4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1)]   # group-sum tiles, one-warp down programs
 _SWEEP_NVFP4: list = []
 
 

@@ -79,9 +79,10 @@ class DecodeTiles:
     num_warps2: int = 4
     acc: int = 0         # one token: 0 = each chunk's products summed across the row at once (a cross-thread
                          # reduction per chunk); 1 = kept as tiles, added elementwise, summed once per row (more
-                         # registers, one reduction). More tokens: 0; with gsum 1, acc 1 keeps each routed token's
-                         # group sums as a [bn, cw/16] tile over the chunks (gate/up and the routed down terms),
-                         # one row reduction per token at the end instead of one per chunk
+                         # registers, one reduction). More tokens: 0 = a row reduction per chunk and routed token;
+                         # 1 = each routed token's products summed per 16 columns (`_part_sums`; with gsum, the
+                         # scaled NVFP4 group sums) and kept as a [bn, cw/16] tile over the chunks, one row
+                         # reduction per token at the end (gate/up and the routed down terms)
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
@@ -245,6 +246,21 @@ def _xs(ref, lead, c0, cw, halves):
     return [ref[(*lead, pl.ds(c0, cw))].astype(F32)]
 
 
+def _part_sums(ws, xs):
+    """[rows, cw/16]: per row and 16-column group, sum_c w[r, c] * x[c] over the tile pieces: a `_Grouped` chunk's
+    scaled group sums, or the products of each 16 columns of a plain tile summed (8 of each NVFP4 nibble tile:
+    packed columns [8j, 8j+8) are group j)."""
+    if isinstance(ws, _Grouped):
+        return _group_sums(ws, xs)
+    per = 16 // len(ws)
+    part = None
+    for w, x in zip(ws, xs):
+        rows, n = w.shape
+        t = jnp.sum((w * x[None, :]).reshape(rows, n // per, per), axis=2)
+        part = t if part is None else part + t
+    return part
+
+
 def _rowdot(ws, xs):
     """sum_c w[r, c] * x[c] in fp32 over the tile pieces: [rows]."""
     if isinstance(ws, _Grouped):
@@ -355,7 +371,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             hits = [hit_ref[s * m + i] != 0 for i in range(m)]
         else:
             hits = [_routes_to(flat, e, k, i) for i in range(m)]
-        gtiles = acc_tiles and gsum and not wround and fmt == "nvfp4"   # group-sum tiles per token
+        gtiles = acc_tiles      # (m > 1 here) per-token tiles of 16-column partial sums
         z = jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32)
         accs = [(z, z) for _ in range(m)]
         for c in range(nk):
@@ -363,9 +379,8 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
             def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
-                if gtiles:
-                    return acc[0] + _group_sums(wg, xv), acc[1] + _group_sums(wu, xv)
-                return acc[0] + _rowdot(wg, _scaled(xv, cs[c][0])), acc[1] + _rowdot(wu, _scaled(xv, cs[c][1]))
+                part = _part_sums if gtiles else _rowdot
+                return acc[0] + part(wg, _scaled(xv, cs[c][0])), acc[1] + part(wu, _scaled(xv, cs[c][1]))
             accs = _accumulate(m, hits, accs, add)
         if gtiles:
             accs = [(jnp.sum(a, axis=1), jnp.sum(b, axis=1)) for a, b in accs]
@@ -436,7 +451,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             coefs = [jnp.sum(jnp.where(h, rw, 0.0)) for h in hits]
         return routed, coefs, [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
 
-    gtiles = m > 1 and acc_tiles and gsum and not wround and fmt == "nvfp4"    # group-sum tiles per token
+    gtiles = m > 1 and acc_tiles    # per-token tiles of 16-column partial sums (`DecodeTiles.acc`)
 
     def slot(s, accs, loaded=None):
         routed, coefs, raw = loaded or slot_loads(s)
@@ -446,10 +461,8 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             cs = _col_scale(fmt, raw[c], cw, wround)
 
             def add(i, a, w_c=w_c, c=c, cs=cs):
-                xv = _xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4")
-                if gtiles:
-                    return a + _group_sums(w_c, xv)
-                return a + _rowdot(w_c, _scaled(xv, cs))
+                xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs)
+                return a + (_part_sums if gtiles else _rowdot)(w_c, xv)
             acc = _accumulate(m, routed, acc, add)
         if gtiles:
             acc = [jnp.sum(a, axis=1) for a in acc]
@@ -603,8 +616,12 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # (and 217.9 with the slot metadata once, meta 1); at one token "asm" took 64.0 against 59.0 us, so it stays "f16".
 # In the 48-layer MTP round at 8K (ac51c89) the MoE family fell from 7.86 to 6.83 ms of kernel time with it.
 # At five tokens the eighteenth session measured "asm" at 202.6 us, with gsum 1 (acc 0: a row reduction per chunk)
-# at 218.1 and with meta 1 at 203.0: gsum and meta stay 0 there.
-MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], e2m1="asm", gsum=0)}
+# at 218.1 and with meta 1 at 203.0: gsum and meta stay 0 there. acc 1 means another arrangement for several tokens
+# (tiles of 16-column partial sums per token) than the one measured above (`DecodeTiles.acc`), so it is 0 here until
+# measured.
+MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], e2m1="asm", gsum=0, acc=0),
+                   "fp8_block": dataclasses.replace(MEASURED["fp8_block"], acc=0),
+                   "dense": dataclasses.replace(MEASURED["dense"], acc=0)}
 
 
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: int = 1) -> DecodeTiles:
