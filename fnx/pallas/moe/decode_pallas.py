@@ -82,7 +82,7 @@ class DecodeTiles:
                          # registers, one reduction). More tokens: 0 = a row reduction per chunk and routed token;
                          # 1 = each routed token's products summed per 16 columns (`_part_sums`; with gsum, the
                          # scaled NVFP4 group sums) and kept as a [bn, cw/16] tile over the chunks, one row
-                         # reduction per token at the end (gate/up and the routed down terms)
+                         # reduction per token at the end (gate/up, the routed down terms and the shared expert's)
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
@@ -400,18 +400,23 @@ def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
 
 
 def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s, dt, e2m1, wround, loads,
-                  raw=None, gsum=False):
+                  raw=None, gsum=False, tiles=False):
     """The shared expert's output columns for each of `tokens` (ints, or a program's token index):
-    round(round(silu(gate) * up @ down.T) * round(sigmoid(gate logit))), each [bn] fp32 holding dt values."""
+    round(round(silu(gate) * up @ down.T) * round(sigmoid(gate logit))), each [bn] fp32 holding dt values.
+    tiles: each token's 16-column partial sums kept as a [bn, cw/16] tile over the chunks (`DecodeTiles.acc` with
+    several tokens), one row reduction per token at the end."""
     raw = raw or loads()
-    acc = [jnp.zeros((bn,), F32) for _ in tokens]
+    acc = [jnp.zeros((bn, cw // 16) if tiles else (bn,), F32) for _ in tokens]
+    part = _part_sums if tiles else _rowdot
     for c in range(inter_s // cw):
         w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
         cs = _col_scale(sfmt, raw[c], cw, wround)
         for n, i in enumerate(tokens):
             g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
             u = _xs(su_ref, (i,), offs[1] + c * cw, cw, sfmt == "nvfp4")
-            acc[n] = acc[n] + _rowdot(w_c, _scaled([_silu_mul(a, b, dt) for a, b in zip(g, u)], cs))
+            acc[n] = acc[n] + part(w_c, _scaled([_silu_mul(a, b, dt) for a, b in zip(g, u)], cs))
+    if tiles:
+        acc = [jnp.sum(a, axis=1) for a in acc]
     rs = _row_scale(sfmt, raw[0], wround)
     out = []
     for n, i in enumerate(tokens):
@@ -475,7 +480,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     shared_loads = functools.partial(_shared_loads, sfmt, sh_refs, c0, bn, cw, inter_s)
     shared = functools.partial(_shared_terms, sfmt, sg_ref, su_ref, ssig_ref, offs, range(m), bn, cw, inter_s,
-                               dt, e2m1, wround, shared_loads, gsum=gsum)
+                               dt, e2m1, wround, shared_loads, gsum=gsum, tiles=gtiles)
 
     zeros = tuple(jnp.zeros((bn,), F32) for _ in range(m))
     if group == 0:          # one program: every slot, the combine and the shared expert, y in dt
