@@ -70,6 +70,90 @@ def e2m1_pair_f32(packed, asm: bool = False):
     return e2m1_f16(p & 0xF).astype(F32), e2m1_f16(p >> 4).astype(F32)
 
 
+# One NVFP4 group (16 codes: two 32-bit words $8, $9 of Triton's `pack` = 8 for 8-bit elements) times its 16
+# activations, in half2 arithmetic: the e2m1 -> fp16 placement of `e2m1_f16` done on the top nibble of both 16-bit
+# halves of a word at once ((w & 0x80008000) | ((w >> 3) & 0x0E000E00): the codes of columns 3 and 7), then on the word
+# shifted left by 4, 8 and 12 (columns 2 and 6, 1 and 5, 0 and 4); each half2 of codes is multiplied with its
+# activation pair {x'[q], x'[q + 4]} ($10-$13 for the first word's q = 0..3, $14-$17 for the second's) and added into
+# one half2 accumulator (the products are exact in fp16: a code has 2 significant bits, x' 8; the 15 sums round
+# to fp16). $0 = the two halves' sum in fp32; $1-$7 = 0 (the caller sums each 8 outputs: one group).
+_E2M1_HFMA_PAIR = ("and.b32 w, q, 0x80008000; shr.b32 t, q, 3; and.b32 t, t, 0x0E000E00; or.b32 w, w, t; "
+                   "{op} acc, w, ${x}{acc};\n")
+
+
+def _hfma_asm() -> str:
+    lines = ["{", ".reg .b32 q, t, w, acc;", ".reg .b16 h0, h1;", ".reg .f32 f0, f1;"]
+    for word, (src, x0) in enumerate((("$8", 10), ("$9", 14))):
+        lines.append(f"mov.b32 q, {src};")
+        for k in range(4):           # columns (3 - k, 7 - k) of the word: activation pair q = 3 - k
+            if k:
+                lines.append("shl.b32 q, q, 4;")
+            first = word == 0 and k == 0
+            lines.append(_E2M1_HFMA_PAIR.format(op="mul.rn.f16x2" if first else "fma.rn.f16x2", x=x0 + 3 - k,
+                                                acc="" if first else ", acc").rstrip("\n"))
+    lines += ["mov.b32 {h0, h1}, acc;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;", "add.f32 $0, f0, f1;"]
+    lines += [f"mov.f32 ${i}, 0f00000000;" for i in range(1, 8)]
+    return "\n".join(lines + ["}"])
+
+
+_E2M1_HFMA_ASM = _hfma_asm()
+HFMA_X_TOP = 14          # the prescale puts max |x'| in [2^14, 2^15): 16 products of codes (<= 6 * 2^-14) stay < 96
+
+
+def hfma_prescale(mx):
+    """(2^s, 2^-s) fp32 for a row whose max |x| is mx: x' = x * 2^s has its max in [2^14, 2^15) (fp16 holds it, and
+    a group's 16 products, codes * 2^-14 * x', sum below 96), s clipped to the fp32 normal exponents. Exact powers
+    of two (built from their bits): the rescale by 2^-s is exact."""
+    e = ((lax.bitcast_convert_type(mx.astype(F32), jnp.int32) >> 23) & 0xFF) - 127
+    s = jnp.clip(HFMA_X_TOP - e, -126, 127)
+    up = lax.bitcast_convert_type(((s + 127) << 23).astype(jnp.int32), F32)
+    down = lax.bitcast_convert_type(((127 - s) << 23).astype(jnp.int32), F32)
+    return up, down
+
+
+def hfma_pairs(lo, hi):
+    """x' at columns 8w + q and 8w + q + 4 (each [cw/2], element 4w + q), as fp16 -> uint32 half2 words
+    {lo, hi} (lo in the low half), the activation operand of `e2m1_hfma_group_sums` with asm."""
+    b = lambda v: lax.bitcast_convert_type(v.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
+    return b(lo) | (b(hi) << 16)
+
+
+def hfma_pair_columns(n_bytes: int):
+    """The column of x' each element of `hfma_pairs`' lo operand reads (hi: + 4), for a chunk of n_bytes packed
+    bytes: element 4w + q -> column 8w + q."""
+    k = lax.broadcasted_iota(jnp.int32, (n_bytes,), 0)
+    return k + 4 * (k // 4)
+
+
+def e2m1_hfma_group_sums(packed, x, asm: bool = False):
+    """Per row and 16-column group, sum_c code_c * 2^-14 * x'_c in fp32: packed [rows, cw/2] uint8 NVFP4 codes (low
+    nibble = even column). asm=True (a Pallas Triton kernel on an NVIDIA GPU): x is `hfma_pairs` [cw/2] uint32 and
+    the products are summed in half2 (`_E2M1_HFMA_ASM`). Otherwise x is x' [cw] (fp32 holding fp16 values) and the
+    same arithmetic runs in jnp: the fp16 products, each half's 8 fp16 sums in the asm's order, the halves added in
+    fp32. Returns [rows, cw/16] fp32."""
+    rows, half = packed.shape
+    if asm:
+        from jax.experimental.pallas import triton as plt
+        out = plt.elementwise_inline_asm(
+            _E2M1_HFMA_ASM, args=[packed.astype(jnp.uint8), jnp.broadcast_to(x, packed.shape)],
+            constraints=",".join(["=f"] * 8 + ["r"] * 10), pack=8,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, F32)])[0]
+        return jnp.sum(out.reshape(rows, half // 8, 8), axis=2)
+    p = packed.astype(jnp.uint32)
+    f16 = jnp.float16
+    v = jnp.stack([e2m1_f16(p & 0xF), e2m1_f16(p >> 4)], axis=-1).reshape(rows, 2 * half)
+    prod = (v * x.astype(f16)[None, :]).reshape(rows, half // 8, 16)            # exact in fp16
+    sums = []
+    for base in (0, 4):      # half 0: columns 0-3 of each word, half 1: columns 4-7; words in order, q = 3..0
+        acc = None
+        for word in (0, 8):
+            for q in (3, 2, 1, 0):
+                t = prod[:, :, word + base + q]
+                acc = t if acc is None else (acc + t).astype(f16)
+        sums.append(acc.astype(F32))
+    return sums[0] + sums[1]
+
+
 def window_operand(a, size: int, lead: tuple, what: str = "operand"):
     """(buffer [*lead, W], start column) for a kernel operand of `size` columns given as an array (its trailing
     axes flattened: [*lead, ...]) or as a window (buffer, start) into a wider product (the fused projections), which

@@ -383,6 +383,67 @@ def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, wround=1))
 
 
+def test_hfma_group_sums_arithmetic():
+    """kernel_math's half2 group sums (e2m1 "hfma"), its jnp form: within fp16 rounding of the exact sums (the
+    products are exact in fp16, 7 sums per half round to 11 bits), the prescale puts max |x'| in [2^14, 2^15) with
+    exact powers of two, and the pair operand holds columns 8w + q and 8w + q + 4."""
+    rng = np.random.default_rng(7)
+    rows, cw = 3, 64
+    packed = jnp.asarray(rng.integers(0, 256, (rows, cw // 2)), jnp.uint8)
+    x = jnp.asarray(rng.standard_normal(cw) * 3.0, jnp.float32)
+    up, down = kernel_math.hfma_prescale(jnp.max(jnp.abs(x)))
+    assert 2.0 ** 14 <= float(jnp.max(jnp.abs(x)) * up) < 2.0 ** 15 and float(up) * float(down) == 1.0
+    assert np.log2(float(up)) == int(np.log2(float(up)))
+    xs = (x * up).astype(jnp.float16).astype(jnp.float32)
+    got = np.asarray(kernel_math.e2m1_hfma_group_sums(packed, xs), np.float64)
+    p = np.asarray(packed, np.uint32)
+    codes = np.stack([np.asarray(reference.e2m1_bits_to_f32(jnp.asarray(p & 0xF))),
+                      np.asarray(reference.e2m1_bits_to_f32(jnp.asarray(p >> 4)))], -1).reshape(rows, cw)
+    prod = codes.astype(np.float64) * 2.0 ** -14 * np.asarray(xs, np.float64)[None, :]
+    exact = prod.reshape(rows, cw // 16, 16).sum(-1)
+    scale = np.abs(prod).reshape(rows, cw // 16, 16).sum(-1)
+    assert np.all(np.abs(got - exact) <= 16 * 2.0 ** -11 * scale + 1e-30), np.max(np.abs(got - exact) / scale)
+    assert np.mean(got != exact) > 0.1          # the fp16 sums really round (not an fp32 computation)
+    cols = np.asarray(kernel_math.hfma_pair_columns(16))
+    assert list(cols) == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]
+    pairs = np.asarray(kernel_math.hfma_pairs(xs[cols], xs[cols + 4]))
+    lo = (pairs & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
+    hi = (pairs >> 16).astype(np.uint16).view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(lo, np.asarray(xs)[cols])
+    np.testing.assert_array_equal(hi, np.asarray(xs)[cols + 4])
+    big, _ = kernel_math.hfma_prescale(jnp.float32(3e38))      # huge and zero rows keep finite powers of two
+    zero, _ = kernel_math.hfma_prescale(jnp.float32(0.0))
+    assert 0 < float(big) < 1 and np.isfinite(float(zero)) and float(zero) > 1
+
+
+@pytest.mark.parametrize("shared_fmt,group", [("fp8", 1), ("nvfp4", 0)])
+def test_decode_hfma_one_token(shared_fmt, group):
+    """e2m1 "hfma" (one token): the NVFP4 group sums in fp16 arithmetic on prescaled activations (in the
+    interpreter, the jnp form of the PTX block). Within the reference's bound, and within a few bf16 ulps (of the
+    output's scale) of the fp32 group sums (gsum 1 on "f16"), most within one of their own. Activations 4096 times larger (products past fp16's 65504 without the
+    prescale, in both kernels) stay within the reference's bound. Refused for several tokens and without acc."""
+    args = _decode_args("nvfp4", 1, 90 + group, shared_fmt=shared_fmt)
+    tiles = dataclasses.replace(DT, group=group, acc=1, e2m1="hfma", wround=0, gsum=1)
+    run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
+    got = run(tiles, *args)
+    _close(got, reference.decode(*args))
+    f32 = np.asarray(run(dataclasses.replace(tiles, e2m1="f16"), *args), np.float32)
+    g = np.asarray(got, np.float32)
+    # fp16 partial sums round at 2^-11: a gate / up sum may then round to the other bf16 neighbour, and the down
+    # product carries that flip, so outputs differ by a few bf16 ulps of the layer's output scale
+    ulp = np.abs(f32) * 2.0 ** -7 + np.abs(f32).max() * 2.0 ** -10
+    assert np.all(np.abs(g - f32) <= 4 * ulp), np.max(np.abs(g - f32) / ulp)
+    assert np.mean(np.abs(g - f32) <= np.abs(f32) * 2.0 ** -7) > 0.5      # most within one ulp of their own
+    big = (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), *args[1:]
+    got_big = np.asarray(run(tiles, *big), np.float32)
+    assert np.all(np.isfinite(got_big))
+    _close(got_big, reference.decode(*big))
+    with pytest.raises(NotImplementedError, match="'hfma'"):
+        decode_pallas.moe_decode(*_decode_args("nvfp4", 2, 5, shared_fmt=shared_fmt), interpret=True, tiles=tiles)
+    with pytest.raises(NotImplementedError, match="'hfma'"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, acc=0))
+
+
 def test_e2m1_f16_codes():
     """Every E2M1 code through fp16 bits, times 2^14, is its value (the subnormal codes 0.5 and -0.5 included)."""
     codes = jnp.arange(16, dtype=jnp.uint32)
@@ -599,7 +660,8 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm", wround=0, gsum=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
-                           ("fp8", m, decode_pallas.DecodeTiles(group=1, acc=1, wround=0))):
+                           ("fp8", m, decode_pallas.DecodeTiles(group=1, acc=1, wround=0)),
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="hfma", wround=0, gsum=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -64,7 +64,7 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
-E2M1_DECODES = ("int", "f16", "asm")
+E2M1_DECODES = ("int", "f16", "asm", "hfma")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,10 @@ class DecodeTiles:
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
-                         # a GPU only, the interpreter runs "f16"): the same values
+                         # a GPU only, the interpreter runs "f16"): the same values. "hfma" (one token, gsum 1,
+                         # acc 1): each group's codes decoded and multiplied with the activations in half2 inside one
+                         # inline-PTX block (`kernel_math.e2m1_hfma_group_sums`), the activations scaled by a power
+                         # of two per row into fp16's range first; the interpreter runs the same fp16 arithmetic
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
                          # 1: one XLA fusion computes them for every slot first and the programs load them;
@@ -156,9 +159,20 @@ class _Grouped:
         self.codes, self.sc = codes, sc
 
 
+class _Packed(_Grouped):
+    """An NVFP4 chunk for e2m1 "hfma": the packed bytes [rows, cw/2] (decoded inside the product) and the group
+    scales as `_Grouped`'s; asm: the inline-PTX block (a GPU), else its fp16 arithmetic in jnp (the interpreter)."""
+
+    def __init__(self, packed, sc, asm):
+        self.packed, self.sc, self.asm = packed, sc, asm
+
+
 def _group_sums(g, xs):
     """[rows, cw/16]: per row and 16-column group, sum_c code * x over its 8 low and 8 high nibble columns, times
-    the group's scale. A byte's two codes are the same group's: packed columns [8j, 8j+8) are group j."""
+    the group's scale. A byte's two codes are the same group's: packed columns [8j, 8j+8) are group j.
+    A `_Packed` chunk takes `_hx`'s activations and sums in fp16 (`kernel_math.e2m1_hfma_group_sums`)."""
+    if isinstance(g, _Packed):
+        return kernel_math.e2m1_hfma_group_sums(g.packed, xs, asm=g.asm) * g.sc
     rows, half = g.codes[0].shape
     part = None
     for c, x in zip(g.codes, xs):
@@ -180,8 +194,10 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
         group = 16
         p, sc, s2 = raw
         sc = sc.astype(F32)
-        if e2m1 in ("f16", "asm"):
+        if e2m1 in ("f16", "asm", "hfma", "hfma_jnp"):
             sc = sc * kernel_math.E2M1_F16_SCALE
+        if e2m1 in ("hfma", "hfma_jnp"):
+            return _Packed(p, sc, asm=e2m1 == "hfma")      # `check`: gsum 1, wround 0
         if e2m1 == "asm":
             codes = kernel_math.e2m1_pair_f32(p, asm=True)
         else:
@@ -244,6 +260,41 @@ def _xs(ref, lead, c0, cw, halves):
     if halves:
         return [ref[(*lead, pl.ds(c0 + h, cw // 2, stride=2))].astype(F32) for h in (0, 1)]
     return [ref[(*lead, pl.ds(c0, cw))].astype(F32)]
+
+
+def _hfma(e2m1, fmt) -> bool:
+    """True when NVFP4 chunks of this kernel go through e2m1 "hfma" (its activations prescaled, `_hx`)."""
+    return fmt == "nvfp4" and e2m1 in ("hfma", "hfma_jnp")
+
+
+def _decode_only(e2m1):
+    """The code decode of e2m1 where a kernel needs the codes themselves (the shared expert's terms)."""
+    return {"hfma": "asm", "hfma_jnp": "f16"}.get(e2m1, e2m1)
+
+
+def _hx_prescale(ref, lead, n, cw):
+    """(2^s, 2^-s) for the activation row ref[lead] of n columns, read in chunks of cw: `kernel_math.hfma_prescale`
+    of its max |x|."""
+    lead = tuple(jnp.int32(i) if isinstance(i, int) else i for i in lead)
+    mx = None
+    for c in range(n // cw):
+        t = jnp.max(jnp.abs(ref[(*lead, pl.ds(c * cw, cw))].astype(F32)))
+        mx = t if mx is None else jnp.maximum(mx, t)
+    return kernel_math.hfma_prescale(mx)
+
+
+def _hx(ref, lead, c0, cw, up, asm):
+    """Activation columns [c0, c0+cw) of ref[lead] times `up`, rounded to fp16, as `e2m1_hfma_group_sums` takes
+    them: with asm the half2 pairs {x'[8w+q], x'[8w+q+4]} (`kernel_math.hfma_pairs`, two gathered loads), else the
+    [cw] vector (fp32 holding fp16 values)."""
+    lead = tuple(jnp.int32(i) if isinstance(i, int) else i for i in lead)
+    if not asm:
+        return (ref[(*lead, pl.ds(c0, cw))].astype(F32) * up).astype(jnp.float16).astype(F32)
+    cols = c0 + kernel_math.hfma_pair_columns(cw // 2)
+    at = tuple(jnp.full(cols.shape, i, jnp.int32) for i in lead)
+    lo = plgpu.load(ref.at[(*at, cols)]).astype(F32) * up
+    hi = plgpu.load(ref.at[(*at, cols + 4)]).astype(F32) * up
+    return kernel_math.hfma_pairs(lo, hi)
 
 
 def _part_sums(ws, xs):
@@ -358,11 +409,20 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
             tg = tu = None
+            hf = _hfma(e2m1, fmt)
+            if hf:                  # the activations in fp16's range: x * 2^s, the sums times 2^-s
+                up, down = _hx_prescale(x_ref, (0,), d, cw)
             for c in range(nk):
-                xv = _xs(x_ref, (0,), c * cw, cw, fmt == "nvfp4")
+                if hf:
+                    xv = _hx(x_ref, (0,), c * cw, cw, up, e2m1 == "hfma")
+                else:
+                    xv = _xs(x_ref, (0,), c * cw, cw, fmt == "nvfp4")
                 tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
                 tu = _tile_fma(tu, deq(raw_u[c]), _scaled(xv, cs[c][1]))
-            a = _silu_mul(rnd(_rows(_tiles_sum(tg), rs_g), dt), rnd(_rows(_tiles_sum(tu), rs_u), dt), dt)
+            sg_, su_ = _tiles_sum(tg), _tiles_sum(tu)
+            if hf:
+                sg_, su_ = sg_ * down, su_ * down
+            a = _silu_mul(rnd(_rows(sg_, rs_g), dt), rnd(_rows(su_, rs_u), dt), dt)
             act_ref[s, 0, pl.ds(rg, bn)] = a.astype(dt)
             return
         if m == 1:
@@ -409,7 +469,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
     acc = [jnp.zeros((bn, cw // 16) if tiles else (bn,), F32) for _ in tokens]
     part = _part_sums if tiles else _rowdot
     for c in range(inter_s // cw):
-        w_c = _deq(sfmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
+        w_c = _deq(sfmt, raw[c], bn, cw, dt, _decode_only(e2m1), wround, gsum)
         cs = _col_scale(sfmt, raw[c], cw, wround)
         for n, i in enumerate(tokens):
             g = _xs(sg_ref, (i,), offs[0] + c * cw, cw, sfmt == "nvfp4")
@@ -458,19 +518,27 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     gtiles = m > 1 and acc_tiles    # per-token tiles of 16-column partial sums (`DecodeTiles.acc`)
 
+    hf = _hfma(e2m1, fmt)   # (`check`: one token)
+
     def slot(s, accs, loaded=None):
         routed, coefs, raw = loaded or slot_loads(s)
         acc = [jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32) for _ in range(m)]
+        if hf:                  # this slot's activation row in fp16's range: x * 2^s, the sums times 2^-s
+            up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
         for c in range(nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
             cs = _col_scale(fmt, raw[c], cw, wround)
 
             def add(i, a, w_c=w_c, c=c, cs=cs):
+                if hf:
+                    return a + _rowdot(w_c, _hx(act_ref, (s, i), c * cw, cw, up, e2m1 == "hfma"))
                 xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs)
                 return a + (_part_sums if gtiles else _rowdot)(w_c, xv)
             acc = _accumulate(m, routed, acc, add)
         if gtiles:
             acc = [jnp.sum(a, axis=1) for a in acc]
+        if hf:
+            acc = [a * down for a in acc]
         rs = _row_scale(fmt, raw[0], wround)
         out = []
         for i in range(m):
@@ -579,6 +647,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES \
             or t.wround not in (0, 1) or t.gsum not in (0, 1):
         return f"tiles {t}: acc, hoist, wround and gsum must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
+    if t.e2m1 == "hfma" and (m != 1 or not t.acc or not t.gsum or t.wround or t.tok):
+        return f"tiles {t}: e2m1 'hfma' multiplies one token's activations inside the code decode: it needs M = 1 " \
+               f"(got {m}), acc 1, gsum 1, wround 0 and tok 0"
     if t.gsum and t.wround:
         return f"tiles {t}: gsum 1 applies each NVFP4 group's scale to its sum, so no weight is dequantized on its " \
                "own: it needs wround 0"
@@ -684,6 +755,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     dt = x.dtype
     if interpret and tiles.e2m1 == "asm":     # the interpreter runs no PTX: the same values through jnp
         tiles = dataclasses.replace(tiles, e2m1="f16")
+    if interpret and tiles.e2m1 == "hfma":    # the PTX block's fp16 arithmetic in jnp
+        tiles = dataclasses.replace(tiles, e2m1="hfma_jnp")
     (sg, og), (su, ou), (ss, os_) = (kernel_math.window_operand(a, n, (m,), "moe_decode")
                                      for a, n in ((s_gate, inter_s), (s_up, inter_s), (s_sig, 1)))
     n_slots = m * k
