@@ -30,6 +30,10 @@ class BenchCase:
     bytes: int                   # bytes one application must move (its bandwidth floor)
     flops: int = 0               # FLOPs of one application
     extra: dict = dataclasses.field(default_factory=dict)   # anything else to record (tile config, M, ...)
+    # optional: the same quantity by other means (the reference), fn(*arg_sets[0]) is compared with it before the
+    # timing; its max error over max |check| goes into the record, and past `check_tol` the record says "mismatch"
+    check: Callable[..., Any] | None = None
+    check_tol: float = 0.05
 
 
 def _program(case: BenchCase):
@@ -88,7 +92,21 @@ def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int =
         out["tflops"] = round(case.flops / t / 1e12, 2)
         out["frac_flops"] = round(case.flops / t / 1e12 / BF16_TFLOPS, 3)
     out.update(case.extra)
+    out.update(check_case(case))
     return out
+
+
+def check_case(case: BenchCase) -> dict:
+    """{} without case.check; else case.fn against case.check on the first argument set: max |fn - check| over
+    max |check| ("max_rel_err") and "check": "ok", or "mismatch" past case.check_tol (or not finite)."""
+    if case.check is None:
+        return {}
+    args = case.arg_sets[0]
+    got = np.asarray(jax.jit(case.fn)(*args), np.float32)
+    want = np.asarray(jax.jit(case.check)(*args), np.float32)
+    err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+    return {"max_rel_err": round(err, 5) if np.isfinite(err) else str(err),
+            "check": "ok" if np.isfinite(err) and err <= case.check_tol else "mismatch"}
 
 
 def n_sets(bytes_per_set: int, l2_bytes: int = 60 << 20, min_sets: int = 4, max_sets: int = 64) -> int:

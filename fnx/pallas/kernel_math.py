@@ -77,6 +77,10 @@ def e2m1_pair_f32(packed, asm: bool = False):
 # activation pair {x'[q], x'[q + 4]} ($10-$13 for the first word's q = 0..3, $14-$17 for the second's) and added into
 # one half2 accumulator (the products are exact in fp16: a code has 2 significant bits, x' 8; the 15 sums round
 # to fp16). $0 = the two halves' sum in fp32; $1-$7 = 0 (the caller sums each 8 outputs: one group).
+# Not elementwise: it assumes the 8 bytes Triton packs into one block are one group's 8 consecutive bytes, which
+# holds when each thread owns 16 contiguous bytes of the tile (the vectorised loads' layout) and fails otherwise
+# (the compiled test and the benchmark's check against the reference catch a layout that splits them). The byte-wise
+# block below makes no such assumption.
 _E2M1_HFMA_PAIR = ("and.b32 w, q, 0x80008000; shr.b32 t, q, 3; and.b32 t, t, 0x0E000E00; or.b32 w, w, t; "
                    "{op} acc, w, ${x}{acc};\n")
 
@@ -98,6 +102,22 @@ def _hfma_asm() -> str:
 
 _E2M1_HFMA_ASM = _hfma_asm()
 HFMA_X_TOP = 14          # the prescale puts max |x'| in [2^14, 2^15): 16 products of codes (<= 6 * 2^-14) stay < 96
+
+
+# The same arithmetic byte by byte (elementwise, Triton `pack` 4): `prmt` spreads two bytes into the halves of a word
+# (as `_E2M1_ASM`), the low and the high nibbles of both are placed as fp16 codes, two more `prmt`s gather the two
+# bytes' even- and odd-column activations from their pairs {x'[2e], x'[2e+1]} ($5-$8), and one half2 multiply and
+# one half2 fma give each byte's two products summed (rounded once to fp16): $0-$3, one per byte, in fp32.
+_E2M1_HFMA_BYTE_PAIR = """prmt.b32 x, $4, z, {sel};
+shl.b32 t1, x, 9; and.b32 t1, t1, 0x0E000E00; shl.b32 t2, x, 12; and.b32 t2, t2, 0x80008000; or.b32 lo, t1, t2;
+shl.b32 t1, x, 5; and.b32 t1, t1, 0x0E000E00; shl.b32 t2, x, 8; and.b32 t2, t2, 0x80008000; or.b32 hi, t1, t2;
+prmt.b32 a, {xa}, {xb}, 0x5410; prmt.b32 b, {xa}, {xb}, 0x7632;
+mul.rn.f16x2 p, lo, a; fma.rn.f16x2 p, hi, b, p;
+mov.b32 {{h0, h1}}, p; cvt.f32.f16 {o0}, h0; cvt.f32.f16 {o1}, h1;"""
+_E2M1_HFMA_BYTE_ASM = "\n".join(
+    ["{", ".reg .b32 z, x, t1, t2, lo, hi, a, b, p;", ".reg .b16 h0, h1;", "mov.b32 z, 0;",
+     _E2M1_HFMA_BYTE_PAIR.format(sel="0x4140", xa="$5", xb="$6", o0="$0", o1="$1"),
+     _E2M1_HFMA_BYTE_PAIR.format(sel="0x4342", xa="$7", xb="$8", o0="$2", o1="$3"), "}"])
 
 
 def hfma_prescale(mx):
@@ -123,6 +143,27 @@ def hfma_pair_columns(n_bytes: int):
     bytes: element 4w + q -> column 8w + q."""
     k = lax.broadcasted_iota(jnp.int32, (n_bytes,), 0)
     return k + 4 * (k // 4)
+
+
+def e2m1_hfma_byte_group_sums(packed, x, asm: bool = False):
+    """`e2m1_hfma_group_sums` byte by byte (`_E2M1_HFMA_BYTE_ASM`, elementwise): per byte, its two codes times its
+    columns' activations summed once in fp16; the 8 bytes of a group summed in fp32. asm=True: x is `hfma_pairs` of
+    the even and the odd columns [cw/2] uint32; otherwise x = (even, odd) columns of x' (fp32 holding fp16 values).
+    Returns [rows, cw/16] fp32."""
+    rows, half = packed.shape
+    if asm:
+        from jax.experimental.pallas import triton as plt
+        out = plt.elementwise_inline_asm(
+            _E2M1_HFMA_BYTE_ASM, args=[packed.astype(jnp.uint8), jnp.broadcast_to(x, packed.shape)],
+            constraints=",".join(["=f"] * 4 + ["r"] * 5), pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, F32)])[0]
+    else:
+        p = packed.astype(jnp.uint32)
+        f16 = jnp.float16
+        lo = (e2m1_f16(p & 0xF) * x[0].astype(f16)[None, :]).astype(f16)      # exact in fp16
+        hi = (e2m1_f16(p >> 4) * x[1].astype(f16)[None, :]).astype(f16)
+        out = (lo + hi).astype(f16).astype(F32)
+    return jnp.sum(out.reshape(rows, half // 8, 8), axis=2)
 
 
 def e2m1_hfma_group_sums(packed, x, asm: bool = False):

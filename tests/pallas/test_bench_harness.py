@@ -38,3 +38,18 @@ def test_noise_that_hides_the_slope_is_an_error(monkeypatch):
     monkeypatch.setattr(bench, "_min_time", lambda f, sets, iters, warmup: 1e-3)  # B no slower than A
     with pytest.raises(RuntimeError, match="timing noise"):
         bench.time_case(_case(), iters=1, warmup=0)
+
+
+def test_check_case_flags_a_variant_that_computes_something_else():
+    """A case with a `check` records its error against it: within tolerance "ok", past it (or NaN) "mismatch"."""
+    import jax.numpy as jnp
+
+    from fnx.pallas.bench import BenchCase, check_case
+    x = jnp.linspace(-1.0, 1.0, 64)
+    case = lambda fn, check: BenchCase(kernel="k", shape="s", impl="i", fn=fn, arg_sets=[(x,), (x,)], bytes=1,
+                                       check=check)
+    assert check_case(case(lambda a: a * 2, None)) == {}
+    ok = check_case(case(lambda a: a * 2, lambda a: a * 2 + 0.01))
+    assert ok["check"] == "ok" and abs(ok["max_rel_err"] - 0.005) < 1e-4
+    assert check_case(case(lambda a: a * 2, lambda a: a * 3))["check"] == "mismatch"
+    assert check_case(case(lambda a: a * jnp.nan, lambda a: a))["check"] == "mismatch"

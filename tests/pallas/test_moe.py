@@ -411,19 +411,25 @@ def test_hfma_group_sums_arithmetic():
     hi = (pairs >> 16).astype(np.uint16).view(np.float16).astype(np.float32)
     np.testing.assert_array_equal(lo, np.asarray(xs)[cols])
     np.testing.assert_array_equal(hi, np.asarray(xs)[cols + 4])
+    # byte by byte: each byte's two products summed once in fp16, then the group's 8 bytes in fp32
+    even, odd = xs[0::2], xs[1::2]
+    got_b = np.asarray(kernel_math.e2m1_hfma_byte_group_sums(packed, (even, odd)), np.float64)
+    assert np.all(np.abs(got_b - exact) <= 8 * 2.0 ** -11 * scale + 1e-30), np.max(np.abs(got_b - exact) / scale)
+    pb = np.asarray(kernel_math.hfma_pairs(even, odd))
+    assert np.array_equal((pb & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32), np.asarray(even))
     big, _ = kernel_math.hfma_prescale(jnp.float32(3e38))      # huge and zero rows keep finite powers of two
     zero, _ = kernel_math.hfma_prescale(jnp.float32(0.0))
     assert 0 < float(big) < 1 and np.isfinite(float(zero)) and float(zero) > 1
 
 
-@pytest.mark.parametrize("shared_fmt,group", [("fp8", 1), ("nvfp4", 0)])
-def test_decode_hfma_one_token(shared_fmt, group):
-    """e2m1 "hfma" (one token): the NVFP4 group sums in fp16 arithmetic on prescaled activations (in the
+@pytest.mark.parametrize("mode,shared_fmt,group", [("hfma", "fp8", 1), ("hfma", "nvfp4", 0), ("hfmab", "fp8", 1)])
+def test_decode_hfma_one_token(mode, shared_fmt, group):
+    """e2m1 "hfma" / "hfmab" (one token): the NVFP4 group sums in fp16 arithmetic on prescaled activations (in the
     interpreter, the jnp form of the PTX block). Within the reference's bound, and within a few bf16 ulps (of the
     output's scale) of the fp32 group sums (gsum 1 on "f16"), most within one of their own. Activations 4096 times larger (products past fp16's 65504 without the
     prescale, in both kernels) stay within the reference's bound. Refused for several tokens and without acc."""
     args = _decode_args("nvfp4", 1, 90 + group, shared_fmt=shared_fmt)
-    tiles = dataclasses.replace(DT, group=group, acc=1, e2m1="hfma", wround=0, gsum=1)
+    tiles = dataclasses.replace(DT, group=group, acc=1, e2m1=mode, wround=0, gsum=1)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = run(tiles, *args)
     _close(got, reference.decode(*args))
@@ -438,9 +444,9 @@ def test_decode_hfma_one_token(shared_fmt, group):
     got_big = np.asarray(run(tiles, *big), np.float32)
     assert np.all(np.isfinite(got_big))
     _close(got_big, reference.decode(*big))
-    with pytest.raises(NotImplementedError, match="'hfma'"):
+    with pytest.raises(NotImplementedError, match=f"e2m1 '{mode}'"):
         decode_pallas.moe_decode(*_decode_args("nvfp4", 2, 5, shared_fmt=shared_fmt), interpret=True, tiles=tiles)
-    with pytest.raises(NotImplementedError, match="'hfma'"):
+    with pytest.raises(NotImplementedError, match=f"e2m1 '{mode}'"):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, acc=0))
 
 
@@ -661,7 +667,8 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, e2m1="asm", wround=0, gsum=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1)),
                            ("fp8", m, decode_pallas.DecodeTiles(group=1, acc=1, wround=0)),
-                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="hfma", wround=0, gsum=1))):
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="hfma", wround=0, gsum=1)),
+                           ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="hfmab", wround=0, gsum=1))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

@@ -55,13 +55,16 @@ BF16 = jnp.bfloat16
 #   row reduction per chunk (acc 0) 218.1 and meta 1 with "asm" 203.0, against the default's 202.6.
 # Next: at five tokens, acc 1 (each token's 16-column partial sums kept as tiles, one row reduction at the end: the
 # arrangement that won at one token; not yet compiled on a GPU), with and without gsum; then one-warp down programs.
-# At one token: e2m1 "hfma" (each group's codes decoded and multiplied in half2 in one PTX block; not yet compiled).
+# At one token: e2m1 "hfma" (each group's codes decoded and multiplied in half2 in one PTX block) and "hfmab" (the
+# same per byte, elementwise); not yet compiled. Every fused case is checked against the reference layer on its
+# first argument set ("check" in the record: a variant that computes something else says "mismatch").
 # (At five tokens FP8 runs these tiles too: e2m1 and gsum mean nothing there.)
 _SWEEP_M1: list = []
 _SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1),   # group sums kept as tiles per token
              (4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 0),   # partial sums of scaled weights as tiles
              (4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1)]   # group-sum tiles, one-warp down programs
-_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 1, "hfma", 0, 0, 0, 0, 1)]   # one token: decode and products in half2
+_SWEEP_NVFP4 = [(4, 512, 8, 128, 1, 4, 2, 1, "hfma", 0, 0, 0, 0, 1),    # one token: decode and products in half2
+                (4, 512, 8, 128, 1, 4, 2, 1, "hfmab", 0, 0, 0, 0, 1)]   # the same byte by byte (elementwise)
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):
@@ -155,6 +158,10 @@ def cases(quick: bool) -> list[BenchCase]:
                     out.append(BenchCase(
                         kernel="moe_decode", shape=f"M={m} E={n_exp} K={top_k} D={d} I={inter} {fmt} {router_kind}",
                         impl=name, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl, tiles=tiles),
+                        # a tile variant's output against the reference layer's, on the first argument set: a
+                        # variant that computes something else is flagged "mismatch", never only timed
+                        check=(jax.tree_util.Partial(layer, top_k=top_k, impl="reference") if impl == "fused"
+                               else None),
                         arg_sets=[s_ + (gu, dn) for s_ in sets[:want[fmt]]],   # one expert array, passed by reference
                         bytes=nbytes, flops=flops,
                         extra={"M": m, "format": fmt, "router": router_kind,

@@ -64,7 +64,8 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
-E2M1_DECODES = ("int", "f16", "asm", "hfma")
+E2M1_DECODES = ("int", "f16", "asm", "hfma", "hfmab")
+_HFMA = ("hfma", "hfma_jnp", "hfmab", "hfmab_jnp")     # "_jnp": the interpreter's form of the PTX block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +90,9 @@ class DecodeTiles:
                          # a GPU only, the interpreter runs "f16"): the same values. "hfma" (one token, gsum 1,
                          # acc 1): each group's codes decoded and multiplied with the activations in half2 inside one
                          # inline-PTX block (`kernel_math.e2m1_hfma_group_sums`), the activations scaled by a power
-                         # of two per row into fp16's range first; the interpreter runs the same fp16 arithmetic
+                         # of two per row into fp16's range first; the interpreter runs the same fp16 arithmetic.
+                         # "hfmab": the same byte by byte (elementwise: no assumption on Triton's register layout;
+                         # each byte's two products summed in fp16, a group's 8 bytes in fp32)
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
                          # 1: one XLA fusion computes them for every slot first and the programs load them;
@@ -160,11 +163,12 @@ class _Grouped:
 
 
 class _Packed(_Grouped):
-    """An NVFP4 chunk for e2m1 "hfma": the packed bytes [rows, cw/2] (decoded inside the product) and the group
-    scales as `_Grouped`'s; asm: the inline-PTX block (a GPU), else its fp16 arithmetic in jnp (the interpreter)."""
+    """An NVFP4 chunk for e2m1 "hfma" / "hfmab": the packed bytes [rows, cw/2] (decoded inside the product) and the
+    group scales as `_Grouped`'s; mode: the e2m1 value (a "_jnp" mode: the PTX block's fp16 arithmetic in jnp, for
+    the interpreter)."""
 
-    def __init__(self, packed, sc, asm):
-        self.packed, self.sc, self.asm = packed, sc, asm
+    def __init__(self, packed, sc, mode):
+        self.packed, self.sc, self.mode = packed, sc, mode
 
 
 def _group_sums(g, xs):
@@ -172,7 +176,9 @@ def _group_sums(g, xs):
     the group's scale. A byte's two codes are the same group's: packed columns [8j, 8j+8) are group j.
     A `_Packed` chunk takes `_hx`'s activations and sums in fp16 (`kernel_math.e2m1_hfma_group_sums`)."""
     if isinstance(g, _Packed):
-        return kernel_math.e2m1_hfma_group_sums(g.packed, xs, asm=g.asm) * g.sc
+        sums = kernel_math.e2m1_hfma_byte_group_sums if g.mode.startswith("hfmab") else \
+            kernel_math.e2m1_hfma_group_sums
+        return sums(g.packed, xs, asm=not g.mode.endswith("_jnp")) * g.sc
     rows, half = g.codes[0].shape
     part = None
     for c, x in zip(g.codes, xs):
@@ -194,10 +200,10 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
         group = 16
         p, sc, s2 = raw
         sc = sc.astype(F32)
-        if e2m1 in ("f16", "asm", "hfma", "hfma_jnp"):
+        if e2m1 in ("f16", "asm") + _HFMA:
             sc = sc * kernel_math.E2M1_F16_SCALE
-        if e2m1 in ("hfma", "hfma_jnp"):
-            return _Packed(p, sc, asm=e2m1 == "hfma")      # `check`: gsum 1, wround 0
+        if e2m1 in _HFMA:
+            return _Packed(p, sc, e2m1)      # `check`: gsum 1, wround 0
         if e2m1 == "asm":
             codes = kernel_math.e2m1_pair_f32(p, asm=True)
         else:
@@ -264,12 +270,12 @@ def _xs(ref, lead, c0, cw, halves):
 
 def _hfma(e2m1, fmt) -> bool:
     """True when NVFP4 chunks of this kernel go through e2m1 "hfma" (its activations prescaled, `_hx`)."""
-    return fmt == "nvfp4" and e2m1 in ("hfma", "hfma_jnp")
+    return fmt == "nvfp4" and e2m1 in _HFMA
 
 
 def _decode_only(e2m1):
     """The code decode of e2m1 where a kernel needs the codes themselves (the shared expert's terms)."""
-    return {"hfma": "asm", "hfma_jnp": "f16"}.get(e2m1, e2m1)
+    return {"hfma": "asm", "hfmab": "asm", "hfma_jnp": "f16", "hfmab_jnp": "f16"}.get(e2m1, e2m1)
 
 
 def _hx_prescale(ref, lead, n, cw):
@@ -283,13 +289,18 @@ def _hx_prescale(ref, lead, n, cw):
     return kernel_math.hfma_prescale(mx)
 
 
-def _hx(ref, lead, c0, cw, up, asm):
-    """Activation columns [c0, c0+cw) of ref[lead] times `up`, rounded to fp16, as `e2m1_hfma_group_sums` takes
-    them: with asm the half2 pairs {x'[8w+q], x'[8w+q+4]} (`kernel_math.hfma_pairs`, two gathered loads), else the
-    [cw] vector (fp32 holding fp16 values)."""
+def _hx(ref, lead, c0, cw, up, mode):
+    """Activation columns [c0, c0+cw) of ref[lead] times `up`, rounded to fp16, as the e2m1 `mode`'s group sums
+    take them. "hfma": the half2 pairs {x'[8w+q], x'[8w+q+4]} (`kernel_math.hfma_pairs`, two gathered loads);
+    "hfmab": the pairs {x'[2e], x'[2e+1]} (two strided loads); "hfma_jnp": the [cw] vector, "hfmab_jnp": its even
+    and odd columns (fp32 holding fp16 values)."""
     lead = tuple(jnp.int32(i) if isinstance(i, int) else i for i in lead)
-    if not asm:
-        return (ref[(*lead, pl.ds(c0, cw))].astype(F32) * up).astype(jnp.float16).astype(F32)
+    to16 = lambda v: (v.astype(F32) * up).astype(jnp.float16).astype(F32)
+    if mode == "hfma_jnp":
+        return to16(ref[(*lead, pl.ds(c0, cw))])
+    if mode.startswith("hfmab"):
+        even, odd = (to16(ref[(*lead, pl.ds(c0 + h, cw // 2, stride=2))]) for h in (0, 1))
+        return (even, odd) if mode == "hfmab_jnp" else kernel_math.hfma_pairs(even, odd)
     cols = c0 + kernel_math.hfma_pair_columns(cw // 2)
     at = tuple(jnp.full(cols.shape, i, jnp.int32) for i in lead)
     lo = plgpu.load(ref.at[(*at, cols)]).astype(F32) * up
@@ -414,7 +425,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
                 up, down = _hx_prescale(x_ref, (0,), d, cw)
             for c in range(nk):
                 if hf:
-                    xv = _hx(x_ref, (0,), c * cw, cw, up, e2m1 == "hfma")
+                    xv = _hx(x_ref, (0,), c * cw, cw, up, e2m1)
                 else:
                     xv = _xs(x_ref, (0,), c * cw, cw, fmt == "nvfp4")
                 tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
@@ -531,7 +542,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
             def add(i, a, w_c=w_c, c=c, cs=cs):
                 if hf:
-                    return a + _rowdot(w_c, _hx(act_ref, (s, i), c * cw, cw, up, e2m1 == "hfma"))
+                    return a + _rowdot(w_c, _hx(act_ref, (s, i), c * cw, cw, up, e2m1))
                 xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs)
                 return a + (_part_sums if gtiles else _rowdot)(w_c, xv)
             acc = _accumulate(m, routed, acc, add)
@@ -647,8 +658,8 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
     if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES \
             or t.wround not in (0, 1) or t.gsum not in (0, 1):
         return f"tiles {t}: acc, hoist, wround and gsum must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
-    if t.e2m1 == "hfma" and (m != 1 or not t.acc or not t.gsum or t.wround or t.tok):
-        return f"tiles {t}: e2m1 'hfma' multiplies one token's activations inside the code decode: it needs M = 1 " \
+    if t.e2m1 in ("hfma", "hfmab") and (m != 1 or not t.acc or not t.gsum or t.wround or t.tok):
+        return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"(got {m}), acc 1, gsum 1, wround 0 and tok 0"
     if t.gsum and t.wround:
         return f"tiles {t}: gsum 1 applies each NVFP4 group's scale to its sum, so no weight is dequantized on its " \
@@ -755,8 +766,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     dt = x.dtype
     if interpret and tiles.e2m1 == "asm":     # the interpreter runs no PTX: the same values through jnp
         tiles = dataclasses.replace(tiles, e2m1="f16")
-    if interpret and tiles.e2m1 == "hfma":    # the PTX block's fp16 arithmetic in jnp
-        tiles = dataclasses.replace(tiles, e2m1="hfma_jnp")
+    if interpret and tiles.e2m1 in ("hfma", "hfmab"):    # the PTX block's fp16 arithmetic in jnp
+        tiles = dataclasses.replace(tiles, e2m1=tiles.e2m1 + "_jnp")
     (sg, og), (su, ou), (ss, os_) = (kernel_math.window_operand(a, n, (m,), "moe_decode")
                                      for a, n in ((s_gate, inter_s), (s_up, inter_s), (s_sig, 1)))
     n_slots = m * k
