@@ -96,6 +96,9 @@ def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int =
     return out
 
 
+_checked: dict = {}
+
+
 def check_case(case: BenchCase) -> dict:
     """{} without case.check; else case.fn against case.check on the first argument set: max |fn - check| over
     max |check| ("max_rel_err") and "check": "ok", or "mismatch" past case.check_tol (or not finite)."""
@@ -103,7 +106,14 @@ def check_case(case: BenchCase) -> dict:
         return {}
     args = case.arg_sets[0]
     got = np.asarray(jax.jit(case.fn)(*args), np.float32)
-    want = np.asarray(jax.jit(case.check)(*args), np.float32)
+    hit = _checked.get((id(case.check), id(args[0])))
+    if hit is not None and hit[0] is case.check and hit[1] is args[0]:
+        want = hit[2]        # cases that share a check object and arguments (tile variants) compute it once
+    else:
+        want = np.asarray(jax.jit(case.check)(*args), np.float32)
+        if len(_checked) > 16:
+            _checked.clear()
+        _checked[(id(case.check), id(args[0]))] = (case.check, args[0], want)
     err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
     return {"max_rel_err": round(err, 5) if np.isfinite(err) else str(err),
             "check": "ok" if np.isfinite(err) and err <= case.check_tol else "mismatch"}

@@ -53,3 +53,21 @@ def test_check_case_flags_a_variant_that_computes_something_else():
     assert ok["check"] == "ok" and abs(ok["max_rel_err"] - 0.005) < 1e-4
     assert check_case(case(lambda a: a * 2, lambda a: a * 3))["check"] == "mismatch"
     assert check_case(case(lambda a: a * jnp.nan, lambda a: a))["check"] == "mismatch"
+
+
+def test_check_case_computes_a_shared_check_once():
+    """Tile variants of one shape share their check object and arguments: the check runs once for them."""
+    import jax.numpy as jnp
+
+    from fnx.pallas.bench import BenchCase, check_case
+    calls = []
+
+    def ref(a):
+        calls.append(1)          # traced once per compilation
+        return a * 2
+
+    x = jnp.arange(8.0)
+    for k in (1.0, 1.001):
+        r = check_case(BenchCase("k", "s", "i", lambda a, k=k: a * 2 * k, [(x,), (x,)], bytes=1, check=ref))
+        assert r["check"] == "ok"
+    assert len(calls) == 1

@@ -153,6 +153,7 @@ def cases(quick: bool) -> list[BenchCase]:
                     sweep = _SWEEP_M5 if m > 1 else _SWEEP_NVFP4 if fmt == "nvfp4" else _SWEEP_M1
                     variants += [("fused", DecodeTiles(*t)) for t in sweep]
                 variants += [("reference", None), ("pallas", None)]
+                ref_layer = jax.tree_util.Partial(layer, top_k=top_k, impl="reference")   # one check per shape
                 for impl, tiles in variants:
                     name = impl if tiles is None else "fused:" + ",".join(map(str, dataclasses.astuple(tiles)))
                     out.append(BenchCase(
@@ -160,8 +161,7 @@ def cases(quick: bool) -> list[BenchCase]:
                         impl=name, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl, tiles=tiles),
                         # a tile variant's output against the reference layer's, on the first argument set: a
                         # variant that computes something else is flagged "mismatch", never only timed
-                        check=(jax.tree_util.Partial(layer, top_k=top_k, impl="reference") if impl == "fused"
-                               else None),
+                        check=ref_layer if impl == "fused" else None,
                         arg_sets=[s_ + (gu, dn) for s_ in sets[:want[fmt]]],   # one expert array, passed by reference
                         bytes=nbytes, flops=flops,
                         extra={"M": m, "format": fmt, "router": router_kind,
