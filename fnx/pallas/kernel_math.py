@@ -145,24 +145,32 @@ def hfma_pair_columns(n_bytes: int):
     return k + 4 * (k // 4)
 
 
+def _hfma_block_sums(asm_text: str, pack: int, packed, x):
+    """One of the half2 PTX blocks over packed [rows, cw/2] NVFP4 bytes and their activation pairs x [cw/2] uint32
+    (`pack` bytes per block: `pack` fp32 outputs, one 32-bit register per 4 bytes and one per activation pair; each
+    group's 8 outputs summed): [rows, cw/16] fp32."""
+    from jax.experimental.pallas import triton as plt
+    rows, half = packed.shape
+    out = plt.elementwise_inline_asm(
+        asm_text, args=[packed.astype(jnp.uint8), jnp.broadcast_to(x, packed.shape)],
+        constraints=",".join(["=f"] * pack + ["r"] * (pack // 4 + pack)), pack=pack,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, F32)])[0]
+    return jnp.sum(out.reshape(rows, half // 8, 8), axis=2)
+
+
 def e2m1_hfma_byte_group_sums(packed, x, asm: bool = False):
     """`e2m1_hfma_group_sums` byte by byte (`_E2M1_HFMA_BYTE_ASM`, elementwise): per byte, its two codes times its
     columns' activations summed once in fp16; the 8 bytes of a group summed in fp32. asm=True: x is `hfma_pairs` of
     the even and the odd columns [cw/2] uint32; otherwise x = (even, odd) columns of x' (fp32 holding fp16 values).
     Returns [rows, cw/16] fp32."""
-    rows, half = packed.shape
     if asm:
-        from jax.experimental.pallas import triton as plt
-        out = plt.elementwise_inline_asm(
-            _E2M1_HFMA_BYTE_ASM, args=[packed.astype(jnp.uint8), jnp.broadcast_to(x, packed.shape)],
-            constraints=",".join(["=f"] * 4 + ["r"] * 5), pack=4,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, F32)])[0]
-    else:
-        p = packed.astype(jnp.uint32)
-        f16 = jnp.float16
-        lo = (e2m1_f16(p & 0xF) * x[0].astype(f16)[None, :]).astype(f16)      # exact in fp16
-        hi = (e2m1_f16(p >> 4) * x[1].astype(f16)[None, :]).astype(f16)
-        out = (lo + hi).astype(f16).astype(F32)
+        return _hfma_block_sums(_E2M1_HFMA_BYTE_ASM, 4, packed, x)
+    rows, half = packed.shape
+    p = packed.astype(jnp.uint32)
+    f16 = jnp.float16
+    lo = (e2m1_f16(p & 0xF) * x[0].astype(f16)[None, :]).astype(f16)      # exact in fp16
+    hi = (e2m1_f16(p >> 4) * x[1].astype(f16)[None, :]).astype(f16)
+    out = (lo + hi).astype(f16).astype(F32)
     return jnp.sum(out.reshape(rows, half // 8, 8), axis=2)
 
 
@@ -172,14 +180,9 @@ def e2m1_hfma_group_sums(packed, x, asm: bool = False):
     the products are summed in half2 (`_E2M1_HFMA_ASM`). Otherwise x is x' [cw] (fp32 holding fp16 values) and the
     same arithmetic runs in jnp: the fp16 products, each half's 8 fp16 sums in the asm's order, the halves added in
     fp32. Returns [rows, cw/16] fp32."""
-    rows, half = packed.shape
     if asm:
-        from jax.experimental.pallas import triton as plt
-        out = plt.elementwise_inline_asm(
-            _E2M1_HFMA_ASM, args=[packed.astype(jnp.uint8), jnp.broadcast_to(x, packed.shape)],
-            constraints=",".join(["=f"] * 8 + ["r"] * 10), pack=8,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(packed.shape, F32)])[0]
-        return jnp.sum(out.reshape(rows, half // 8, 8), axis=2)
+        return _hfma_block_sums(_E2M1_HFMA_ASM, 8, packed, x)
+    rows, half = packed.shape
     p = packed.astype(jnp.uint32)
     f16 = jnp.float16
     v = jnp.stack([e2m1_f16(p & 0xF), e2m1_f16(p >> 4)], axis=-1).reshape(rows, 2 * half)
