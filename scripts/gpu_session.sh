@@ -39,9 +39,14 @@ case "$part" in
   failures)   # the named tests again, with their tracebacks
     timeout ${FAIL_S:-90} python -m pytest -q -p no:cacheprovider --tb=short ${FAIL_TESTS:?} 2>&1 \
       | tee "$OUT/failures.log" | grep -E "^E |Error|^FAILED|passed|failed" | head -40 ;;
-  verify)  # VERIFY_FILES the test files, VERIFY_K a pytest -k expression (spaces allowed: passed quoted)
+  verify)  # VERIFY_FILES the test files, VERIFY_K a pytest -k expression (spaces allowed: passed quoted);
+           # VERIFY_N pytest-xdist workers (the compiles run in parallel; the wheels travel in tmp/wheels, carried)
+    if [ -n "${VERIFY_N:-}" ]; then
+      python -m pip install -q --no-index --no-deps tmp/wheels/*.whl 2>&1 | tail -2
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false
+    fi
     timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 ${VERIFY_FILES:-tests/pallas} \
-      ${VERIFY_K:+-k "$VERIFY_K"} 2>&1 \
+      ${VERIFY_N:+-n $VERIFY_N} ${VERIFY_K:+-k "$VERIFY_K"} 2>&1 \
       | tee "$OUT/verify.log" | tail -30 ;;
   tune)   # GEMV tiles for the shapes that carry the decode bytes; the table is kept in $OUT
     timeout ${TUNE_S:-240} python scripts/bench_kernels.py --tune gemv --tune-budget $(( ${TUNE_S:-240} - 40 )) \
