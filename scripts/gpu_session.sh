@@ -43,9 +43,8 @@ case "$part" in
            # VERIFY_N pytest-xdist workers (the compiles run in parallel; the wheels travel in tmp/wheels, carried)
     if [ -n "${VERIFY_N:-}" ]; then
       python -m pip install -q --no-index --no-deps tmp/wheels/*.whl 2>&1 | tail -2
-      export XLA_PYTHON_CLIENT_PREALLOCATE=false
     fi
-    timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 ${VERIFY_FILES:-tests/pallas} \
+    ${VERIFY_N:+env XLA_PYTHON_CLIENT_PREALLOCATE=false} timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 ${VERIFY_FILES:-tests/pallas} \
       ${VERIFY_N:+-n $VERIFY_N} ${VERIFY_K:+-k "$VERIFY_K"} 2>&1 \
       | tee "$OUT/verify.log" | tail -30 ;;
   tune)   # GEMV tiles for the shapes that carry the decode bytes; the table is kept in $OUT
