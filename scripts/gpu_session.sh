@@ -42,7 +42,8 @@ case "$part" in
   verify)  # VERIFY_FILES the test files, VERIFY_K a pytest -k expression (spaces allowed: passed quoted);
            # VERIFY_N pytest-xdist workers (the compiles run in parallel; the wheels travel in tmp/wheels, carried)
     if [ -n "${VERIFY_N:-}" ]; then
-      python -m pip install -q --no-index --no-deps tmp/wheels/*.whl 2>&1 | tail -2
+      python -c "import xdist" 2>/dev/null || { python -m pip install -q --no-index --no-deps --target tmp/pydeps \
+        tmp/wheels/*.whl 2>&1 | tail -2; export PYTHONPATH=$PYTHONPATH:$PWD/tmp/pydeps; }
     fi
     ${VERIFY_N:+env XLA_PYTHON_CLIENT_PREALLOCATE=false} timeout ${VERIFY_S:-300} python -m pytest -q -p no:cacheprovider --durations=12 ${VERIFY_FILES:-tests/pallas} \
       ${VERIFY_N:+-n $VERIFY_N} ${VERIFY_K:+-k "$VERIFY_K"} 2>&1 \
