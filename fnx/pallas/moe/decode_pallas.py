@@ -704,9 +704,12 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # In the 48-layer MTP round at 8K (ac51c89) the MoE family fell from 7.86 to 6.83 ms of kernel time with it.
 # At five tokens the eighteenth session measured "asm" at 202.6 us, with gsum 1 (acc 0: a row reduction per chunk)
 # at 218.1 and with meta 1 at 203.0: gsum and meta stay 0 there. acc 1 means another arrangement for several tokens
-# (tiles of 16-column partial sums per token) than the one measured above (`DecodeTiles.acc`), so it is 0 here until
-# measured.
-MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], e2m1="asm", gsum=0, acc=0),
+# (tiles of 16-column partial sums per token) than the one measured above (`DecodeTiles.acc`).
+# The nineteenth session (93f8284) measured it at five tokens: 199.7 us for the old default (acc 0, gsum 0), 183.3
+# with acc 1, 184.9 with acc 1 and gsum 1, and 176.5 with acc 1, gsum 1 and one-warp down programs (num_warps2 1),
+# now the NVFP4 default there. At one token "hfma" (55.8 us) and "hfmab" (46.2) lost to "asm" (43.3).
+# FP8 at five tokens has not run acc 1 on a GPU: it stays 0.
+MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], e2m1="asm", gsum=1, acc=1, num_warps2=1),
                    "fp8_block": dataclasses.replace(MEASURED["fp8_block"], acc=0),
                    "dense": dataclasses.replace(MEASURED["dense"], acc=0)}
 
