@@ -79,8 +79,8 @@ AUTO_KEEPS_REFERENCE = {
                  "fused decode path (moe_decode) runs the routing kernel on its own backend: the two were measured "
                  "together",
     "moe_experts": "measured slower: see moe_route",
-    # qsa_decode_attention: "auto" keeps the masked dense path per call below a KV capacity of 32K
-    # (fnx.pallas.qsa.api.auto_reason: slower at 1K in the whole step, 2x faster at 32K in isolation)
+    # qsa_decode_attention: "auto" keeps the masked dense path per call below a KV capacity of 8K
+    # (fnx.pallas.qsa.api.auto_reason: slower at 1K in the whole step, faster at 8K in it, 2x at 32K in isolation)
     "qsa_index_scores": "measured slower together with the attention kernel in the whole step at 1K context: 1.450 "
                         "vs 1.170 ms (" + _MODEL_AB + "); not measured apart, so the kernel path's block scores stay "
                         "XLA's",

@@ -120,7 +120,7 @@ def test_auto_runs_the_gdn_recurrence_kernel_for_verify_windows_only(fake_gpu, m
 
 def test_qsa_attention_kernel_under_auto_only_for_long_caches(fake_gpu):
     """auto keeps the masked dense QSA path below qsa_api.KERNEL_MIN_CAPACITY (measured faster at 1K context) and
-    takes the kernel from there up (measured 2x faster at 32K); a named backend runs as named at any capacity, and
+    takes the kernel from there up (measured faster at 8K in the step); a named backend runs as named at any capacity, and
     the block-score kernel stays on the reference under auto."""
     from fnx.pallas.qsa import api as qsa_api
     short, long_ = qsa_api.auto_reason(4096), qsa_api.auto_reason(qsa_api.KERNEL_MIN_CAPACITY)
