@@ -228,7 +228,7 @@ def main(argv=None) -> int:
                 continue
             r = {**meta, **r}
             record(r)
-            extra = " ".join(f"{k}={r[k]}" for k in ("layer", "tiles", "check", "max_rel_err") if k in r)
+            extra = " ".join(f"{k}={r[k]}" for k in ("layer", "tiles", "block_v", "num_warps", "fuse_norm", "check", "max_rel_err") if k in r)
             flops = f" {r['tflops']:7.1f} TF/s" if "tflops" in r and r.get("frac_flops", 0) > 0.05 else ""
             print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} {r['us']:9.2f} us {r['tbps']:6.3f} TB/s "
                   f"{r['frac_bw']:6.3f} of ceiling{flops} {extra}", flush=True)
