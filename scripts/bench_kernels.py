@@ -165,6 +165,20 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
     return best
 
 
+def warm_up(seconds: float) -> float:
+    """Dense bf16 matmuls for about `seconds` (synchronised each pass): the device at its working clocks before the
+    first timed case. Returns the seconds spent."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.ones((4096, 4096), jnp.bfloat16)
+    f = jax.jit(lambda a: [a @ a for _ in range(8)][-1])
+    t0 = time.time()
+    jax.block_until_ready(f(a))
+    while time.time() - t0 < seconds:
+        jax.block_until_ready(f(a))
+    return time.time() - t0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="*", default=list(FAMILIES), help=f"families among {FAMILIES}")
@@ -179,6 +193,12 @@ def main(argv=None) -> int:
                     help="applications the slope spans (fewer compile faster: the longer program unrolls them)")
     ap.add_argument("--filter", default=None, help="regex: run only cases whose 'kernel impl shape extra' matches")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_kernels.jsonl"))
+    ap.add_argument("--warm-s", type=float, default=None,
+                    help="seconds of dense matmuls before the first case (default: 3 on a GPU, 0 elsewhere): the "
+                         "first case of a freshly started machine measured 50%% slower than the same case later")
+    ap.add_argument("--bracket", action="store_true",
+                    help="time each family's first case again after its last: the record pair (\"bracket\": "
+                         "\"first\" / \"again\") is the run's spread, below which differences are noise")
     args = ap.parse_args(argv)
 
     import jax
@@ -188,6 +208,9 @@ def main(argv=None) -> int:
     meta = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "commit": _commit(),
             "date": datetime.date.today().isoformat(), "quick": args.quick}
     print(f"# {meta}", flush=True)
+    warm_s = args.warm_s if args.warm_s is not None else (3.0 if dev.platform == "gpu" else 0.0)
+    if warm_s > 0:
+        print(f"# warm-up: {warm_up(warm_s):.1f} s of matmuls", flush=True)
     if "gemv" in args.tune:
         from fnx.pallas.gemv import api
         name = dev.device_kind.lower().replace(" ", "_") + ".json"
@@ -218,9 +241,14 @@ def main(argv=None) -> int:
             rx = re.compile(args.filter)
             cs = [c for c in cs if rx.search(f"{c.kernel} {c.impl} {c.shape} {c.extra}")]
         print(f"# {fam}: {len(cs)} cases built in {time.time() - t0:.1f}s", flush=True)
-        for c in cs:
+        runs = [(c, None) for c in cs]
+        if args.bracket and len(cs) > 1:
+            runs = [(cs[0], "first")] + runs[1:] + [(cs[0], "again")]
+        for c, bracket in runs:
             try:
                 r = time_case(c, iters=args.iters if not args.quick else 2, warmup=1, min_apps=args.min_apps)
+                if bracket:
+                    r["bracket"] = bracket
             except Exception as e:
                 r = {"kernel": c.kernel, "shape": c.shape, "impl": c.impl, "error": f"{type(e).__name__}: {e}"[:400]}
                 print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} ERROR {r['error'][:200]}", flush=True)
@@ -228,7 +256,8 @@ def main(argv=None) -> int:
                 continue
             r = {**meta, **r}
             record(r)
-            extra = " ".join(f"{k}={r[k]}" for k in ("layer", "tiles", "block_v", "num_warps", "fuse_norm", "check", "max_rel_err") if k in r)
+            extra = " ".join(f"{k}={r[k]}" for k in ("layer", "tiles", "block_v", "num_warps", "fuse_norm", "check",
+                                                      "max_rel_err", "bracket") if k in r)
             flops = f" {r['tflops']:7.1f} TF/s" if "tflops" in r and r.get("frac_flops", 0) > 0.05 else ""
             print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} {r['us']:9.2f} us {r['tbps']:6.3f} TB/s "
                   f"{r['frac_bw']:6.3f} of ceiling{flops} {extra}", flush=True)

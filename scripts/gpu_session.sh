@@ -62,7 +62,7 @@ case "$part" in
   moe)
     # MOE_APPS: applications per slope (each case compiles a program that unrolls them: ~35 s a case at 64)
     timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe ${MOE_FILTER:+--filter "$MOE_FILTER"} \
-      --min-apps ${MOE_APPS:-24} --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_moe.log" 2>&1
+      --min-apps ${MOE_APPS:-24} --bracket --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_moe.log" 2>&1
     grep -E "^moe_(decode|prefill)" "$OUT/bench_moe.log" | tail -40 ;;
   moestep)
     for k in moe_decode=reference moe_decode=pallas; do
