@@ -434,3 +434,24 @@ def test_fused_projections_take_the_pair_kernel(monkeypatch):
         assert g.shape == w.shape
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2,
                                    atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
+
+
+@pytest.mark.parametrize("fmt,tiles", [("fp8", gp.Tiles(16, 512, 1, mode="fma")), ("fp8", gp.Tiles(16, 128, 1, mode="dot")),
+                                       ("fp8", gp.Tiles(64, 128, 2)), ("nvfp4", gp.Tiles(64, 128, 2)),
+                                       ("bf16", gp.Tiles(16, 128, 1, mode="dot"))])
+def test_tokens_below_the_tile_need_no_padded_copy(fmt, tiles):
+    """At M = 5 (the MTP verify window) the kernels read x's five rows themselves: the traced program holds no
+    scatter or pad of x before the launch (each was one more XLA kernel per product), and the result is the
+    product."""
+    n, k, m = 128, 1024, 5
+    key = jax.random.PRNGKey(7)
+    w, extra, q = _weights(fmt, n, k, key)
+    x = jax.random.normal(key, (m, k), F32).astype(jnp.bfloat16)
+    f = lambda x: gp.gemv(x, w, extra.get("scale"), extra.get("scale_2"), fmt=fmt, tiles=tiles,  # noqa: E731
+                          interpret=INTERPRET)
+    jaxpr = str(jax.make_jaxpr(f)(x))
+    assert "scatter" not in jaxpr and " pad[" not in jaxpr and "pad " not in jaxpr, jaxpr[:2000]
+    ref = reference.linear_f32(x, quant.dequantize(q, F32) if fmt != "bf16" else w)
+    y = np.asarray(f(x), np.float32)
+    assert y.shape == (m, n)
+    assert np.abs(y - np.asarray(ref)).max() <= TOL * np.abs(np.asarray(ref)).max()

@@ -9,7 +9,8 @@ are fp32 [S, Mp, N]; XLA sums them (a small fused reduction) when S > 1, else th
 Whole-K modes (`Tiles.mode` "fma" / "dot", bf16 and FP8): grid (N / BN,); each program owns BN rows and all of K,
 its K / BK chunk loads unrolled and every weight tile loaded before any arithmetic, so all of its loads are in
 flight at once and no split-K sum follows. "fma" multiplies in fp32 on the CUDA cores for M <= FMA_MAX_M tokens
-(no padding), "dot" on tensor cores (tokens padded to 16).
+(no padding), "dot" on tensor cores (tokens padded to 16 in registers: the kernels load x's M rows themselves, so no
+padded copy of x is made before a launch).
 
 Formats:
   bf16    W bf16 [N, K].
@@ -97,7 +98,25 @@ def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
         outs[0][s, :, pl.ds(row0, bn)] = acc.astype(out_dtype)
 
 
-def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool):
+def _padded_m(m: int, mode: str) -> int:
+    """The token rows a program computes: M rounded up to a power of two ("fma"), and to at least 16 for the
+    tensor-core modes (tl.dot's minimum)."""
+    return 1 << (m - 1).bit_length() if mode == "fma" else max(16, 1 << (m - 1).bit_length())
+
+
+def _xrows(x_ref, mp: int, c0, width: int):
+    """x[:, c0:c0+width] as [mp, width] when x has m <= mp rows: rows past m repeat row m - 1 (their products are
+    never stored to a kept row: row i of x @ W.T depends on row i of x alone). Loading them in the kernel replaces
+    the zero-padded copy of x that XLA would make before every launch (one scatter kernel per product at M = 5)."""
+    m = x_ref.shape[0]
+    if m == mp:
+        return x_ref[:, pl.ds(c0, width)]
+    rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (mp, width), 0), m - 1)
+    cols = lax.broadcasted_iota(jnp.int32, (mp, width), 1) + c0
+    return x_ref[rows, cols]
+
+
+def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool, mp: int):
     outs = rest[-2:] if argmax else rest[-1:]
     rest = rest[:len(rest) - len(outs)]
     if fmt == "fp8":
@@ -107,15 +126,14 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
     n, s = pl.program_id(0), pl.program_id(1)
     steps = k // t.bk // t.split
     row0 = n * t.bn
-    mp = x_ref.shape[0]
 
     def body(i, acc):
         kb = s * steps + i
         col0 = kb * t.bk
         if fmt == "nvfp4":
             half = t.bk // 2
-            xe = x_ref[:, pl.ds(kb * half, half)]                       # even columns [Mp, BK/2]
-            xo = x2_ref[:, pl.ds(kb * half, half)]                      # odd columns
+            xe = _xrows(x_ref, mp, kb * half, half)                     # even columns [Mp, BK/2]
+            xo = _xrows(x2_ref, mp, kb * half, half)                    # odd columns
             packed = w_ref[pl.ds(row0, t.bn), pl.ds(kb * half, half)]    # [BN, BK/2] uint8
             ng = t.bk // 16
             if t.dec == "f32":
@@ -139,11 +157,11 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
         if fmt == "fp8" and t.bk > 128:  # several 128-column blocks per step, each scaled on its own partial
             for j in range(t.bk // 128):
                 c0 = col0 + j * 128
-                xk = x_ref[:, pl.ds(c0, 128)]
+                xk = _xrows(x_ref, mp, c0, 128)
                 wk = w_ref[pl.ds(row0, t.bn), pl.ds(c0, 128)].astype(BF16)
                 acc = acc + _dot(xk, wk, trans_b=True) * s_ref[row0 // 128, c0 // 128]
             return acc
-        xk = x_ref[:, pl.ds(col0, t.bk)]                                 # [Mp, BK] bf16
+        xk = _xrows(x_ref, mp, col0, t.bk)                               # [Mp, BK] bf16
         wk = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)].astype(BF16)  # [BN, BK]
         part = _dot(xk, wk, trans_b=True)                             # [Mp, BN] fp32
         if fmt == "fp8":
@@ -163,6 +181,7 @@ def _chunk_width(fmt: str, t: Tiles) -> int:
 
 
 def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None):
+    """(x has its M rows: `_xrows` loads the padded tile "dot" needs; "fma" reads the M rows alone.)"""
     """One program: `t.rows` row tiles of BN output rows, each over the whole K axis. A tile's K/BK chunk loads are
     unrolled and all issued before its arithmetic (a looped program waits one DRAM latency per step); with
     several row tiles the next tile's loads are issued before the current tile's arithmetic. FP8: a tile's rows
@@ -172,7 +191,7 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
     s_ref = rest[0] if fmt == "fp8" else None
     prog = pl.program_id(0) if n is None else n   # given: a caller that read it outside a branch (gemv_pair)
     ks = pl.program_id(1) if t.split > 1 else 0   # the K slice (split-K over whole-K programs)
-    mp = x_ref.shape[0]
+    mp = _padded_m(m, t.mode)
     cw = _chunk_width(fmt, t)
     nk = k // t.split // cw
     k0 = ks * (k // t.split)
@@ -221,7 +240,7 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
             acc = jnp.where(rows == i, accs[i][None, :], acc)
     else:
         for j in range(nk):
-            part = _dot(x_ref[:, pl.ds(k0 + j * cw, cw)], ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
+            part = _dot(_xrows(x_ref, mp, k0 + j * cw, cw), ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
     return acc
 
@@ -288,8 +307,8 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
         raise ValueError(f"gemv {fmt} N={n} K={k}: {why}")
     if t.mode == "fma" and m > FMA_MAX_M:
         raise ValueError(f"gemv mode 'fma' serves M <= {FMA_MAX_M} tokens, not {m}")
-    mp = 1 << (m - 1).bit_length() if t.mode == "fma" else max(16, 1 << (m - 1).bit_length())
-    xb = x.astype(BF16) if mp == m else jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
+    mp = _padded_m(m, t.mode)
+    xb = x.astype(BF16)     # M rows: the kernels load the padded tile themselves (`_xrows`)
     if argmax and t.split != 1:
         raise ValueError("the fused argmax needs split == 1 (each program must see whole dot products)")
     out_dtype = x.dtype if t.split == 1 else F32
@@ -300,7 +319,7 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
     else:
         args = (xb, w)
     if t.mode == "loop":
-        kern = functools.partial(_kernel, fmt=fmt, t=t, k=k, out_dtype=out_dtype, argmax=argmax)
+        kern = functools.partial(_kernel, fmt=fmt, t=t, k=k, out_dtype=out_dtype, argmax=argmax, mp=mp)
     else:
         kern = functools.partial(_wide_kernel, fmt=fmt, t=t, k=k, m=m, out_dtype=out_dtype, argmax=argmax)
     if argmax:
@@ -389,8 +408,8 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
         raise ValueError(f"gemv_pair: the narrow product must be bf16 [N2 <= {PAIR_SIDE_MAX_N}, K={k}] with K in "
                          f"at most 16 chunks of a power of two; got {w2.dtype} {tuple(w2.shape)}")
     bn2, cw2 = side
-    mp = 1 << (m - 1).bit_length() if t.mode == "fma" else max(16, 1 << (m - 1).bit_length())
-    xb = x.astype(BF16) if mp == m else jnp.zeros((mp, k), BF16).at[:m].set(x.astype(BF16))
+    mp = _padded_m(m, t.mode)
+    xb = x.astype(BF16)     # M rows: the kernels load the padded tile themselves (`_xrows`)
     n1_prog = n1 // (t.bn * t.rows)
     y1, y2 = stacked.call(
         functools.partial(_pair_kernel, t=t, k=k, m=m, n1_prog=n1_prog, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype),
