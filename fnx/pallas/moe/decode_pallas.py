@@ -115,6 +115,11 @@ class DecodeTiles:
                          # to the group sum (one multiply per group instead of one per weight, and the scales are
                          # not spread over the tile's columns); the scales then enter in a different fp32 order.
                          # Other formats ignore it
+    tmajor: int = 0      # several tokens: 0 = for each weight chunk, a branch per routed token whose activation load
+                         # sits inside it (the loads wait one after another: a memory round trip per chunk);
+                         # 1 = a branch per routed token around all of its chunks, so that token's activation loads
+                         # are issued together (the weights decoded in that branch: an expert two tokens chose
+                         # decodes twice). The same products in the same order: the same bits. One token: no branch
 
 
 def _pow2(n: int) -> int:
@@ -381,7 +386,7 @@ def _accumulate(m, hits, accs, add):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False):
+                    gsum=False, tmajor=False):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -445,12 +450,21 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         gtiles = acc_tiles      # (m > 1 here) per-token tiles of 16-column partial sums
         z = jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32)
         accs = [(z, z) for _ in range(m)]
-        for c in range(nk):
+        part = _part_sums if gtiles else _rowdot
+        if tmajor:      # one branch per routed token over every chunk: its activation loads issued together
+
+            def token(i, acc):
+                for c in range(nk):
+                    xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
+                    acc = (acc[0] + part(deq(raw_g[c]), _scaled(xv, cs[c][0])),
+                           acc[1] + part(deq(raw_u[c]), _scaled(xv, cs[c][1])))
+                return acc
+            accs = _accumulate(m, hits, accs, token)
+        for c in range(0 if tmajor else nk):
             wg, wu = deq(raw_g[c]), deq(raw_u[c])
 
             def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
-                part = _part_sums if gtiles else _rowdot
                 return acc[0] + part(wg, _scaled(xv, cs[c][0])), acc[1] + part(wu, _scaled(xv, cs[c][1]))
             accs = _accumulate(m, hits, accs, add)
         if gtiles:
@@ -497,7 +511,8 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
-                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False):
+                 inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
+                 tmajor=False):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -536,7 +551,17 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         acc = [jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32) for _ in range(m)]
         if hf:                  # this slot's activation row in fp16's range: x * 2^s, the sums times 2^-s
             up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
-        for c in range(nk):
+        part = _part_sums if gtiles else _rowdot
+        if tmajor and m > 1:    # one branch per routed token over every chunk (`DecodeTiles.tmajor`; not hf: M = 1)
+
+            def token(i, a):
+                for c in range(nk):
+                    xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"),
+                                 _col_scale(fmt, raw[c], cw, wround))
+                    a = a + part(_deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum), xv)
+                return a
+            acc = _accumulate(m, routed, acc, token)
+        for c in range(0 if tmajor and m > 1 else nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
             cs = _col_scale(fmt, raw[c], cw, wround)
 
@@ -544,7 +569,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
                 if hf:
                     return a + _rowdot(w_c, _hx(act_ref, (s, i), c * cw, cw, up, e2m1))
                 xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs)
-                return a + (_part_sums if gtiles else _rowdot)(w_c, xv)
+                return a + part(w_c, xv)
             acc = _accumulate(m, routed, acc, add)
         if gtiles:
             acc = [jnp.sum(a, axis=1) for a in acc]
@@ -656,8 +681,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
     if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES \
-            or t.wround not in (0, 1) or t.gsum not in (0, 1):
-        return f"tiles {t}: acc, hoist, wround and gsum must be 0 or 1, meta 0, 1 or 2 and e2m1 one of {E2M1_DECODES}"
+            or t.wround not in (0, 1) or t.gsum not in (0, 1) or t.tmajor not in (0, 1):
+        return f"tiles {t}: acc, hoist, wround, gsum and tmajor must be 0 or 1, meta 0, 1 or 2 and e2m1 one of " \
+               f"{E2M1_DECODES}"
     if t.e2m1 in ("hfma", "hfmab") and (m != 1 or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"(got {m}), acc 1, gsum 1, wround 0 and tok 0"
@@ -787,7 +813,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
-                          meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
+                          meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
+                          tmajor=bool(tiles.tmajor)),
         (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
@@ -813,7 +840,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
-                          wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc)),
+                          wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
+                          tmajor=bool(tiles.tmajor)),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
