@@ -210,3 +210,12 @@ def test_lowers_for_cuda_released_shapes(length):
     f = jax.jit(lambda q, k, v, i: kernel.qsa_decode_attention(q, k, v, i))
     text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+
+
+def test_kernel_reads_q_and_the_selection_in_place():
+    """The query heads of a KV group (3, padded to a 16-row tile) and the selection's tail past its 70 indices are
+    read by the kernel itself: the traced call holds no pad of q or of the indices (each was one more XLA kernel
+    per QSA layer and call)."""
+    q, kc, vc, idx = _inputs(jnp.bfloat16, bsz=1, length=5, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=3)
+    jaxpr = str(jax.make_jaxpr(lambda *a: api.qsa_decode_attention(*a, impl=KERNEL))(q, kc, vc, idx))
+    assert " pad[" not in jaxpr and "= pad " not in jaxpr, jaxpr[:3000]

@@ -48,18 +48,23 @@ def choose_tiles(n_rows: int, hkv: int, n_sel: int, target_programs: int = 264) 
 
 
 def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv, seq_len, hd, block_n, iters,
-            sm_scale):
+            sm_scale, grp, gp, n_sel):
     bl, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     base = (bl // length * hkv + g) * seq_len
-    q = q_ref[...]                                                    # [Gp, hd]
-    dt = q.dtype
-    gp = q.shape[0]
     cols = jnp.arange(hd, dtype=jnp.int32)
+    # the group's grp query heads as a [Gp, hd] tile, rows past grp repeating the last head (their outputs are
+    # dropped): read in place from q [rows * Hkv * grp, hd], no padded copy of q before the launch
+    heads = (bl * hkv + g) * grp + jnp.minimum(jnp.arange(gp, dtype=jnp.int32), grp - 1)
+    q = q_ref[heads[:, None], jnp.broadcast_to(cols[None, :], (gp, hd))]
+    dt = q.dtype
+    sel = jnp.arange(block_n, dtype=jnp.int32)
 
     def body(i, carry):
         m, l, acc = carry
         start = (c * iters + i) * block_n
-        ix = idx_ref[bl, pl.dslice(start, block_n)]                   # [block_n]
+        at = start + sel                  # the selection's tail past n_sel reads as -1 (no padded copy of idx)
+        ix = idx_ref[jnp.full((block_n,), bl, jnp.int32), jnp.minimum(at, n_sel - 1)]      # [block_n]
+        ix = jnp.where(at < n_sel, ix, -1)
         valid = ix >= 0
         rows = base + jnp.where(valid, ix, 0)
         at = (rows[:, None], cols[None, :])          # integer-array gather (the interpreter needs both arrays)
@@ -109,18 +114,13 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
     gp = max(16, _pow2(grp))
     rows = bsz * length
     t = tiles or choose_tiles(rows, hkv, n_sel)
-    n_pad = t.n_splits * t.iters * t.block_n
-    qg = q.reshape(rows, hkv, grp, hd)
-    if gp != grp:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - grp), (0, 0)))
+    qg = q.reshape(rows * hkv * grp, hd)
     ix = idx.reshape(rows, n_sel).astype(jnp.int32)
-    if n_pad != n_sel:
-        ix = jnp.pad(ix, ((0, 0), (0, n_pad - n_sel)), constant_values=-1)
     kf = k_cache.astype(dt).reshape(bsz * hkv * seq_len, hd)
     vf = v_cache.astype(dt).reshape(bsz * hkv * seq_len, hd)
 
     kernel = functools.partial(_kernel, length=length, hkv=hkv, seq_len=seq_len, hd=hd, block_n=t.block_n,
-                               iters=t.iters, sm_scale=hd ** -0.5)
+                               iters=t.iters, sm_scale=hd ** -0.5, grp=grp, gp=gp, n_sel=n_sel)
     grid = (rows, hkv, t.n_splits)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {}
@@ -129,7 +129,7 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
     m, l, acc = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[pl.BlockSpec((None, None, gp, hd), lambda i, j, c: (i, j, 0, 0)), whole, whole, whole],
+        in_specs=[whole, whole, whole, whole],
         out_specs=[pl.BlockSpec((None, None, None, gp), lambda i, j, c: (i, j, c, 0)),
                    pl.BlockSpec((None, None, None, gp), lambda i, j, c: (i, j, c, 0)),
                    pl.BlockSpec((None, None, None, gp, hd), lambda i, j, c: (i, j, c, 0, 0))],
