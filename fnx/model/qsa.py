@@ -81,7 +81,9 @@ def select_token_indices(q_idx: jax.Array, blocks: jax.Array, positions: jax.Arr
                          cfg, impl: str | None = None) -> jax.Array:
     """The tokens `select_tokens` marks, as positions [B, L, N] with -1 in unused slots: the selected complete
     blocks' tokens (N_b = min(NB, block_topk) blocks x cr), then the incomplete tail (cr - 1 slots). Same block
-    choice as `select_tokens` (the same top_k, so ties break the same way); no position appears twice.
+    choice as `select_tokens` (the top-k set of lax.top_k, ties to the lower blocks, through
+    fnx.pallas.qsa.api.qsa_block_topk with `impl`: the kernel lists the blocks in ascending order, the reference by
+    score); no position appears twice.
     The scores come from fnx.pallas.qsa.api.qsa_index_scores (`impl`); a kernel sums in another order than
     XLA, so scores within an ulp of each other may rank differently there."""
     cr = cfg.indexer_compress_ratio
@@ -91,7 +93,7 @@ def select_token_indices(q_idx: jax.Array, blocks: jax.Array, positions: jax.Arr
     valid = (block_idx * cr + cr - 1)[None, None, :] <= positions[..., None]          # [B, L, NB]
     if n_blocks > cfg.block_topk:
         s = qsa_api.qsa_index_scores(q_idx, blocks, positions, cr, impl=impl)          # [B, L, NB]
-        _, top = lax.top_k(s, cfg.block_topk)                                          # [B, L, K]
+        top = qsa_api.qsa_block_topk(s, cfg.block_topk, impl=impl)                     # [B, L, K], a set
         ok = jnp.take_along_axis(valid, top, axis=-1)
     else:
         top, ok = jnp.broadcast_to(block_idx, valid.shape), valid

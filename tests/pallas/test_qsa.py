@@ -219,3 +219,34 @@ def test_kernel_reads_q_and_the_selection_in_place():
     q, kc, vc, idx = _inputs(jnp.bfloat16, bsz=1, length=5, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=3)
     jaxpr = str(jax.make_jaxpr(lambda *a: api.qsa_decode_attention(*a, impl=KERNEL))(q, kc, vc, idx))
     assert " pad[" not in jaxpr and "= pad " not in jaxpr, jaxpr[:3000]
+
+
+@pytest.mark.parametrize("nb,k", [(70, 16), (2122, 512), (40, 40), (33, 1)])
+def test_block_topk_kernel_is_the_top_k_set(nb, k):
+    """The top-k block kernel picks the set lax.top_k picks, in ascending block order: distinct scores, heavy ties
+    (the lower blocks first, as top_k), rows half or wholly -inf (blocks not yet complete), zeros, k = NB and k = 1."""
+    rng = np.random.default_rng(nb * 1000 + k)
+    s = rng.standard_normal((2, 3, nb)).astype(np.float32)
+    s[0, 0, : nb // 2] = -np.inf
+    s[0, 1] = np.round(s[0, 1])
+    s[0, 2, ::3] = 0.0
+    s[1, 0] = -np.inf
+    s[1, 1] = 1.0
+    s[1, 2] = np.abs(s[1, 2]) * 1e30
+    got = np.asarray(api.qsa_block_topk(jnp.asarray(s), k, impl=KERNEL))
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
+    assert got.shape == (2, 3, k) and got.dtype == np.int32
+    np.testing.assert_array_equal(np.sort(got, axis=-1) if KERNEL == "reference" else got, want)
+    with pytest.raises(ValueError, match="k=0"):
+        kernel.qsa_block_topk(jnp.asarray(s), 0, interpret=True)
+
+
+def test_block_topk_kernel_lowers_for_cuda():
+    """The top-k block kernel lowers through Pallas -> Triton at 8K and 64K context (2,122 and 16,384 blocks), one
+    query row and the five of an MTP verify window; longer rows are refused with the reason."""
+    for rows, nb in [(1, 2122), (5, 2122), (1, kernel.TOPK_MAX_BLOCKS)]:
+        text = jax.jit(lambda s: kernel.qsa_block_topk(s, 512)).trace(
+            jax.ShapeDtypeStruct((rows, nb), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1, (rows, nb)
+    with pytest.raises(ValueError, match="registers"):
+        kernel.qsa_block_topk(jnp.zeros((1, kernel.TOPK_MAX_BLOCKS + 1)), 512)

@@ -1,8 +1,10 @@
-"""Dispatch for QSA sparse decode attention (op name "qsa_decode_attention")."""
+"""Dispatch for QSA sparse decode attention (op names "qsa_decode_attention", "qsa_index_scores" and
+"qsa_block_topk")."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from fnx.pallas import dispatch
 from fnx.pallas.qsa import reference
@@ -63,3 +65,22 @@ def qsa_index_scores(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, 
         return reference.qsa_index_scores(q_idx, blocks, positions, cr)
     from fnx.pallas.qsa import pallas as kernel
     return kernel.qsa_index_scores(q_idx, blocks, positions, cr, interpret=dispatch.interpret_flag(which))
+
+
+TOPK_OP = "qsa_block_topk"
+
+
+def qsa_block_topk(scores: jax.Array, k: int, impl: str | None = None) -> jax.Array:
+    """The k blocks of the largest indexer scores per row, [..., k] int32 from scores [..., NB]: the set lax.top_k
+    picks (among equal scores the lower blocks). The reference lists them by descending score (lax.top_k, a sort in
+    XLA), the kernel in ascending block order (fnx.pallas.qsa.pallas.qsa_block_topk): callers use the set. The
+    kernel keeps a row in one program's registers, NB <= its TOPK_MAX_BLOCKS; longer rows take the reference under
+    "auto" and FNX_KERNELS, and an explicit impl raises."""
+    from fnx.pallas.qsa import pallas as kernel
+    nb = scores.shape[-1]
+    why = None if nb <= kernel.TOPK_MAX_BLOCKS else \
+        f"{nb} blocks > {kernel.TOPK_MAX_BLOCKS} (the kernel keeps a row of scores in one program's registers)"
+    which = dispatch.resolve(TOPK_OP, impl, not_applicable=why)
+    if which == "reference":
+        return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
+    return kernel.qsa_block_topk(scores, k, interpret=dispatch.interpret_flag(which))

@@ -188,3 +188,74 @@ def qsa_index_scores(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, 
         interpret=interpret, name="qsa_index_scores", **params,
     )(q, pos, blocks.reshape(bsz * n_blocks, di))
     return out[:, :length, :n_blocks]
+
+
+# ---- the indexer's top-k block choice -------------------------------------------------------------------------------
+#
+# lax.top_k over a row of NB block scores runs as a full sort in XLA (one 20 us `sort` kernel per QSA layer and call
+# at 8K context, 2,122 blocks). What the model needs from it is the set of k blocks. One program per query row
+# holds the row's scores in registers as order-preserving int32 keys, finds the k-th largest key by building it bit
+# by bit from the top (31 counts of key >= candidate), then takes every key above it and, among the keys equal to
+# it, the lowest blocks first (the tie rule of lax.top_k), and writes their block numbers in ascending order.
+
+TOPK_MAX_BLOCKS = 16384     # a row's scores stay in one program's registers (64K tokens of context at cr = 4)
+
+
+def _sortable(s):
+    """fp32 -> int32 keys in the same order (-inf lowest). -0.0 sorts below +0.0 here and NaN is not ordered:
+    the indexer scores are sums of relu terms (never -0.0) or -inf."""
+    i = jax.lax.bitcast_convert_type(s, jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _topk_kernel(s_ref, out_ref, *, nb: int, nbp: int, k: int):
+    r = pl.program_id(0)
+    blk = jnp.arange(nbp, dtype=jnp.int32)
+    ok = blk < nb
+    s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]            # the row, in place
+    lowest = jnp.int32(-2 ** 31)
+    key = jnp.where(ok, _sortable(s), lowest)               # padding below every score (k <= nb: never chosen)
+
+    def count_ge(t):
+        return jnp.sum(jnp.where(key >= t, 1, 0))
+
+    # the k-th largest key: its sign first, then each lower bit set where at least k keys stay >= the prefix
+    kth = jnp.where(count_ge(jnp.int32(0)) >= k, jnp.int32(0), lowest)
+
+    def bit(j, kth):
+        cand = kth | jnp.left_shift(jnp.int32(1), 30 - j)
+        return jnp.where(count_ge(cand) >= k, cand, kth)
+    kth = jax.lax.fori_loop(0, 31, bit, kth)
+    above = key > kth
+    tie = jnp.where(key == kth, 1, 0)
+    need = k - jnp.sum(jnp.where(above, 1, 0))
+    sel = above | ((tie > 0) & (jnp.cumsum(tie) - tie < need))       # ties: the lowest blocks first
+    seli = jnp.where(sel, 1, 0)
+    slot = jnp.cumsum(seli) - seli                                   # ascending block order
+    # a permutation of the row: the chosen blocks to [0, k), the others after them (every lane writes a distinct
+    # place, so no store is masked and no two lanes meet)
+    out_ref[r * nbp + jnp.where(sel, slot, k + blk - slot)] = blk
+
+
+def qsa_block_topk(scores: jax.Array, k: int, *, interpret: bool = False) -> jax.Array:
+    """The k blocks of the largest scores per row, as lax.top_k picks them (among equal scores the lower blocks),
+    in ascending block order: scores [..., NB] fp32 -> [..., k] int32. NB <= TOPK_MAX_BLOCKS."""
+    *lead, nb = scores.shape
+    if not 0 < k <= nb:
+        raise ValueError(f"qsa_block_topk: k={k} must be in [1, NB={nb}]")
+    if nb > TOPK_MAX_BLOCKS:
+        raise ValueError(f"qsa_block_topk: NB={nb} blocks > {TOPK_MAX_BLOCKS} (one program keeps a row in registers)")
+    rows = int(np.prod(lead)) if lead else 1
+    nbp = _pow2(nb)
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
+    out = pl.pallas_call(
+        functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k),
+        grid=(rows,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=jax.ShapeDtypeStruct((rows * nbp,), jnp.int32),
+        interpret=interpret, name="qsa_block_topk", **params,
+    )(scores.reshape(rows, nb).astype(F32))
+    return out.reshape(rows, nbp)[:, :k].reshape(*lead, k)
