@@ -181,12 +181,12 @@ def _chunk_width(fmt: str, t: Tiles) -> int:
 
 
 def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None):
-    """(x has its M rows: `_xrows` loads the padded tile "dot" needs; "fma" reads the M rows alone.)"""
     """One program: `t.rows` row tiles of BN output rows, each over the whole K axis. A tile's K/BK chunk loads are
     unrolled and all issued before its arithmetic (a looped program waits one DRAM latency per step); with
     several row tiles the next tile's loads are issued before the current tile's arithmetic. FP8: a tile's rows
     sit in one 128-row block, so "fma" folds the block scales into the activation (x * s per column, fp32) and
-    "dot" scales each 128-column partial."""
+    "dot" scales each 128-column partial. x has its M rows: `_xrows` loads the padded tile "dot"
+    needs; "fma" reads the M rows alone."""
     outs = rest[-2:] if argmax else rest[-1:]
     s_ref = rest[0] if fmt == "fp8" else None
     prog = pl.program_id(0) if n is None else n   # given: a caller that read it outside a branch (gemv_pair)
