@@ -50,7 +50,8 @@ VERIFIED_ON_GPU = {
     "gemv_nvfp4": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gemv.py (all 29, released shapes included)",
     # measured on in the 48-layer FP8 + NVFP4 step (twelfth H200 session): 877 kernels and 5.52 ms of kernel time
     # per step against 973 / 5.67 ms with the two products apart (commit 20e27fc)
-    "gemv_pair": "H200, 2026-12-01, commit 1e3722f: tests/pallas/test_gemv.py -k pair (all 7)",
+    "gemv_pair": "H200, 2026-12-01, commit 1e3722f: tests/pallas/test_gemv.py -k pair (all 7); with the tuned rows-2 "
+                 "tiles: 2026-12-02, commit 93f8284, -k pair_equals (all 5)",
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
     "gdn_step": "H200, 2026-12-01, commit d8545d0: tests/pallas/test_gdn.py (all 25; also 1f19306, all 23)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
@@ -64,7 +65,8 @@ VERIFIED_ON_GPU = {
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_decode": "H200, 2026-12-01, commits bba8d84 (tests/pallas/test_moe.py, all 31) and 4a34368 (its 20 "
-                  "decode cases at the measured tiles); the loads-first kernels at e055557 (all 21 decode tests)",
+                  "decode cases at the measured tiles); the loads-first kernels at e055557 (all 21 decode tests); "
+                  "group sums, hfma and unrounded weights at 93f8284 (all 15 of those tests)",
     "moe_grouped": "H200, 2026-12-01, commit e055557: tests/pallas/test_moe.py blocks and grouped cases (all 5)",
 }
 
