@@ -119,9 +119,9 @@ class DecodeTiles:
                          # sits inside it (the loads wait one after another: a memory round trip per chunk);
                          # 1 = a branch per routed token around all of its chunks, so that token's activation loads
                          # are issued together (the weights decoded in that branch: an expert two tokens chose
-                         # decodes twice). The same products in the same order: the same bits (tested with
-                         # unrounded weights; in the interpreter, FP8 weights rounded inside a branch came out one
-                         # bf16 ulp apart in some outputs). One token: no branch
+                         # decodes twice). The same products in the same order per token (in the interpreter the
+                         # results agree within an output rounding: XLA compiles a branch's arithmetic on its own).
+                         # One token: no branch
 
 
 def _pow2(n: int) -> int:
