@@ -61,8 +61,9 @@ BF16 = jnp.bfloat16
 #   two-warp gate/up programs 180.6 (none beyond that spread).
 # Next (the runs now bracket: the first case again at the end): at five tokens each routed token's branch around
 # all of a slot's chunks (tmajor 1: its activation loads issued together, where a branch per chunk waits for each
-# in turn; in the round the five-token down kernel took as long as gate/up for half the bytes). Every fused case is checked against the reference layer on its first argument set ("check" in the
-# record: a variant that computes something else says "mismatch").
+# in turn; in the round the five-token down kernel took as long as gate/up for half the bytes). Every fused case
+# is checked against the reference layer on its first argument set ("check" in the record: a variant that computes
+# something else says "mismatch").
 # (At five tokens FP8 runs these tiles too: e2m1 and gsum mean nothing there.)
 _SWEEP_M1: list = []
 _SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1, 1),   # the default with a branch per token (tmajor)
