@@ -62,6 +62,11 @@ VERIFIED_ON_GPU = {
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
+    # on under auto: 4 layers, FP8, 8K context, H200, commit 1ddebd7: the MTP round 4.74 ms wall / 3.347 ms kernel
+    # time against 5.14 / 3.399 with lax.top_k's sort; the 48-layer served step 4.612 ms of kernel time in 948
+    # kernels against 4.778 in 960 (BENCHMARKS.md, twentieth H200 session)
+    "qsa_block_topk": "H200, 2026-12-03, commit 1ddebd7: tests/pallas/test_qsa.py -k block_topk (all 5: the top-k "
+                      "set at 70 / 2,122 / 40 / 33 blocks with ties and -inf rows, and the CUDA lowering)",
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_decode": "H200, 2026-12-01, commits bba8d84 (tests/pallas/test_moe.py, all 31) and 4a34368 (its 20 "
