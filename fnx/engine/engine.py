@@ -113,6 +113,16 @@ class _Inflight:
     lp_info: object        # its logprob arrays, or None
 
 
+@dataclass
+class _SpecInflight:
+    """A speculative round (draft + verify) launched on the device whose outputs the host has not read yet."""
+    batch: list            # (request, slot) as launched
+    tokens: object         # [slots, k+1] int32: the accepted tokens, then the bonus / corrected one
+    n_acc: object          # [slots] int32: accepted drafts per row
+    hidden: object         # [slots, k+1, hc_dim]: the target's hidden rows the MTP layer reads next round
+    lp_info: object        # its logprob arrays, or None
+
+
 class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
@@ -122,11 +132,12 @@ class Engine:
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
         same output distribution (the acceptance rule is exact for any drafter).
         mesh: run on several devices (`fnx.parallel`: a Mesh, a MeshConfig or "tp=2,ep=1").
-        overlap: plain decode steps are queued one ahead (the next step is launched before this step's tokens
-        reach the host, its tokens and PLE n-gram ids taken on the device), so the host's launch and bookkeeping
-        run while the device works; each step's tokens are emitted one `step()` later. The same tokens as
-        overlap=False. Not used with speculative decoding or a host PLE store (both need the tokens on the host
-        before the next program): those engines run every step synchronously (a speculative round's draft and
+        overlap: decode steps, and speculative rounds, are queued one ahead: the next is launched before this
+        one's tokens reach the host (its inputs, the tokens, the MTP layer's pairs and the PLE n-gram ids, taken
+        on the device), so the host's launch and bookkeeping run while the device works; each step's tokens are
+        emitted one `step()` later. The same tokens as overlap=False. A request that ends is computed for one
+        step or round more, and that result is dropped. Not used with a host PLE store (its rows are fetched on
+        the host from the tokens): such an engine runs every step synchronously (a speculative round's draft and
         verify programs still run back to back: the verify window is built on the device).
         ple_fetch: how the rows of a host PLE store (`fnx.load(..., ple_store="pageable")` etc.) reach each step:
           "sync" (default, the fastest measured on the H200): the rows are fetched on the host, then one program
@@ -196,8 +207,8 @@ class Engine:
         self._ple_missing: np.ndarray | None = None   # batch rows whose host PLE rows were zero-filled
         self._hints = None                              # the prefill-hint thread (host PLE store only)
         # overlapped decode: the step queued on the device whose outputs are not yet emitted
-        self.overlap = bool(overlap) and not self.spec and model.ple_store is None
-        self._inflight: _Inflight | None = None
+        self.overlap = bool(overlap) and model.ple_store is None
+        self._inflight: _Inflight | _SpecInflight | None = None
         self._sp_cache = None
         self._ngram_tables = None
         if (self.overlap or self.spec) and model.ple_store is None and model.ngram is not None:
@@ -255,7 +266,7 @@ class Engine:
             raise ValueError(f"a prompt must be a non-empty list of token ids, got {prompt.dtype} {prompt.shape}")
         if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
-        need = prompt.size + params.max_tokens + self.k + 1
+        need = prompt.size + params.max_tokens + self.reserve
         if need > self.capacity:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) needs {need} "
                              f"positions, more than this engine's context capacity of {self.capacity}")
@@ -303,6 +314,13 @@ class Engine:
         if req.slot is not None:
             self.slots[req.slot] = None
 
+    @property
+    def reserve(self) -> int:
+        """Cache positions a request needs beyond its prompt and max_tokens: a speculative round writes k + 1
+        positions past the last committed token, and an overlapped one may run once more after the request's
+        last tokens (up to k + 1 of them) are committed on the device but not yet seen by the host: k - 1 more."""
+        return self.k + 1 + (max(self.k - 1, 0) if self.spec and self.overlap else 0)
+
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
 
@@ -339,10 +357,12 @@ class Engine:
         decoding = [r for r in self.slots if r is not None and r.prefilled == len(r.prompt) and not r.done
                     and r.pending is not None]
         if self.overlap:
-            # queue this step behind the one in flight, then emit the one in flight while this one runs
-            prev, self._inflight = self._inflight, (self._decode_overlapped(decoding) if decoding else None)
+            # queue this step (or round) behind the one in flight, then emit the one in flight while this one runs
+            launch, finish = ((self._spec_launch, self._spec_finish) if self.spec else
+                              (self._decode_overlapped, self._finish_inflight))
+            prev, self._inflight = self._inflight, (launch(decoding) if decoding else None)
             if prev is not None:
-                outs += self._finish_inflight(prev)
+                outs += finish(prev)
         elif decoding:
             step_outs = self._spec_round(decoding) if self.spec else self._decode(decoding)
             outs += self._ple_failed(step_outs, decoding, lambda r: r.slot)
@@ -606,36 +626,54 @@ class Engine:
         return outs
 
     def _spec_round(self, reqs: list[Request]) -> list[Output]:
+        """One speculative round, synchronous: launched, then its tokens emitted."""
+        return self._spec_finish(self._spec_launch(reqs))
+
+    def _spec_launch(self, reqs: list[Request]) -> _SpecInflight:
+        """Launch one speculative round (the MTP draft program, then the verify program) for `reqs` without
+        waiting for it. A request that was in the round in flight (`self._inflight`, overlapped engines) takes
+        its inputs from that round's outputs on the device: the MTP layer's pairs (the accepted window's hidden
+        rows and tokens), the pending token and the sampling counter advanced by the accepted count; the others
+        (a prefill that just ended, or every request of a synchronous engine) pass theirs from the host."""
         k, slots, sd = self.k, len(self.slots), self.cfg.hc_dim
+        prev = self._inflight if isinstance(self._inflight, _SpecInflight) else None
+        queued = {id(r) for r, _ in prev.batch} if prev is not None else set()
         hid = np.zeros((slots, k + 1, sd), np.float32)
         pair_tok = np.zeros((slots, k + 1), np.int32)
         count = np.zeros((slots,), np.int32)
+        pending = np.zeros((slots,), np.int32)
+        from_host = np.ones((slots,), bool)
         params = [SamplingParams()] * slots
         seeds = np.zeros((slots,), np.uint32)
         counters = np.zeros((slots,), np.uint32)
         active = np.zeros((slots,), bool)
         for r in reqs:
+            params[r.slot] = r.params
+            seeds[r.slot], counters[r.slot] = r.seed, r.generated
+            active[r.slot] = True
+            if id(r) in queued:
+                from_host[r.slot] = False
+                continue
             rows = np.asarray(r.mtp_hidden, np.float32)
             hid[r.slot, :len(rows)] = rows
             toks = r.mtp_tokens + [r.pending]
             pair_tok[r.slot, :len(toks)] = toks
             count[r.slot] = len(toks)
-            params[r.slot] = r.params
-            seeds[r.slot], counters[r.slot] = r.seed, r.generated
-            active[r.slot] = True
+            pending[r.slot] = r.pending
         sp = self._sampling_arrays(params)
-        keys = row_keys(seeds, counters)
         greedy = all(r.params.greedy for r in reqs)
+        dtype = self.model.dtype
+        if queued:
+            hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
+                prev.hidden, prev.tokens, prev.n_acc, hid, pair_tok, count, pending, from_host, seeds, counters,
+                dtype=jnp.dtype(dtype))
+        else:
+            hid_d, pair_d, count_d, pending_d = jnp.asarray(hid, dtype), jnp.asarray(pair_tok), jnp.asarray(count), \
+                pending
+            keys = row_keys(seeds, counters)
         self.mtp_state, drafts, q_lp = _jit_draft(
-            self.model.params, self.mtp, self.mtp_state, jnp.asarray(hid, self.model.dtype), jnp.asarray(pair_tok),
-            jnp.asarray(count), sp, keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
-        if self.model.ple_store is None:
-            # the verify window [pending, drafts] and its n-gram ids are built on the device: the verify program
-            # is launched right behind the draft program, with no host round trip between them
-            pending = np.zeros((slots,), np.int32)
-            for r in reqs:
-                pending[r.slot] = r.pending
-            verify, ple = _jit_verify_window(pending, drafts, self.state["ngram_ctx"], self._ngram_tables)
+            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, sp, keys, self.cfg, self.moe_impl,
+            k, self.draft_head, self.hot, greedy=greedy)
         nlp = _n_logprobs(reqs)
 
         def run_verify(verify, ple, cb=None, front=None):
@@ -643,8 +681,11 @@ class Engine:
                                self.cfg, self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front)
 
         if self.model.ple_store is None:
+            # the verify window [pending, drafts] and its n-gram ids are built on the device: the verify program
+            # is launched right behind the draft program, with no host round trip between them
+            verify, ple = _jit_verify_window(pending_d, drafts, self.state["ngram_ctx"], self._ngram_tables)
             self.state, out_tok, n_acc, hidden, lp_info = run_verify(verify, ple)
-        else:   # a host PLE store needs the drafts on the host to fetch their rows
+        else:   # a host PLE store needs the drafts on the host to fetch their rows (never overlapped)
             drafts = np.asarray(drafts)                                   # [S, k]
             verify = np.zeros((slots, k + 1), np.int32)
             hist = [[] for _ in range(slots)]
@@ -658,22 +699,30 @@ class Engine:
                 lambda: _jit_front(*front_inputs(self.cfg, self.model.params, self.state), verify, n_valid, self.cfg,
                                    self.moe_impl, snapshots=True),
                 lambda fr, rows: run_verify(verify, rows, front=fr))
-        out_tok, n_acc, hidden = np.asarray(out_tok), np.asarray(n_acc), np.asarray(hidden.astype(jnp.float32))
-        lp_info = _to_host(lp_info)
         self.stats["rounds"] += 1
-        self.stats["row_rounds"] = self.stats.get("row_rounds", 0) + len(reqs)
+        return _SpecInflight([(r, r.slot) for r in reqs], out_tok, n_acc, hidden, lp_info)
+
+    def _spec_finish(self, inf: _SpecInflight) -> list[Output]:
+        """Bring a round's tokens to the host (one transfer for all its arrays) and emit them; requests that ended
+        (or were aborted) after it was launched drop what it computed for them."""
+        out_tok, n_acc, hidden, lp_info = jax.device_get((inf.tokens, inf.n_acc, inf.hidden, inf.lp_info))
+        hidden = np.asarray(hidden, np.float32)
+        k = self.k
         outs = []
-        for r in reqs:
-            a = int(n_acc[r.slot])
+        for r, slot in inf.batch:
+            if r.done or self.slots[slot] is not r:
+                continue
+            a = int(n_acc[slot])
+            self.stats["row_rounds"] = self.stats.get("row_rounds", 0) + 1
             r.drafted += k
             r.accepted += a
             self.stats["drafted"] += k
             self.stats["accepted"] += a
-            new = [int(t) for t in out_tok[r.slot, :a + 1]]
+            new = [int(t) for t in out_tok[slot, :a + 1]]
             # the MTP layer's next pairs: (H_P+j, token P+j+1) for the accepted window
-            r.mtp_hidden = hidden[r.slot, :a + 1]
+            r.mtp_hidden = hidden[slot, :a + 1]
             r.mtp_tokens = new[:-1]
-            outs.append(self._emit(r, new, [_lp(lp_info, r.slot, j, r.params.logprobs) for j in range(a + 1)]))
+            outs.append(self._emit(r, new, [_lp(lp_info, slot, j, r.params.logprobs) for j in range(a + 1)]))
         return outs
 
     @property
@@ -860,6 +909,28 @@ def _jit_decode_overlap(params, state, prev_tok, packed, tables, sp, seen, count
     keys = row_keys(packed[3], packed[4])
     return _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ids, sp, keys, seen, counts, cfg,
                         moe_impl, n_logprobs, greedy)
+
+
+@partial(jax.jit, static_argnames=("dtype",))
+def _jit_spec_inputs(prev_hidden, prev_tok, prev_nacc, hid, pair_tok, count, pending, from_host, seeds, counters,
+                     dtype):
+    """A speculative round's draft inputs in an overlapped engine: per row, from the host (hid [S, k+1, D] f32,
+    pair_tok [S, k+1], count [S], pending [S], where from_host) or from the round in flight on the device: its
+    accepted window's a+1 hidden rows and tokens as the MTP layer's pairs (the rest zero, as the host fills them),
+    its last token pending, and the sampling counter advanced by a+1 (what the host adds on emitting them).
+    Returns (hidden in `dtype`, pair_tok, count, pending, keys)."""
+    n = prev_nacc.astype(jnp.int32) + 1                                              # [S]
+    keep = jnp.arange(prev_tok.shape[1])[None, :] < n[:, None]                         # [S, k+1]
+    dev_hid = jnp.where(keep[..., None], prev_hidden.astype(jnp.float32), 0.0)
+    dev_tok = jnp.where(keep, prev_tok.astype(jnp.int32), 0)
+    dev_pending = jnp.take_along_axis(prev_tok.astype(jnp.int32), (n - 1)[:, None], axis=1)[:, 0]
+    fh = from_host
+    hid = jnp.where(fh[:, None, None], hid, dev_hid).astype(dtype)
+    pair_tok = jnp.where(fh[:, None], pair_tok, dev_tok)
+    count = jnp.where(fh, count, n)
+    pending = jnp.where(fh, pending, dev_pending)
+    counters = jnp.where(fh, counters, counters + n.astype(jnp.uint32))
+    return hid, pair_tok, count, pending, row_keys(seeds, counters)
 
 
 @jax.jit

@@ -32,7 +32,7 @@ class ServerState:
     metrics: Metrics
     model_name: str
     capacity: int
-    spec_k: int
+    reserve: int                          # positions a request needs beyond prompt + max_tokens (Engine.reserve)
     vocab: int
     reasoning: bool                       # split <think>...</think> into reasoning_content
     defaults: dict = field(default_factory=dict)   # sampling defaults from generation_config.json
@@ -64,10 +64,10 @@ def _check_model(st: ServerState, body: dict):
 
 def _engine_params(st: ServerState, s: Sampling, prompt_len: int, top_n: int | None) -> SamplingParams:
     max_tokens = s.max_tokens
-    room = st.capacity - prompt_len - st.spec_k - 1
+    room = st.capacity - prompt_len - st.reserve
     if room < 1:
         raise APIError(400, f"the prompt has {prompt_len} tokens; this server's context holds {st.capacity} "
-                            f"positions ({prompt_len + st.spec_k + 2} needed to generate one token). Shorten the "
+                            f"positions ({prompt_len + st.reserve + 1} needed to generate one token). Shorten the "
                             f"prompt or start the server with a larger --capacity", param="messages",
                        code="context_length_exceeded")
     if max_tokens is None:

@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         args.reasoning_parser == "auto" and (tokenizer.token_id("</think>") is not None
                                              or "</think>" in (tokenizer.template_source or "")))
     state = ServerState(tokenizer=tokenizer, scheduler=scheduler, metrics=metrics, model_name=name,
-                        capacity=args.capacity, spec_k=args.speculative, vocab=model.cfg.vocab_size,
+                        capacity=args.capacity, reserve=engine.reserve, vocab=model.cfg.vocab_size,
                         reasoning=reasoning, defaults=defaults)
     app = build_app(state)
 

@@ -268,7 +268,54 @@ def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
 
 
 def test_overlap_is_off_where_the_host_needs_each_token(tiny_models):
+    """Plain and speculative engines overlap by default; overlap=False turns it off. An overlapped speculative
+    engine reserves k - 1 more cache positions per request (the round it may run after a request's last tokens)."""
     model, _ = tiny_models("tiny-a")
     assert Engine(model, max_slots=1, capacity=64).overlap
-    assert not Engine(model, max_slots=1, capacity=64, speculative=2).overlap
+    spec = Engine(model, max_slots=1, capacity=64, speculative=3)
+    assert spec.overlap and spec.reserve == 3 + 1 + 2
+    assert Engine(model, max_slots=1, capacity=64, speculative=3, overlap=False).reserve == 3 + 1
+    assert Engine(model, max_slots=1, capacity=64).reserve == 1
     assert not Engine(model, max_slots=1, capacity=64, overlap=False).overlap
+    with pytest.raises(ValueError, match="context capacity"):
+        spec.submit([1, 2, 3, 4], SamplingParams(max_tokens=64 - 4 - 6 + 1))
+    spec.submit([1, 2, 3, 4], SamplingParams(max_tokens=64 - 4 - 6))
+
+
+def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models):
+    """Overlapped MTP rounds (each round launched before the previous one's tokens reach the host: the MTP layer's
+    pairs, the pending token and the sampling counters taken on the device) emit the tokens of the synchronous
+    engine: greedy and seeded sampling rows in one batch, logprobs, a stop token inside an accepted window, max_tokens
+    cutting a window, slot reuse across 4 requests in 2 slots, an abort mid-flight; and the same acceptance counts."""
+    model, _ = tiny_models("tiny-c")
+    rng = np.random.default_rng(21)
+    eos = model.cfg.ple_eos_token_id
+    prompts = [list(map(int, rng.integers(0, eos, size=n))) for n in (6, 19, 9, 5)]
+    greedy = fnx.generate(model, [prompts[0]], max_new_tokens=14, sampling=SamplingParams(ignore_eos=True))[0]
+    reqs = [
+        (prompts[0], SamplingParams(max_tokens=14, ignore_eos=True, stop_token_ids=(greedy[8],))),
+        (prompts[1], SamplingParams(max_tokens=11, temperature=0.9, top_p=0.95, seed=3, logprobs=2,
+                                    ignore_eos=True)),
+        (prompts[2], SamplingParams(max_tokens=9, temperature=1.2, seed=5, ignore_eos=True)),
+        (prompts[3], SamplingParams(max_tokens=7, ignore_eos=True)),
+    ]
+    runs, stats = [], []
+    for overlap in (False, True):
+        eng = Engine(model, max_slots=2, capacity=96, prefill_chunk=8, overlap=overlap,
+                     speculative=SpeculativeConfig(k=3))
+        assert eng.overlap == overlap
+        runs.append(_run_engine(eng, reqs, abort_id="r2", abort_at=4))
+        assert not eng.has_work() and eng._inflight is None
+        stats.append((eng.stats["accepted"], eng.stats["row_rounds"]))
+    sync, over = runs
+    assert over.keys() == sync.keys()
+    for rid in sync:
+        (ts, ls, fs), (to, lo, fo) = sync[rid], over[rid]
+        assert to == ts and fo == fs and len(lo) == len(ls), rid
+        for (a, top_a), (b, top_b) in zip(ls, lo):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (rid, a, b)
+    assert stats[0] == stats[1]
+    assert sync["r0"][2] == "stop" and sync["r0"][0][-1] == greedy[8]
+    assert sync["r3"][2] == "length" and len(sync["r3"][0]) == 7
+    assert sync["r1"][2] == "length" and len(sync["r1"][1]) == 11 and len(sync["r1"][1][0][1]) == 2
+    assert sync["r2"][2] is None and 4 <= len(sync["r2"][0]) < 9        # aborted after a round past 4 tokens
