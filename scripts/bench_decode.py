@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnx.config import ModelConfig
-from fnx.engine.engine import _jit_draft, _jit_verify, draft_head
+from fnx.engine.engine import _jit_draft, _jit_spec_inputs, _jit_verify, _jit_verify_window, draft_head
 from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys
 from fnx.model.mtp import init_mtp_state, mtp_param_shapes
 from fnx.model.transformer import init_state, param_shapes, step
@@ -346,7 +346,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     # positions advance from ctx through every timed call (no per-call rewind: resetting `pos` costs a jitted op
     # of host time per call, which the step time would include); the spare capacity covers every call
     calls = (reps + 1) + (ledger_calls + 1)                       # timed + warm-up calls of each kind
-    spare = calls + 100 + calls * (k + 1) + 64                    # decode steps, chained steps, MTP rounds
+    spare = calls + 100 + (calls + 4 * 8) * (k + 1) + 64         # decode steps, chained steps, MTP rounds (+ chained)
     # a whole number of 256-token blocks, as a served cache is (`fnx.serve --capacity` 4,096): with 1,532 slots
     # XLA padded the QSA layer's K and V to 1,536 for its attention dots, two copy kernels per QSA layer per step
     # that a served step does not run (the 4-layer kernel table of 20e27fc)
@@ -421,6 +421,30 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)
+
+    def rounds_chained(n=8):
+        """n rounds in flight, each round's draft inputs (the MTP pairs, the pending token, the sampling keys)
+        taken on the device from the previous verify, as the overlapped engine runs them, one wait at the end:
+        the round time once the host's launches overlap the device."""
+        sd = cfg.hc_dim
+        prev = (hid, jnp.ones((1, k + 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+        host = (np.zeros((1, k + 1, sd), np.float32), np.zeros((1, k + 1), np.int32), np.zeros((1,), np.int32),
+                np.zeros((1,), np.int32), np.zeros((1,), bool), np.zeros((1,), np.uint32), np.zeros((1,), np.uint32))
+        pi, pr = ple(1, k + 1)
+        t = time.perf_counter()
+        for _ in range(n):
+            h_d, pair_d, count_d, pend_d, kk = _jit_spec_inputs(*prev, *host, dtype=jnp.dtype(dtype))
+            mh["m"], drafts, q = _jit_draft(sparams, smp, mh["m"], h_d, pair_d, count_d, sp, kk, cfg, moe, k,
+                                            head=dhead, hot=hot, greedy=True)
+            verify, _ = _jit_verify_window(pend_d, drafts, None, None)
+            holder["s"], toks, n_acc, hidden, _ = _jit_verify(
+                sparams, holder["s"], verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp, kk, cfg, moe, 0,
+                greedy=True)
+            prev = (hidden, toks, n_acc)
+        jax.block_until_ready(toks)
+        return (time.perf_counter() - t) / n * 1e3
+    rounds_chained(2)
+    res["mtp_round_chained_ms"] = min(rounds_chained() for _ in range(3))
     if ledger_calls:
         res["ledger_mtp_round"] = ledger.profile(rnd, ledger_calls)
     res["mtp_round_floor_ms"] = (floors["verify"] + k * floors["draft"]) / PEAK_BW * 1e3
@@ -428,6 +452,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     print(json.dumps({"layers": cfg.num_hidden_layers, "decode_ms": res["decode_ms"],
                       "decode_chained_ms": res["decode_chained_ms"],
                       "decode_floor_ms": res["decode_floor_ms"], "mtp_round_ms": res["mtp_round_ms"],
+                      "mtp_round_chained_ms": res["mtp_round_chained_ms"],
                       "mtp_round_floor_ms": res["mtp_round_floor_ms"]}), flush=True)
 
     # prefill throughput
@@ -620,7 +645,8 @@ def main():
         if len(layer_counts) >= 2:
             a, b = sorted(layer_counts)[:2]
             ext = {}
-            for key in ("decode_ms", "decode_chained_ms", "mtp_round_ms", "decode_floor_ms", "mtp_round_floor_ms"):
+            for key in ("decode_ms", "decode_chained_ms", "mtp_round_ms", "mtp_round_chained_ms", "decode_floor_ms",
+                        "mtp_round_floor_ms"):
                 per_layer = (runs[b][key] - runs[a][key]) / (b - a)
                 ext[key] = runs[a][key] + per_layer * (48 - a)
                 ext[key + "_per_layer"] = per_layer

@@ -209,6 +209,7 @@ class Engine:
         # overlapped decode: the step queued on the device whose outputs are not yet emitted
         self.overlap = bool(overlap) and model.ple_store is None
         self._inflight: _Inflight | _SpecInflight | None = None
+        self._spec_none = None    # stand-ins for "no round in flight" in _jit_spec_inputs
         self._sp_cache = None
         self._ngram_tables = None
         if (self.overlap or self.spec) and model.ple_store is None and model.ngram is not None:
@@ -319,7 +320,7 @@ class Engine:
         """Cache positions a request needs beyond its prompt and max_tokens: a speculative round writes k + 1
         positions past the last committed token, and an overlapped one may run once more after the request's
         last tokens (up to k + 1 of them) are committed on the device but not yet seen by the host: k - 1 more."""
-        return self.k + 1 + (max(self.k - 1, 0) if self.spec and self.overlap else 0)
+        return positions_reserved(self.k if self.spec else 0, self.overlap)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots) or self._inflight is not None
@@ -663,14 +664,15 @@ class Engine:
         sp = self._sampling_arrays(params)
         greedy = all(r.params.greedy for r in reqs)
         dtype = self.model.dtype
-        if queued:
-            hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
-                prev.hidden, prev.tokens, prev.n_acc, hid, pair_tok, count, pending, from_host, seeds, counters,
-                dtype=jnp.dtype(dtype))
+        if not queued:   # every row from the host: the previous round's slots are not read (one compiled program)
+            if self._spec_none is None:
+                self._spec_none = (jnp.zeros((slots, k + 1, sd), dtype), jnp.zeros((slots, k + 1), jnp.int32),
+                                   jnp.zeros((slots,), jnp.int32))
+            prev_out = self._spec_none
         else:
-            hid_d, pair_d, count_d, pending_d = jnp.asarray(hid, dtype), jnp.asarray(pair_tok), jnp.asarray(count), \
-                pending
-            keys = row_keys(seeds, counters)
+            prev_out = (prev.hidden, prev.tokens, prev.n_acc)
+        hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
+            *prev_out, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, sp, keys, self.cfg, self.moe_impl,
             k, self.draft_head, self.hot, greedy=greedy)
@@ -733,6 +735,11 @@ class Engine:
 
 
 MAX_LOGPROBS = 20
+
+
+def positions_reserved(k: int, overlap: bool) -> int:
+    """`Engine.reserve` for speculative k (0: plain decode) with or without overlap."""
+    return k + 1 + (max(k - 1, 0) if overlap else 0)
 
 
 def draft_head(head, hot, fp8: bool, dtype):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnx.engine.engine import Engine, Output, SpeculativeConfig
+from fnx.engine.engine import Engine, Output, SpeculativeConfig, positions_reserved
 from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys, sample
 from fnx.model.api import PREFILL_CHUNK, Model
 from fnx.model.ngram_device import NgramDeviceTables, ngram_ids_device
@@ -45,7 +45,7 @@ def _engine_for(model, prompts, max_new_tokens, speculative, max_slots, prefill_
     """An engine sized for this call, its shapes rounded up (slots to 1, 2, 4 or 8, the context to a power of two
     of at least 256), so that a session's further calls reuse the compiled programs instead of compiling anew."""
     k = speculative.k if isinstance(speculative, SpeculativeConfig) else (speculative or 0)
-    need = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    need = max(len(p) for p in prompts) + max_new_tokens + positions_reserved(k, overlap=True)
     return Engine(model, max_slots=max_slots or _pow2(min(len(prompts), 8)), capacity=max(_pow2(need), 256),
                   prefill_chunk=prefill_chunk, speculative=speculative, extra_eos=model.eos_token_ids)
 

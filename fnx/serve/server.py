@@ -74,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="keep each sublayer's input projections as separate GEMVs (default: one fused GEMV per "
                         "sublayer input, fnx.model.fuse; measured faster on the H200)")
     p.add_argument("--no-overlap", action="store_true",
-                   help="run every decode step synchronously (by default the next step is launched before this "
-                        "step's tokens reach the host, hiding the launch behind the device; same tokens)")
+                   help="run every decode step and MTP round synchronously (by default the next one is launched "
+                        "before this one's tokens reach the host, hiding the launch behind the device; same tokens)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; beyond slots + queue, requests get HTTP 429")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,

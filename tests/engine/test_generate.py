@@ -299,7 +299,8 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
         (prompts[2], SamplingParams(max_tokens=9, temperature=1.2, seed=5, ignore_eos=True)),
         (prompts[3], SamplingParams(max_tokens=7, ignore_eos=True)),
     ]
-    runs, stats = [], []
+    from fnx.engine import engine as eng_mod
+    runs, stats, compiled = [], [], []
     for overlap in (False, True):
         eng = Engine(model, max_slots=2, capacity=96, prefill_chunk=8, overlap=overlap,
                      speculative=SpeculativeConfig(k=3))
@@ -307,6 +308,10 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
         runs.append(_run_engine(eng, reqs, abort_id="r2", abort_at=4))
         assert not eng.has_work() and eng._inflight is None
         stats.append((eng.stats["accepted"], eng.stats["row_rounds"]))
+        compiled.append(eng_mod._jit_spec_inputs._cache_size())
+    # rounds with inputs from the device and rounds with inputs from the host run one compiled program (so the
+    # server's warm-up, whose requests end after one round, compiles it)
+    assert compiled[0] == compiled[1]
     sync, over = runs
     assert over.keys() == sync.keys()
     for rid in sync:
