@@ -207,12 +207,15 @@ class HostPle:
 
 
 def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=None, fetches=(),
-                  separate: bool = False) -> dict:
+                  separate: bool = False, spec_k: int = 0) -> dict:
     """The Engine's plain decode, synchronous and overlapped (fnx.engine.Engine(overlap=...)): `slots` greedy
     requests of a 64-token prompt; after every prefill has ended, the wall time of the next `tokens` engine
     steps (ms per step, tokens/s). Same programs, so the difference is the host time the overlap hides.
     With a host PLE store: also the engine on that store (always synchronous) with each `ple_fetch` variant in
-    `fetches`; its PLE stall is the difference to the synchronous in-params run (the same programs otherwise)."""
+    `fetches`; its PLE stall is the difference to the synchronous in-params run (the same programs otherwise).
+    spec_k: also the engine with MTP speculation (k drafts), synchronous and overlapped rounds: ms per round (one
+    engine step) and tokens/s over the timed rounds (random weights accept few drafts: the host overlap, not the
+    acceptance, is what the two compare)."""
     from fnx.engine import Engine
     from fnx.model.api import Model
     model = Model(cfg, params, mp)
@@ -220,6 +223,9 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
     if separate:   # the same overlapped engine with each input projection a GEMV of its own (the engine's default
         # fuses each sublayer's input projections, fnx.model.fuse)
         runs.append(("overlap_separate", model, dict(overlap=True, fuse_projections=False)))
+    if spec_k:
+        runs += [(f"spec{spec_k}_sync", model, dict(overlap=False, speculative=spec_k)),
+                 (f"spec{spec_k}_overlap", model, dict(overlap=True, speculative=spec_k))]
     if store is not None:
         # the params' (shrunk) table stays, unread: the rows come from the store. The engine hashes the n-grams
         # with the config's constants, so they are the table's own when it is the release's size (every row of
@@ -242,6 +248,7 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
             before = dict(store.stats) if store is not None else {}
             eng = Engine(mdl, max_slots=slots, capacity=64 + 2 * tokens + 16, prefill_chunk=64 * slots, **kw)
             rng = np.random.default_rng(0)
+            counted = {}
 
             def run(n, timed):
                 reqs = [eng.requests[eng.submit(list(map(int, rng.integers(0, cfg.vocab_size, 64))),
@@ -252,10 +259,12 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
                 times = []
                 eng.stats.pop("ple_host_seconds", None)
                 eng.stats.pop("ple_calls", None)
+                gen0 = sum(r.generated for r in reqs)
                 while eng.has_work():
                     t = time.perf_counter()
                     eng.step()
                     times.append(time.perf_counter() - t)
+                counted["tok_s"] = (sum(r.generated for r in reqs) - gen0) / max(sum(times), 1e-9)
                 # the median step (the last steps of an overlapped engine only drain; a stray slow step is noise)
                 return float(np.median(times)) * 1e3 if timed else None
 
@@ -279,7 +288,10 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
                 continue
             key = f"engine_b{slots}_{label}"
             out[key + "_ms_per_step"] = ms
-            out[key + "_tok_s"] = slots / (ms / 1e3)
+            # plain decode: one token per slot and step; a speculative round: what it emitted over the timed steps
+            out[key + "_tok_s"] = counted["tok_s"] if label.startswith("spec") else slots / (ms / 1e3)
+            if label.startswith("spec"):
+                out[key + "_acceptance_length"] = eng.acceptance_length
             extra = ""
             if label.startswith("ple_") and eng._pipe is not None:
                 ps = eng._pipe.stats
@@ -299,7 +311,9 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
                 calls, ph = eng.stats["ple_calls"], eng.stats["ple_host_seconds"]
                 out.update({f"{key}_host_{k}_ms": v / calls * 1e3 for k, v in ph.items()})
                 extra += " {host per step: " + ", ".join(f"{k} {v / calls * 1e3:.3f}" for k, v in ph.items()) + " ms}"
-            print(f"# engine decode, {slots} slots, {label}: {ms:.3f} ms per step, {slots / (ms / 1e3):.0f} tok/s"
+            if label.startswith("spec"):
+                extra += f" (acceptance length {eng.acceptance_length:.2f})"
+            print(f"# engine decode, {slots} slots, {label}: {ms:.3f} ms per step, {out[key + '_tok_s']:.0f} tok/s"
                   + extra, flush=True)
             eng.close()
             del eng
@@ -309,7 +323,7 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
             host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
             engine_fetches=(), engine_separate: bool = False, fuse: bool = False, draft_vocab: int = 0,
-            draft_fp8: bool = False, prefill_chunk: int = 2048):
+            draft_fp8: bool = False, prefill_chunk: int = 2048, engine_spec: int = 0):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -484,7 +498,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         if mesh is not None or quant != "bf16":
             raise SystemExit("--engine runs on one device with bf16 weights")
         res.update(engine_decode(cfg, params, mp, engine_tokens, engine_slots,
-                                 None if host_ple is None else host_ple.store, engine_fetches, engine_separate))
+                                 None if host_ple is None else host_ple.store, engine_fetches, engine_separate,
+                                 engine_spec))
     try:
         devs = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         res["peak_mem_gb"] = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in devs) / 1e9
@@ -540,6 +555,9 @@ def main():
     ap.add_argument("--engine", type=int, default=0, metavar="N",
                     help="also time N plain decode steps of fnx.engine.Engine, synchronous and overlapped")
     ap.add_argument("--engine-slots", default="1,8", help="batch slots for --engine (comma list)")
+    ap.add_argument("--engine-spec", type=int, default=0, metavar="K",
+                    help="with --engine: also the engine with MTP speculation (K drafts), synchronous and "
+                         "overlapped rounds")
     ap.add_argument("--engine-separate", action="store_true",
                     help="with --engine: also the overlapped engine with separate input projections (its default "
                          "fuses them, fnx.model.fuse)")
@@ -612,7 +630,7 @@ def main():
                             args.engine, [int(x) for x in args.engine_slots.split(",")],
                             [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate,
                             fuse=not args.no_fuse, draft_vocab=args.draft_vocab, draft_fp8=args.draft_fp8,
-                            prefill_chunk=args.prefill_chunk)
+                            prefill_chunk=args.prefill_chunk, engine_spec=args.engine_spec)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}

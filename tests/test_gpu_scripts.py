@@ -34,6 +34,19 @@ def test_bench_decode_with_host_ple_and_ledger(tmp_path):
     assert "# ledger_prefill (4 layers)" in stdout
 
 
+def test_bench_decode_engine_with_speculation(tmp_path):
+    """--engine with --engine-spec: the Engine's plain steps and its MTP rounds, synchronous and overlapped, on
+    random weights (the MTP params a built tree): ms per step, tokens/s and acceptance length recorded."""
+    res = tmp_path / "e.jsonl"
+    stdout = _run(["scripts/bench_decode.py", "--tiny", "--reps", "1", "--layers", "4", "--contexts", "32",
+                   "--engine", "6", "--engine-slots", "2", "--engine-spec", "2", "--out", str(res)], tmp_path)
+    run = next(r for r in map(json.loads, res.read_text().splitlines()) if r.get("record") == "run")
+    for label in ("sync", "overlap", "spec2_sync", "spec2_overlap"):
+        assert run[f"engine_b2_{label}_ms_per_step"] > 0 and run[f"engine_b2_{label}_tok_s"] > 0, label
+    assert run["engine_b2_spec2_overlap_acceptance_length"] >= 1.0
+    assert "# engine decode, 2 slots, spec2_overlap" in stdout
+
+
 def test_bench_decode_online_quant_per_leaf(monkeypatch):
     """The full-model runs quantize each leaf as it is drawn: dense projections become FP8 blocks, experts NVFP4
     with "fp8+nvfp4", small layers stay; --keep-bf16 leaves the matching paths as they are."""

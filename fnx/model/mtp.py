@@ -37,11 +37,15 @@ def mtp_param_shapes(cfg: ModelConfig) -> dict:
 
 
 def mtp_params(cfg: ModelConfig, raw: dict, dtype) -> dict:
-    """The `mtp.*` tensors (raw HF names -> host arrays, as `fnx.load` keeps them) as a params tree."""
+    """The `mtp.*` tensors (raw HF names -> host arrays, as `fnx.load` keeps them) as a params tree. A tree
+    already in that layout (a nested dict of arrays, e.g. random weights for a benchmark) is checked leaf by leaf
+    against the config's shapes and returned in `dtype`."""
     from fnx.checkpoint.hf import translate
     if not raw:
         raise MtpError("this checkpoint has no mtp.* tensors: speculative decoding with the MTP layer needs them")
     want = mtp_param_shapes(cfg)
+    if not any(isinstance(k, str) and k.startswith("mtp.") for k in raw):
+        return _checked_tree(want, raw, dtype)
     tree: dict = {}
     extra = []
     for name, arr in raw.items():
@@ -83,6 +87,28 @@ def mtp_params(cfg: ModelConfig, raw: dict, dtype) -> dict:
     if missing:
         raise MtpError(f"missing mtp tensors: {missing[:10]}")
     return tree
+
+
+def _checked_tree(want: dict, tree: dict, dtype, prefix: str = "") -> dict:
+    """`tree` with every leaf of `want` (shapes) present at its shape, cast to dtype; no other leaves."""
+    if not isinstance(tree, dict):
+        raise MtpError(f"mtp params{prefix or ''}: expected a dict of tensors, got {type(tree).__name__}")
+    extra = sorted(set(tree) - set(want))
+    if extra:
+        raise MtpError(f"unexpected mtp tensors: {[prefix + '.' + str(k) if prefix else k for k in extra][:10]}")
+    out = {}
+    for k, shape in want.items():
+        name = f"{prefix}.{k}" if prefix else k
+        if k not in tree:
+            raise MtpError(f"missing mtp tensors: [{name!r}]")
+        if isinstance(shape, dict):
+            out[k] = _checked_tree(shape, tree[k], dtype, name)
+            continue
+        leaf = tree[k]
+        if tuple(getattr(leaf, "shape", ())) != tuple(shape):
+            raise MtpError(f"{name} has shape {tuple(getattr(leaf, 'shape', ()))}, the config expects {tuple(shape)}")
+        out[k] = jnp.asarray(leaf, jnp.dtype(dtype))
+    return out
 
 
 def init_mtp_state(cfg: ModelConfig, batch: int, capacity: int, dtype) -> dict:

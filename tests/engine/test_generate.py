@@ -1,6 +1,7 @@
 """generate(): greedy equal to transformers' generate, speculative decoding lossless, batching and chunked prefill
 invisible in the output, the jitted loop equal to the engine."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -324,3 +325,23 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
     assert sync["r3"][2] == "length" and len(sync["r3"][0]) == 7
     assert sync["r1"][2] == "length" and len(sync["r1"][1]) == 11 and len(sync["r1"][1][0][1]) == 2
     assert sync["r2"][2] is None and 4 <= len(sync["r2"][0]) < 9        # aborted after a round past 4 tokens
+
+
+def test_mtp_params_accept_a_built_tree(tiny_models):
+    """The MTP layer's weights as a params tree (what benchmarks build from random weights) give the engine the same
+    params as the checkpoint's raw `mtp.*` tensors; a wrong shape, a missing or an unknown leaf is refused by name."""
+    from fnx.model.mtp import MtpError, mtp_params
+    model, _ = tiny_models("tiny-a")
+    tree = mtp_params(model.cfg, model.mtp, np.float32)
+    again = mtp_params(model.cfg, tree, np.float32)
+    flat_a, flat_b = jax.tree_util.tree_leaves_with_path(tree), jax.tree_util.tree_leaves_with_path(again)
+    assert [p for p, _ in flat_a] == [p for p, _ in flat_b]
+    for (_, a), (_, b) in zip(flat_a, flat_b):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    bad = dict(tree, fc_hidden=tree["fc_hidden"][:, :-1])
+    with pytest.raises(MtpError, match="fc_hidden has shape"):
+        mtp_params(model.cfg, bad, np.float32)
+    with pytest.raises(MtpError, match="missing mtp tensors"):
+        mtp_params(model.cfg, {k: v for k, v in tree.items() if k != "fc_embedding"}, np.float32)
+    with pytest.raises(MtpError, match="unexpected mtp tensors"):
+        mtp_params(model.cfg, dict(tree, extra=tree["fc_hidden"]), np.float32)
