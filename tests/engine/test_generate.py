@@ -225,6 +225,22 @@ def _run_engine(eng, reqs, abort_id=None, abort_at=3):
     return got
 
 
+def _assert_same_outputs(sync, over):
+    """Tokens, finish reasons and the logprobs' shape exactly; logprob values to float rounding: the engines run
+    different compiled programs (the overlapped one takes its inputs on the device), and each is deterministic, but
+    they may round the same row differently in the last bit (seen: 1e-7 relative)."""
+    assert over.keys() == sync.keys()
+    for rid in sync:
+        (ts, ls, fs), (to, lo, fo) = sync[rid], over[rid]
+        assert to == ts and fo == fs and len(lo) == len(ls), rid
+        for (a, top_a), (b, top_b) in zip(ls, lo):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (rid, a, b)
+            assert (top_a is None) == (top_b is None)
+            if top_a is not None:
+                assert [i for i, _ in top_a] == [i for i, _ in top_b]
+                np.testing.assert_allclose([v for _, v in top_a], [v for _, v in top_b], rtol=1e-5, atol=1e-6)
+
+
 def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
     """The overlapped engine (each step launched before the previous step's tokens reach the host, tokens and
     n-gram ids taken on the device) emits the tokens the synchronous one does (logprobs to float rounding): greedy
@@ -250,19 +266,7 @@ def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
         runs.append(_run_engine(eng, reqs, abort_id="r2"))
         assert not eng.has_work() and eng._inflight is None
     sync, over = runs
-    # tokens, finish reasons and the logprobs' shape exactly; logprob values to float rounding: the engines run
-    # different compiled decode programs (the overlapped one takes its tokens and n-gram ids on the device), and
-    # each is deterministic, but they may round the same row differently in the last bit (seen: 1e-7 relative)
-    assert over.keys() == sync.keys()
-    for rid in sync:
-        (ts, ls, fs), (to, lo, fo) = sync[rid], over[rid]
-        assert to == ts and fo == fs and len(lo) == len(ls), rid
-        for (a, top_a), (b, top_b) in zip(ls, lo):
-            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (rid, a, b)
-            assert (top_a is None) == (top_b is None)
-            if top_a is not None:
-                assert [i for i, _ in top_a] == [i for i, _ in top_b]
-                np.testing.assert_allclose([v for _, v in top_a], [v for _, v in top_b], rtol=1e-5, atol=1e-6)
+    _assert_same_outputs(sync, over)
     assert sync["r0"][2] == "stop" and sync["r0"][0][-1] == greedy[6]
     assert sync["r1"][2] == "length" and len(sync["r1"][1]) == 9 and len(sync["r1"][1][0][1]) == 2
     assert len(sync["r2"][0]) == 3 and sync["r2"][2] is None      # aborted after 3 tokens, in both engines
@@ -314,12 +318,7 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
     # server's warm-up, whose requests end after one round, compiles it)
     assert compiled[0] == compiled[1]
     sync, over = runs
-    assert over.keys() == sync.keys()
-    for rid in sync:
-        (ts, ls, fs), (to, lo, fo) = sync[rid], over[rid]
-        assert to == ts and fo == fs and len(lo) == len(ls), rid
-        for (a, top_a), (b, top_b) in zip(ls, lo):
-            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (rid, a, b)
+    _assert_same_outputs(sync, over)
     assert stats[0] == stats[1]
     assert sync["r0"][2] == "stop" and sync["r0"][0][-1] == greedy[8]
     assert sync["r3"][2] == "length" and len(sync["r3"][0]) == 7
