@@ -207,7 +207,7 @@ class HostPle:
 
 
 def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=None, fetches=(),
-                  separate: bool = False, spec_k: int = 0) -> dict:
+                  separate: bool = False, spec_k: int = 0, plain: bool = True) -> dict:
     """The Engine's plain decode, synchronous and overlapped (fnx.engine.Engine(overlap=...)): `slots` greedy
     requests of a 64-token prompt; after every prefill has ended, the wall time of the next `tokens` engine
     steps (ms per step, tokens/s). Same programs, so the difference is the host time the overlap hides.
@@ -215,11 +215,11 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
     `fetches`; its PLE stall is the difference to the synchronous in-params run (the same programs otherwise).
     spec_k: also the engine with MTP speculation (k drafts), synchronous and overlapped rounds: ms per round (one
     engine step) and tokens/s over the timed rounds (random weights accept few drafts: the host overlap, not the
-    acceptance, is what the two compare)."""
+    acceptance, is what the two compare). plain=False: only those (a quick check of the speculative runs)."""
     from fnx.engine import Engine
     from fnx.model.api import Model
     model = Model(cfg, params, mp)
-    runs = [("sync", model, dict(overlap=False)), ("overlap", model, dict(overlap=True))]
+    runs = [("sync", model, dict(overlap=False)), ("overlap", model, dict(overlap=True))] if plain else []
     if separate:   # the same overlapped engine with each input projection a GEMV of its own (the engine's default
         # fuses each sublayer's input projections, fnx.model.fuse)
         runs.append(("overlap_separate", model, dict(overlap=True, fuse_projections=False)))
