@@ -615,6 +615,8 @@ def main():
         ndev = mcfg.size if mcfg else 1
         kernels_label = (("gemv per shard (mesh)" if args.mesh_kernels else "reference (mesh)") if mcfg
                          else os.environ.get("FNX_KERNELS", "auto"))
+        if os.environ.get("FNX_MOE_TOKENS_TILES"):     # several-token MoE tiles changed for this run
+            kernels_label += f"; moe tokens tiles {os.environ['FNX_MOE_TOKENS_TILES']}"
         runs = {}
         for n in layer_counts:
             cfg = bench_config(n, args.tiny, scan=not args.no_scan,

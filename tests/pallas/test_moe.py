@@ -612,6 +612,47 @@ def test_decode_token_major_branches_agree(case, fmt, group, acc, wround):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, tmajor=2))
 
 
+@pytest.mark.parametrize("case,fmt,group,acc,tmajor,branch", [
+    ("pairs", "nvfp4", 1, 1, 0, 0), ("all_same", "fp8", 1, 0, 0, 0), ("pairs", "bf16", 0, 1, 1, 2),
+    ("disjoint", "nvfp4", 2, 0, 1, 3), ("pairs", "fp8", 1, 1, 0, 3)])
+def test_decode_without_token_branches_agrees(case, fmt, group, acc, tmajor, branch):
+    """DecodeTiles.branch 0: every token's products computed for every slot (no branch around the tokens not routed
+    to the slot's expert; their terms discarded), in both kernels (2: in the down kernel only, 3: in the gate/up
+    kernel only): the routed tokens' sums are the same products in
+    the same order, so the layer agrees with branch 1 within an output rounding (in the interpreter XLA compiles a
+    branch's arithmetic on its own, and a compiler may contract the products differently) and matches the
+    reference, with shared experts, the same experts for all tokens and disjoint ones, token-major order, groups
+    and the in-kernel combine. The non-owner slots' unwritten activation rows are read and discarded, never added:
+    the output is finite."""
+    m = 4
+    ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
+           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
+    args = _decode_args(fmt, m, 71, ids=ids)
+    nv = dict(e2m1="f16", gsum=1) if fmt == "nvfp4" else dict(e2m1="int")
+    tiles = dataclasses.replace(DT, group=group, acc=acc, wround=0, tmajor=tmajor, **nv)
+    run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
+    got, base = (np.asarray(run(dataclasses.replace(tiles, branch=b)), np.float32) for b in (branch, 1))
+    assert np.isfinite(got).all()
+    assert np.abs(got - base).max() <= 2.0 ** -7 * np.abs(base).max()
+    _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)
+    with pytest.raises(NotImplementedError, match="branch 0 to 3"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, branch=4))
+
+
+def test_tokens_tiles_override(monkeypatch):
+    """FNX_MOE_TOKENS_TILES replaces fields of the several-token defaults only (the one-token tiles stay), and a
+    malformed value says what is wrong."""
+    base1, base5 = (decode_pallas.default_tiles(D, I, I, "nvfp4", m) for m in (1, 5))
+    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "branch=0, num_warps2=2,e2m1=f16")
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 1) == base1
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base5, branch=0, num_warps2=2,
+                                                                                   e2m1="f16")
+    for bad, why in (("branchy=0", "not field=value"), ("branch", "not field=value"), ("bn2=wide", "integer")):
+        monkeypatch.setenv("FNX_MOE_TOKENS_TILES", bad)
+        with pytest.raises(ValueError, match=why):
+            decode_pallas.default_tiles(D, I, I, "nvfp4", 5)
+
+
 @pytest.mark.parametrize("fmt,m,group", [("nvfp4", 1, 0), ("bf16", 3, 0), ("fp8", 2, 4)])
 def test_decode_hoisted_down_loads_give_the_same_bits(fmt, m, group):
     """DecodeTiles.hoist 1: a down program issues every slot's weight loads (and the shared expert's) before its
@@ -698,7 +739,9 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", 1, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="hfmab", wround=0, gsum=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1,
                                                                   tmajor=1)),
-                           ("fp8", m, decode_pallas.DecodeTiles(group=1, wround=0, tmajor=1))):
+                           ("fp8", m, decode_pallas.DecodeTiles(group=1, wround=0, tmajor=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(group=1, acc=1, e2m1="asm", wround=0, gsum=1,
+                                                                  branch=0))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

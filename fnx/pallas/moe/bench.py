@@ -31,7 +31,7 @@ BF16 = jnp.bfloat16
 
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
-# wround, gsum, tmajor]. Each list holds only the variants not yet measured against the current default
+# wround, gsum, tmajor, branch]. Each list holds only the variants not yet measured against the current default
 # (`decode_pallas.MEASURED` / `MEASURED_TOKENS`, the "fused" case), the most promising first, so a sweep cut by its
 # time limit still reaches them. Each case compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
@@ -59,15 +59,16 @@ BF16 = jnp.bfloat16
 #   The second call repeated the one-token default at 64.7 us (43.3 in the first) and the five-token one at 190.3
 #   (176.5): the spread between calls; one-warp down programs at one token 47.2, at five tokens without gsum 179.4,
 #   two-warp gate/up programs 180.6 (none beyond that spread).
-# Next (the runs now bracket: the first case again at the end): at five tokens each routed token's branch around
-# all of a slot's chunks (tmajor 1: its activation loads issued together, where a branch per chunk waits for each
-# in turn; in the round the five-token down kernel took as long as gate/up for half the bytes). Every fused case
-# is checked against the reference layer on its first argument set ("check" in the record: a variant that computes
-# something else says "mismatch").
+# - twentieth session (1ddebd7), five tokens, bracketed: tmajor 1 202.3, tmajor 1 with 16-column two-warp down
+#   programs 196.2, against the default's 191.2 first and 201.6 at the end (inside the run's spread: tmajor stays 0).
+# Next: at five tokens no branch per token (branch 0; 2 / 3: in one kernel only): every token's products computed,
+# every load issued up front, for M x the multiply-adds. Every fused case is checked against the reference layer on
+# its first argument set ("check" in the record: a variant that computes something else says "mismatch").
 # (At five tokens FP8 runs these tiles too: e2m1 and gsum mean nothing there.)
 _SWEEP_M1: list = []
-_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1, 1),   # the default with a branch per token (tmajor)
-             (4, 512, 16, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1, 1)]  # the same, 16-column two-warp down programs
+_SWEEP_M5 = [(4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1, 0, 0),    # the default without token branches
+             (4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1, 0, 2),    # ... in the down kernel only
+             (4, 512, 8, 128, 1, 4, 1, 1, "asm", 0, 0, 0, 0, 1, 0, 3)]    # ... in the gate/up kernel only
 _SWEEP_NVFP4: list = []
 
 

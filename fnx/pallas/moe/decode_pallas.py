@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,12 @@ class DecodeTiles:
                          # decodes twice). The same products in the same order per token (in the interpreter the
                          # results agree within an output rounding: XLA compiles a branch's arithmetic on its own).
                          # One token: no branch
+    branch: int = 1      # several tokens: 1 = the products of a token not routed to the slot's expert are skipped
+                         # by a branch (most experts serve one of the five tokens, but each branch's activation
+                         # loads wait behind its condition); 0 = every token's products computed without a branch
+                         # (M x the multiply-adds per weight; every load issued up front) and the terms of tokens not
+                         # routed there discarded: the same values for the routed ones; 2 = branches in the gate/up
+                         # kernel only, 3 = in the down kernel only. One token: no branch
 
 
 def _pow2(n: int) -> int:
@@ -378,17 +385,18 @@ def _routes_to(flat, e, k, i):
     return jnp.sum(jnp.where((flat == e) & (tok == i), 1, 0)) > 0
 
 
-def _accumulate(m, hits, accs, add):
+def _accumulate(m, hits, accs, add, branch=True):
     """accs[i] = add(i, accs[i]) for each token; with several tokens only where hits[i] (the tokens routed to this
     slot's expert): a branch per token skips the others' multiply-adds, where at M = 5 most experts serve one token.
-    One token is always routed to its own slot's expert: no branch."""
-    if m == 1:
-        return [add(0, accs[0])]
+    One token is always routed to its own slot's expert: no branch. Without `branch` every token's sum is computed
+    (the caller discards those of tokens not routed here)."""
+    if m == 1 or not branch:
+        return [add(i, accs[i]) for i in range(m)]
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False):
+                    gsum=False, tmajor=False, branch=True):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -461,17 +469,17 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
                     acc = (acc[0] + part(deq(raw_g[c]), _scaled(xv, cs[c][0])),
                            acc[1] + part(deq(raw_u[c]), _scaled(xv, cs[c][1])))
                 return acc
-            accs = _accumulate(m, hits, accs, token)
+            accs = _accumulate(m, hits, accs, token, branch)
         for c in range(0 if tmajor else nk):
             wg, wu = deq(raw_g[c]), deq(raw_u[c])
 
             def add(i, acc, wg=wg, wu=wu, c=c):
                 xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
                 return acc[0] + part(wg, _scaled(xv, cs[c][0])), acc[1] + part(wu, _scaled(xv, cs[c][1]))
-            accs = _accumulate(m, hits, accs, add)
+            accs = _accumulate(m, hits, accs, add, branch)
         if gtiles:
             accs = [(jnp.sum(a, axis=1), jnp.sum(b, axis=1)) for a, b in accs]
-        for i in range(m):      # tokens not routed here store silu(0) * 0 = 0, never read by the down kernel
+        for i in range(m):      # tokens not routed here: silu(0) * 0 = 0 with a branch; never read by the down kernel
             a = _silu_mul(rnd(_rows(accs[i][0], rs_g), dt), rnd(_rows(accs[i][1], rs_u), dt), dt)
             act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
 
@@ -514,7 +522,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False):
+                 tmajor=False, branch=True):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -562,7 +570,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
                                  _col_scale(fmt, raw[c], cw, wround))
                     a = a + part(_deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum), xv)
                 return a
-            acc = _accumulate(m, routed, acc, token)
+            acc = _accumulate(m, routed, acc, token, branch)
         for c in range(0 if tmajor and m > 1 else nk):
             w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
             cs = _col_scale(fmt, raw[c], cw, wround)
@@ -572,7 +580,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
                     return a + _rowdot(w_c, _hx(act_ref, (s, i), c * cw, cw, up, e2m1))
                 xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs)
                 return a + part(w_c, xv)
-            acc = _accumulate(m, routed, acc, add)
+            acc = _accumulate(m, routed, acc, add, branch)
         if gtiles:
             acc = [jnp.sum(a, axis=1) for a in acc]
         if hf:
@@ -683,9 +691,10 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
         return f"tiles {t}: load widths below 16 (32 with NVFP4 weights)"
     n_slots = m * k
     if t.acc not in (0, 1) or t.meta not in (0, 1, 2) or t.hoist not in (0, 1) or t.e2m1 not in E2M1_DECODES \
-            or t.wround not in (0, 1) or t.gsum not in (0, 1) or t.tmajor not in (0, 1):
-        return f"tiles {t}: acc, hoist, wround, gsum and tmajor must be 0 or 1, meta 0, 1 or 2 and e2m1 one of " \
-               f"{E2M1_DECODES}"
+            or t.wround not in (0, 1) or t.gsum not in (0, 1) or t.tmajor not in (0, 1) \
+            or t.branch not in (0, 1, 2, 3):
+        return f"tiles {t}: acc, hoist, wround, gsum and tmajor must be 0 or 1, meta 0, 1 or 2, branch 0 to 3 " \
+               f"and e2m1 one of {E2M1_DECODES}"
     if t.e2m1 in ("hfma", "hfmab") and (m != 1 or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"(got {m}), acc 1, gsum 1, wround 0 and tok 0"
@@ -742,11 +751,34 @@ MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], e2m1="asm", g
                    "dense": dataclasses.replace(MEASURED["dense"], acc=0)}
 
 
+TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
+
+
+def tiles_override(spec: str, what: str = TOKENS_TILES_ENV) -> dict:
+    """"field=value,..." (DecodeTiles fields; e2m1 a name, the others integers) -> the fields to replace. A benchmark
+    knob: `FNX_MOE_TOKENS_TILES` changes the several-token defaults of every layer without a code change."""
+    names = {f.name: f.type for f in dataclasses.fields(DecodeTiles)}
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in names:
+            raise ValueError(f"{what}: {part!r} is not field=value with a DecodeTiles field ({', '.join(names)})")
+        try:
+            out[key] = val.strip() if key == "e2m1" else int(val)
+        except ValueError:
+            raise ValueError(f"{what}: {key} takes an integer, got {val!r}") from None
+    return out
+
+
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: int = 1) -> DecodeTiles:
-    """The measured tiles for the expert format and `m` tokens, shrunk until they divide the (test-sized) dims."""
+    """The measured tiles for the expert format and `m` tokens, shrunk until they divide the (test-sized) dims.
+    Several tokens: `FNX_MOE_TOKENS_TILES` (read when a program is traced) replaces fields of the defaults."""
     t = MEASURED.get(fmt, MEASURED["fp8_block"])     # a format outside FORMATS: `check` says why not
     if m > 1:
         t = MEASURED_TOKENS.get(fmt, t)
+        if os.environ.get(TOKENS_TILES_ENV):
+            t = dataclasses.replace(t, **tiles_override(os.environ[TOKENS_TILES_ENV]))
     cw = min(t.cw, _pow2(d))
     while d % cw:
         cw //= 2
@@ -816,7 +848,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                           meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
-                          tmajor=bool(tiles.tmajor)),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2)),
         (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
@@ -843,7 +875,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                           wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
-                          tmajor=bool(tiles.tmajor)),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3)),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
