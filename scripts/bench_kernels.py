@@ -58,21 +58,22 @@ def wide_candidates(fmt: str, n: int, k: int) -> list:
     return [t for t in out if gp.check_tiles(fmt, n, k, t) is None]
 
 
-def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
+def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
     """Tile candidates in two stages. Stage 1 (base None): the configured tiles (tuned or heuristic), the
     heuristic's row tile and split with each K step (128; FP8 also 256 and 512, as several 128-column blocks per
     step; NVFP4 256 and 512), for NVFP4 each decode variant, and the whole-K modes (`wide_candidates`). Stage 2 around the stage-1 best: for a looped best, row tiles 32/64/128 (16 too for
     narrow N), K split for about 1x, 2x and 4x the SM count in programs, 4 or 8 warps, 4 or 5 pipeline stages;
     for a whole-K best, half and double its row tile, 2 and 8 warps, the other K chunks, 1 / 2 / 4 row tiles per
-    program and K split 1 / 2 / 4 ways."""
+    program and K split 1 / 2 / 4 / 8 ways. The configured and heuristic tiles are M's (what the model runs at M
+    tokens without a new entry), and the M = 1 heuristic's too."""
     from fnx.pallas.gemv import api
     from fnx.pallas.gemv import pallas as gp
     heur = api.heuristic_tiles(fmt, n, k, 1)
     out = [] if heur is None else [heur]
     if base is None:
-        conf = api.tiles_for(fmt, n, k, 1)
-        if conf is not None and conf not in out:
-            out.insert(0, conf)
+        for t in (api.heuristic_tiles(fmt, n, k, m), api.tiles_for(fmt, n, k, m)):
+            if t is not None and t not in out:
+                out.insert(0, t)
         if heur is not None:
             bks = {"nvfp4": (256, 512), "fp8": (128, 256, 512)}.get(fmt, (128, 256))
             for bk in bks:
@@ -89,7 +90,7 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None) -> list:
         opts += [dataclasses.replace(base, bn=b) for b in (base.bn // 2, base.bn * 2)]
         opts += [dataclasses.replace(base, bk=b) for b in (128, 256, 512, 1024) if b != base.bk]
         opts += [dataclasses.replace(base, rows=r) for r in (1, 2, 4) if r != base.rows]
-        opts += [dataclasses.replace(base, split=sp) for sp in (1, 2, 4) if sp != base.split]
+        opts += [dataclasses.replace(base, split=sp) for sp in (1, 2, 4, 8) if sp != base.split]
         return [t for t in opts if t.bn >= 1 and gp.check_tiles(fmt, n, k, t) is None]
     for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
         if n % bn:
@@ -145,12 +146,12 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
                     results.append((r["us"], t))
 
             key = f"{fmt}:{n}:{k}:{api.m_bucket(m)}"
-            run(gemv_candidates(fmt, n, k))
+            run(gemv_candidates(fmt, n, k, m=m))
             if not results:
                 continue
             first = min(results, key=lambda r: r[0])[1]
             if not (key in best and first == gp.Tiles(**best[key])):   # a tuned best needs no second stage
-                run(gemv_candidates(fmt, n, k, base=first))
+                run(gemv_candidates(fmt, n, k, base=first, m=m))
             us, t = min(results, key=lambda r: r[0])
             best[key] = dataclasses.asdict(t)
             heur = api.heuristic_tiles(fmt, n, k, m)

@@ -99,6 +99,21 @@ def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):
     assert rec["kernel"] == "gemv_fp8" and ("us" in rec or "timing noise" in rec["error"])
 
 
+def test_gemv_tune_candidates_include_what_runs_at_m():
+    """The tuner's first stage at M tokens includes the tiles the model runs at M without a new entry (M's
+    heuristic; the twenty-first session's M = 5 tune compared only against the M = 1 heuristic's and chose
+    tiles slower than what already ran in the model), besides the M = 1 heuristic's."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_kernels
+
+    from fnx.pallas.gemv import api
+    for n, k in ((248320, 2560), (10240, 2560)):
+        cands = bench_kernels.gemv_candidates("fp8", n, k, m=5)
+        assert api.heuristic_tiles("fp8", n, k, 5) in cands and api.heuristic_tiles("fp8", n, k, 1) in cands
+        assert api.tiles_for("fp8", n, k, 5) in cands
+        assert len(set(cands)) == len(cands)
+
+
 def test_probe_launch_writes_every_part(tmp_path):
     """scripts/probe_launch.py on a tiny unscanned model: the HLO, dispatch and decode records (on the CPU there are
     no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
