@@ -60,7 +60,7 @@ def decode_not_applicable(x, top_k: int, gate_up, down, shared_down,
     m, d = x.shape
     t = tiles or decode_pallas.default_tiles(d, down.shape[-1], shared_down.shape[-1],
                                              reference.weight_format(gate_up), m)
-    return decode_pallas.check(gate_up, down, shared_down, m, top_k, t)
+    return decode_pallas.check(gate_up, down, shared_down, m, top_k, t, x.dtype)
 
 
 def _scanned_reason() -> str | None:

@@ -32,7 +32,9 @@ kernel-2 program issue every slot's weight loads (and the shared expert's) befor
 (no partials and no XLA sum: one launch fewer per layer) waits one memory round trip, not one per slot; `tok` 1
 runs kernel 2 as one program per (output tile, token) over that token's K experts in k order (their loads first,
 the combine in the kernel): each token's row has the bits of that token run alone, and an expert two tokens chose
-is read by both (the second read mostly from L2). The shared expert's inputs may be windows (buffer, start
+is read by both (the second read mostly from L2); `dot` 1 multiplies each owner slot's dequantized tile (exact in
+bf16) with the token rows padded to 16 on the tensor cores, every token at once (no per-token branch). The shared
+expert's inputs may be windows (buffer, start
 column) into the fused router / shared-expert products.
 
 Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
@@ -129,6 +131,13 @@ class DecodeTiles:
                          # (M x the multiply-adds per weight; every load issued up front) and the terms of tokens not
                          # routed there discarded: the same values for the routed ones; 2 = branches in the gate/up
                          # kernel only, 3 = in the down kernel only. One token: no branch
+    dot: int = 0         # 1 = the routed experts' products on the tensor cores: each owner slot's dequantized tile
+                         # (exact in bf16: FP8 codes, NVFP4 code * group scale) times the token rows padded to 16
+                         # (`_token_rows`: rows past M repeat row M - 1, never stored) in one `dot` per chunk, fp32
+                         # accumulation; FP8 block scales and NVFP4 globals on the partial / row sums (wround 0) or
+                         # in the rounded weights (wround 1). Every token's products at once, so no per-token
+                         # branch (branch, tmajor ignored); the shared expert stays on the CUDA cores. Needs bf16
+                         # activations, bn and bn2 >= 16, gsum 0, tok 0, FP8 chunks of at most one 128-column block
 
 
 def _pow2(n: int) -> int:
@@ -395,8 +404,44 @@ def _accumulate(m, hits, accs, add, branch=True):
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
+_dot = getattr(plgpu, "dot", None) or pl.dot      # moved to pallas.triton in newer JAX
+MP = 16                 # token rows of a `dot` (tl.dot's minimum)
+
+
+def _token_rows(ref, lead, m, c0, cw, halves):
+    """The activation tile rows [0, MP) x columns [c0, c0+cw) of ref[lead] (M rows), in bf16, as `dot`'s left
+    operand: rows past M repeat row M - 1 (their products are never kept), so no padded copy exists. For NVFP4
+    weights the even and the odd columns (the low and high nibbles' activations)."""
+    rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (MP, cw // 2 if halves else cw), 0), m - 1)
+    cols = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+    at = tuple(jnp.full(rows.shape, i, jnp.int32) for i in lead)
+    if halves:
+        return [ref[(*at, rows, c0 + 2 * cols + h)].astype(jnp.bfloat16) for h in (0, 1)]
+    return [ref[(*at, rows, c0 + cols)].astype(jnp.bfloat16)]
+
+
+def _dot_chunk(fmt, raw, rows, cw, dt, e2m1, wround, xs):
+    """[MP, rows] fp32: a chunk's products on the tensor cores, the token rows `xs` (`_token_rows`) times the
+    chunk's weights dequantized as `_deq` does (without group sums), each piece exact in bf16; without `wround` an
+    FP8 chunk's block scale multiplies its partial (the chunk is one 128x128 block's columns)."""
+    ws = _deq(fmt, raw, rows, cw, dt, e2m1, wround, False)
+    part = None
+    for x, w in zip(xs, ws):
+        p = _dot(x, w.astype(jnp.bfloat16), trans_b=True)
+        part = p if part is None else part + p
+    if fmt == "fp8_block" and not wround:
+        part = part * raw[1]
+    return part
+
+
+def _token_row(tile, i):
+    """Row i of an [MP, n] register tile as [n] (a masked sum over the rows: tiles cannot be indexed)."""
+    rows = lax.broadcasted_iota(jnp.int32, tile.shape, 0)
+    return jnp.sum(jnp.where(rows == i, tile, 0.0), axis=0)
+
+
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False, branch=True):
+                    gsum=False, tmajor=False, branch=True, dot=False):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -433,6 +478,19 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
         cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
         rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
+        if dot:                     # every token's rows at once on the tensor cores
+            tg = tu = None
+            for c in range(nk):
+                xs = _token_rows(x_ref, (), m, c * cw, cw, fmt == "nvfp4")
+                pg = _dot_chunk(fmt, raw_g[c], bn, cw, dt, e2m1, wround, xs)
+                pu = _dot_chunk(fmt, raw_u[c], bn, cw, dt, e2m1, wround, xs)
+                tg, tu = (pg, pu) if tg is None else (tg + pg, tu + pu)
+            if rs_g is not None:
+                tg, tu = tg * rs_g[None, :], tu * rs_u[None, :]
+            a = _silu_mul(rnd(tg, dt), rnd(tu, dt), dt)
+            for i in range(m):      # tokens not routed here store their values too, never read by the down kernel
+                act_ref[s, i, pl.ds(rg, bn)] = _token_row(a, i).astype(dt)
+            return
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
             tg = tu = None
             hf = _hfma(e2m1, fmt)
@@ -522,7 +580,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True):
+                 tmajor=False, branch=True, dot=False):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -558,6 +616,20 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     def slot(s, accs, loaded=None):
         routed, coefs, raw = loaded or slot_loads(s)
+        if dot:                 # every token's rows at once on the tensor cores
+            tile = None
+            for c in range(nk):
+                xs = _token_rows(act_ref, (s,), m, c * cw, cw, fmt == "nvfp4")
+                part = _dot_chunk(fmt, raw[c], bn, cw, dt, e2m1, wround, xs)
+                tile = part if tile is None else tile + part
+            rs = _row_scale(fmt, raw[0], wround)
+            if rs is not None:
+                tile = tile * rs[None, :]
+            out = []
+            for i in range(m):
+                term = rnd(rnd(_token_row(tile, i), dt) * coefs[i], dt)
+                out.append(accs[i] + jnp.where(routed[i], term, 0.0))
+            return tuple(out)
         acc = [jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32) for _ in range(m)]
         if hf:                  # this slot's activation row in fp16's range: x * 2^s, the sums times 2^-s
             up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
@@ -665,8 +737,9 @@ def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, 
     y_ref[t, pl.ds(c0, bn)] = (rnd(acc, dt) + sh).astype(y_ref.dtype)
 
 
-def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str | None:
-    """None when the kernels cover M tokens routed to k experts each with these weights and tiles, else why not."""
+def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtype=None) -> str | None:
+    """None when the kernels cover M tokens routed to k experts each with these weights and tiles (and activations of
+    x_dtype, when given), else why not."""
     if m > MAX_TOKENS:
         return f"the fused MoE decode kernels take M <= {MAX_TOKENS} tokens, got {m}"
     fmts = {n: reference.weight_format(w) for n, w in (("gate_up_proj", gate_up), ("down_proj", down),
@@ -710,6 +783,23 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles) -> str
                "the gate/up kernel (meta 0 or 1)"
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
+    if t.dot not in (0, 1):
+        return f"tiles {t}: dot must be 0 or 1"
+    if t.dot:
+        dense_dt = {jnp.dtype(w.dtype) for w, f in ((gate_up, fmts["gate_up_proj"]), (down, fmts["down_proj"]))
+                    if f == "dense"}
+        if x_dtype is not None and jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16):
+            return f"tiles {t}: dot 1 multiplies bf16 tiles on the tensor cores; the activations are " \
+                   f"{jnp.dtype(x_dtype).name}"
+        if dense_dt - {jnp.dtype(jnp.bfloat16)}:
+            return f"tiles {t}: dot 1 multiplies bf16 tiles; dense expert weights in {sorted(map(str, dense_dt))}"
+        if t.bn < 16 or t.bn2 < 16:
+            return f"tiles {t}: dot 1 needs bn and bn2 >= 16 (tl.dot's minimum)"
+        if t.gsum or t.tok:
+            return f"tiles {t}: dot 1 takes no group sums (gsum 0) and no per-token down programs (tok 0)"
+        if "fp8_block" in (fmts["gate_up_proj"], fmts["down_proj"]) and (t.cw > 128 or t.cw2 > 128):
+            return f"tiles {t}: dot 1 on FP8 experts scales each chunk's partial by its block's scale: cw and cw2 " \
+                   "at most 128"
     if d // t.cw > 64 or inter // t.cw2 > 64:
         return f"tiles {t}: too many chunks to unroll"
     if "fp8_block" in fmts.values() and (128 % t.bn or 128 % t.bn2 or t.cw2 > 128 or (128 % t.cw and t.cw % 128)):
@@ -823,7 +913,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
     tiles = tiles or default_tiles(d, inter, inter_s, reference.weight_format(gate_up), m)
-    why = check(gate_up, down, shared_down, m, k, tiles)
+    why = check(gate_up, down, shared_down, m, k, tiles, x.dtype)
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
@@ -848,7 +938,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                           meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2)),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=bool(tiles.dot)),
         (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
@@ -875,7 +965,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                           wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3)),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=bool(tiles.dot)),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
