@@ -639,15 +639,17 @@ def test_decode_without_token_branches_agrees(case, fmt, group, acc, tmajor, bra
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, branch=4))
 
 
-@pytest.mark.parametrize("case,fmt,m,group,wround", [
-    ("pairs", "nvfp4", 4, 1, 0), ("all_same", "nvfp4", 4, 0, 1), ("disjoint", "fp8", 4, 2, 0),
-    ("pairs", "fp8", 4, 1, 1), ("pairs", "bf16", 4, 1, 1), (None, "nvfp4", 1, 1, 0), (None, "fp8", 5, 5, 0)])
-def test_decode_tensor_core_products(case, fmt, m, group, wround):
+@pytest.mark.parametrize("case,fmt,m,group,wround,dot", [
+    ("pairs", "nvfp4", 4, 1, 0, 1), ("all_same", "nvfp4", 4, 0, 1, 1), ("disjoint", "fp8", 4, 2, 0, 1),
+    ("pairs", "fp8", 4, 1, 1, 1), ("pairs", "bf16", 4, 1, 1, 1), (None, "nvfp4", 1, 1, 0, 1), (None, "fp8", 5, 5, 0, 1),
+    ("pairs", "nvfp4", 4, 1, 0, 2), ("all_same", "fp8", 4, 0, 0, 2), (None, "nvfp4", 5, 2, 1, 2)])
+def test_decode_tensor_core_products(case, fmt, m, group, wround, dot):
     """DecodeTiles.dot 1: each owner slot's products for every token at once on the tensor cores (the token rows
     padded to 16 in registers, the dequantized tile in bf16, FP8 block scales and NVFP4 globals on the sums or, with
     wround 1, in the weights): the same products summed in another order, so the layer agrees with the CUDA-core
     kernels within an output rounding and matches the reference, with shared experts, one expert set for all tokens,
-    disjoint ones, one token and five. Tiles the tensor cores cannot take are refused with the reason."""
+    disjoint ones, one token and five; dot 2 runs the chunks in a loop (pipelined loads, `stages` 2) with the same
+    arithmetic. Tiles the tensor cores cannot take are refused with the reason."""
     ids = None if case is None else {
         "all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
         "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
@@ -655,20 +657,20 @@ def test_decode_tensor_core_products(case, fmt, m, group, wround):
     nv = dict(e2m1="f16") if fmt == "nvfp4" else dict(e2m1="int")
     base = dataclasses.replace(DT, bn=16, bn2=16, cw=128, cw2=64, group=group, wround=wround, **nv)
     run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
-    got, cuda = (np.asarray(run(dataclasses.replace(base, dot=d)), np.float32) for d in (1, 0))
+    got, cuda = (np.asarray(run(dataclasses.replace(base, dot=d, stages=1 + (d == 2))), np.float32) for d in (dot, 0))
     assert np.isfinite(got).all()
     assert np.abs(got - cuda).max() <= 2.0 ** -7 * np.abs(cuda).max()
     _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)
-    for bad, why in ((dict(dot=1, bn=8), "bn and bn2 >= 16"), (dict(dot=1, bn2=8), "bn and bn2 >= 16"),
-                     (dict(dot=2), "dot must be 0 or 1")):
+    for bad, why in ((dict(dot=dot, bn=8), "bn and bn2 >= 16"), (dict(dot=dot, bn2=8), "bn and bn2 >= 16"),
+                     (dict(dot=3), "dot must be 0, 1 or 2"), (dict(dot=dot, stages=0), "stages 1 to 5")):
         with pytest.raises(NotImplementedError, match=why):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, **bad))
     if fmt == "fp8":
         with pytest.raises(NotImplementedError, match="cw and cw2 at most 128"):
-            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, dot=1, cw=256))
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, dot=dot, cw=256))
     f32_args = (args[0].astype(jnp.float32),) + args[1:]
     with pytest.raises(NotImplementedError, match="activations are float32"):
-        decode_pallas.moe_decode(*f32_args, interpret=True, tiles=dataclasses.replace(base, dot=1))
+        decode_pallas.moe_decode(*f32_args, interpret=True, tiles=dataclasses.replace(base, dot=dot))
 
 
 def test_tokens_tiles_override(monkeypatch):
@@ -777,7 +779,9 @@ def test_decode_lowers_for_cuda():
                            ("nvfp4", m, decode_pallas.DecodeTiles(bn=16, bn2=16, group=1, e2m1="asm", wround=0,
                                                                   dot=1)),
                            ("fp8", m, decode_pallas.DecodeTiles(bn=16, cw=128, bn2=16, group=1, wround=0, dot=1)),
-                           ("bf16", 1, decode_pallas.DecodeTiles(bn=16, bn2=16, group=0, dot=1))):
+                           ("bf16", 1, decode_pallas.DecodeTiles(bn=16, bn2=16, group=0, dot=1)),
+                           ("nvfp4", m, decode_pallas.DecodeTiles(bn=16, bn2=16, group=1, e2m1="asm", wround=0,
+                                                                  dot=2, stages=3))):
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),

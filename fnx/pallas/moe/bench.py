@@ -31,7 +31,7 @@ BF16 = jnp.bfloat16
 
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
-# wround, gsum, tmajor, branch, dot]. Each list holds only the variants not yet measured against the current default
+# wround, gsum, tmajor, branch, dot, stages]. Each list holds only the variants not yet measured against the current default
 # (`decode_pallas.MEASURED` / `MEASURED_TOKENS`, the "fused" case), the most promising first, so a sweep cut by its
 # time limit still reaches them. Each case compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
@@ -65,14 +65,16 @@ BF16 = jnp.bfloat16
 #   kernel only (2) 240.6, in the gate/up kernel only (3) 245.2, against the default's 186.5 / 190.0: the kernels are
 #   bound by their multiply-adds per weight on the CUDA cores.
 # Next: at five tokens the products on the tensor cores (dot 1: each owner slot's dequantized tile times the token
-# rows padded to 16, every token at once; 16-row gate/up and 16-column down tiles at least). Every fused case is
+# rows padded to 16, every token at once; 16-row gate/up and 16-column down tiles at least; dot 2: the chunks in a
+# loop whose loads Triton pipelines `stages` deep). Every fused case is
 # checked against the reference layer on its first argument set ("check" in the record: a variant that computes
 # something else says "mismatch"). (At five tokens FP8 runs these tiles too: e2m1 means nothing there, and dot 1
 # on FP8 needs 128-column chunks: those cases are refused with the reason.)
 _SWEEP_M1: list = []
 _SWEEP_M5 = [(16, 512, 16, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1),    # tensor cores, 4-warp programs
              (16, 512, 16, 128, 1, 8, 2, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1),    # 8-warp gate/up, 2-warp down
-             (16, 256, 32, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1)]    # 256-wide loads, 32-column down
+             (16, 256, 32, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1),    # 256-wide loads, 32-column down
+             (16, 256, 16, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 2, 3)]  # chunks looped, loads 3 deep
 _SWEEP_NVFP4 = [(16, 512, 16, 128, 1, 8, 2, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1)]    # one token on the tensor cores
 
 

@@ -33,8 +33,8 @@ kernel-2 program issue every slot's weight loads (and the shared expert's) befor
 runs kernel 2 as one program per (output tile, token) over that token's K experts in k order (their loads first,
 the combine in the kernel): each token's row has the bits of that token run alone, and an expert two tokens chose
 is read by both (the second read mostly from L2); `dot` 1 multiplies each owner slot's dequantized tile (exact in
-bf16) with the token rows padded to 16 on the tensor cores, every token at once (no per-token branch). The shared
-expert's inputs may be windows (buffer, start
+bf16) with the token rows padded to 16 on the tensor cores, every token at once (no per-token branch; `dot` 2 with
+the chunks in a loop whose loads Triton pipelines `stages` deep). The shared expert's inputs may be windows (buffer, start
 column) into the fused router / shared-expert products.
 
 Weights: dense arrays (rounded to x.dtype as the reference does) or FP8 E4M3 with one fp32 scale per 128x128
@@ -137,7 +137,10 @@ class DecodeTiles:
                          # accumulation; FP8 block scales and NVFP4 globals on the partial / row sums (wround 0) or
                          # in the rounded weights (wround 1). Every token's products at once, so no per-token
                          # branch (branch, tmajor ignored); the shared expert stays on the CUDA cores. Needs bf16
-                         # activations, bn and bn2 >= 16, gsum 0, tok 0, FP8 chunks of at most one 128-column block
+                         # activations, bn and bn2 >= 16, gsum 0, tok 0, FP8 chunks of at most one 128-column block.
+                         # 2 = the same with the chunks in a loop (`lax.fori_loop`), whose loads Triton pipelines
+                         # `stages` deep, instead of every chunk's loads issued up front (registers for one chunk)
+    stages: int = 1      # Triton's num_stages for both launches (software pipelining of looped loads: dot 2)
 
 
 def _pow2(n: int) -> int:
@@ -434,6 +437,14 @@ def _dot_chunk(fmt, raw, rows, cw, dt, e2m1, wround, xs):
     return part
 
 
+def _row_scale_load(fmt, refs, lead, r0, rows, wround):
+    """`_row_scale` without a chunk: an NVFP4 weight's global scales of rows [r0, r0+rows) when no weight is
+    rounded, else None."""
+    if wround or fmt != "nvfp4":
+        return None
+    return refs[2][(*lead, pl.ds(r0, rows))]
+
+
 def _token_row(tile, i):
     """Row i of an [MP, n] register tile as [n] (a masked sum over the rows: tiles cannot be indexed)."""
     rows = lax.broadcasted_iota(jnp.int32, tile.shape, 0)
@@ -441,7 +452,7 @@ def _token_row(tile, i):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False, branch=True, dot=False):
+                    gsum=False, tmajor=False, branch=True, dot=0):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -473,6 +484,21 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
     def body():
         nk = d // cw
         rg, ru = j * bn, inter + j * bn
+        if dot == 2:                # the chunks in a loop: Triton pipelines their loads (`stages`)
+
+            def chunk(c, carry):
+                xs = _token_rows(x_ref, (), m, c * cw, cw, fmt == "nvfp4")
+                return tuple(t + _dot_chunk(fmt, _raw(fmt, w_refs, (e,), r0, bn, c * cw, cw), bn, cw, dt, e2m1,
+                                            wround, xs) for t, r0 in zip(carry, (rg, ru)))
+            z = jnp.zeros((MP, bn), F32)
+            tg, tu = lax.fori_loop(0, nk, chunk, (z, z))
+            rs_g, rs_u = (_row_scale_load(fmt, w_refs, (e,), r0, bn, wround) for r0 in (rg, ru))
+            if rs_g is not None:
+                tg, tu = tg * rs_g[None, :], tu * rs_u[None, :]
+            a = _silu_mul(rnd(tg, dt), rnd(tu, dt), dt)
+            for i in range(m):
+                act_ref[s, i, pl.ds(rg, bn)] = _token_row(a, i).astype(dt)
+            return
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
         deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
@@ -580,7 +606,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True, dot=False):
+                 tmajor=False, branch=True, dot=0):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -608,6 +634,8 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             hits = [(flat == e) & (tok == i) for i in range(m)]
             routed = [own & (jnp.sum(jnp.where(h, 1, 0)) > 0) for h in hits]
             coefs = [jnp.sum(jnp.where(h, rw, 0.0)) for h in hits]
+        if dot == 2:    # the weights are loaded in the chunk loop
+            return routed, coefs, (e, own)
         return routed, coefs, [_raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own) for c in range(nk)]
 
     gtiles = m > 1 and acc_tiles    # per-token tiles of 16-column partial sums (`DecodeTiles.acc`)
@@ -616,6 +644,22 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     def slot(s, accs, loaded=None):
         routed, coefs, raw = loaded or slot_loads(s)
+        if dot == 2:            # the chunks in a loop, their loads pipelined by Triton (`stages`)
+            e, own = raw
+
+            def chunk(c, t):
+                xs = _token_rows(act_ref, (s,), m, c * cw, cw, fmt == "nvfp4")
+                return t + _dot_chunk(fmt, _raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own), bn, cw, dt, e2m1,
+                                      wround, xs)
+            tile = lax.fori_loop(0, nk, chunk, jnp.zeros((MP, bn), F32))
+            rs = _row_scale_load(fmt, dn_refs, (e,), c0, bn, wround)
+            if rs is not None:
+                tile = tile * rs[None, :]
+            out = []
+            for i in range(m):
+                term = rnd(rnd(_token_row(tile, i), dt) * coefs[i], dt)
+                out.append(accs[i] + jnp.where(routed[i], term, 0.0))
+            return tuple(out)
         if dot:                 # every token's rows at once on the tensor cores
             tile = None
             for c in range(nk):
@@ -783,23 +827,23 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
                "the gate/up kernel (meta 0 or 1)"
     if t.group < 0 or (t.group and n_slots % t.group):
         return f"tiles {t}: group={t.group} must divide the M*K = {n_slots} slots"
-    if t.dot not in (0, 1):
-        return f"tiles {t}: dot must be 0 or 1"
+    if t.dot not in (0, 1, 2) or t.stages not in range(1, 6):
+        return f"tiles {t}: dot must be 0, 1 or 2 and stages 1 to 5"
     if t.dot:
         dense_dt = {jnp.dtype(w.dtype) for w, f in ((gate_up, fmts["gate_up_proj"]), (down, fmts["down_proj"]))
                     if f == "dense"}
         if x_dtype is not None and jnp.dtype(x_dtype) != jnp.dtype(jnp.bfloat16):
-            return f"tiles {t}: dot 1 multiplies bf16 tiles on the tensor cores; the activations are " \
+            return f"tiles {t}: dot {t.dot} multiplies bf16 tiles on the tensor cores; the activations are " \
                    f"{jnp.dtype(x_dtype).name}"
         if dense_dt - {jnp.dtype(jnp.bfloat16)}:
-            return f"tiles {t}: dot 1 multiplies bf16 tiles; dense expert weights in {sorted(map(str, dense_dt))}"
+            return f"tiles {t}: dot {t.dot} multiplies bf16 tiles; dense expert weights in {sorted(map(str, dense_dt))}"
         if t.bn < 16 or t.bn2 < 16:
-            return f"tiles {t}: dot 1 needs bn and bn2 >= 16 (tl.dot's minimum)"
+            return f"tiles {t}: dot {t.dot} needs bn and bn2 >= 16 (tl.dot's minimum)"
         if t.gsum or t.tok:
-            return f"tiles {t}: dot 1 takes no group sums (gsum 0) and no per-token down programs (tok 0)"
+            return f"tiles {t}: dot {t.dot} takes no group sums (gsum 0) and no per-token down programs (tok 0)"
         if "fp8_block" in (fmts["gate_up_proj"], fmts["down_proj"]) and (t.cw > 128 or t.cw2 > 128):
-            return f"tiles {t}: dot 1 on FP8 experts scales each chunk's partial by its block's scale: cw and cw2 " \
-                   "at most 128"
+            return f"tiles {t}: dot {t.dot} on FP8 experts scales each chunk's partial by its block's scale: cw and " \
+                   "cw2 at most 128"
     if d // t.cw > 64 or inter // t.cw2 > 64:
         return f"tiles {t}: too many chunks to unroll"
     if "fp8_block" in fmts.values() and (128 % t.bn or 128 % t.bn2 or t.cw2 > 128 or (128 % t.cw and t.cw % 128)):
@@ -938,12 +982,12 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                           meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=bool(tiles.dot)),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot),
         (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.stages),
     )
     if tiles.meta == 2:
         act, *meta = act
@@ -955,7 +999,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
             (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
             out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
             interpret=interpret, name="moe_decode_down",
-            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
         )
     g = tiles.group
     n_groups = n_slots // g if g else 0
@@ -965,12 +1009,12 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                           wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=bool(tiles.dot)),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot),
         (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
     )
     if not g:
         return y
