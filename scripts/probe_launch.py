@@ -131,26 +131,39 @@ def hlo_fusions(text: str) -> dict:
     return out
 
 
+def _instruction_of(name: str, args: dict | None, fusions: dict) -> tuple[str | None, dict]:
+    """The HLO instruction a kernel event comes from: its name (matched as is, then without trailing digits or a
+    profile's kernel suffix), else a string argument of the event naming one (the profiler's `hlo_op`: how a
+    library kernel, a cuBLAS GEMM or its split-K reduce, is told apart). Returns (instruction or None, its info)."""
+    key = re.sub(r"[.\-]", "_", name)
+    for k in (key, re.sub(r"_\d+$", "", key), key.rsplit("_", 1)[0], key.split(":")[0]):
+        if k in fusions:
+            return None, fusions[k]
+    for k, v in sorted((args or {}).items(), key=lambda kv: kv[0] != "hlo_op"):
+        if isinstance(v, str):
+            k2 = re.sub(r"[.\-]", "_", v.strip().lstrip("%"))
+            if k2 in fusions:
+                return v.strip().lstrip("%"), fusions[k2]
+    return None, {}
+
+
 def kernel_table(kernels: list[dict], calls: int, fusions: dict) -> list[dict]:
-    """Device kernels grouped by name: launches and microseconds per call, in first-launch order, each with what
-    `hlo_fusions` knows of the instruction it came from (matched on the name, then without trailing digits)."""
-    rows: dict[str, dict] = {}
+    """Device kernels grouped by name (and, for a kernel known by its event's `hlo_op` argument rather than by its
+    name, by that instruction): launches and microseconds per call, in first-launch order, each with what
+    `hlo_fusions` knows of the instruction it came from."""
+    rows: dict[tuple, dict] = {}
     for e in kernels:
         name = e.get("name", "")
-        r = rows.setdefault(name, {"kernel": name[:80], "n": 0, "us": 0.0})
+        inst, info = _instruction_of(name, e.get("args"), fusions)
+        r = rows.setdefault((name, inst), {"kernel": name[:80], "n": 0, "us": 0.0, "info": info, "inst": inst})
         r["n"] += 1
         r["us"] += float(e.get("dur", 0.0))
     out = []
-    for name, r in rows.items():
-        key = re.sub(r"[.\-]", "_", name)
-        info = fusions.get(key) or fusions.get(re.sub(r"_\d+$", "", key)) or {}
-        if not info:   # a profile may add a kernel suffix after the instruction name (e.g. "fusion_12_1")
-            for k in (key.rsplit("_", 1)[0], key.split(":")[0]):
-                if k in fusions:
-                    info = fusions[k]
-                    break
-        out.append({"kernel": r["kernel"], "per_call": r["n"] / calls, "us_per_call": round(r["us"] / calls, 2),
-                    **info})
+    for r in rows.values():
+        row = {"kernel": r["kernel"], "per_call": r["n"] / calls, "us_per_call": round(r["us"] / calls, 2)}
+        if r["inst"]:
+            row["hlo_op"] = r["inst"]
+        out.append({**row, **r["info"]})
     return out
 
 
@@ -176,6 +189,10 @@ def main():
     ap.add_argument("--chains", type=int, default=5, help="runs of --reps chained steps (their median is reported)")
     ap.add_argument("--fp8-head", action="store_true",
                     help="the lm_head in FP8 128x128 blocks too (online FP8 keeps it bf16): the FP8 GEMV's largest shape")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the MTP drafter's head over a hot-token subset of N ids (as bench_decode.py; 0: the whole "
+                         "vocabulary)")
+    ap.add_argument("--draft-fp8", action="store_true", help="the MTP drafter's head in FP8 blocks (as bench_decode.py)")
     ap.add_argument("--fuse", action="store_true",
                     help="fuse each sublayer's input projections (fnx.model.fuse) in the target and MTP params")
     ap.add_argument("--kernel-table", action="store_true",
@@ -201,6 +218,7 @@ def main():
     tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}{'_fused' if args.fuse else ''}"
                  f"{f'_ctx{args.context}' if args.context != 1024 else ''}"
                  f"{'_fp8head' if args.fp8_head else ''}"
+                 f"{f'_draft{args.draft_vocab}' if args.draft_vocab else ''}{'_draftfp8' if args.draft_fp8 else ''}"
                  ).strip("_")[:60]
 
     bd = _bench_decode()
@@ -226,6 +244,7 @@ def main():
     if args.fuse:
         from fnx.model.fuse import fuse_mtp, fuse_projections
         params, mp = fuse_projections(cfg, params), fuse_mtp(mp)
+    hot, dhead = bd.draft_head_for(params["lm_head"], cfg.vocab_size, args.draft_vocab, args.draft_fp8, dtype)
     ctx, heads = args.context, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
     cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8) * (args.k + 2)
@@ -243,7 +262,8 @@ def main():
     def emit(rec):
         rec = {"label": args.label, "layers": args.layers, "scan_layers": not args.no_scan,
                "unroll_stacked": args.unroll_stacked, "quant": args.quant,
-               "fused_projections": args.fuse, "fp8_head": args.fp8_head, "context": ctx,
+               "fused_projections": args.fuse, "fp8_head": args.fp8_head, "draft_vocab": args.draft_vocab,
+               "draft_fp8": args.draft_fp8, "context": ctx,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
                "commit": commit, **rec}
         print(json.dumps(rec), flush=True)
@@ -424,7 +444,7 @@ def main():
 
     def draft():
         m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
-                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k, greedy=True)
+                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k, head=dhead, hot=hot, greedy=True)
         mh["m"] = m
         parts["d"], parts["q"] = drafts, q
         jax.block_until_ready(drafts)
@@ -439,7 +459,7 @@ def main():
     if args.kernel_table:   # the round's two programs, each matched to its own optimized HLO
         draft_args = (params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32), jnp.ones((1,), jnp.int32), sp, keys,
                       cfg, "auto", k)
-        draft_hlo = _jit_draft.lower(*draft_args, greedy=True).compile().as_text()
+        draft_hlo = _jit_draft.lower(*draft_args, head=dhead, hot=hot, greedy=True).compile().as_text()
         draft()
         verify_args = (params, hold["s"], jnp.concatenate([one, parts["d"]], axis=1), jnp.ones((1,), bool), pk,
                        parts["q"], sp, keys, cfg, "auto", 0)

@@ -119,8 +119,8 @@ def test_probe_launch_writes_every_part(tmp_path):
     no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
     parts use the engine's greedy programs, tested in tests/engine."""
     _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "2", "--calls", "1",
-          "--chains", "2", "--kernel-variants", "reference", "--kernel-table", "--context", "100", "--out",
-          str(tmp_path)], tmp_path)
+          "--chains", "2", "--kernel-variants", "reference", "--kernel-table", "--context", "100",
+          "--draft-vocab", "64", "--out", str(tmp_path)], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     parts = [r["part"] for r in recs]
     assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "decode",
@@ -128,13 +128,13 @@ def test_probe_launch_writes_every_part(tmp_path):
     assert [r.get("program") for r in recs if r["part"] == "kernel table"] == ["decode", "draft", "verify"]
     for r in (r for r in recs if r["part"] == "kernel table"):
         assert r["kernels_per_call"] == 0 and (tmp_path / r["file"]).exists()   # no device lanes on a CPU
-    assert all(r["context"] == 100 for r in recs)
+    assert all(r["context"] == 100 and r["draft_vocab"] == 64 for r in recs)   # the drafter's hot-token head
     disp = recs[1]
     assert disp["step_ms"] > 0 and disp["chained_ms_per_step"] > 0 and disp["param_leaves"] > 0
     assert len(disp["chained_ms_all"]) == 2
     assert recs[2]["kernels"] == recs[3]["kernels"] == "reference" and recs[3]["chained_ms_per_step"] > 0
-    assert (tmp_path / "trace_decode_default_4l_bf16_ctx100.json.gz").exists()
-    assert (tmp_path / "decode_hlo_default_4l_bf16_ctx100.txt").exists()
+    assert (tmp_path / "trace_decode_default_4l_bf16_ctx100_draft64.json.gz").exists()
+    assert (tmp_path / "decode_hlo_default_4l_bf16_ctx100_draft64.txt").exists()
 
 
 def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
@@ -172,6 +172,19 @@ def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
     assert table["loop_multiply_fusion_3"]["body"] == {"convert": 2, "multiply": 1}
     assert table["copy_7"]["op_name"] == "jit(step)/gdn/copy"
     assert table["hc_down1"]["us_per_call"] == 4.0 and "op" not in table["hc_down1"]
+    # a library kernel (a cuBLAS GEMM) is named by the library; the profiler's hlo_op argument names its
+    # instruction, and two instructions running the same library kernel stay apart
+    fusions["custom_call_5"] = {"op": "custom-call:__cublas$gemm", "shape": "bf16[5,4]", "op_name": "jit(v)/hc/dot",
+                                "body": {}}
+    fusions["custom_call_6"] = {"op": "custom-call:__cublas$gemm", "shape": "bf16[5,320]",
+                                "op_name": "jit(v)/gdn/dot", "body": {}}
+    gemm = "void cutlass::Kernel2<cutlass_80_wmma_tensorop_s161616gemm_bf16_32x32_128x2_tn_align8>"
+    events = [{"name": gemm, "ts": 0, "dur": 4.0, "args": {"hlo_module": "jit_v", "hlo_op": "custom-call.5"}},
+              {"name": gemm, "ts": 5, "dur": 3.0, "args": {"hlo_op": "custom-call.6"}},
+              {"name": gemm, "ts": 9, "dur": 1.0, "args": {"hlo_op": "not-in-the-module"}}]
+    rows = probe.kernel_table(events, 1, fusions)
+    assert [(r.get("hlo_op"), r.get("op_name"), r["us_per_call"]) for r in rows] == [
+        ("custom-call.5", "jit(v)/hc/dot", 4.0), ("custom-call.6", "jit(v)/gdn/dot", 3.0), (None, None, 1.0)]
 
 
 def test_probe_graph_writes_points_and_slopes(tmp_path):
