@@ -594,6 +594,110 @@ class PinnedStore(_MappedStore):
         self._arrays = []
 
 
+class UvaStore(PinnedStore):
+    """`pinned`, plus the rows gathered on the device straight from the pinned chunks (`fnx.pallas.uva_gather`: a
+    CUDA kernel reading host memory through the chunks' host addresses under unified virtual addressing), so a
+    jitted step takes its PLE rows from its own n-gram ids with no host thread, copy or round trip.
+
+    `gather(table, ids)` is the in-jit computation over `table` (the `UvaTable` pytree in `self.table`: the chunk
+    starts, the base addresses as two uint32 halves and the scale), dequantized as `DeviceStore.gather`. The host
+    interface (`rows`, `fetch`) is `pinned`'s NumPy gather. `emulate=True` (tests on a CPU) puts a device copy of
+    the chunks' bytes behind offsets that stand for the addresses and gathers from it with the kernel's addressing
+    (`impl` "reference" or "pallas_interpret"); without it a non-CUDA device raises when the gather is traced."""
+
+    mode = "uva"
+
+    def __init__(self, src, consts=None, *, emulate: bool = False, impl: str | None = None, **kw):
+        super().__init__(src, consts, **kw)
+        import jax.numpy as jnp
+        _register_uva()
+        rb = src.row_bytes
+        if rb % 4:
+            raise TableError(f"uva mode reads rows as 4-byte words; this table's rows are {rb} bytes")
+        starts = np.asarray(self._starts, np.int64)
+        if starts[-1] >= 2**31:
+            raise TableError("uva mode indexes rows with int32: the table has more than 2^31 rows")
+        mem = None
+        if emulate:
+            offs = np.cumsum([0] + [v.nbytes for v in self._views[:-1]], dtype=np.int64)
+            addrs = offs.astype(np.uint64)
+            mem = jnp.asarray(np.concatenate([v.reshape(-1) for v in self._views]).view(np.uint32))
+        else:
+            addrs = np.asarray(self._addrs, np.int64).astype(np.uint64)
+        self.table = UvaTable(jnp.asarray(starts.astype(np.int32)),
+                              jnp.asarray((addrs & np.uint64(0xFFFFFFFF)).astype(np.uint32)),
+                              jnp.asarray((addrs >> np.uint64(32)).astype(np.uint32)),
+                              None if src.scale is None else jnp.asarray(src.scale), mem,
+                              row_bytes=rb, width=self.width, dtype=np.dtype(src.np_dtype).name,
+                              out_dtype=self.out_dtype.name, impl=impl)
+        import jax
+        self._jit = jax.jit(UvaTable.gather)
+
+    def rows_device(self, ids):
+        """ids [..., heads] -> [..., heads * width] out_dtype, gathered on the device (see the class)."""
+        import jax.numpy as jnp
+        return self._jit(self.table, jnp.asarray(ids, jnp.int32))
+
+
+class UvaTable:
+    """The device-side handle of a `UvaStore` table (a jax pytree: the arrays are its leaves, the layout static):
+    starts [C] int32, lo / hi [C] uint32 (each chunk's base address), scale (FP8 tables) or None, mem (emulation
+    only) or None. `gather(ids)` runs inside any jit."""
+
+    def __init__(self, starts, lo, hi, scale, mem, *, row_bytes: int, width: int, dtype: str, out_dtype: str,
+                 impl: str | None = None):
+        self.starts, self.lo, self.hi, self.scale, self.mem = starts, lo, hi, scale, mem
+        self.row_bytes, self.width, self.dtype, self.out_dtype, self.impl = row_bytes, width, dtype, out_dtype, impl
+
+    def _aux(self):
+        return (self.row_bytes, self.width, self.dtype, self.out_dtype, self.impl)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[rows, width] of the table (what a params tree's table leaf reports)."""
+        return (-1, self.width)
+
+    def gather(self, ids):
+        """ids [..., heads] -> [..., heads * width] out_dtype: the rows' bytes through `fnx.pallas.uva_gather`,
+        dequantized as `DeviceStore.gather` (FP8: bf16(row) in the scale's dtype times the scale)."""
+        import jax.numpy as jnp
+        from jax import lax
+
+        from fnx.pallas.uva_gather import api
+        impl = self.impl or (None if self.mem is None else "reference")
+        words = api.gather_words(ids.reshape(-1).astype(jnp.int32), self.starts, self.lo, self.hi, self.row_bytes,
+                                 mem=self.mem, impl=impl)
+        raw = lax.bitcast_convert_type(words, jnp.uint8).reshape(words.shape[0], self.row_bytes)
+        dt = jnp.dtype(self.dtype)
+        if dt.itemsize == 1:
+            vals = lax.bitcast_convert_type(raw, dt)
+        else:
+            vals = lax.bitcast_convert_type(raw.reshape(raw.shape[0], self.width, dt.itemsize), dt)
+        if self.scale is not None:
+            vals = vals.astype(jnp.bfloat16).astype(self.scale.dtype) * self.scale
+        return vals.astype(jnp.dtype(self.out_dtype)).reshape(*ids.shape[:-1], ids.shape[-1] * self.width)
+
+
+def _uva_flatten(t: UvaTable):
+    return (t.starts, t.lo, t.hi, t.scale, t.mem), t._aux()
+
+
+def _uva_unflatten(aux, children):
+    row_bytes, width, dtype, out_dtype, impl = aux
+    return UvaTable(*children, row_bytes=row_bytes, width=width, dtype=dtype, out_dtype=out_dtype, impl=impl)
+
+
+_UVA_REGISTERED = []
+
+
+def _register_uva():
+    """UvaTable as a jax pytree (once; this module imports jax only when a device mode is opened)."""
+    if not _UVA_REGISTERED:
+        import jax
+        jax.tree_util.register_pytree_node(UvaTable, _uva_flatten, _uva_unflatten)
+        _UVA_REGISTERED.append(True)
+
+
 def _pread_rows(path: str, offset: int, n: int, row_bytes: int) -> np.ndarray:
     out = np.empty((n, row_bytes), dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY)
@@ -794,7 +898,7 @@ class DeviceStore(RowStore):
 
 
 _CLASSES = {"device": DeviceStore, "pinned": PinnedStore, "pageable": PageableStore, "swap": SwapStore,
-            "direct": DirectStore}
+            "direct": DirectStore, "uva": UvaStore}
 
 
 def open_store(source, mode: str = "pageable", *, cfg=None, consts: NgramConstants | None = None,

@@ -275,3 +275,42 @@ def test_unique_rows_small_path_equals_numpy():
             np.testing.assert_array_equal(got[0], want[0])
             np.testing.assert_array_equal(got[1], want[1].reshape(-1))
             np.testing.assert_array_equal(got[0][got[1]], flat)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
+@pytest.mark.parametrize("layout", ["ckpt", "raw"])
+def test_uva_store_gathers_rows_on_the_device(table, consts, layout, impl, monkeypatch):
+    """`uva` mode: the table in pinned chunks (small ones here: several per file), the rows gathered inside a jit
+    by the UVA kernel's addressing (on the CPU over a stand-in copy of the chunks, `emulate=True`), dequantized as
+    the device mode: the reference rows bit for bit, the same as its host gather; the table handle is a pytree
+    that passes through jit. Without emulation a CPU cannot run the kernel, and says so."""
+    import jax
+    import jax.numpy as jnp
+
+    from fnx.ple.store import UvaStore
+    monkeypatch.setattr(UvaStore, "chunk_bytes", 1000)
+    ids = _ids(consts, seed=3)
+    ids[0], ids[1] = 0, consts.num_rows - 1
+    want = reference_rows(table["table"], table["scale"], ids)
+    with open_store(table[layout], "uva", consts=consts, layer=1, emulate=True, impl=impl) as store:
+        assert len(store.table.starts) > 4                      # the rows span many chunks
+        got = np.asarray(store.rows_device(ids.reshape(3, 9, 4)))
+        assert got.shape == (3, 9, 96) and got.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(got.reshape(len(ids), -1).view(np.uint16), want.view(np.uint16))
+        np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
+        inside = jax.jit(lambda t, i: t.gather(i) * 2)(store.table, jnp.asarray(ids, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(inside), np.asarray(want.astype(np.float32) * 2, ml_dtypes.bfloat16))
+    if jax.default_backend() != "gpu":
+        with open_store(table[layout], "uva", consts=consts, layer=1) as store:
+            with pytest.raises(RuntimeError, match="cannot run here"):
+                store.rows_device(ids)
+
+
+@pytest.mark.gpu
+def test_uva_store_reads_pinned_memory_on_the_gpu(table, consts):
+    """On a GPU: the kernel reads the rows from the pinned chunks through their host addresses."""
+    ids = _ids(consts, seed=4)
+    want = reference_rows(table["table"], table["scale"], ids)
+    with open_store(table["raw"], "uva", consts=consts, layer=1) as store:
+        got = np.asarray(store.rows_device(ids))
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
