@@ -239,8 +239,15 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
         if store.src.rows < need:
             raise SystemExit(f"--engine on a host store hashes into {need:,} rows; the synthetic table has "
                              f"{store.src.rows:,}: give --ple-table-gb >= {need * store.src.row_bytes / 2**30:.1f}")
-        hosted = Model(hcfg, params, mp, ple_store=store)
-        runs += [(f"ple_{f}", hosted, dict(ple_fetch=f)) for f in fetches]
+        if store.mode == "uva":     # rows gathered by the GPU from the pinned table inside every program
+            from fnx.model.api import _with_table
+            uvam = Model(hcfg, _with_table(hcfg, params, store.table), mp)
+            runs += [("uva_sync", uvam, dict(overlap=False)), ("uva_overlap", uvam, dict(overlap=True))]
+            if spec_k:
+                runs += [(f"uva_spec{spec_k}_overlap", uvam, dict(overlap=True, speculative=spec_k))]
+        else:
+            hosted = Model(hcfg, params, mp, ple_store=store)
+            runs += [(f"ple_{f}", hosted, dict(ple_fetch=f)) for f in fetches]
     out = {}
     for slots in slots_list:
         # the first run twice, the first time discarded: clocks and caches settle after the model's set-up
@@ -342,6 +349,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         raise SystemExit("--quant with --mesh is not supported by this script yet")
     params = random_tree(shapes, key, dtype, psh, quant)
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
+    uva = host_ple is not None and host_ple.store.mode == "uva" and bool(cfg.ple_layer_ids)
+    if uva:     # the params' table is the handle of the pinned table: the timed programs gather from host memory
+        from fnx.model.api import _with_table
+        params = _with_table(cfg, params, host_ple.store.table)
     # the drafter's head, as `Engine(speculative=Speculative(draft_vocab=..., fp8_head=...))` builds it: the first
     # `draft_vocab` token ids stand for a hot-token list (random weights: which ids does not matter for time)
     hot, dhead = draft_head_for(params["lm_head"], cfg.vocab_size, draft_vocab, draft_fp8, dtype)
@@ -369,10 +380,18 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl=moe), donate_argnames=("state",))
     ids = lambda b, l: jnp.zeros((b, l, heads), jnp.int32) if cfg.ple_layer_ids else None  # noqa: E731
 
+    uva_ids: dict = {}
+
     def ple(b, length):
-        """(ple_ids, ple_rows) for one call: zero ids for the in-params table, or rows fetched from the host."""
+        """(ple_ids, ple_rows) for one call: zero ids for the in-params table, random ids over the pinned table
+        (uva; eight sets in turn, so the reads do not hit one set of lines), or rows fetched from the host."""
         if host_ple is None or not cfg.ple_layer_ids:
             return ids(b, length), None
+        if uva:
+            sets = uva_ids.setdefault((b, length), [jnp.asarray(host_ple.rng.integers(
+                0, host_ple.store.src.rows, (b, length, heads)), jnp.int32) for _ in range(8)])
+            sets.append(sets.pop(0))
+            return sets[0], None
         return None, host_ple.rows(b, length)
 
     # decode at the largest context: prefill first (chunks of prefill_chunk)
@@ -543,9 +562,13 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/bench_decode.jsonl")
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
                     help="weights: bf16, FP8 blocks for dense + experts, or FP8 dense + NVFP4 experts")
-    ap.add_argument("--ple-store", default="device", choices=("device", "pinned", "pageable", "swap", "direct"),
-                    help="device: the n-gram table in the params; else every call's rows are fetched from a host "
-                         "store of a synthetic FP8 table (scripts/bench_ple.py's) and passed as ple_rows")
+    ap.add_argument("--ple-store", default="device",
+                    choices=("device", "pinned", "pageable", "swap", "direct", "uva"),
+                    help="device: the n-gram table in the params; uva: a synthetic FP8 table (scripts/bench_ple.py's) "
+                         "in pinned host memory, its rows gathered by the GPU inside every program; else every "
+                         "call's rows are fetched from a host store of that table and passed as ple_rows")
+    ap.add_argument("--ple-emulate", action="store_true",
+                    help="uva on a CPU (a check of this script): the kernel's addressing over a device copy")
     ap.add_argument("--ple-table-gb", type=float, default=4.0,
                     help="size of the synthetic host table (>= 47.7: the release's 51.2 GB)")
     ap.add_argument("--ple-dir", default="/tmp/fnx_ple_bench", help="where the synthetic table is written")
@@ -599,7 +622,8 @@ def main():
         path = bp.synthetic_table(os.path.join(args.ple_dir, f"ple_synthetic_{args.ple_table_gb:g}g.raw"),
                                   args.ple_table_gb)
         consts = bp.bench_consts(from_raw(path).rows)
-        store = open_store(path, args.ple_store, consts=consts)
+        store = open_store(path, args.ple_store, consts=consts,
+                           **({"emulate": True} if args.ple_emulate and args.ple_store == "uva" else {}))
         embed = bench_config(4, args.tiny, ple_width=store.width * consts.num_heads).ple_embed_dim
         if embed != store.width * consts.num_heads:
             raise SystemExit(f"the synthetic table's rows ({store.width * consts.num_heads} wide) do not match the "

@@ -20,6 +20,7 @@
 #                                           # runs the GEMV kernels per shard)
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
 #   scripts/gpu_session.sh pleengine # the engine on a host PLE store, every fetch variant (PLE_FETCHES)
+#   scripts/gpu_session.sh uva       # the PLE rows read by the GPU from pinned host memory: its tests, then timed
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
@@ -31,7 +32,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -185,6 +186,17 @@ case "$part" in
     timeout ${PLE_COLD_S:-100} python scripts/bench_ple.py --table-gb 51.2 --modes , --e2e --e2e-cold --iters 50 \
       --e2e-variants device,sync,pipeline --out "$OUT/bench_ple.jsonl" >> "$OUT/ple.log" 2>&1
     grep -E "e2e|decode_ms" "$OUT/ple.log" | tail -30 ;;
+  uva)   # the PLE table in pinned host memory, its rows read by the GPU inside every program (fnx/pallas/uva_gather):
+         # its GPU tests first (a failed read stops here), then the 4-layer model and the engine on the full-size
+         # table (UVA_TABLE_GB; pinned: needs that much free RAM) against the in-params table (device)
+    timeout ${UVA_TEST_S:-120} python -m pytest -q -p no:cacheprovider tests/pallas/test_uva_gather.py \
+      tests/ple/test_store.py -k "uva" 2>&1 | tail -4 | tee "$OUT/uva.log"
+    grep -q " passed" "$OUT/uva.log" && ! grep -q "failed" "$OUT/uva.log" || { echo "uva tests did not pass"; continue; }
+    for store in device uva; do
+      timeout ${UVA_S:-240} python scripts/bench_decode.py --layers 4 --contexts 1024 --reps 10 --ple-store $store \
+        --ple-table-gb ${UVA_TABLE_GB:-51.2} --engine 64 --engine-slots 1,8 --engine-spec ${UVA_SPEC:-4} \
+        --out "$OUT/bench_decode.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/uva.log" | grep -E "^# engine|decode_ms|Error"
+    done ;;
   pleengine)   # the Engine on a host store: every ple_fetch variant (PLE_FETCHES) against the in-params table, 4
                # layers bf16, on the full-size table; first, where a fetch of never-touched rows goes (disk or faults)
     timeout ${PLE_FT_S:-150} python scripts/bench_ple.py --table-gb 51.2 --modes , --first-touch \

@@ -34,6 +34,17 @@ def test_bench_decode_with_host_ple_and_ledger(tmp_path):
     assert "# ledger_prefill (4 layers)" in stdout
 
 
+def test_bench_decode_with_a_uva_table(tmp_path):
+    """--ple-store uva: the params' table is the handle of a pinned synthetic table, the timed programs gather
+    their rows through it (on the CPU over a stand-in copy, --ple-emulate) from random ids over the table."""
+    res = tmp_path / "d.jsonl"
+    _run(["scripts/bench_decode.py", "--tiny", "--reps", "1", "--layers", "4", "--contexts", "32",
+          "--ple-store", "uva", "--ple-emulate", "--ple-table-gb", "0.01", "--ple-dir", str(tmp_path),
+          "--out", str(res)], tmp_path)
+    run = next(json.loads(line) for line in res.read_text().splitlines() if '"record": "run"' in line)
+    assert run["ple_store"] == "uva" and run["decode_ms"] > 0 and run["mtp_round_ms"] > 0
+
+
 def test_bench_decode_engine_with_speculation():
     """--engine-spec: the Engine's MTP rounds, synchronous and overlapped, on random weights (the MTP params a
     built tree, as the script draws them): ms per step, tokens/s and acceptance length per run."""

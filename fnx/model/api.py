@@ -27,6 +27,8 @@ class Model:
     generation_config: dict = field(default_factory=dict, repr=False)
     ple_store: object = field(default=None, repr=False)   # a fnx.ple RowStore when the n-gram table stays off
                                                           # the device (params then hold no table)
+    ple_device_store: object = field(default=None, repr=False)   # ple_store="uva": the pinned chunks the params'
+                                                                 # table handle reads (kept open with the model)
 
     @property
     def dtype(self):
@@ -94,6 +96,10 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     "pinned", "pageable", "swap" or "direct" keep it on the host (`fnx.ple.open_store`: read-only mmap of the
     checkpoint's own shards, anonymous swappable memory, pinned memory or O_DIRECT reads); the params then hold
     no table and every step's rows are fetched on the host from the ids of its tokens (`Engine`, `extend`).
+    "uva" keeps it in pinned host memory and puts a handle in the params instead of the table: each step gathers
+    its rows on the GPU from that memory (`fnx.pallas.uva_gather`), so the model runs as with the table in the
+    params (overlapped engine, jitted generate) with the table off the device. It needs a CUDA GPU (on the CPU
+    only `ple_options={"emulate": True}` for tests) and the PLE layer outside a scanned group.
     ple_options go to `open_store` (policy, deadline_s, io_threads, ...).
 
     layers: the params layout (as `fnx.serve --layers`).
@@ -125,11 +131,11 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
         scan_layers = layers != "unrolled"
     if ple_store not in MODES:
         raise ValueError(f"ple_store must be one of {MODES}, got {ple_store!r}")
-    host = ple_store != "device"
-    if ple_options and not host:
+    host = ple_store not in ("device", "uva")
+    if ple_options and ple_store == "device":
         raise ValueError("ple_options apply to a host ple_store (pinned, pageable, swap, direct), not 'device'")
-    out = load_any(path, dtype=dtype, quant=quant, progress=progress, ngram_table="host" if host else "device",
-                   scan_layers=scan_layers)
+    out = load_any(path, dtype=dtype, quant=quant, progress=progress,
+                   ngram_table="device" if ple_store == "device" else "host", scan_layers=scan_layers)
     cfg = out.cfg
     if layers == "stacked" and cfg.scan_layers:
         cfg = cfg.replace(unroll_stacked=True)
@@ -139,6 +145,18 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
             raise ValueError(f"ple_store={ple_store!r}: {path} has no PLE layer (no n-gram table to keep)")
         from fnx.ple.store import open_store
         store = open_store(path, ple_store, cfg=out.cfg, **(ple_options or {}))
+    params, uva = out.params, None
+    if ple_store == "uva":
+        if not out.cfg.ple_layer_ids:
+            raise ValueError(f"ple_store='uva': {path} has no PLE layer (no n-gram table to keep)")
+        from fnx.pallas.dispatch import why_unavailable
+        from fnx.ple.store import open_store
+        why = why_unavailable("pallas")
+        if why and not (ple_options or {}).get("emulate"):
+            raise ValueError(f"ple_store='uva' reads the table from pinned host memory in a CUDA kernel, which cannot "
+                             f"run here ({why}); use 'device', 'pinned' or 'pageable'")
+        uva = open_store(path, "uva", cfg=out.cfg, **(ple_options or {}))
+        params = _with_table(cfg, params, uva.table)
     tokenizer, gen_cfg = None, {}
     d = os.fspath(path)
     if os.path.isdir(d):
@@ -150,7 +168,26 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
             import json
             with open(gpath, encoding="utf-8") as f:
                 gen_cfg = json.load(f)
-    return Model(cfg, out.params, out.mtp, d, tokenizer, gen_cfg, store)
+    return Model(cfg, params, out.mtp, d, tokenizer, gen_cfg, store, uva)
+
+
+def _with_table(cfg: ModelConfig, params: dict, table) -> dict:
+    """params with `table` (a `fnx.ple.store.UvaTable`) as the PLE layer's n-gram table; the PLE layer must be a
+    segment of its own (not stacked in a scanned group, where a leaf is one slice of a stacked array)."""
+    from fnx.model.transformer import layer_plan
+    layer = cfg.ple_layers[0]
+    segs = list(params["segments"])
+    for i, seg in enumerate(layer_plan(cfg)):
+        if seg.start <= layer < seg.start + seg.reps * seg.period:
+            if seg.scanned:
+                raise NotImplementedError("ple_store='uva' with the PLE layer inside a scanned layer group: its "
+                                          "params are slices of stacked arrays; load with layers='unrolled'")
+            p = dict(segs[i][0])
+            p["ple"] = dict(p["ple"])
+            p["ple"]["ple_embedding"] = dict(p["ple"].get("ple_embedding", {}), ngram_embedding=table)
+            segs[i] = (p,) + tuple(segs[i][1:])
+            return {**params, "segments": type(params["segments"])(segs)}
+    raise AssertionError(f"no segment holds the PLE layer {layer}")
 
 
 def _is_quant(x) -> bool:

@@ -32,6 +32,9 @@ def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg
 
 
 def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """table [rows, width], ids [B, L, heads] -> [B, L, heads*width] in head order."""
+    """table [rows, width], ids [B, L, heads] -> [B, L, heads*width] in head order. A table handle with its own
+    gather (`fnx.ple.store.UvaTable`: rows read by the GPU from pinned host memory) gathers itself."""
+    if hasattr(table, "gather"):
+        return table.gather(ids)
     r = jnp.take(table, ids, axis=0)
     return r.reshape(*ids.shape[:-1], ids.shape[-1] * table.shape[-1])

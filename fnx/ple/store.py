@@ -46,7 +46,7 @@ from fnx.ple.table import TableError, TableSource, open_source, validate
 
 log = logging.getLogger("fnx.ple")
 
-MODES = ("device", "pinned", "pageable", "swap", "direct")
+MODES = ("device", "pinned", "pageable", "swap", "direct", "uva")
 POLICIES = ("fail", "degrade")
 
 

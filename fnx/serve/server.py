@@ -83,10 +83,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto",
                    help="split <think>...</think> output into reasoning_content (auto: when the tokenizer or the "
                         "chat template knows </think>)")
-    p.add_argument("--ple-store", choices=["device", "pinned", "pageable", "swap", "direct"], default="device",
+    p.add_argument("--ple-store", choices=["device", "pinned", "pageable", "swap", "direct", "uva"],
+                   default="device",
                    help="where the PLE n-gram table lives: in device memory (device), or on the host with its rows "
                         "fetched per step: pinned host memory, a read-only mmap of the checkpoint's shards "
-                        "(pageable), swappable anonymous memory (swap) or O_DIRECT reads (direct)")
+                        "(pageable), swappable anonymous memory (swap) or O_DIRECT reads (direct); or in pinned "
+                        "host memory read by the GPU itself inside each step (uva: CUDA only, not yet measured)")
     p.add_argument("--ple-policy", choices=["fail", "degrade"], default="fail",
                    help="host PLE store: when rows cannot be read in time, end the affected request with an "
                         "error (fail) or run it on zero rows and count it (degrade)")
@@ -186,15 +188,16 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         ple_opts = None
-        if args.ple_store != "device":
+        if args.ple_store not in ("device", "uva"):
             ple_opts = {"policy": args.ple_policy,
                         "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
         elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "sync":
-            return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not 'device'")
+            return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not "
+                         f"{args.ple_store!r} (its rows are gathered inside each step)")
         model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts,
                          layers=args.layers, quant=args.quant)
-    except (ValueError, OSError) as e:  # config, checkpoint and format errors carry their own explanation
-        return _fail(f"could not load {model_dir}: {e}")
+    except (ValueError, OSError, NotImplementedError) as e:   # config, checkpoint and format errors explain
+        return _fail(f"could not load {model_dir}: {e}")        # themselves
     t_load = time.perf_counter() - t0
     if tokenizer.vocab_size > model.cfg.vocab_size:
         return _fail(f"tokenizer.json has {tokenizer.vocab_size} tokens, more than the model's vocab_size "

@@ -118,6 +118,29 @@ def test_engine_on_a_host_store_generates_what_the_device_table_does(tiny, mode)
     host.ple_store.close()
 
 
+def test_uva_store_generates_what_the_device_table_does(tiny):
+    """fnx.load(ple_store="uva"): the params hold a handle to pinned host memory instead of the table, and every
+    program gathers its rows through it (on the CPU over a stand-in copy, `emulate`): the plain and speculative
+    engines (overlapped: no host store stops them), the jitted generate and extend give the in-params table's
+    tokens and logits. Without a CUDA GPU and without emulation the load refuses, saying why."""
+    uva = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="uva", ple_options={"emulate": True})
+    assert uva.ple_store is None and uva.ple_device_store.mode == "uva"
+    assert hasattr(_params_table(uva), "gather")
+    want = fnx.generate(tiny, PROMPTS, 10)
+    assert fnx.generate(uva, PROMPTS, 10) == want
+    if tiny.mtp:
+        assert fnx.generate(uva, PROMPTS, 10, speculative=2) == fnx.generate(tiny, PROMPTS, 10, speculative=2)
+    for a, b in zip(fnx.generate_jit(uva, PROMPTS[0], 6), fnx.generate_jit(tiny, PROMPTS[0], 6)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    st_d, st_u = fnx.new_state(tiny, 1, 16), fnx.new_state(uva, 1, 16)
+    np.testing.assert_array_equal(np.asarray(fnx.extend(tiny, st_d, [PROMPTS[0]])[0], np.float32),
+                                  np.asarray(fnx.extend(uva, st_u, [PROMPTS[0]])[0], np.float32))
+    uva.ple_device_store.close()
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="cannot run here"):
+            fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="uva")
+
+
 def test_device_only_paths_refuse_a_host_store(tiny):
     host = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="pageable")
     with pytest.raises(NotImplementedError, match="host store"):
