@@ -53,6 +53,17 @@ def test_unusable_compile_cache_is_a_clear_error(tmp_path):
     assert "--compile-cache" in out.stderr and "without it" in out.stderr
 
 
+def test_uva_ple_store_without_a_gpu_is_a_clear_error():
+    """--ple-store uva reads the table from pinned host memory in a CUDA kernel: on a CPU the server exits at load
+    with the reason and the modes that work, before listening."""
+    if not DEFAULT_MODEL.exists():
+        pytest.skip("needs the embedded checkpoint")
+    out = subprocess.run([sys.executable, "-m", "fnx.serve", "--ple-store", "uva"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 2
+    assert "uva" in out.stderr and "cannot run here" in out.stderr and "pageable" in out.stderr
+
+
 @pytest.fixture(scope="module")
 def small(serve_checkpoint, jax_cache, tmp_path_factory):
     s = Server(serve_checkpoint, tmp_path_factory.mktemp("logs") / "small.log", jax_cache,
