@@ -218,6 +218,9 @@ class Engine:
         self._last_hint = None
         self.mesh = None
         if mesh is not None:
+            if getattr(model, "ple_device_store", None) is not None:
+                raise NotImplementedError("a device mesh with ple_store='uva' is not implemented (the pinned table's "
+                                          "handle is not sharded); load with 'device' or a host ple_store")
             self._place_on_mesh(mesh)
         self.ple_fetch = ple_fetch
         self._pipe = self._cb = None

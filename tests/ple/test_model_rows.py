@@ -135,6 +135,8 @@ def test_uva_store_generates_what_the_device_table_does(tiny):
     st_d, st_u = fnx.new_state(tiny, 1, 16), fnx.new_state(uva, 1, 16)
     np.testing.assert_array_equal(np.asarray(fnx.extend(tiny, st_d, [PROMPTS[0]])[0], np.float32),
                                   np.asarray(fnx.extend(uva, st_u, [PROMPTS[0]])[0], np.float32))
+    with pytest.raises(NotImplementedError, match="mesh with ple_store='uva'"):
+        fnx.engine.Engine(uva, max_slots=1, capacity=32, mesh="tp=1,ep=1")
     uva.ple_device_store.close()
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="cannot run here"):
