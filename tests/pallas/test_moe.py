@@ -561,6 +561,18 @@ def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
     assert int(hit.sum()) == m * K                                       # every (token, k) pair counted once
 
 
+def _case_ids(case, m):
+    """Routings of m = 4 tokens over E experts: every token the same experts, all disjoint, or pairs shared."""
+    return {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
+            "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
+
+
+def _run_tiles(args, tiles):
+    """The decode layer with these tiles, jitted, as fp32 NumPy."""
+    return np.asarray(jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=tiles))(*args),
+                      np.float32)
+
+
 @pytest.mark.parametrize("case,fmt", [("pairs", "fp8"), ("all_same", "nvfp4"), ("disjoint", "bf16")])
 def test_decode_token_programs_are_batch_invariant(case, fmt):
     """DecodeTiles.tok 1: a down program per (output tile, token) walks that token's K experts in k order. Each
@@ -568,8 +580,7 @@ def test_decode_token_programs_are_batch_invariant(case, fmt):
     shared between tokens, all the same, disjoint), and one token alone has the bits of the in-kernel combine
     (group 0). tok with a slot group is refused with the reason."""
     m = 4
-    ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
-           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
+    ids = _case_ids(case, m)
     args = _decode_args(fmt, m, 60, ids=ids)
     tiles = dataclasses.replace(DT, group=0, tok=1, e2m1="f16" if fmt == "nvfp4" else "int")
     run, run0 = (jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=t))
@@ -598,18 +609,23 @@ def test_decode_token_major_branches_agree(case, fmt, group, acc, wround):
     arithmetic inside a branch on its own (a row's sum may be ordered differently, and FP8 weights rounded there came
     out one bf16 ulp apart in ~30% of the outputs), so the two agree within an output rounding, not to the bit,
     and each matches the reference."""
-    m = 4
-    ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
-           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
-    args = _decode_args(fmt, m, 70, ids=ids)
+    _variant_agrees(case, fmt, 70, dict(group=group, acc=acc, wround=wround), "tmajor", 1, 0, 2,
+                    "tmajor must be 0 or 1")
+
+
+def _variant_agrees(case, fmt, seed, fields, name, value, base, bad, why):
+    """The layer of 4 tokens routed as `case` with DecodeTiles field `name` at `value` against `base` (the other
+    fields `fields` on DT): finite, within an output rounding of each other, and matching the reference; `bad`
+    is refused with `why`."""
+    args = _decode_args(fmt, 4, seed, ids=_case_ids(case, 4))
     nv = dict(e2m1="f16", gsum=1) if fmt == "nvfp4" else dict(e2m1="int")
-    tiles = dataclasses.replace(DT, group=group, acc=acc, wround=wround, **nv)
-    run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
-    got, base = (np.asarray(run(dataclasses.replace(tiles, tmajor=t)), np.float32) for t in (1, 0))
-    assert np.abs(got - base).max() <= 2.0 ** -7 * np.abs(base).max()
+    tiles = dataclasses.replace(DT, **fields, **nv)
+    got, ref = (_run_tiles(args, dataclasses.replace(tiles, **{name: v})) for v in (value, base))
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() <= 2.0 ** -7 * np.abs(ref).max()
     _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)
-    with pytest.raises(NotImplementedError, match="tmajor must be 0 or 1"):
-        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, tmajor=2))
+    with pytest.raises(NotImplementedError, match=why):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, **{name: bad}))
 
 
 @pytest.mark.parametrize("case,fmt,group,acc,tmajor,branch", [
@@ -624,19 +640,8 @@ def test_decode_without_token_branches_agrees(case, fmt, group, acc, tmajor, bra
     reference, with shared experts, the same experts for all tokens and disjoint ones, token-major order, groups
     and the in-kernel combine. The non-owner slots' unwritten activation rows are read and discarded, never added:
     the output is finite."""
-    m = 4
-    ids = {"all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
-           "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
-    args = _decode_args(fmt, m, 71, ids=ids)
-    nv = dict(e2m1="f16", gsum=1) if fmt == "nvfp4" else dict(e2m1="int")
-    tiles = dataclasses.replace(DT, group=group, acc=acc, wround=0, tmajor=tmajor, **nv)
-    run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
-    got, base = (np.asarray(run(dataclasses.replace(tiles, branch=b)), np.float32) for b in (branch, 1))
-    assert np.isfinite(got).all()
-    assert np.abs(got - base).max() <= 2.0 ** -7 * np.abs(base).max()
-    _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)
-    with pytest.raises(NotImplementedError, match="branch 0 to 3"):
-        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, branch=4))
+    _variant_agrees(case, fmt, 71, dict(group=group, acc=acc, wround=0, tmajor=tmajor), "branch", branch, 1, 4,
+                    "branch 0 to 3")
 
 
 @pytest.mark.parametrize("case,fmt,m,group,wround,dot", [
@@ -650,14 +655,11 @@ def test_decode_tensor_core_products(case, fmt, m, group, wround, dot):
     kernels within an output rounding and matches the reference, with shared experts, one expert set for all tokens,
     disjoint ones, one token and five; dot 2 runs the chunks in a loop (pipelined loads, `stages` 2) with the same
     arithmetic. Tiles the tensor cores cannot take are refused with the reason."""
-    ids = None if case is None else {
-        "all_same": [[3, 1, 7, 0]] * m, "disjoint": np.arange(m * K).reshape(m, K) % E,
-        "pairs": [[3, 1, 7, 0], [7, 3, 9, 12], [15, 1, 2, 9], [4, 5, 6, 8]]}[case]
+    ids = None if case is None else _case_ids(case, m)
     args = _decode_args(fmt, m, 72, ids=ids)
     nv = dict(e2m1="f16") if fmt == "nvfp4" else dict(e2m1="int")
     base = dataclasses.replace(DT, bn=16, bn2=16, cw=128, cw2=64, group=group, wround=wround, **nv)
-    run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
-    got, cuda = (np.asarray(run(dataclasses.replace(base, dot=d, stages=1 + (d == 2))), np.float32) for d in (dot, 0))
+    got, cuda = (_run_tiles(args, dataclasses.replace(base, dot=d, stages=1 + (d == 2))) for d in (dot, 0))
     assert np.isfinite(got).all()
     assert np.abs(got - cuda).max() <= 2.0 ** -7 * np.abs(cuda).max()
     _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)

@@ -644,29 +644,20 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     def slot(s, accs, loaded=None):
         routed, coefs, raw = loaded or slot_loads(s)
-        if dot == 2:            # the chunks in a loop, their loads pipelined by Triton (`stages`)
-            e, own = raw
-
-            def chunk(c, t):
-                xs = _token_rows(act_ref, (s,), m, c * cw, cw, fmt == "nvfp4")
-                return t + _dot_chunk(fmt, _raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own), bn, cw, dt, e2m1,
-                                      wround, xs)
-            tile = lax.fori_loop(0, nk, chunk, jnp.zeros((MP, bn), F32))
-            rs = _row_scale_load(fmt, dn_refs, (e,), c0, bn, wround)
-            if rs is not None:
-                tile = tile * rs[None, :]
-            out = []
-            for i in range(m):
-                term = rnd(rnd(_token_row(tile, i), dt) * coefs[i], dt)
-                out.append(accs[i] + jnp.where(routed[i], term, 0.0))
-            return tuple(out)
         if dot:                 # every token's rows at once on the tensor cores
-            tile = None
-            for c in range(nk):
-                xs = _token_rows(act_ref, (s,), m, c * cw, cw, fmt == "nvfp4")
-                part = _dot_chunk(fmt, raw[c], bn, cw, dt, e2m1, wround, xs)
-                tile = part if tile is None else tile + part
-            rs = _row_scale(fmt, raw[0], wround)
+            xs_of = lambda c: _token_rows(act_ref, (s,), m, c * cw, cw, fmt == "nvfp4")  # noqa: E731
+            if dot == 2:        # the chunks in a loop, their loads pipelined by Triton (`stages`)
+                e, own = raw
+                tile = lax.fori_loop(0, nk, lambda c, t: t + _dot_chunk(
+                    fmt, _raw(fmt, dn_refs, (e,), c0, bn, c * cw, cw, mask=own), bn, cw, dt, e2m1, wround, xs_of(c)),
+                    jnp.zeros((MP, bn), F32))
+                rs = _row_scale_load(fmt, dn_refs, (e,), c0, bn, wround)
+            else:
+                tile = None
+                for c in range(nk):
+                    part = _dot_chunk(fmt, raw[c], bn, cw, dt, e2m1, wround, xs_of(c))
+                    tile = part if tile is None else tile + part
+                rs = _row_scale(fmt, raw[0], wround)
             if rs is not None:
                 tile = tile * rs[None, :]
             out = []
