@@ -599,8 +599,9 @@ class UvaStore(PinnedStore):
     CUDA kernel reading host memory through the chunks' host addresses under unified virtual addressing), so a
     jitted step takes its PLE rows from its own n-gram ids with no host thread, copy or round trip.
 
-    `gather(table, ids)` is the in-jit computation over `table` (the `UvaTable` pytree in `self.table`: the chunk
-    starts, the base addresses as two uint32 halves and the scale), dequantized as `DeviceStore.gather`. The host
+    `self.table` (a `UvaTable` pytree: the chunk starts, the base addresses as two uint32 halves and the scale) is
+    what a params tree holds in place of the table; its `gather(ids)` runs inside any jit, dequantized as
+    `DeviceStore.gather`. The host
     interface (`rows`, `fetch`) is `pinned`'s NumPy gather. `emulate=True` (tests on a CPU) puts a device copy of
     the chunks' bytes behind offsets that stand for the addresses and gathers from it with the kernel's addressing
     (`impl` "reference" or "pallas_interpret"); without it a non-CUDA device raises when the gather is traced."""
@@ -615,8 +616,8 @@ class UvaStore(PinnedStore):
         if rb % 4:
             raise TableError(f"uva mode reads rows as 4-byte words; this table's rows are {rb} bytes")
         starts = np.asarray(self._starts, np.int64)
-        if starts[-1] >= 2**31:
-            raise TableError("uva mode indexes rows with int32: the table has more than 2^31 rows")
+        if src.rows >= 2**31:
+            raise TableError(f"uva mode indexes rows with int32: the table has {src.rows:,} rows")
         mem = None
         if emulate:
             offs = np.cumsum([0] + [v.nbytes for v in self._views[:-1]], dtype=np.int64)
