@@ -633,6 +633,31 @@ class UvaStore(PinnedStore):
                               out_dtype=self.out_dtype.name, impl=impl)
         import jax
         self._jit = jax.jit(UvaTable.gather)
+        if emulate or self._kernel_runs():
+            self._self_check()
+
+    @staticmethod
+    def _kernel_runs() -> bool:
+        from fnx.pallas.dispatch import why_unavailable
+        return why_unavailable("pallas") is None
+
+    def _self_check(self):
+        """Start-up validation of the device path: the first and last row of every chunk read by the gather kernel
+        equal the host's bytes, else TableError (the memory is not readable at its host address from the device
+        on this system)."""
+        import jax.numpy as jnp
+
+        from fnx.pallas.uva_gather import api
+        t = self.table
+        ends = np.asarray(list(self._starts[1:]) + [self.src.rows], np.int64)
+        ids = np.unique(np.concatenate([np.asarray(self._starts, np.int64), ends - 1])).astype(np.int32)
+        impl = t.impl or (None if t.mem is None else "reference")
+        got = np.asarray(api.gather_words(jnp.asarray(ids), t.starts, t.lo, t.hi, t.row_bytes, mem=t.mem, impl=impl))
+        idx, local = self._locate(ids.astype(np.int64))
+        want = np.stack([self._views[i][r] for i, r in zip(idx, local)])
+        if not np.array_equal(got.view(np.uint8).reshape(want.shape), want):
+            raise TableError("uva mode: rows read by the GPU from the pinned table differ from its bytes (host "
+                             "memory not readable at its host address from the device here); use pinned or pageable")
 
     def rows_device(self, ids):
         """ids [..., heads] -> [..., heads * width] out_dtype, gathered on the device (see the class)."""

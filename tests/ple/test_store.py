@@ -314,3 +314,16 @@ def test_uva_store_reads_pinned_memory_on_the_gpu(table, consts):
     with open_store(table["raw"], "uva", consts=consts, layer=1) as store:
         got = np.asarray(store.rows_device(ids))
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+def test_uva_store_checks_its_device_reads_at_start(table, consts, monkeypatch):
+    """At start-up a uva store reads every chunk's first and last row through the device path and compares them
+    with the table's bytes: a device that reads something else (here: the stand-in addresses off by one row) is a
+    TableError naming the modes that work, never wrong rows later."""
+    from fnx.pallas.uva_gather import api
+    from fnx.ple.store import TableError, UvaStore
+    monkeypatch.setattr(UvaStore, "chunk_bytes", 1000)
+    real = api.gather_words
+    monkeypatch.setattr(api, "gather_words", lambda ids, *a, **k: real(ids + 1, *a, **k))
+    with pytest.raises(TableError, match="use pinned or pageable"):
+        open_store(table["raw"], "uva", consts=consts, layer=1, emulate=True)
