@@ -350,6 +350,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     params = random_tree(shapes, key, dtype, psh, quant)
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
     uva = host_ple is not None and host_ple.store.mode == "uva" and bool(cfg.ple_layer_ids)
+    engine_params = params      # the engine part's baseline runs keep the table in the params (its uva runs swap)
     if uva:     # the params' table is the handle of the pinned table: the timed programs gather from host memory
         from fnx.model.api import _with_table
         params = _with_table(cfg, params, host_ple.store.table)
@@ -366,7 +367,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         from fnx.model.fuse import fuse_mtp, fuse_projections
         sparams, smp = fuse_projections(cfg, params), fuse_mtp(mp)
         if not engine_tokens:
-            del params, mp
+            del params, mp, engine_params
     ctx = max(contexts)
     # positions advance from ctx through every timed call (no per-call rewind: resetting `pos` costs a jitted op
     # of host time per call, which the step time would include); the spare capacity covers every call
@@ -516,7 +517,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     if engine_tokens:
         if mesh is not None or quant != "bf16":
             raise SystemExit("--engine runs on one device with bf16 weights")
-        res.update(engine_decode(cfg, params, mp, engine_tokens, engine_slots,
+        res.update(engine_decode(cfg, engine_params, mp, engine_tokens, engine_slots,
                                  None if host_ple is None else host_ple.store, engine_fetches, engine_separate,
                                  engine_spec))
     try:
