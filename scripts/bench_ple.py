@@ -146,7 +146,20 @@ def bench_mode(mode, source, consts, args, emit):
                    **_stats(warm)}
             rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
             emit(rec)
-            if mode in ("device", "pinned"):
+            if mode == "uva" and store._kernel_runs():   # the rows read by the GPU from the pinned table
+                import jax
+                dev = jax.numpy.asarray(ids, jax.numpy.int32)
+                jax.block_until_ready(store.rows_device(dev))
+                times = []
+                for _ in range(iters):
+                    s = time.perf_counter()
+                    jax.block_until_ready(store.rows_device(dev))
+                    times.append(time.perf_counter() - s)
+                rec = {"mode": mode, "shape": name, "cache": "device gather", "rows": int(ids.size),
+                       **_stats(times)}
+                rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
+                emit(rec)
+            if mode in ("device", "pinned", "uva"):
                 continue  # no cache to be cold in
             store.evict()   # once whole (pages cached by the table's write sit in large folios), then per round
             for ahead in (None, args.ahead_ms):   # only the rows about to be fetched
