@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
-          f"PLE table: {args.ple_store}{'' if args.ple_store == 'device' else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
+          f"PLE table: {args.ple_store}{'' if args.ple_store in ('device', 'uva') else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
           f"layers {'stacked' if model.cfg.unroll_stacked else 'scanned' if model.cfg.scan_layers else 'unrolled'}, "
           f"input projections {'fused' if engine.fused else 'separate'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)
