@@ -484,19 +484,24 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
     def body():
         nk = d // cw
         rg, ru = j * bn, inter + j * bn
-        if dot == 2:                # the chunks in a loop: Triton pipelines their loads (`stages`)
-
-            def chunk(c, carry):
-                xs = _token_rows(x_ref, (), m, c * cw, cw, fmt == "nvfp4")
-                return tuple(t + _dot_chunk(fmt, _raw(fmt, w_refs, (e,), r0, bn, c * cw, cw), bn, cw, dt, e2m1,
-                                            wround, xs) for t, r0 in zip(carry, (rg, ru)))
-            z = jnp.zeros((MP, bn), F32)
-            tg, tu = lax.fori_loop(0, nk, chunk, (z, z))
-            rs_g, rs_u = (_row_scale_load(fmt, w_refs, (e,), r0, bn, wround) for r0 in (rg, ru))
+        if dot:                     # every token's rows at once on the tensor cores
+            xs_of = lambda c: _token_rows(x_ref, (), m, c * cw, cw, fmt == "nvfp4")  # noqa: E731
+            if dot == 2:            # the chunks in a loop: Triton pipelines their loads (`stages`)
+                z = jnp.zeros((MP, bn), F32)
+                tg, tu = lax.fori_loop(0, nk, lambda c, carry: tuple(t + _dot_chunk(
+                    fmt, _raw(fmt, w_refs, (e,), r0, bn, c * cw, cw), bn, cw, dt, e2m1, wround, xs_of(c))
+                    for t, r0 in zip(carry, (rg, ru))), (z, z))
+                rs_g, rs_u = (_row_scale_load(fmt, w_refs, (e,), r0, bn, wround) for r0 in (rg, ru))
+            else:                   # every chunk's loads issued first
+                raws = [[_raw(fmt, w_refs, (e,), r0, bn, c * cw, cw) for c in range(nk)] for r0 in (rg, ru)]
+                tg, tu = (functools.reduce(lambda acc, c, rw=rw: acc + _dot_chunk(
+                    fmt, rw[c], bn, cw, dt, e2m1, wround, xs_of(c)), range(nk), jnp.zeros((MP, bn), F32))
+                    for rw in raws)
+                rs_g, rs_u = (_row_scale(fmt, rw[0], wround) for rw in raws)
             if rs_g is not None:
                 tg, tu = tg * rs_g[None, :], tu * rs_u[None, :]
             a = _silu_mul(rnd(tg, dt), rnd(tu, dt), dt)
-            for i in range(m):
+            for i in range(m):      # tokens not routed here store their values too, never read by the down kernel
                 act_ref[s, i, pl.ds(rg, bn)] = _token_row(a, i).astype(dt)
             return
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
@@ -504,19 +509,6 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
         cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
         rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
-        if dot:                     # every token's rows at once on the tensor cores
-            tg = tu = None
-            for c in range(nk):
-                xs = _token_rows(x_ref, (), m, c * cw, cw, fmt == "nvfp4")
-                pg = _dot_chunk(fmt, raw_g[c], bn, cw, dt, e2m1, wround, xs)
-                pu = _dot_chunk(fmt, raw_u[c], bn, cw, dt, e2m1, wround, xs)
-                tg, tu = (pg, pu) if tg is None else (tg + pg, tu + pu)
-            if rs_g is not None:
-                tg, tu = tg * rs_g[None, :], tu * rs_u[None, :]
-            a = _silu_mul(rnd(tg, dt), rnd(tu, dt), dt)
-            for i in range(m):      # tokens not routed here store their values too, never read by the down kernel
-                act_ref[s, i, pl.ds(rg, bn)] = _token_row(a, i).astype(dt)
-            return
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
             tg = tu = None
             hf = _hfma(e2m1, fmt)
@@ -882,7 +874,7 @@ TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
 def tiles_override(spec: str, what: str = TOKENS_TILES_ENV) -> dict:
     """"field=value,..." (DecodeTiles fields; e2m1 a name, the others integers) -> the fields to replace. A benchmark
     knob: `FNX_MOE_TOKENS_TILES` changes the several-token defaults of every layer without a code change."""
-    names = {f.name: f.type for f in dataclasses.fields(DecodeTiles)}
+    names = [f.name for f in dataclasses.fields(DecodeTiles)]
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, eq, val = part.partition("=")
