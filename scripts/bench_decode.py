@@ -389,8 +389,10 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         if host_ple is None or not cfg.ple_layer_ids:
             return ids(b, length), None
         if uva:
-            sets = uva_ids.setdefault((b, length), [jnp.asarray(host_ple.rng.integers(
-                0, host_ple.store.src.rows, (b, length, heads)), jnp.int32) for _ in range(8)])
+            if (b, length) not in uva_ids:      # made once (not per call: their making is host time)
+                uva_ids[(b, length)] = [jnp.asarray(host_ple.rng.integers(
+                    0, host_ple.store.src.rows, (b, length, heads)), jnp.int32) for _ in range(8)]
+            sets = uva_ids[(b, length)]
             sets.append(sets.pop(0))
             return sets[0], None
         return None, host_ple.rows(b, length)

@@ -188,13 +188,13 @@ case "$part" in
     grep -E "e2e|decode_ms" "$OUT/ple.log" | tail -30 ;;
   uva)   # the PLE table in pinned host memory, its rows read by the GPU inside every program (fnx/pallas/uva_gather):
          # its GPU tests first (a failed read stops here), then the 4-layer model and the engine on the full-size
-         # table (UVA_TABLE_GB; pinned: needs that much free RAM) against the in-params table (device)
+         # table (UVA_TABLE_GB; pinned: needs that much free RAM) against the in-params table (device; UVA_STORES)
     timeout ${UVA_TEST_S:-120} python -m pytest -q -p no:cacheprovider tests/pallas/test_uva_gather.py \
       tests/ple/test_store.py -k "uva" 2>&1 | tail -4 | tee "$OUT/uva.log"
     grep -q " passed" "$OUT/uva.log" && ! grep -q "failed" "$OUT/uva.log" || { echo "uva tests did not pass"; continue; }
     timeout ${UVA_PLE_S:-150} python scripts/bench_ple.py --table-gb ${UVA_TABLE_GB:-51.2} --modes uva --iters 50 \
       --out "$OUT/bench_ple.jsonl" 2>&1 | grep -E " uva " | tee -a "$OUT/uva.log"
-    for store in device uva; do
+    for store in ${UVA_STORES:-device uva}; do   # the uva run also times the in-params engine (its baseline)
       timeout ${UVA_S:-240} python scripts/bench_decode.py --layers 4 --contexts 1024 --reps 10 --ple-store $store \
         --ple-table-gb ${UVA_TABLE_GB:-51.2} --engine 64 --engine-slots 1,8 --engine-spec ${UVA_SPEC:-4} \
         --out "$OUT/bench_decode.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/uva.log" | grep -E "^# engine|decode_ms|Error"

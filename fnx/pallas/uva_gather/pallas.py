@@ -18,7 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-U32 = jnp.uint32
+I32 = jnp.int32         # Triton tensors are signless: addresses and words travel as int32 bit patterns (the
+                        # arithmetic wraps as uint32's would; the PTX reads them unsigned)
 BR = 16                 # row requests per program
 
 # dst = *(u32 *)((hi:lo) + off): the address assembled from two 32-bit halves (x64 is off in JAX), the offset
@@ -51,14 +52,14 @@ def _kernel(ids_ref, starts_ref, lo_ref, hi_ref, *rest, n: int, c: int, row_byte
     lo = lo_ref[chunk]
     hi = hi_ref[chunk]
     col = jnp.minimum(lax.broadcasted_iota(jnp.int32, (BR, wp), 1), words - 1)
-    off = (ids - first).astype(U32)[:, None] * U32(row_bytes) + col.astype(U32) * U32(4)     # [BR, WP]
+    off = (ids - first)[:, None] * I32(row_bytes) + col * I32(4)       # [BR, WP], wraps past 2^31 like uint32
     shape = (BR, wp)
     lo2, hi2 = jnp.broadcast_to(lo[:, None], shape), jnp.broadcast_to(hi[:, None], shape)
     if emulate:
-        val = mem_ref[((lo2 + off) // U32(4)).astype(jnp.int32)]
+        val = mem_ref[lax.shift_right_logical(lo2 + off, I32(2))]      # emulated addresses stay below 2^31
     else:
         val = plgpu.elementwise_inline_asm(_LOAD_ASM, args=[lo2, hi2, off], constraints="=r,r,r,r", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(shape, U32)])[0]
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(shape, I32)])[0]
     out_ref[pl.ds(pl.program_id(0) * BR, BR), :] = val
 
 
@@ -74,10 +75,11 @@ def gather_words(ids, starts, lo, hi, row_bytes: int, *, mem=None, interpret: bo
                          f"(interpret={interpret}, mem given: {mem is not None})")
     words, wp = row_bytes // 4, _pow2(row_bytes // 4)
     steps = -(-n // BR)
-    args = (ids.astype(jnp.int32), starts.astype(jnp.int32), lo.astype(U32), hi.astype(U32))
+    bits = lambda a: lax.bitcast_convert_type(a.astype(jnp.uint32), I32)                   # noqa: E731
+    args = (ids.astype(I32), starts.astype(I32), bits(lo), bits(hi))
     out = pl.pallas_call(
         functools.partial(_kernel, n=n, c=c, row_bytes=row_bytes, emulate=mem is not None),
-        out_shape=jax.ShapeDtypeStruct((steps * BR, wp), U32), grid=(steps,), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((steps * BR, wp), I32), grid=(steps,), interpret=interpret,
         name="uva_gather", compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-    )(*args, *(() if mem is None else (mem,)))
-    return out[:n, :words]
+    )(*args, *(() if mem is None else (lax.bitcast_convert_type(mem, I32),)))
+    return lax.bitcast_convert_type(out[:n, :words], jnp.uint32)
