@@ -21,6 +21,7 @@
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
 #   scripts/gpu_session.sh pleengine # the engine on a host PLE store, every fetch variant (PLE_FETCHES)
 #   scripts/gpu_session.sh uva       # the PLE rows read by the GPU from pinned host memory: its tests, then timed
+#   scripts/gpu_session.sh hmm       # whether the GPU can read a pageable mmap of the table (HMM), and how fast
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
@@ -32,7 +33,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | hmm (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -199,6 +200,10 @@ case "$part" in
         --ple-table-gb ${UVA_TABLE_GB:-51.2} --engine 64 --engine-slots 1,8 --engine-spec ${UVA_SPEC:-4} \
         --out "$OUT/bench_decode.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/uva.log" | grep -E "^# engine|decode_ms|Error"
     done ;;
+  hmm)   # can the GPU read a pageable mmap of the table (Linux HMM)? the driver's answers, then (only where it says
+         # yes) the uva gather on an mmap'd HMM_GB table in a child process: rows checked, first touch and mapped timed
+    timeout ${HMM_S:-240} python scripts/probe_hmm.py --gb ${HMM_GB:-4} --out "$OUT/probe_hmm.jsonl" 2>&1 \
+      | tee "$OUT/hmm.log" | tail -3 ;;
   pleengine)   # the Engine on a host store: every ple_fetch variant (PLE_FETCHES) against the in-params table, 4
                # layers bf16, on the full-size table; first, where a fetch of never-touched rows goes (disk or faults)
     timeout ${PLE_FT_S:-150} python scripts/bench_ple.py --table-gb 51.2 --modes , --first-touch \

@@ -221,3 +221,21 @@ def test_probe_graph_writes_points_and_slopes(tmp_path):
         text = jax.jit(pg.chain_program(3, 256, False, weights)).trace(x, w).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("custom_call @__gpu$xla.gpu.triton") == 3, weights     # Triton, not Mosaic GPU
+
+
+def test_probe_hmm_reports_what_it_cannot_probe(tmp_path, monkeypatch, capsys):
+    """scripts/probe_hmm.py: without a CUDA driver it says so and exits 0; where the driver reports no pageable
+    memory access it skips the read test and says why; its record is one JSON line appended to --out."""
+    from tests.conftest import load_script
+    ph = load_script("probe_hmm")
+    out = tmp_path / "hmm.jsonl"
+    monkeypatch.setattr(ph, "driver_facts", lambda: {"kernel": "k", "error": "no CUDA driver library here (test)"})
+    assert ph.main(["--out", str(out)]) == 0
+    assert "no CUDA driver to probe" in capsys.readouterr().out
+    monkeypatch.setattr(ph, "driver_facts", lambda: {"kernel": "k", "pageable_memory_access": 0})
+    assert ph.main(["--out", str(out)]) == 0
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert recs[0]["error"].startswith("no CUDA driver") and "read_test" not in recs[0]
+    assert recs[1]["read_test"].startswith("skipped: the driver reports no pageable memory access")
+    facts = ph.driver_facts()          # the real query: on this machine either the answers or why there are none
+    assert "kernel" in facts and ("error" in facts or "pageable_memory_access" in facts)
