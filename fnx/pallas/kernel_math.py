@@ -11,6 +11,15 @@ F32 = jnp.float32
 E2M1_F16_SCALE = 2.0 ** 14
 
 
+def _pallas_dot():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+    return getattr(pltriton, "dot", None) or pl.dot      # moved to pallas.triton in newer JAX
+
+
+dot = _pallas_dot()     # the in-kernel matrix product (tensor cores on the Triton lowering)
+
+
 def rnd(x, dt):
     """x rounded to dt and back to fp32: where the reference rounds an intermediate to the activation dtype, the
     kernels round at the same place and keep computing in fp32."""

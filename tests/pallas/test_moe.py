@@ -35,6 +35,11 @@ def _key(i):
     return jax.random.key((_seed + i) % (2 ** 31))
 
 
+def _ext(*values):
+    """A parametrized case of a variant the served tiles do not take: an `extended` case (conftest.py)."""
+    return pytest.param(*values, marks=pytest.mark.extended)
+
+
 def _weights(fmt, i=0, dtype=BF16):
     k1, k2 = jax.random.split(_key(100 + i))
     gu = jax.random.normal(k1, (E, 2 * I, D), jnp.float32) * 0.06
@@ -424,7 +429,7 @@ def test_hfma_group_sums_arithmetic():
     assert 0 < float(big) < 1 and np.isfinite(float(zero)) and float(zero) > 1
 
 
-@pytest.mark.parametrize("mode,shared_fmt,group", [("hfma", "nvfp4", 0), ("hfmab", "fp8", 1)])
+@pytest.mark.parametrize("mode,shared_fmt,group", [("hfma", "nvfp4", 0), _ext("hfmab", "fp8", 1)])
 def test_decode_hfma_one_token(mode, shared_fmt, group):
     """e2m1 "hfma" / "hfmab" (one token): the NVFP4 group sums in fp16 arithmetic on prescaled activations (in the
     interpreter, the jnp form of the PTX block). Within the reference's bound, and within a few bf16 ulps (of the
@@ -538,8 +543,8 @@ def test_decode_routing_patterns(case):
         _close(got, want)
 
 
-@pytest.mark.parametrize("case,fmt,group", [("pairs", "fp8", 2), ("all_same", "nvfp4", 2), ("disjoint", "bf16", 1),
-                                            ("one", "fp8", 0)])
+@pytest.mark.parametrize("case,fmt,group", [("pairs", "fp8", 2), _ext("all_same", "nvfp4", 2), _ext("disjoint", "bf16", 1),
+                                            _ext("one", "fp8", 0)])
 def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
     """DecodeTiles.meta 1: the owner flags, the tokens' choices and their weights computed once per call
     (`slot_meta`) instead of by every program, and meta 2 (written by the gate/up kernel): the same output bits as
@@ -598,9 +603,9 @@ def test_decode_token_programs_are_batch_invariant(case, fmt):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, group=1))
 
 
-@pytest.mark.parametrize("case,fmt,group,acc,wround", [("pairs", "fp8", 1, 0, 0), ("all_same", "nvfp4", 1, 1, 0),
-                                                        ("pairs", "nvfp4", 0, 1, 0), ("disjoint", "bf16", 2, 0, 1),
-                                                        ("pairs", "fp8", 1, 1, 1)])
+@pytest.mark.parametrize("case,fmt,group,acc,wround", [_ext("pairs", "fp8", 1, 0, 0), ("all_same", "nvfp4", 1, 1, 0),
+                                                        _ext("pairs", "nvfp4", 0, 1, 0), _ext("disjoint", "bf16", 2, 0, 1),
+                                                        _ext("pairs", "fp8", 1, 1, 1)])
 def test_decode_token_major_branches_agree(case, fmt, group, acc, wround):
     """DecodeTiles.tmajor 1: a branch per routed token around all of a slot's chunks (its activation loads issued
     together) instead of a branch per token in every chunk: the same products in the same order per token, with
@@ -629,8 +634,8 @@ def _variant_agrees(case, fmt, seed, fields, name, value, base, bad, why):
 
 
 @pytest.mark.parametrize("case,fmt,group,acc,tmajor,branch", [
-    ("pairs", "nvfp4", 1, 1, 0, 0), ("all_same", "fp8", 1, 0, 0, 0), ("pairs", "bf16", 0, 1, 1, 2),
-    ("disjoint", "nvfp4", 2, 0, 1, 3), ("pairs", "fp8", 1, 1, 0, 3)])
+    ("pairs", "nvfp4", 1, 1, 0, 0), _ext("all_same", "fp8", 1, 0, 0, 0), _ext("pairs", "bf16", 0, 1, 1, 2),
+    _ext("disjoint", "nvfp4", 2, 0, 1, 3), _ext("pairs", "fp8", 1, 1, 0, 3)])
 def test_decode_without_token_branches_agrees(case, fmt, group, acc, tmajor, branch):
     """DecodeTiles.branch 0: every token's products computed for every slot (no branch around the tokens not routed
     to the slot's expert; their terms discarded), in both kernels (2: in the down kernel only, 3: in the gate/up
@@ -645,9 +650,10 @@ def test_decode_without_token_branches_agrees(case, fmt, group, acc, tmajor, bra
 
 
 @pytest.mark.parametrize("case,fmt,m,group,wround,dot", [
-    ("pairs", "nvfp4", 4, 1, 0, 1), ("all_same", "nvfp4", 4, 0, 1, 1), ("disjoint", "fp8", 4, 2, 0, 1),
-    ("pairs", "fp8", 4, 1, 1, 1), ("pairs", "bf16", 4, 1, 1, 1), (None, "nvfp4", 1, 1, 0, 1), (None, "fp8", 5, 5, 0, 1),
-    ("pairs", "nvfp4", 4, 1, 0, 2), ("all_same", "fp8", 4, 0, 0, 2), (None, "nvfp4", 5, 2, 1, 2)])
+    ("pairs", "nvfp4", 4, 1, 0, 1), _ext("all_same", "nvfp4", 4, 0, 1, 1), ("disjoint", "fp8", 4, 2, 0, 1),
+    _ext("pairs", "fp8", 4, 1, 1, 1), _ext("pairs", "bf16", 4, 1, 1, 1), (None, "nvfp4", 1, 1, 0, 1),
+    _ext(None, "fp8", 5, 5, 0, 1), _ext("pairs", "nvfp4", 4, 1, 0, 2), _ext("all_same", "fp8", 4, 0, 0, 2),
+    (None, "nvfp4", 5, 2, 1, 2)])
 def test_decode_tensor_core_products(case, fmt, m, group, wround, dot):
     """DecodeTiles.dot 1: each owner slot's products for every token at once on the tensor cores (the token rows
     padded to 16 in registers, the dequantized tile in bf16, FP8 block scales and NVFP4 globals on the sums or, with
@@ -689,7 +695,7 @@ def test_tokens_tiles_override(monkeypatch):
             decode_pallas.default_tiles(D, I, I, "nvfp4", 5)
 
 
-@pytest.mark.parametrize("fmt,m,group", [("nvfp4", 1, 0), ("bf16", 3, 0), ("fp8", 2, 4)])
+@pytest.mark.parametrize("fmt,m,group", [("nvfp4", 1, 0), _ext("bf16", 3, 0), _ext("fp8", 2, 4)])
 def test_decode_hoisted_down_loads_give_the_same_bits(fmt, m, group):
     """DecodeTiles.hoist 1: a down program issues every slot's weight loads (and the shared expert's) before its
     arithmetic. The arithmetic and its order are unchanged, so the bits equal hoist 0's, with the combine in the
@@ -740,10 +746,12 @@ def test_decode_dispatch_errors():
         assert moe._auto_impl(1, K, p, args[0]) == "gather"     # CPU: "auto" keeps the reference paths
 
 
-def test_decode_lowers_for_cuda():
+@pytest.mark.parametrize("which", ["served", _ext("variants")])
+def test_decode_lowers_for_cuda(which):
     """Both launches lower through Pallas -> Triton (compute capability 9.0) at the released widths, bf16, FP8
-    and NVFP4 weights, M = 1 and M = 5, the measured tiles and the in-kernel combine (M = 5: its looped slots,
-    or a program per token)."""
+    and NVFP4 weights, M = 1 and M = 5: "served" the measured tiles and the tensor-core variants (not measured
+    yet); "variants" every other knob (the in-kernel combine, M = 5: its looped slots, or a program per token,
+    slot metadata, hoisted loads, group sums, token-major order, no per-token branches, ...)."""
     n_exp, top_k, d, inter, m = 512, 10, 2560, 640, 5
     S = jax.ShapeDtypeStruct
 
@@ -784,12 +792,16 @@ def test_decode_lowers_for_cuda():
                            ("bf16", 1, decode_pallas.DecodeTiles(bn=16, bn2=16, group=0, dot=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(bn=16, bn2=16, group=1, e2m1="asm", wround=0,
                                                                   dot=2, stages=3))):
+        if (which == "served") != (tiles is None or tiles.dot > 0):
+            continue
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(
             S((mm, d), BF16), S((mm, top_k), BF16), S((mm, top_k), jnp.int32), spec((n_exp, 2 * inter, d), fmt),
             spec((n_exp, d, inter), fmt), S((mm, inter), BF16), S((mm, inter), BF16), S((mm, 1), BF16),
             spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2, (fmt, mm, tiles)
+    if which != "served":
+        return
     # the fused products' layout: the router logits and the shared gate logit in one [M, E + 1] product, the
     # shared gate and up in one [M, 2 I_s] product, read in place
     lowered = jax.jit(lambda lg, gu_, x, gw, dn, sd: (

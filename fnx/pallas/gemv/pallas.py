@@ -39,7 +39,7 @@ from fnx.pallas import kernel_math, stacked
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
-_dot = getattr(pltriton, "dot", None) or pl.dot  # moved to pallas.triton in newer JAX
+_dot = kernel_math.dot
 
 
 @dataclasses.dataclass(frozen=True)

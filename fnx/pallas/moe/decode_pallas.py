@@ -407,7 +407,7 @@ def _accumulate(m, hits, accs, add, branch=True):
     return [lax.cond(hits[i], functools.partial(add, i), lambda a: a, accs[i]) for i in range(m)]
 
 
-_dot = getattr(plgpu, "dot", None) or pl.dot      # moved to pallas.triton in newer JAX
+_dot = kernel_math.dot
 MP = 16                 # token rows of a `dot` (tl.dot's minimum)
 
 
