@@ -20,6 +20,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if not shutil.which("nvidia-smi") and not os.environ.get("FNX_TEST_FULL_OPT"):
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+# Compiling is most of the CPU suite's time, and many tests (in other files, other workers, the subprocesses they
+# start) compile the same programs of the same tiny checkpoints: JAX's persistent compilation cache, shared by
+# them all through one directory, compiles each once. Its key covers the program, the JAX version, the backend and
+# the flags, so a stale entry is never used. On a host without a GPU only (the GPU runs verify the kernels as
+# compiled there); FNX_TEST_JAX_CACHE=0 turns it off, a JAX_COMPILATION_CACHE_DIR of one's own takes its place.
+if not shutil.which("nvidia-smi") and os.environ.get("FNX_TEST_JAX_CACHE", "1") != "0":
+    import tempfile
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                          os.path.join(tempfile.gettempdir(), f"fnx-test-jax-cache-{os.getuid()}"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 
 def load_script(name: str):
     """Import scripts/<name>.py as a module (scripts/ is not a package)."""
@@ -48,6 +60,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "extended" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test in a module that draws a random `_seed` per run reports it (FNX_TEST_SEED replays it)."""
+    outcome = yield
+    rep = outcome.get_result()
+    seed = getattr(getattr(item, "module", None), "_seed", None)
+    if rep.failed and seed is not None:
+        rep.sections.append(("random seed", f"_seed = {seed}: FNX_TEST_SEED={seed} replays this module's draws"))
 
 
 @pytest.fixture(autouse=True, scope="module")

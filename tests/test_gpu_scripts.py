@@ -9,10 +9,15 @@ import sys
 from tests.conftest import ROOT
 
 
+# what tests/conftest.py sets for every JAX process of the suite (the CPU's compile settings and shared cache)
+_INHERITED = ("JAX_DISABLE_MOST_OPTIMIZATIONS", "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+              "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
 def _run(args, tmp_path, timeout=600):
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                          env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-                              **{k: v for k, v in os.environ.items() if k == "JAX_DISABLE_MOST_OPTIMIZATIONS"}})
+                              **{k: v for k, v in os.environ.items() if k in _INHERITED}})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
