@@ -64,18 +64,18 @@ BF16 = jnp.bfloat16
 # - twenty-first session (3839bd0), five tokens, bracketed: no per-token branches (branch 0) 295.6, in the down
 #   kernel only (2) 240.6, in the gate/up kernel only (3) 245.2, against the default's 186.5 / 190.0: the kernels are
 #   bound by their multiply-adds per weight on the CUDA cores.
-# Next: at five tokens the products on the tensor cores (dot 1: each owner slot's dequantized tile times the token
-# rows padded to 16, every token at once; 16-row gate/up and 16-column down tiles at least; dot 2: the chunks in a
-# loop whose loads Triton pipelines `stages` deep). Every fused case is
-# checked against the reference layer on its first argument set ("check" in the record: a variant that computes
-# something else says "mismatch"). (At five tokens FP8 runs these tiles too: e2m1 means nothing there, and dot 1
-# on FP8 needs 128-column chunks: those cases are refused with the reason.)
+# - twenty-third session (340c888), NVFP4, bracketed: the products on the tensor cores (dot 1: each owner slot's
+#   dequantized tile times the token rows padded to 16; dot 2: the chunks looped, loads 3 deep) lost by 3-40x, all
+#   checked ok: five tokens 1,932 us (4-warp programs), 7,582 (8-warp gate/up, 2-warp down), 4,377 (256-wide loads,
+#   32-column down), 520 (dot 2) against the default's 187.3; one token 1,707 against 49.7 / 48.5. They stay
+#   selectable (`DecodeTiles.dot`) and off; a tile that wide in registers per program is not what these kernels can
+#   afford.
+# Every fused case is checked against the reference layer on its first argument set ("check" in the record: a
+# variant that computes something else says "mismatch"). (At five tokens FP8 runs these tiles too: e2m1 means
+# nothing there, and dot 1 on FP8 needs 128-column chunks: those cases are refused with the reason.)
 _SWEEP_M1: list = []
-_SWEEP_M5 = [(16, 512, 16, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1),    # tensor cores, 4-warp programs
-             (16, 512, 16, 128, 1, 8, 2, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1),    # 8-warp gate/up, 2-warp down
-             (16, 256, 32, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1),    # 256-wide loads, 32-column down
-             (16, 256, 16, 128, 1, 4, 4, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 2, 3)]  # chunks looped, loads 3 deep
-_SWEEP_NVFP4 = [(16, 512, 16, 128, 1, 8, 2, 1, "asm", 0, 0, 0, 0, 0, 0, 1, 1)]    # one token on the tensor cores
+_SWEEP_M5: list = []
+_SWEEP_NVFP4: list = []
 
 
 def layer(x, router, se_gate, se_up, se_down, se_gate_vec, gate_up, down, *, top_k, impl, tiles=None):
