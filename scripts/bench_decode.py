@@ -239,12 +239,13 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
         if store.src.rows < need:
             raise SystemExit(f"--engine on a host store hashes into {need:,} rows; the synthetic table has "
                              f"{store.src.rows:,}: give --ple-table-gb >= {need * store.src.row_bytes / 2**30:.1f}")
-        if store.mode == "uva":     # rows gathered by the GPU from the pinned table inside every program
+        if store.mode in ("uva", "ring"):   # rows reached by the GPU inside every program (pinned table, or ring)
             from fnx.model.api import _with_table
-            uvam = Model(hcfg, _with_table(hcfg, params, store.table), mp)
-            runs += [("uva_sync", uvam, dict(overlap=False)), ("uva_overlap", uvam, dict(overlap=True))]
+            m = store.mode
+            uvam = Model(hcfg, _with_table(hcfg, params, store.table), mp, ple_device_store=store)
+            runs += [(f"{m}_sync", uvam, dict(overlap=False)), (f"{m}_overlap", uvam, dict(overlap=True))]
             if spec_k:
-                runs += [(f"uva_spec{spec_k}_overlap", uvam, dict(overlap=True, speculative=spec_k))]
+                runs += [(f"{m}_spec{spec_k}_overlap", uvam, dict(overlap=True, speculative=spec_k))]
         else:
             hosted = Model(hcfg, params, mp, ple_store=store)
             runs += [(f"ple_{f}", hosted, dict(ple_fetch=f)) for f in fetches]
@@ -349,7 +350,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         raise SystemExit("--quant with --mesh is not supported by this script yet")
     params = random_tree(shapes, key, dtype, psh, quant)
     mp = random_tree(mshapes, jax.random.PRNGKey(1), dtype, msh, quant)
-    uva = host_ple is not None and host_ple.store.mode == "uva" and bool(cfg.ple_layer_ids)
+    uva = host_ple is not None and host_ple.store.mode in ("uva", "ring") and bool(cfg.ple_layer_ids)
     engine_params = params      # the engine part's baseline runs keep the table in the params (its uva runs swap)
     if uva:     # the params' table is the handle of the pinned table: the timed programs gather from host memory
         from fnx.model.api import _with_table
@@ -566,12 +567,14 @@ def main():
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8", "fp8+nvfp4"),
                     help="weights: bf16, FP8 blocks for dense + experts, or FP8 dense + NVFP4 experts")
     ap.add_argument("--ple-store", default="device",
-                    choices=("device", "pinned", "pageable", "swap", "direct", "uva"),
+                    choices=("device", "pinned", "pageable", "swap", "direct", "uva", "ring"),
                     help="device: the n-gram table in the params; uva: a synthetic FP8 table (scripts/bench_ple.py's) "
-                         "in pinned host memory, its rows gathered by the GPU inside every program; else every "
-                         "call's rows are fetched from a host store of that table and passed as ple_rows")
+                         "in pinned host memory, its rows gathered by the GPU inside every program; ring: that table "
+                         "mmap'd (pageable), each program's rows copied by the store's host thread into a pinned "
+                         "ring while its first layers run; else every call's rows are fetched from a host store of "
+                         "that table and passed as ple_rows")
     ap.add_argument("--ple-emulate", action="store_true",
-                    help="uva on a CPU (a check of this script): the kernel's addressing over a device copy")
+                    help="uva / ring on a CPU (a check of this script): the device side emulated")
     ap.add_argument("--ple-table-gb", type=float, default=4.0,
                     help="size of the synthetic host table (>= 47.7: the release's 51.2 GB)")
     ap.add_argument("--ple-dir", default="/tmp/fnx_ple_bench", help="where the synthetic table is written")
@@ -626,7 +629,7 @@ def main():
                                   args.ple_table_gb)
         consts = bp.bench_consts(from_raw(path).rows)
         store = open_store(path, args.ple_store, consts=consts,
-                           **({"emulate": True} if args.ple_emulate and args.ple_store == "uva" else {}))
+                           **({"emulate": True} if args.ple_emulate and args.ple_store in ("uva", "ring") else {}))
         embed = bench_config(4, args.tiny, ple_width=store.width * consts.num_heads).ple_embed_dim
         if embed != store.width * consts.num_heads:
             raise SystemExit(f"the synthetic table's rows ({store.width * consts.num_heads} wide) do not match the "

@@ -119,9 +119,9 @@ def _ids_for(consts, rng, batch, length):
 
 
 def _uva_in_jit(store, ids, mode: str, name: str, iters: int, chain: int = 64) -> dict:
-    """The device time of one uva gather, without the host's dispatch and wait: `chain` gathers in one jitted
-    loop, each on ids moved by the previous rows' first word (a data dependence, so they run one after another and
-    no two read the same lines), timed as a whole and divided."""
+    """The device time of one uva gather (or ring round trip), without the host's dispatch and wait: `chain`
+    gathers in one jitted loop, each on ids moved by the previous rows' first word (a data dependence, so they run
+    one after another and no two read the same lines), timed as a whole and divided."""
     import jax
     import jax.numpy as jnp
     rows = store.src.rows
@@ -148,6 +148,14 @@ def _uva_in_jit(store, ids, mode: str, name: str, iters: int, chain: int = 64) -
            **_stats(times)}
     rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
     return rec
+
+
+def _device_path(store) -> bool:
+    """Whether this store's rows can be taken inside a jitted program here: uva with its kernel, ring with its
+    page-locked control block (a CUDA device)."""
+    if store.mode == "uva":
+        return store._kernel_runs()
+    return store.mode == "ring" and store._block is not None
 
 
 def _stats(times):
@@ -178,7 +186,7 @@ def bench_mode(mode, source, consts, args, emit):
                    **_stats(warm)}
             rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
             emit(rec)
-            if mode == "uva" and store._kernel_runs():   # the rows read by the GPU from the pinned table
+            if _device_path(store):   # the rows read by the GPU (uva: from the pinned table; ring: the ring)
                 import jax
                 dev = jax.numpy.asarray(ids, jax.numpy.int32)
                 jax.block_until_ready(store.rows_device(dev))
@@ -194,6 +202,19 @@ def bench_mode(mode, source, consts, args, emit):
                 emit(_uva_in_jit(store, dev, mode, name, iters))
             if mode in ("device", "pinned", "uva"):
                 continue  # no cache to be cold in
+            if _device_path(store):   # ring: a jitted step's post + wait with the backing store's pages evicted
+                import jax
+                cold = []
+                for _ in range(max(3, iters // 2)):
+                    ids = _ids_for(consts, rng, b, length)
+                    store.evict(ids)
+                    dev = jax.numpy.asarray(ids, jax.numpy.int32)
+                    s = time.perf_counter()
+                    jax.block_until_ready(store.rows_device(dev))
+                    cold.append(time.perf_counter() - s)
+                rec = {"mode": mode, "shape": name, "cache": "device cold", "rows": int(ids.size), **_stats(cold)}
+                rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
+                emit(rec)
             store.evict()   # once whole (pages cached by the table's write sit in large folios), then per round
             for ahead in (None, args.ahead_ms):   # only the rows about to be fetched
                 cold = []

@@ -21,6 +21,7 @@
 #   scripts/gpu_session.sh ple       # PLE end-to-end variants on the full-size table
 #   scripts/gpu_session.sh pleengine # the engine on a host PLE store, every fetch variant (PLE_FETCHES)
 #   scripts/gpu_session.sh uva       # the PLE rows read by the GPU from pinned host memory: its tests, then timed
+#   scripts/gpu_session.sh ring      # the PLE rows through a pinned ring a host thread fills from a pageable mmap
 #   scripts/gpu_session.sh hmm       # whether the GPU can read a pageable mmap of the table (HMM), and how fast
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
@@ -33,7 +34,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | hmm (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -200,6 +201,18 @@ case "$part" in
         --ple-table-gb ${UVA_TABLE_GB:-51.2} --engine 64 --engine-slots 1,8 --engine-spec ${UVA_SPEC:-4} \
         --out "$OUT/bench_decode.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/uva.log" | grep -E "^# engine|decode_ms|Error"
     done ;;
+  ring)  # the PLE table in a pageable mmap, each program's rows copied by the store's host thread into a pinned ring
+         # (fnx/ple/ring.py, fnx/pallas/ple_ring): its tests (CPU-side and GPU kernels against the thread; a failure
+         # stops here), bench_ple (per call, chained in one program, cold), then the 4-layer model and the engine on
+         # the full-size table (RING_TABLE_GB) with the in-params engine as the baseline in the same process
+    timeout ${RING_TEST_S:-150} python -m pytest -q -p no:cacheprovider tests/pallas/test_ple_ring.py \
+      tests/ple/test_ring.py 2>&1 | tail -6 | tee "$OUT/ring.log"
+    grep -q " passed" "$OUT/ring.log" && ! grep -q "failed" "$OUT/ring.log" || { echo "ring tests did not pass"; continue; }
+    timeout ${RING_PLE_S:-200} python scripts/bench_ple.py --table-gb ${RING_TABLE_GB:-51.2} --modes ring --iters 50 \
+      --out "$OUT/bench_ple.jsonl" 2>&1 | grep -E " ring |ERROR" | tee -a "$OUT/ring.log"
+    timeout ${RING_S:-240} python scripts/bench_decode.py --layers 4 --contexts 1024 --reps 10 --ple-store ring \
+      --ple-table-gb ${RING_TABLE_GB:-51.2} --engine 64 --engine-slots ${RING_SLOTS:-1,8} --engine-spec ${RING_SPEC:-4} \
+      --out "$OUT/bench_decode.jsonl" 2>&1 | grep -v Warning | tee -a "$OUT/ring.log" | grep -E "^# engine|decode_ms|Error" ;;
   hmm)   # can the GPU read a pageable mmap of the table (Linux HMM)? the driver's answers, then (only where it says
          # yes) the uva gather on an mmap'd HMM_GB table in a child process: rows checked, first touch and mapped timed
     timeout ${HMM_S:-240} python scripts/probe_hmm.py --gb ${HMM_GB:-4} --out "$OUT/probe_hmm.jsonl" 2>&1 \

@@ -219,8 +219,8 @@ class Engine:
         self.mesh = None
         if mesh is not None:
             if getattr(model, "ple_device_store", None) is not None:
-                raise NotImplementedError("a device mesh with ple_store='uva' is not implemented (the pinned table's "
-                                          "handle is not sharded); load with 'device' or a host ple_store")
+                raise NotImplementedError("a device mesh with ple_store 'uva' or 'ring' is not implemented (the "
+                                          "table's handle is not sharded); load with 'device' or a host ple_store")
             self._place_on_mesh(mesh)
         self.ple_fetch = ple_fetch
         self._pipe = self._cb = None
@@ -370,6 +370,28 @@ class Engine:
         elif decoding:
             step_outs = self._spec_round(decoding) if self.spec else self._decode(decoding)
             outs += self._ple_failed(step_outs, decoding, lambda r: r.slot)
+        return self._ring_failed(outs)
+
+    def _ring_failed(self, outs: list[Output]) -> list[Output]:
+        """A `ring` PLE store (rows fetched by its host thread for the step programs themselves) that zero-filled
+        rows since the last step: which requests' rows is not known here, so with policy "fail" every running
+        request ends with finish_reason "error" (with "degrade" the zero rows stand); stats["ple_missing"] counts
+        the requests affected under either policy."""
+        store = getattr(self.model, "ple_device_store", None)
+        if store is None or store.mode != "ring" or store.consume_pending() is None:
+            return outs
+        running = [r for r in self.slots if r is not None]
+        self.stats["ple_missing"] = self.stats.get("ple_missing", 0) + len(running)
+        if store.policy != "fail":
+            return outs
+        log.error("PLE ring rows missing (%s); ending %d running request(s) with an error", store.last_error,
+                  len(running))
+        bad = {r.id for r in running}
+        outs = [o for o in outs if o.request_id not in bad]
+        for rid in sorted(bad):
+            self.abort(rid)
+            outs.append(Output(rid, [], [], True, "error"))
+        self.stats["ple_failed_requests"] = self.stats.get("ple_failed_requests", 0) + len(bad)
         return outs
 
     def _ple_failed(self, outs: list[Output], reqs: list[Request], row_of) -> list[Output]:

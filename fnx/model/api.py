@@ -27,8 +27,8 @@ class Model:
     generation_config: dict = field(default_factory=dict, repr=False)
     ple_store: object = field(default=None, repr=False)   # a fnx.ple RowStore when the n-gram table stays off
                                                           # the device (params then hold no table)
-    ple_device_store: object = field(default=None, repr=False)   # ple_store="uva": the pinned chunks the params'
-                                                                 # table handle reads (kept open with the model)
+    ple_device_store: object = field(default=None, repr=False)   # ple_store "uva" / "ring": the store whose handle
+                                                                 # the params hold (kept open with the model)
 
     @property
     def dtype(self):
@@ -98,8 +98,11 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
     no table and every step's rows are fetched on the host from the ids of its tokens (`Engine`, `extend`).
     "uva" keeps it in pinned host memory and puts a handle in the params instead of the table: each step gathers
     its rows on the GPU from that memory (`fnx.pallas.uva_gather`), so the model runs as with the table in the
-    params (overlapped engine, jitted generate) with the table off the device. It needs a CUDA GPU (on the CPU
-    only `ple_options={"emulate": True}` for tests) and the PLE layer outside a scanned group.
+    params (overlapped engine, jitted generate) with the table off the device. "ring" keeps the table in a host
+    mode (pageable by default: evictable) and puts a ring's handle in the params: each step hands its row ids to
+    a host thread through page-locked memory and reads the rows back at the PLE layer (`fnx.ple.ring`). Both need
+    a CUDA GPU (on the CPU only `ple_options={"emulate": True}` for tests) and the PLE layer outside a scanned
+    group.
     ple_options go to `open_store` (policy, deadline_s, io_threads, ...).
 
     layers: the params layout (as `fnx.serve --layers`).
@@ -131,7 +134,7 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
         scan_layers = layers != "unrolled"
     if ple_store not in MODES:
         raise ValueError(f"ple_store must be one of {MODES}, got {ple_store!r}")
-    host = ple_store not in ("device", "uva")
+    host = ple_store not in ("device", "uva", "ring")
     if ple_options and ple_store == "device":
         raise ValueError("ple_options apply to a host ple_store (pinned, pageable, swap, direct), not 'device'")
     out = load_any(path, dtype=dtype, quant=quant, progress=progress,
@@ -146,16 +149,16 @@ def load(path: str | os.PathLike, dtype=None, progress: bool = False, quant: str
         from fnx.ple.store import open_store
         store = open_store(path, ple_store, cfg=out.cfg, **(ple_options or {}))
     params, uva = out.params, None
-    if ple_store == "uva":
+    if ple_store in ("uva", "ring"):
         if not out.cfg.ple_layer_ids:
-            raise ValueError(f"ple_store='uva': {path} has no PLE layer (no n-gram table to keep)")
+            raise ValueError(f"ple_store={ple_store!r}: {path} has no PLE layer (no n-gram table to keep)")
         from fnx.pallas.dispatch import why_unavailable
         from fnx.ple.store import open_store
         why = why_unavailable("pallas")
         if why and not (ple_options or {}).get("emulate"):
-            raise ValueError(f"ple_store='uva' reads the table from pinned host memory in a CUDA kernel, which cannot "
-                             f"run here ({why}); use 'device', 'pinned' or 'pageable'")
-        uva = open_store(path, "uva", cfg=out.cfg, **(ple_options or {}))
+            raise ValueError(f"ple_store={ple_store!r} reaches host memory from CUDA kernels, which cannot run here "
+                             f"({why}); use 'device', 'pinned' or 'pageable'")
+        uva = open_store(path, ple_store, cfg=out.cfg, **(ple_options or {}))
         params = _with_table(cfg, params, uva.table)
     tokenizer, gen_cfg = None, {}
     d = os.fspath(path)
@@ -180,8 +183,8 @@ def _with_table(cfg: ModelConfig, params: dict, table) -> dict:
     for i, seg in enumerate(layer_plan(cfg)):
         if seg.start <= layer < seg.start + seg.reps * seg.period:
             if seg.scanned:
-                raise NotImplementedError("ple_store='uva' with the PLE layer inside a scanned layer group: its "
-                                          "params are slices of stacked arrays; load with layers='unrolled'")
+                raise NotImplementedError("ple_store 'uva' / 'ring' with the PLE layer inside a scanned layer group: "
+                                          "its params are slices of stacked arrays; load with layers='unrolled'")
             p = dict(segs[i][0])
             p["ple"] = dict(p["ple"])
             p["ple"]["ple_embedding"] = dict(p["ple"].get("ple_embedding", {}), ngram_embedding=table)

@@ -205,8 +205,12 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
             if pending is not None:   # the PLE layer reads the combined hidden: no fusion across it
                 h, pending = hyper.combine(h, *pending), None
             rows = meta["ple_rows"]
-            if rows is None:  # the table lives in the params (on the device)
-                rows = ple.gather_rows(p["ple"]["ple_embedding"]["ngram_embedding"], meta["ple_ids"])
+            if rows is None:  # the table lives in the params (on the device), or its handle does
+                table = p["ple"]["ple_embedding"]["ngram_embedding"]
+                if meta.get("ple_ticket") is not None:    # a ring's rows, asked for at the step's start
+                    rows = table.wait(meta["ple_ticket"], h)
+                else:
+                    rows = ple.gather_rows(table, meta["ple_ids"])
             out, st["ple_conv"], aux["ple_conv_x"] = ple.ple_layer(p["ple"], h, rows, st["ple_conv"], cfg, n_valid)
             h = h + out
     with jax.named_scope("hc"):
@@ -334,6 +338,10 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
     pos0 = state["pos"]
     meta = make_meta(cfg, pos0, length, dtype, n_valid, ple_ids, ple_rows)
     if front is None:
+        table = _ple_table(params, cfg) if ple_ids is not None and ple_rows is None else None
+        if hasattr(table, "post"):   # a ring (fnx.ple.ring): the host fetches the rows while the first layers run
+            meta["ple_ticket"] = table.post(ple_ids)
+            tokens, _ = lax.optimization_barrier((tokens, meta["ple_ticket"].seq))   # the post goes first
         e = params["embed_tokens"][tokens]
         h = jnp.tile(e, (1, 1, cfg.hc_count))
         # every layer leaves its last combine pending (carry = (h, y, inj)); the next layer's first boundary does
@@ -378,6 +386,17 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
                 for j in range(seg.period):
                     per_layer[seg.start + g * seg.period + j] = jax.tree.map(lambda a: a[g], seen[j])
     return {"carry": carry, "segments": new_segments, "aux": aux_segments, "layers": per_layer, "meta": meta}
+
+
+def _ple_table(params, cfg):
+    """The PLE layer's n-gram table leaf (an array or a store's handle), or None (no PLE, or in a scanned group)."""
+    if not cfg.ple_layers:
+        return None
+    layer = cfg.ple_layers[0]
+    for seg, seg_params in zip(layer_plan(cfg), params["segments"]):
+        if seg.start <= layer < seg.start + seg.reps * seg.period:
+            return None if seg.scanned else seg_params[0].get("ple", {}).get("ple_embedding", {}).get("ngram_embedding")
+    return None
 
 
 def _run_stacked(cfg, plan, params_segments, state, carry, meta, moe_impl, snapshots, new_segments, aux_segments,

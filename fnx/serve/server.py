@@ -83,12 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reasoning-parser", choices=["auto", "qwen3", "none"], default="auto",
                    help="split <think>...</think> output into reasoning_content (auto: when the tokenizer or the "
                         "chat template knows </think>)")
-    p.add_argument("--ple-store", choices=["device", "pinned", "pageable", "swap", "direct", "uva"],
+    p.add_argument("--ple-store", choices=["device", "pinned", "pageable", "swap", "direct", "uva", "ring"],
                    default="device",
                    help="where the PLE n-gram table lives: in device memory (device), or on the host with its rows "
                         "fetched per step: pinned host memory, a read-only mmap of the checkpoint's shards "
                         "(pageable), swappable anonymous memory (swap) or O_DIRECT reads (direct); or in pinned "
-                        "host memory read by the GPU itself inside each step (uva: CUDA only, not yet measured)")
+                        "host memory read by the GPU itself inside each step (uva: CUDA only); or a pageable mmap "
+                        "whose rows a host thread copies into a small pinned ring for each step (ring: CUDA only)")
     p.add_argument("--ple-policy", choices=["fail", "degrade"], default="fail",
                    help="host PLE store: when rows cannot be read in time, end the affected request with an "
                         "error (fail) or run it on zero rows and count it (degrade)")
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
         if args.ple_store not in ("device", "uva"):
             ple_opts = {"policy": args.ple_policy,
                         "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
+            if args.ple_store == "ring" and args.ple_fetch != "sync":
+                return _fail("--ple-fetch applies to a host --ple-store; 'ring' fetches inside each step")
         elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "sync":
             return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not "
                          f"{args.ple_store!r} (its rows are gathered inside each step)")
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
-          f"PLE table: {args.ple_store}{'' if args.ple_store in ('device', 'uva') else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
+          f"PLE table: {args.ple_store}{'' if args.ple_store in ('device', 'uva', 'ring') else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
           f"layers {'stacked' if model.cfg.unroll_stacked else 'scanned' if model.cfg.scan_layers else 'unrolled'}, "
           f"input projections {'fused' if engine.fused else 'separate'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)

@@ -1,5 +1,6 @@
 """Rows from every store mode against the model's own in-params table, and a forward through the step."""
 
+import time
 from functools import partial
 
 import jax
@@ -118,13 +119,15 @@ def test_engine_on_a_host_store_generates_what_the_device_table_does(tiny, mode)
     host.ple_store.close()
 
 
-def test_uva_store_generates_what_the_device_table_does(tiny):
-    """fnx.load(ple_store="uva"): the params hold a handle to pinned host memory instead of the table, and every
-    program gathers its rows through it (on the CPU over a stand-in copy, `emulate`): the plain and speculative
-    engines (overlapped: no host store stops them), the jitted generate and extend give the in-params table's
-    tokens and logits. Without a CUDA GPU and without emulation the load refuses, saying why."""
-    uva = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="uva", ple_options={"emulate": True})
-    assert uva.ple_store is None and uva.ple_device_store.mode == "uva"
+@pytest.mark.parametrize("mode", ["uva", "ring"])
+def test_device_path_store_generates_what_the_device_table_does(tiny, mode):
+    """fnx.load(ple_store="uva" / "ring"): the params hold a handle (to pinned host memory, or to a ring a host
+    thread fills from a pageable mmap) instead of the table, and every program takes its rows through it (on the
+    CPU emulated, `emulate`): the plain and speculative engines (overlapped: no host store stops them), the jitted
+    generate and extend give the in-params table's tokens and logits. Without a CUDA GPU and without emulation
+    the load refuses, saying why."""
+    uva = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store=mode, ple_options={"emulate": True})
+    assert uva.ple_store is None and uva.ple_device_store.mode == mode
     assert hasattr(_params_table(uva), "gather")
     want = fnx.generate(tiny, PROMPTS, 10)
     assert fnx.generate(uva, PROMPTS, 10) == want
@@ -135,12 +138,58 @@ def test_uva_store_generates_what_the_device_table_does(tiny):
     st_d, st_u = fnx.new_state(tiny, 1, 16), fnx.new_state(uva, 1, 16)
     np.testing.assert_array_equal(np.asarray(fnx.extend(tiny, st_d, [PROMPTS[0]])[0], np.float32),
                                   np.asarray(fnx.extend(uva, st_u, [PROMPTS[0]])[0], np.float32))
-    with pytest.raises(NotImplementedError, match="mesh with ple_store='uva'"):
+    with pytest.raises(NotImplementedError, match="mesh with ple_store 'uva' or 'ring'"):
         fnx.engine.Engine(uva, max_slots=1, capacity=32, mesh="tp=1,ep=1")
+    if mode == "ring":
+        assert uva.ple_device_store.stats["ring_requests"] > 0
+        assert uva.ple_device_store.stats["ring_abandoned"] == 0
     uva.ple_device_store.close()
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="cannot run here"):
-            fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="uva")
+            fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store=mode)
+
+
+@pytest.mark.parametrize("policy", ["fail", "degrade"])
+def test_ring_rows_late_past_the_gpu_deadline(tiny, policy, monkeypatch):
+    """Fault injection: the ring's host thread answers one decode request after the GPU stopped waiting (zero rows
+    used). policy fail: the running requests end with finish_reason "error" (which rows were zero is not known to
+    the engine) and a later request runs clean; degrade: they finish, the miss counted."""
+    from fnx.engine.engine import Engine
+    from fnx.engine.sampling import SamplingParams
+
+    ring = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="ring",
+                    ple_options={"emulate": True, "gpu_timeout_s": 0.2, "policy": policy})
+    store = ring.ple_device_store
+    real, calls = store._serve_one, []
+
+    def slow(seq, start):
+        calls.append(seq)
+        if len(calls) == 3:                               # a decode step's request
+            time.sleep(0.5)
+        return real(seq, start)
+
+    monkeypatch.setattr(store, "_serve_one", slow)
+    eng = Engine(ring, max_slots=2, capacity=64)
+    for p in PROMPTS[:2]:
+        eng.submit(p, SamplingParams(max_tokens=6))
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    done = [o for o in outs if o.finished]
+    # the next request may miss too (the one host thread is still answering the late one): at least one
+    assert store.stats["ring_abandoned"] >= 1 and eng.stats["ple_missing"] >= 1
+    if policy == "fail":
+        assert {o.finish_reason for o in done} == {"error"}
+        time.sleep(0.5)
+        monkeypatch.setattr(store, "_serve_one", real)
+        rid = eng.submit(PROMPTS[0], SamplingParams(max_tokens=4))
+        again = []
+        while eng.has_work():
+            again += eng.step()
+        assert [o.finish_reason for o in again if o.finished and o.request_id == rid] == ["length"]
+    else:
+        assert {o.finish_reason for o in done} == {"length"}
+    store.close()
 
 
 def test_device_only_paths_refuse_a_host_store(tiny):

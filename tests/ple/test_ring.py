@@ -1,0 +1,184 @@
+"""`ring` mode (fnx.ple.ring): the store's host thread against the device side. On the CPU the device side is
+emulated (`emulate=True`: host callbacks that do what the kernels do, over the same control block), so these
+tests run the real thread, the real C poll loop, the real backing mmap and the real protocol: seqs, id pairs,
+DONE, ABANDONED, deadlines. The kernels themselves: tests/pallas/test_ple_ring.py."""
+
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fnx.pallas.ple_ring import layout
+from fnx.ple.ring import RingStore, _native_poll
+from fnx.ple.store import PleFetchError, open_store
+from tests.ple.conftest import reference_rows, write_checkpoint_table
+from tests.ple.test_store import _ids
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def table(request, tmp_path_factory, consts):
+    root = tmp_path_factory.mktemp(f"ring_{request.param}")
+    table, scale = write_checkpoint_table(root / "ckpt", consts, request.param)
+    return dict(table=table, scale=scale, ckpt=root / "ckpt")
+
+
+@pytest.mark.parametrize("backing", ["pageable", "swap", "direct"])
+def test_ring_serves_each_request_its_rows(table, consts, backing):
+    """Requests of different sizes in turn through one ring (ids repeating, the first and last table rows): each
+    gets its own rows, bit for bit as the reference, inside a jit; the seqs grow one per request; the counters
+    move; the host interface gives the same rows."""
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, backing=backing,
+                    max_ids=256) as store:
+        assert isinstance(store, RingStore) and store.host.mode == backing
+        run = jax.jit(lambda t, i: t.gather(i))
+        for r, (batch, length) in enumerate([(3, 9), (1, 1), (2, 5), (3, 9)]):
+            ids = _ids(consts, seed=10 + r, batch=batch, length=length)
+            ids[0] = 0
+            ids[-1] = consts.num_rows - 1
+            want = reference_rows(table["table"], table["scale"], ids)
+            got = np.asarray(run(store.table, jnp.asarray(ids.reshape(batch, length, -1), jnp.int32)))
+            assert got.shape == (batch, length, want.shape[1]) and got.dtype == ml_dtypes.bfloat16
+            np.testing.assert_array_equal(got.reshape(want.shape).view(np.uint16), want.view(np.uint16))
+            assert int(store._done[0]) == r + 1
+        np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
+        st = store.stats
+        assert st["ring_requests"] == 4 and st["ring_abandoned"] == 0 and st["missing_rows"] == 0
+        assert st["ring_rows"] == (27 + 1 + 10 + 27) * consts.num_heads
+        store.check()
+
+
+def test_ring_refuses_a_step_larger_than_the_ring(table, consts):
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, max_ids=64) as store:
+        ids = jnp.zeros((2, 9, consts.num_heads), jnp.int32)
+        with pytest.raises(ValueError, match="exceeds the ring's max_ids=64"):
+            jax.jit(lambda t, i: t.gather(i))(store.table, ids)
+
+
+def test_ring_late_host_gives_zero_rows_then_recovers(table, consts, monkeypatch):
+    """The host thread stalls past the GPU's deadline on one request: that step gets zero rows, the request is
+    marked ABANDONED and `check()` raises it (policy fail) once; the late answer cannot be mistaken for the next
+    request's (a new seq), which gets its own rows."""
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, gpu_timeout_s=0.2) as store:
+        real = store._serve_one
+        calls = []
+
+        def slow(seq, start):
+            calls.append(seq)
+            if len(calls) == 1:
+                time.sleep(0.6)
+            return real(seq, start)
+
+        monkeypatch.setattr(store, "_serve_one", slow)
+        run = jax.jit(lambda t, i: t.gather(i))
+        ids = _ids(consts, seed=3)
+        got = np.asarray(run(store.table, jnp.asarray(ids, jnp.int32)))
+        assert not got.any()
+        assert int(store._abandoned[0]) == 1
+        with pytest.raises(PleFetchError, match="waited 0.2 s for the PLE rows of ring request 1"):
+            store.check()
+        store.check()                                     # reported once
+        time.sleep(0.7)                                   # the late answer lands (DONE = 1)
+        ids2 = _ids(consts, seed=4)
+        want = reference_rows(table["table"], table["scale"], ids2)
+        got = np.asarray(run(store.table, jnp.asarray(ids2, jnp.int32)))
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert calls == [1, 2] and store.stats["ring_abandoned"] == 1
+
+
+def test_ring_torn_ids_are_zero_rows_and_an_error(table, consts):
+    """A request whose id pairs never all carry its seq (a torn write): zero rows, the error pending for the next
+    check (policy fail); the thread keeps serving the next request."""
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, deadline_s=0.05,
+                    gpu_timeout_s=2.0) as store:
+        real_post, tear = store._emu_post, [True]
+
+        def torn(ids):
+            t = real_post(ids)
+            if tear:
+                store._pairs[3] = np.uint64(0)            # one pair left from before
+            return t
+
+        store._emu_post = torn                            # (before the first trace: the callback binds it)
+        got = np.asarray(store.rows_device(_ids(consts, seed=5)))
+        assert not got.any() and store.stats["ring_torn"] == 1
+        with pytest.raises(PleFetchError, match="not all written"):
+            store.check()
+        tear.clear()
+        ids = _ids(consts, seed=6)
+        want = reference_rows(table["table"], table["scale"], ids)
+        np.testing.assert_array_equal(np.asarray(store.rows_device(ids)).view(np.uint16), want.view(np.uint16))
+
+
+def test_ring_poll_loop_builds_and_waits():
+    """The C poll loop (built with the system compiler): returns as soon as the word changes, and `last` after its
+    timeout."""
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here (the ring's host thread then polls from Python, and logs it)")
+    poll = _native_poll()
+    assert poll is not None
+    word = np.zeros(2, np.uint32)
+    addr = word.ctypes.data
+    t0 = time.perf_counter()
+    assert poll(addr, 0, 1000, 20_000_000) == 0
+    assert 0.015 < time.perf_counter() - t0 < 1.0
+    word[0] = 7
+    assert poll(addr, 0, 1000, 20_000_000) == 7
+
+
+def test_ring_layout_keeps_the_areas_apart():
+    for max_ids, rb in [(1, 4), (512, 160), (65536, 160), (1000, 48)]:
+        ro = layout.rows_offset(max_ids)
+        assert layout.PAIRS + 8 * max_ids <= ro and ro % layout.PAGE == 0
+        assert ro + max_ids * rb <= layout.total_bytes(max_ids, rb)
+        assert layout.HEADER + 8 <= layout.DONE and layout.DONE + 8 <= layout.ABANDONED < layout.PAIRS
+
+
+def test_ring_without_a_gpu_says_so(table, consts):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a GPU runs the kernels")
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1) as store:
+        ids = _ids(consts, seed=7)
+        want = reference_rows(table["table"], table["scale"], ids)
+        np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            store.rows_device(ids)
+
+
+@pytest.mark.gpu
+def test_ring_kernels_with_the_host_thread_on_the_gpu(table, consts, monkeypatch):
+    """On a GPU: the post and wait kernels against the store's thread through a real page-locked block. Requests in
+    turn, in one program twice (two requests back to back), rows equal to the reference; then a host that answers
+    late: the wait kernel's deadline gives zero rows and ABANDONED, and the next request is served."""
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1, gpu_timeout_s=0.3) as store:
+        assert store._block is not None
+        for seed in range(3):
+            ids = _ids(consts, seed=20 + seed)
+            want = reference_rows(table["table"], table["scale"], ids)
+            np.testing.assert_array_equal(np.asarray(store.rows_device(ids)).view(np.uint16), want.view(np.uint16))
+        a, b = _ids(consts, seed=30), _ids(consts, seed=31, batch=1, length=2)
+        two = jax.jit(lambda t, x, y: (t.gather(x), t.gather(y)))(store.table, jnp.asarray(a, jnp.int32),
+                                                                  jnp.asarray(b, jnp.int32))
+        for got, ids in zip(two, (a, b)):
+            want = reference_rows(table["table"], table["scale"], ids)
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
+        real, calls = store._serve_one, []
+
+        def slow(seq, start):
+            calls.append(seq)
+            if len(calls) == 1:
+                time.sleep(0.8)
+            return real(seq, start)
+
+        monkeypatch.setattr(store, "_serve_one", slow)
+        got = np.asarray(store.rows_device(_ids(consts, seed=40)))
+        assert not got.any() and store.stats["ring_abandoned"] == 0   # counted when checked
+        with pytest.raises(PleFetchError, match="ring request"):
+            store.check()
+        time.sleep(1.0)
+        ids = _ids(consts, seed=41)
+        want = reference_rows(table["table"], table["scale"], ids)
+        np.testing.assert_array_equal(np.asarray(store.rows_device(ids)).view(np.uint16), want.view(np.uint16))
