@@ -113,14 +113,15 @@ def _native_poll():
 class RingStore(RowStore):
     """The `ring` mode (see the module docstring). options: backing (a host mode, default "pageable") and its
     options, max_ids (row ids per request the ring holds: a step's B x L x heads; default 65,536, a 2,048-token
-    prefill chunk of 2 sequences at 16 heads), gpu_timeout_s, spin_us, emulate (CPU tests: the device side runs
-    as host callbacks over the same control block), device."""
+    prefill chunk of 2 sequences at 16 heads), gpu_timeout_s, spin_us, switch_interval_s (the interpreter's GIL
+    switch interval this store lowers the process to, default 200 us; None: unchanged), emulate (CPU tests: the
+    device side runs as host callbacks over the same control block), device."""
 
     mode = "ring"
 
     def __init__(self, src, consts=None, *, backing: str = "pageable", max_ids: int = 65536,
-                 gpu_timeout_s: float = 2.0, spin_us: float = 2000.0, emulate: bool = False, device=None,
-                 impl: str | None = None, **kw):
+                 gpu_timeout_s: float = 2.0, spin_us: float = 2000.0, switch_interval_s: float | None = 2e-4,
+                 emulate: bool = False, device=None, impl: str | None = None, **kw):
         if backing not in BACKINGS:
             raise ValueError(f"ring mode's backing must be one of {BACKINGS}, got {backing!r}")
         if not max_ids > 0:
@@ -153,6 +154,14 @@ class RingStore(RowStore):
         self._jit = None
         self._stop = threading.Event()
         self._poll = _native_poll()
+        if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
+            # the host thread needs the GIL for each request while the engine thread runs Python: at the default
+            # 5 ms interval a request could wait that long for it (on the H200, 8 slots, MTP k=4: 14.3 ms per round
+            # against 8.3 with the table in the params). Process-wide; switch_interval_s=None leaves it alone.
+            lx.log_once("ring-switch", logging.INFO, "fnx.ple: ring mode sets the interpreter's switch interval to "
+                        "%.0f us (was %.0f us) so its host thread gets the GIL promptly", switch_interval_s * 1e6,
+                        sys.getswitchinterval() * 1e6)
+            sys.setswitchinterval(switch_interval_s)
         self._thread = threading.Thread(target=self._serve, name="fnx-ple-ring", daemon=True)
         self._thread.start()
 
