@@ -48,7 +48,39 @@ def test_ring_serves_each_request_its_rows(table, consts, backing):
         st = store.stats
         assert st["ring_requests"] == 4 and st["ring_abandoned"] == 0 and st["missing_rows"] == 0
         assert st["ring_rows"] == (27 + 1 + 10 + 27) * consts.num_heads
+        if backing == "pageable" and shutil.which("cc"):     # rows straight from the page cache, in C
+            assert st["ring_cached_rows"] + st["ring_uncached_rows"] == st["ring_rows"]
+            assert st["ring_cached_rows"] > 0
         store.check()
+
+
+def test_ring_rows_the_page_cache_lacks_take_the_guarded_path(table, consts):
+    """The page-cache copy reports some rows as not cached (EAGAIN; their ring slots left zero here): those, and
+    only those, are read the backing store's way, and every row of the request is right."""
+    import ctypes
+    import errno
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: no page-cache copy")
+    with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True) as store:
+        real = store._serve_c
+
+        def partly(*args):
+            got = real(*args)
+            n, status = args[1], args[-1]
+            st = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(status))
+            for i in range(0, n, 3):
+                st[i] = errno.EAGAIN
+                store._ring[i] = 0
+            return got + len(range(0, n, 3))
+
+        store._serve_c = partly
+        ids = _ids(consts, seed=9)
+        want = reference_rows(table["table"], table["scale"], ids)
+        got = np.asarray(store.rows_device(ids))
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+        st = store.stats
+        assert st["ring_uncached_rows"] == len(range(0, ids.size, 3)) and st["ring_cached_rows"] > 0
+        assert st["rows_unique"] > 0                      # the guarded path ran
 
 
 def test_ring_refuses_a_step_larger_than_the_ring(table, consts):
