@@ -96,12 +96,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ple-deadline-ms", type=float, default=None,
                    help="host PLE store: per-fetch deadline; rows not read by then are zero-filled (see "
                         "--ple-policy). Default: none")
-    p.add_argument("--ple-fetch", choices=["sync", "pipeline", "split", "callback-pure", "callback-io",
-                                           "callback-buffer"], default="sync",
-                   help="host PLE store: how each step's rows reach the device: fetched before the step (sync, the "
-                        "fastest measured on the H200), while the layers before the PLE layer run as a separate "
-                        "program (pipeline: by a host thread; split: by the engine thread), or by a host callback "
-                        "inside the step (callback-*)")
+    p.add_argument("--ple-fetch", choices=["auto", "ring", "sync", "pipeline", "split", "callback-pure",
+                                           "callback-io", "callback-buffer"], default="auto",
+                   help="host PLE store: how each step's rows reach the device. auto (default): on a CUDA GPU the "
+                        "fastest measured on the H200, 'ring' (pageable, swap, direct: the step posts its row ids and "
+                        "a host thread copies the rows into a small pinned ring while the first layers run; pinned: "
+                        "the GPU reads the pinned table itself, as --ple-store uva), elsewhere 'sync'. Or by name: "
+                        "ring; fetched before the step (sync); while the layers before the PLE layer run as a "
+                        "separate program (pipeline: by a host thread; split: by the engine thread); or by a host "
+                        "callback inside the step (callback-*)")
     p.add_argument("--skip-warmup", action="store_true",
                    help="do not compile the engine's programs at start-up (the first requests then wait on "
                         "compiles; for development only)")
@@ -130,6 +133,40 @@ def _generation_config(d: Path) -> tuple[tuple[int, ...], dict]:
         if k in g and g[k] is not None and not (k == "temperature" and "temperature" in defaults):
             defaults[k] = g[k]
     return eos, defaults
+
+
+def ple_plan(store: str, fetch: str, policy: str, deadline_ms: float | None, cuda: bool | None = None):
+    """--ple-store / --ple-fetch / --ple-policy / --ple-deadline-ms -> (ple_store for fnx.load, its options, the
+    engine's ple_fetch), or an error message. fetch "auto": on a CUDA GPU the H200's fastest (a host table ->
+    "ring" over it, a pinned one -> "uva"), elsewhere "sync"."""
+    if cuda is None:
+        from fnx.pallas.dispatch import why_unavailable
+        cuda = why_unavailable("pallas") is None
+    host_opts = {"policy": policy, "deadline_s": None if deadline_ms is None else deadline_ms / 1e3}
+    if store in ("device", "uva"):
+        if deadline_ms is not None or policy != "fail" or fetch != "auto":
+            return (f"--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not {store!r} "
+                    "(its rows are gathered inside each step)")
+        return store, None, "sync"
+    if store == "ring":
+        if fetch not in ("auto", "ring"):
+            return f"--ple-store ring fetches inside each step; --ple-fetch {fetch} applies to a host --ple-store"
+        return "ring", host_opts, "sync"
+    if fetch == "auto":
+        fetch = "ring" if cuda else "sync"
+    if fetch == "ring":
+        if store == "pinned":      # the table is page-locked already: the GPU reads it in place
+            return "uva", host_opts, "sync"
+        return "ring", {**host_opts, "backing": store}, "sync"
+    return store, host_opts, fetch
+
+
+def _ple_label(asked: str, store: str, fetch: str) -> str:
+    if store in ("device", "uva") and asked == store:
+        return store
+    if store in ("ring", "uva"):
+        return f"{asked} (fetched inside each step: {store})"
+    return f"{store} ({fetch})"
 
 
 def main(argv=None) -> int:
@@ -188,16 +225,11 @@ def main(argv=None) -> int:
         dtype = None  # a converted tree is restored in the dtype it was converted with
     t0 = time.perf_counter()
     try:
-        ple_opts = None
-        if args.ple_store not in ("device", "uva"):
-            ple_opts = {"policy": args.ple_policy,
-                        "deadline_s": None if args.ple_deadline_ms is None else args.ple_deadline_ms / 1e3}
-            if args.ple_store == "ring" and args.ple_fetch != "sync":
-                return _fail("--ple-fetch applies to a host --ple-store; 'ring' fetches inside each step")
-        elif args.ple_deadline_ms is not None or args.ple_policy != "fail" or args.ple_fetch != "sync":
-            return _fail("--ple-policy, --ple-deadline-ms and --ple-fetch apply to a host --ple-store, not "
-                         f"{args.ple_store!r} (its rows are gathered inside each step)")
-        model = fnx.load(model_dir, dtype=dtype, ple_store=args.ple_store, ple_options=ple_opts,
+        plan = ple_plan(args.ple_store, args.ple_fetch, args.ple_policy, args.ple_deadline_ms)
+        if isinstance(plan, str):
+            return _fail(plan)
+        ple_store, ple_opts, ple_fetch = plan
+        model = fnx.load(model_dir, dtype=dtype, ple_store=ple_store, ple_options=ple_opts,
                          layers=args.layers, quant=args.quant)
     except (ValueError, OSError, NotImplementedError) as e:   # config, checkpoint and format errors explain
         return _fail(f"could not load {model_dir}: {e}")        # themselves
@@ -210,14 +242,14 @@ def main(argv=None) -> int:
         eos = tuple(i for i in map(tokenizer.token_id, ("<|im_end|>", "<|endoftext|>")) if i is not None)
     engine = Engine(model, max_slots=args.max_slots, capacity=args.capacity, prefill_chunk=args.prefill_chunk,
                     speculative=args.speculative or None, extra_eos=eos, overlap=not args.no_overlap,
-                    ple_fetch=args.ple_fetch, fuse_projections=False if args.no_fuse_projections else None)
+                    ple_fetch=ple_fetch, fuse_projections=False if args.no_fuse_projections else None)
     model = engine.model   # the engine's (fused) params: the loaded tree's separate projections are not kept
     name = args.served_model_name or model_dir.resolve().name
     print(f"fnx.serve: loaded {model_dir} in {t_load:.1f} s: {model!r}", flush=True)
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
           f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
-          f"PLE table: {args.ple_store}{'' if args.ple_store in ('device', 'uva', 'ring') else ' (' + args.ple_fetch + ')'}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
+          f"PLE table: {_ple_label(args.ple_store, ple_store, ple_fetch)}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
           f"layers {'stacked' if model.cfg.unroll_stacked else 'scanned' if model.cfg.scan_layers else 'unrolled'}, "
           f"input projections {'fused' if engine.fused else 'separate'}, "
           f"stop ids {sorted(engine.eos)}", flush=True)

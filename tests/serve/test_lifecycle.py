@@ -128,3 +128,22 @@ def test_sigterm_finishes_running_requests_and_exits_0(small):
         assert events[-1]["choices"][0]["finish_reason"] == "length"   # ran to its end
     assert small.proc.wait(30) == 0
     assert "stopped" in small.output()
+
+
+def test_ple_fetch_auto_takes_the_in_step_path_on_cuda():
+    """--ple-fetch auto (the default): on a CUDA GPU a host table is served through the ring (the fastest measured
+    on the H200; a pinned table read in place, as uva), elsewhere fetched before each step; every variant stays
+    selectable by name, and options that do not apply are refused with the reason."""
+    from fnx.serve.server import ple_plan
+    assert ple_plan("device", "auto", "fail", None, cuda=True) == ("device", None, "sync")
+    assert ple_plan("pageable", "auto", "degrade", 5.0, cuda=True) == (
+        "ring", {"policy": "degrade", "deadline_s": 0.005, "backing": "pageable"}, "sync")
+    assert ple_plan("direct", "auto", "fail", None, cuda=True)[0:2] == (
+        "ring", {"policy": "fail", "deadline_s": None, "backing": "direct"})
+    assert ple_plan("pinned", "auto", "fail", None, cuda=True)[0] == "uva"
+    assert ple_plan("pageable", "auto", "fail", None, cuda=False) == (
+        "pageable", {"policy": "fail", "deadline_s": None}, "sync")
+    assert ple_plan("pageable", "pipeline", "fail", None, cuda=True)[::2] == ("pageable", "pipeline")
+    assert ple_plan("ring", "auto", "fail", None, cuda=False)[0] == "ring"
+    assert "apply to a host" in ple_plan("uva", "sync", "fail", None, cuda=True)
+    assert "fetches inside each step" in ple_plan("ring", "split", "fail", None, cuda=True)
