@@ -118,13 +118,19 @@ def _ids_for(consts, rng, batch, length):
     return ids.reshape(-1, HEADS)
 
 
-def _uva_in_jit(store, ids, mode: str, name: str, iters: int, chain: int = 64) -> dict:
-    """The device time of one uva gather (or ring round trip), without the host's dispatch and wait: `chain`
-    gathers in one jitted loop, each on ids moved by the previous rows' first word (a data dependence, so they run
-    one after another and no two read the same lines), timed as a whole and divided."""
+def _zero_once_read(v):
+    """0, known only once v (a gathered row's first value) is read: a data dependence on the rows, no effect."""
+    import jax.numpy as jnp
+    return (jnp.abs(v.astype(jnp.float32)) < 0).astype(jnp.int32)
+
+
+def chained_gather_us(table, rows: int, ids, iters: int, chain: int = 64) -> list[float]:
+    """Microseconds per gather of `table` (any handle with `gather(ids)`: a UvaTable, a RingTable), without the
+    host's dispatch and wait: `chain` gathers in one jitted loop, each on ids moved by the previous rows' first
+    value (a data dependence, so they run one after another and no two read the same lines), timed as a whole and
+    divided; max(3, iters // 5) timings."""
     import jax
     import jax.numpy as jnp
-    rows = store.src.rows
 
     @jax.jit
     def loop(table, ids):
@@ -135,15 +141,18 @@ def _uva_in_jit(store, ids, mode: str, name: str, iters: int, chain: int = 64) -
             return (ids + 7919 + bump) % rows, acc + got.reshape(-1)[0].astype(jnp.float32)
         return jax.lax.fori_loop(0, chain, body, (ids, jnp.float32(0)))
 
-    def _zero_once_read(v):
-        return (jnp.abs(v.astype(jnp.float32)) < 0).astype(jnp.int32)     # 0, known only once the rows are read
-
-    jax.block_until_ready(loop(store.table, ids))
+    jax.block_until_ready(loop(table, ids))
     times = []
     for _ in range(max(3, iters // 5)):
         s = time.perf_counter()
-        jax.block_until_ready(loop(store.table, ids))
+        jax.block_until_ready(loop(table, ids))
         times.append((time.perf_counter() - s) / chain)
+    return times
+
+
+def _uva_in_jit(store, ids, mode: str, name: str, iters: int, chain: int = 64) -> dict:
+    """The device time of one uva gather (or ring round trip): `chained_gather_us` over the store's table."""
+    times = chained_gather_us(store.table, store.src.rows, ids, iters, chain)
     rec = {"mode": mode, "shape": name, "cache": f"device gather in-jit x{chain}", "rows": int(ids.size),
            **_stats(times)}
     rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)

@@ -66,6 +66,14 @@ def driver_facts() -> dict:
     return out
 
 
+def _load_script(name: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _child(table: str, rows: int, row_bytes: int, chain: int) -> dict:
     """In the child: gather random rows of the mmap'd file through the uva kernel at their mapped addresses."""
     import jax
@@ -73,6 +81,7 @@ def _child(table: str, rows: int, row_bytes: int, chain: int) -> dict:
     import numpy as np
 
     from fnx.pallas.uva_gather import pallas as uva_pallas
+    from fnx.ple.store import UvaTable, _register_uva, address_halves
     mm = np.memmap(table, dtype=np.uint8, mode="r")
     n = mm.shape[0] // row_bytes
     view = mm[: n * row_bytes].reshape(n, row_bytes)
@@ -80,9 +89,7 @@ def _child(table: str, rows: int, row_bytes: int, chain: int) -> dict:
     # one "chunk" per 2^32 / row_bytes rows (the kernel's offsets are 32-bit within a chunk)
     per = (2**32 - 1) // row_bytes
     starts = np.arange(0, n, per, dtype=np.int64)
-    bases = np.uint64(addr) + starts.astype(np.uint64) * np.uint64(row_bytes)
-    lo = jnp.asarray((bases & np.uint64(0xFFFFFFFF)).astype(np.uint32))
-    hi = jnp.asarray((bases >> np.uint64(32)).astype(np.uint32))
+    lo, hi = (jnp.asarray(h) for h in address_halves(np.uint64(addr) + starts.astype(np.uint64) * np.uint64(row_bytes)))
     st = jnp.asarray(starts.astype(np.int32))
     rng = np.random.default_rng(0)
     gather = jax.jit(lambda i: uva_pallas.gather_words(i, st, lo, hi, row_bytes))
@@ -99,19 +106,13 @@ def _child(table: str, rows: int, row_bytes: int, chain: int) -> dict:
     t = time.perf_counter()
     jax.block_until_ready(gather(jnp.asarray(fresh)))
     res["same_rows_again_us"] = (time.perf_counter() - t) * 1e6
-
-    @jax.jit
-    def loop(ids):
-        def body(_, c):
-            ids, acc = c
-            w = uva_pallas.gather_words(ids, st, lo, hi, row_bytes)
-            return (ids + 7919 + (w[0, 0] == 0xFFFFFFFF).astype(jnp.int32)) % n, acc + w[0, 0]
-        return jax.lax.fori_loop(0, chain, body, (ids, jnp.uint32(0)))
-    warm_ids = jnp.asarray(rng.integers(0, n, rows).astype(np.int32))
-    jax.block_until_ready(loop(warm_ids))                  # touches the rows of the whole chain once
-    t = time.perf_counter()
-    jax.block_until_ready(loop(warm_ids))
-    res[f"in_jit_mapped_us_per_gather_x{chain}"] = (time.perf_counter() - t) / chain * 1e6
+    # the same chained timing as bench_ple's, over a table handle of the mapping (raw bytes, no dequantization)
+    _register_uva()
+    handle = UvaTable(st, lo, hi, None, None, row_bytes=row_bytes, width=row_bytes, dtype="uint8", out_dtype="uint8")
+    bench_ple = _load_script("bench_ple")
+    warm_ids = jnp.asarray(rng.integers(0, n, (rows, 1)).astype(np.int32))
+    times = bench_ple.chained_gather_us(handle, int(n), warm_ids, iters=15, chain=chain)   # first run touches them
+    res[f"in_jit_mapped_us_per_gather_x{chain}"] = float(np.median(times)) * 1e6
     return res
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from fnx.pallas.ple_ring import layout
 from fnx.ple import _linux as lx
-from fnx.ple.store import MODES as _HOST_MODES, PleFetchError, RowStore, rows_from_words
+from fnx.ple.store import MODES as _HOST_MODES, PleFetchError, RowStore, address_halves, rows_from_words
 from fnx.ple.table import TableError
 
 log = logging.getLogger("fnx.ple")
@@ -244,8 +244,7 @@ class RingStore(RowStore):
         self._pairs = self._mem[layout.PAIRS:layout.PAIRS + 8 * self.max_ids].view(np.uint64)
         ro = layout.rows_offset(self.max_ids)
         self._ring = self._mem[ro:ro + self.max_ids * self.src.row_bytes].reshape(self.max_ids, self.src.row_bytes)
-        self._lo = np.asarray([self._addr & 0xFFFFFFFF], np.uint32)
-        self._hi = np.asarray([self._addr >> 32], np.uint32)
+        self._lo, self._hi = address_halves([self._addr])
 
     def _setup_fast_copy(self, serve):
         """With a pageable backing: each request checked and its rows copied straight from the page cache into the

@@ -633,9 +633,8 @@ class UvaStore(PinnedStore):
             mem = jnp.asarray(np.concatenate([v.reshape(-1) for v in self._views]).view(np.uint32))
         else:
             addrs = np.asarray(self._addrs, np.int64).astype(np.uint64)
-        self.table = UvaTable(jnp.asarray(starts.astype(np.int32)),
-                              jnp.asarray((addrs & np.uint64(0xFFFFFFFF)).astype(np.uint32)),
-                              jnp.asarray((addrs >> np.uint64(32)).astype(np.uint32)),
+        lo, hi = address_halves(addrs)
+        self.table = UvaTable(jnp.asarray(starts.astype(np.int32)), jnp.asarray(lo), jnp.asarray(hi),
                               None if src.scale is None else jnp.asarray(src.scale), mem,
                               row_bytes=rb, width=self.width, dtype=np.dtype(src.np_dtype).name,
                               out_dtype=self.out_dtype.name, impl=impl)
@@ -671,6 +670,12 @@ class UvaStore(PinnedStore):
         """ids [..., heads] -> [..., heads * width] out_dtype, gathered on the device (see the class)."""
         import jax.numpy as jnp
         return self._jit(self.table, jnp.asarray(ids, jnp.int32))
+
+
+def address_halves(addrs) -> tuple[np.ndarray, np.ndarray]:
+    """64-bit addresses -> (lo, hi) uint32 halves, as the device kernels take them (JAX runs without 64-bit ints)."""
+    a = np.asarray(addrs).astype(np.uint64)
+    return (a & np.uint64(0xFFFFFFFF)).astype(np.uint32), (a >> np.uint64(32)).astype(np.uint32)
 
 
 class UvaTable:
