@@ -284,9 +284,17 @@ class Engine:
         req = Request(rid, prompt.astype(np.int32), params, seed, history=[int(t) for t in prompt])
         self.requests[rid] = req
         self.waiting.append(req)
-        if self.model.ple_store is not None and self.model.ngram is not None:
+        if self._hint_store() is not None and self.model.ngram is not None:
             self._hint_prompt(req.prompt)
         return rid
+
+    def _hint_store(self):
+        """The store a prompt's rows are prefetched in: a host store, or the one a `ring` handle reads (its rows
+        come from the backing store's pages too); None for tables on the device or page-locked (uva)."""
+        if self.model.ple_store is not None:
+            return self.model.ple_store
+        dev = getattr(self.model, "ple_device_store", None)
+        return dev if dev is not None and dev.mode == "ring" else None
 
     def _hint_prompt(self, prompt: np.ndarray) -> None:
         """Prefill hint: the n-gram ids of the whole prompt are computed and their rows prefetched
@@ -295,7 +303,7 @@ class Engine:
         if self._hints is None:
             import concurrent.futures as cf
             self._hints = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fnx-ple-hint")
-        store, ng, chunk = self.model.ple_store, self.model.ngram, max(self.prefill_chunk, 256)
+        store, ng, chunk = self._hint_store(), self.model.ngram, max(self.prefill_chunk, 256)
 
         def run():
             try:

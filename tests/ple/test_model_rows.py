@@ -143,6 +143,11 @@ def test_device_path_store_generates_what_the_device_table_does(tiny, mode):
     if mode == "ring":
         assert uva.ple_device_store.stats["ring_requests"] > 0
         assert uva.ple_device_store.stats["ring_abandoned"] == 0
+        eng = fnx.engine.Engine(uva, max_slots=1, capacity=64)   # a prompt's rows prefetched in the backing store
+        before = uva.ple_device_store.stats["prefetch_calls"]
+        eng.submit(PROMPTS[0])
+        eng._last_hint.result(timeout=60)
+        assert uva.ple_device_store.stats["prefetch_calls"] >= before + 1
     uva.ple_device_store.close()
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="cannot run here"):
