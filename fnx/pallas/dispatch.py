@@ -296,3 +296,28 @@ def interpret_flag(backend: str) -> bool:
     if backend not in ("pallas", "pallas_interpret"):
         raise ValueError(f"{backend!r} is not a Pallas backend")
     return backend == "pallas_interpret"
+
+
+HOST_MEMORY_BACKENDS = ("pallas", "pallas_interpret", "reference")
+
+
+def host_memory_impl(op: str, impl: str | None, mem) -> str:
+    """The backend of an op whose kernels reach page-locked host memory at real addresses (uva_gather, ple_ring):
+    "pallas" with real addresses (mem None; only on CUDA, else RuntimeError saying why), "reference" or
+    "pallas_interpret" with a stand-in memory `mem` whose byte offsets play the addresses (the CPU tests). impl
+    None picks by `mem`. A backend that cannot take what it is given raises ValueError."""
+    impl = impl or ("pallas" if mem is None else "reference")
+    if impl not in HOST_MEMORY_BACKENDS:
+        raise ValueError(f"{op} backend must be one of {HOST_MEMORY_BACKENDS}, got {impl!r}")
+    if mem is None:
+        if impl != "pallas":
+            raise ValueError(f"{op}: backend {impl!r} reads a stand-in memory; real host addresses need the "
+                             "compiled kernel ('pallas')")
+        why = why_unavailable("pallas")
+        if why:
+            raise RuntimeError(f"{op} reaches page-locked host memory from a CUDA kernel, which cannot run here: "
+                               f"{why}. Keep the PLE table in 'device', 'pinned' or 'pageable' mode instead")
+    elif impl == "pallas":
+        raise ValueError(f"{op}: the compiled kernel reads real addresses; a stand-in memory runs 'reference' or "
+                         "'pallas_interpret'")
+    return impl

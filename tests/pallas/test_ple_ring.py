@@ -71,7 +71,7 @@ def test_ring_refuses_what_it_cannot_do():
         api.wait(t, lo, lo, tmo, dep, 4, 6, 16, mem=mem, impl="pallas_interpret")
     with pytest.raises(ValueError, match="exceeds the ring's 16"):
         api.wait(t, lo, lo, tmo, dep, 17, 8, 16, mem=mem)
-    with pytest.raises(ValueError, match="real host addresses need the compiled kernels"):
+    with pytest.raises(ValueError, match="real host addresses need the compiled kernel"):
         api.post(jnp.zeros((4,), jnp.int32), lo, lo, impl="reference")
     with pytest.raises(ValueError, match="stand-in memory runs"):
         api.post(jnp.zeros((4,), jnp.int32), lo, lo, mem=mem, impl="pallas")

@@ -15,6 +15,7 @@ from fnx.ple import context_after, initial_context, ngram_ids
 from fnx.ple.pipeline import PrefetchPipeline, fetch_rows_in_graph
 from fnx.ple.store import MODES, open_store
 from tests.conftest import load_script
+from tests.ple.test_ring import slow_host
 
 
 @pytest.fixture(scope="module")
@@ -165,15 +166,8 @@ def test_ring_rows_late_past_the_gpu_deadline(tiny, policy, monkeypatch):
     ring = fnx.load(tiny.path, dtype=jnp.bfloat16, ple_store="ring",
                     ple_options={"emulate": True, "gpu_timeout_s": 0.2, "policy": policy})
     store = ring.ple_device_store
-    real, calls = store._serve_one, []
-
-    def slow(seq, start):
-        calls.append(seq)
-        if len(calls) == 3:                               # a decode step's request
-            time.sleep(0.5)
-        return real(seq, start)
-
-    monkeypatch.setattr(store, "_serve_one", slow)
+    real = store._serve_one
+    slow_host(store, monkeypatch, 0.5, which=3)          # a decode step's request
     eng = Engine(ring, max_slots=2, capacity=64)
     for p in PROMPTS[:2]:
         eng.submit(p, SamplingParams(max_tokens=6))

@@ -19,6 +19,20 @@ from tests.ple.conftest import reference_rows, write_checkpoint_table
 from tests.ple.test_store import _ids
 
 
+def slow_host(store, monkeypatch, seconds: float, which: int = 1) -> list:
+    """The store's host thread answers its `which`-th request `seconds` late; returns the seqs it served."""
+    real, calls = store._serve_one, []
+
+    def slow(seq, start):
+        calls.append(seq)
+        if len(calls) == which:
+            time.sleep(seconds)
+        return real(seq, start)
+
+    monkeypatch.setattr(store, "_serve_one", slow)
+    return calls
+
+
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
 def table(request, tmp_path_factory, consts):
     root = tmp_path_factory.mktemp(f"ring_{request.param}")
@@ -95,16 +109,7 @@ def test_ring_late_host_gives_zero_rows_then_recovers(table, consts, monkeypatch
     marked ABANDONED and `check()` raises it (policy fail) once; the late answer cannot be mistaken for the next
     request's (a new seq), which gets its own rows."""
     with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, gpu_timeout_s=0.2) as store:
-        real = store._serve_one
-        calls = []
-
-        def slow(seq, start):
-            calls.append(seq)
-            if len(calls) == 1:
-                time.sleep(0.6)
-            return real(seq, start)
-
-        monkeypatch.setattr(store, "_serve_one", slow)
+        calls = slow_host(store, monkeypatch, 0.6)
         run = jax.jit(lambda t, i: t.gather(i))
         ids = _ids(consts, seed=3)
         got = np.asarray(run(store.table, jnp.asarray(ids, jnp.int32)))
@@ -197,15 +202,7 @@ def test_ring_kernels_with_the_host_thread_on_the_gpu(table, consts, monkeypatch
         for got, ids in zip(two, (a, b)):
             want = reference_rows(table["table"], table["scale"], ids)
             np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want.view(np.uint16))
-        real, calls = store._serve_one, []
-
-        def slow(seq, start):
-            calls.append(seq)
-            if len(calls) == 1:
-                time.sleep(0.8)
-            return real(seq, start)
-
-        monkeypatch.setattr(store, "_serve_one", slow)
+        slow_host(store, monkeypatch, 0.8)
         got = np.asarray(store.rows_device(_ids(consts, seed=40)))
         assert not got.any() and store.stats["ring_abandoned"] == 0   # counted when checked
         with pytest.raises(PleFetchError, match="ring request"):

@@ -13,30 +13,12 @@ from fnx.pallas import dispatch
 from fnx.pallas.ple_ring import pallas as ring_pallas
 from fnx.pallas.ple_ring import reference
 
-BACKENDS = ("pallas", "pallas_interpret", "reference")
-
-
-def _check(impl, mem):
-    impl = impl or ("pallas" if mem is None else "reference")
-    if impl not in BACKENDS:
-        raise ValueError(f"ple_ring backend must be one of {BACKENDS}, got {impl!r}")
-    if mem is None:
-        if impl != "pallas":
-            raise ValueError(f"ple_ring: backend {impl!r} reads a stand-in memory; real host addresses need the "
-                             "compiled kernels ('pallas')")
-        why = dispatch.why_unavailable("pallas")
-        if why:
-            raise RuntimeError(f"ple_ring's kernels reach page-locked host memory from CUDA, which cannot run here: "
-                               f"{why}. Keep the PLE table in 'device', 'pinned' or 'pageable' mode instead")
-    elif impl == "pallas":
-        raise ValueError("ple_ring: the compiled kernels read real addresses; a stand-in memory runs 'reference' "
-                         "or 'pallas_interpret'")
-    return impl
+BACKENDS = dispatch.HOST_MEMORY_BACKENDS
 
 
 def post(ids, lo, hi, *, mem=None, impl: str | None = None):
     """ids [N] int32 -> the ticket (with `mem`: (ticket, the pairs the kernel would store))."""
-    impl = _check(impl, mem)
+    impl = dispatch.host_memory_impl("ple_ring", impl, mem)
     if impl == "pallas":
         return ring_pallas.post(ids, lo, hi)
     if impl == "reference":
@@ -47,7 +29,7 @@ def post(ids, lo, hi, *, mem=None, impl: str | None = None):
 def wait(ticket, lo, hi, timeout_us, dep, n: int, row_bytes: int, max_ids: int, *, mem=None,
          impl: str | None = None):
     """-> (words [N, row_bytes // 4] uint32, ok [>= N] int32)."""
-    impl = _check(impl, mem)
+    impl = dispatch.host_memory_impl("ple_ring", impl, mem)
     if row_bytes % 4:
         raise ValueError(f"ple_ring reads 4-byte words: row_bytes={row_bytes} is not a multiple of 4")
     if n > max_ids:

@@ -42,17 +42,9 @@ setp.ne.s32 p, $6, 0;
 mov.b32 $0, $4;
 }"""
 
-# $0 = *(u32 *)((hi:lo) + off), system scope (the host writes these words)
+# $0 = *(u32 *)((hi:lo) + off), system scope (the host writes these words). The row loads pass the spin's result
+# as a fourth operand the text does not read: an ordering dependency only (they cannot be issued before it)
 _LOAD_SYS_ASM = """{
-.reg .b64 a, o;
-mov.b64 a, {$1, $2};
-cvt.u64.u32 o, $3;
-add.u64 a, a, o;
-ld.relaxed.sys.global.u32 $0, [a];
-}"""
-
-# the row loads: as _LOAD_SYS_ASM, with the spin's result as operand $4 (an ordering dependency only)
-_LOAD_ROW_ASM = """{
 .reg .b64 a, o;
 mov.b64 a, {$1, $2};
 cvt.u64.u32 o, $3;
@@ -153,7 +145,7 @@ def _wait_kernel(seq_ref, lo_ref, hi_ref, tmo_ref, dep_ref, *rest, n: int, row_b
         val = mem_ref[lax.shift_right_logical(lo[:, None] + off, I32(2))]
     else:
         b = lambda a: jnp.broadcast_to(a[:, None], shape)                      # noqa: E731
-        val = _asm(_LOAD_ROW_ASM, [b(lo), b(hi), off, b(seen)], shape)
+        val = _asm(_LOAD_SYS_ASM, [b(lo), b(hi), off, b(seen)], shape)
         # a program that gave up says so: lane 0 writes seq to ABANDONED (the asm passes seq through)
         gave_up = ((~ok) & (lax.broadcasted_iota(I32, (BR,), 0) == 0)).astype(I32)
         mark = _asm(_STORE_PAIR_ASM, [lo, hi, jnp.full((BR,), layout.ABANDONED, I32), seq, seq, gave_up], (BR,))

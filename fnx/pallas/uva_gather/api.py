@@ -11,27 +11,15 @@ from fnx.pallas import dispatch
 from fnx.pallas.uva_gather import pallas as uva_pallas
 from fnx.pallas.uva_gather import reference
 
-BACKENDS = ("pallas", "pallas_interpret", "reference")
+BACKENDS = dispatch.HOST_MEMORY_BACKENDS
 
 
 def gather_words(ids, starts, lo, hi, row_bytes: int, *, mem=None, impl: str | None = None):
     """ids [N] -> [N, row_bytes // 4] uint32 (see reference.py for the addressing). impl None: "pallas" for real
     addresses (mem None), "reference" for a stand-in memory."""
-    impl = impl or ("pallas" if mem is None else "reference")
-    if impl not in BACKENDS:
-        raise ValueError(f"uva_gather backend must be one of {BACKENDS}, got {impl!r}")
-    if mem is None:
-        if impl != "pallas":
-            raise ValueError(f"uva_gather: backend {impl!r} reads a stand-in memory; real host addresses need the "
-                             "compiled kernel ('pallas')")
-        why = dispatch.why_unavailable("pallas")
-        if why:
-            raise RuntimeError(f"uva_gather reads page-locked host memory from a CUDA kernel, which cannot run here: "
-                               f"{why}. Keep the PLE table in 'device', 'pinned' or 'pageable' mode instead")
-        return uva_pallas.gather_words(ids, starts, lo, hi, row_bytes)
+    impl = dispatch.host_memory_impl("uva_gather", impl, mem)
     if impl == "pallas":
-        raise ValueError("uva_gather: the compiled kernel reads real addresses; a stand-in memory runs "
-                         "'reference' or 'pallas_interpret'")
+        return uva_pallas.gather_words(ids, starts, lo, hi, row_bytes)
     if impl == "reference":
         return reference.gather_words(ids, starts, lo, hi, mem, row_bytes)
     return uva_pallas.gather_words(ids, starts, lo, hi, row_bytes, mem=mem, interpret=True)
