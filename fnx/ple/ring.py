@@ -176,8 +176,9 @@ class RingStore(RowStore):
             raise ValueError(f"ring mode's backing must be one of {BACKINGS}, got {backing!r}")
         if not max_ids > 0:
             raise ValueError(f"max_ids must be positive, got {max_ids}")
-        if not gpu_timeout_s > 0:
-            raise ValueError(f"gpu_timeout_s must be positive, got {gpu_timeout_s}")
+        if not 0 < gpu_timeout_s < 2000:
+            raise ValueError(f"gpu_timeout_s must lie in (0, 2000) seconds (the kernel counts microseconds in "
+                             f"int32), got {gpu_timeout_s}")
         if src.row_bytes % 4:
             raise TableError(f"ring mode moves rows as 4-byte words; this table's rows are {src.row_bytes} bytes")
         if src.rows >= 2**31:
@@ -190,7 +191,11 @@ class RingStore(RowStore):
         self.spin_ns = int(spin_us * 1e3)
         self._stats.extra.update(ring_requests=0, ring_rows=0, ring_serve_seconds=0.0, ring_max_serve_seconds=0.0,
                                  ring_abandoned=0, ring_torn=0)
-        self._setup_block(device, emulate)
+        try:
+            self._setup_block(device, emulate)
+        except BaseException:
+            self.host.close()
+            raise
         _register()
         import jax.numpy as jnp
         scale = None if src.scale is None else jnp.asarray(src.scale)

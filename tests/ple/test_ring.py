@@ -98,6 +98,10 @@ def test_ring_rows_the_page_cache_lacks_take_the_guarded_path(table, consts):
 
 
 def test_ring_refuses_a_step_larger_than_the_ring(table, consts):
+    for bad, why in [({"backing": "pinned"}, "backing must be one of"), ({"max_ids": 0}, "max_ids must be positive"),
+                     ({"gpu_timeout_s": 0}, r"gpu_timeout_s must lie in \(0, 2000\)")]:
+        with pytest.raises(ValueError, match=why):
+            open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, **bad)
     with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, max_ids=64) as store:
         ids = jnp.zeros((2, 9, consts.num_heads), jnp.int32)
         with pytest.raises(ValueError, match="exceeds the ring's max_ids=64"):
