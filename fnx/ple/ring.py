@@ -22,8 +22,8 @@ Failure behaviour:
   and reported the same way.
 
 The host thread waits for requests in a small C loop (compiled at first use with the system's C compiler,
-called through ctypes with the GIL released): it spins `spin_us` (20 ms) after each request, then polls every
-20 us. With a pageable backing, one C call per request copies the rows the page cache holds straight into the
+called through ctypes with the GIL released): it spins `spin_us` (20 ms on a GPU) after each request, then
+polls every 20 us, and every 500 us once idle for 100 ms more. With a pageable backing, one C call per request copies the rows the page cache holds straight into the
 ring (`preadv2` with RWF_NOWAIT per row: a row that would wait for the disk comes back EAGAIN, and a read cannot
 fault); only the others take the backing store's guarded path (WILLNEED, MADV_POPULATE_READ, its deadline).
 Without a C compiler it polls and copies from Python and says so once in the log."""
@@ -70,9 +70,11 @@ static inline void relax(void) {
   __asm__ __volatile__("yield");
 #endif
 }
-/* Wait until the 32-bit word at `word` differs from `last`; spin for spin_ns, then sleep 20 us between reads (1 us
-   timer slack for this thread); give up after timeout_ns. Returns the word's value (== last on timeout). */
-uint32_t fnx_ring_poll(const volatile uint32_t *word, uint32_t last, int64_t spin_ns, int64_t timeout_ns) {
+/* Wait until the 32-bit word at `word` differs from `last`; spin for spin_ns, then sleep 20 us between reads
+   until fast_ns, then 500 us (an idle store costs little; 1 us timer slack for this thread); give up after
+   timeout_ns. Returns the word's value (== last on timeout). */
+uint32_t fnx_ring_poll(const volatile uint32_t *word, uint32_t last, int64_t spin_ns, int64_t fast_ns,
+                       int64_t timeout_ns) {
   struct timespec t0, t;
   prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -83,7 +85,7 @@ uint32_t fnx_ring_poll(const volatile uint32_t *word, uint32_t last, int64_t spi
     int64_t el = (int64_t)(t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec);
     if (el >= timeout_ns) return last;
     if (el < spin_ns) { relax(); continue; }
-    struct timespec s = {0, 20000};
+    struct timespec s = {0, el < fast_ns ? 20000 : 500000};
     nanosleep(&s, 0);
   }
 }
@@ -147,7 +149,7 @@ def _native():
                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                           ctypes.c_void_p, ctypes.c_void_p]
         poll.restype = ctypes.c_uint32
-        poll.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64]
+        poll.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         fns = (poll, serve)
     except (OSError, subprocess.SubprocessError) as exc:
         lx.log_once("ring-poll", logging.WARNING, "fnx.ple: ring mode could not build its C helpers (%s); its host "
@@ -170,7 +172,7 @@ class RingStore(RowStore):
     mode = "ring"
 
     def __init__(self, src, consts=None, *, backing: str = "pageable", max_ids: int = 65536,
-                 gpu_timeout_s: float = 2.0, spin_us: float = 20000.0, switch_interval_s: float | None = 2e-4,
+                 gpu_timeout_s: float = 2.0, spin_us: float | None = None, switch_interval_s: float | None = 2e-4,
                  emulate: bool = False, device=None, impl: str | None = None, **kw):
         if backing not in BACKINGS:
             raise ValueError(f"ring mode's backing must be one of {BACKINGS}, got {backing!r}")
@@ -188,7 +190,6 @@ class RingStore(RowStore):
         from fnx.ple.store import _CLASSES
         self.host = _CLASSES[backing](src, consts, **own, **kw)
         self.backing, self.max_ids = backing, int(max_ids)
-        self.spin_ns = int(spin_us * 1e3)
         self._stats.extra.update(ring_requests=0, ring_rows=0, ring_serve_seconds=0.0, ring_max_serve_seconds=0.0,
                                  ring_abandoned=0, ring_torn=0)
         try:
@@ -208,6 +209,9 @@ class RingStore(RowStore):
         self._last_abandoned = 0
         self._jit = None
         self._stop = threading.Event()
+        # spin after each request: 20 ms with a GPU (requests come every few ms while decoding), 0.5 ms in
+        # emulation (CPU tests: a spinning core would slow the test itself)
+        self.spin_ns = int((spin_us if spin_us is not None else 20000.0 if self._block is not None else 500.0) * 1e3)
         self._poll, serve = _native()
         self._setup_fast_copy(serve)
         if switch_interval_s is not None and sys.getswitchinterval() > switch_interval_s:
@@ -289,10 +293,12 @@ class RingStore(RowStore):
 
     # -- the host thread ----------------------------------------------------------------------------------------
 
-    def _wait_header(self, last: int) -> int:
-        """The header's seq once it differs from `last` (or `last` after ~100 ms, to check for close)."""
+    def _wait_header(self, last: int, busy: bool = True) -> int:
+        """The header's seq once it differs from `last` (or `last` after ~100 ms, to check for close). busy: the
+        last request was within ~100 ms (spin, then poll every 20 us), else idle (poll every 500 us)."""
         if self._poll is not None:
-            return int(self._poll(self._addr + layout.HEADER, last, self.spin_ns, 100_000_000))
+            spin, fast = (self.spin_ns, 100_000_000) if busy else (0, 0)
+            return int(self._poll(self._addr + layout.HEADER, last, spin, fast, 100_000_000))
         end = time.perf_counter() + 0.1
         while time.perf_counter() < end:
             v = int(self._header[0]) & 0xFFFFFFFF
@@ -302,10 +308,11 @@ class RingStore(RowStore):
         return last
 
     def _serve(self):
-        last = 0
+        last, busy = 0, True
         while not self._stop.is_set():
-            seq = self._wait_header(last)
-            if seq == last:
+            seq = self._wait_header(last, busy)
+            busy = seq != last
+            if not busy:
                 continue
             start = time.perf_counter()
             try:

@@ -163,11 +163,12 @@ def test_ring_poll_loop_builds_and_waits():
     assert poll is not None
     word = np.zeros(2, np.uint32)
     addr = word.ctypes.data
-    t0 = time.perf_counter()
-    assert poll(addr, 0, 1000, 20_000_000) == 0
-    assert 0.015 < time.perf_counter() - t0 < 1.0
+    for spin, fast in [(1000, 10_000_000), (0, 0)]:         # spin then 20 us polls; idle 500 us polls
+        t0 = time.perf_counter()
+        assert poll(addr, 0, spin, fast, 20_000_000) == 0
+        assert 0.015 < time.perf_counter() - t0 < 1.0
     word[0] = 7
-    assert poll(addr, 0, 1000, 20_000_000) == 7
+    assert poll(addr, 0, 1000, 0, 20_000_000) == 7
 
 
 def test_ring_layout_keeps_the_areas_apart():
