@@ -682,6 +682,36 @@ def test_decode_tensor_core_products(case, fmt, m, group, wround, dot):
         decode_pallas.moe_decode(*f32_args, interpret=True, tiles=dataclasses.replace(base, dot=dot))
 
 
+@pytest.mark.parametrize("case,fmt,group,variant", [
+    ("pairs", "nvfp4", 1, "served"), ("all_same", "fp8", 2, "acc"), _ext("disjoint", "bf16", 4, "acc"),
+    _ext("pairs", "nvfp4", 2, "hfma")])
+def test_decode_flat_slots(case, fmt, group, variant):
+    """DecodeTiles.flat 1: every (token, k) slot multiplies its own token's row alone, as a one-token slot does (no
+    owner, no per-token branch), and the down partials are summed per token in k order. Against the reference with
+    experts shared between tokens, all the same and disjoint; each token's row has the bits of that token run alone
+    (M = 1, the one-token kernels), whatever the others chose; "served" is the one-token NVFP4 default the verify
+    window would take (group sums, PTX decode: "f16" in the interpreter), "hfma" the fp16 decode-and-multiply that
+    otherwise needs one token. A group spanning two tokens, or the in-kernel combine, is refused with the reason."""
+    m = 4
+    args = _decode_args(fmt, m, 70, ids=_case_ids(case, m))
+    base = {"served": dataclasses.replace(decode_pallas.MEASURED["nvfp4"], bn=16, cw=128, bn2=64, cw2=64),
+            "acc": dataclasses.replace(DT, acc=1, wround=0),
+            "hfma": dataclasses.replace(DT, acc=1, wround=0, gsum=1, e2m1="hfmab")}[variant]
+    tiles = dataclasses.replace(base, group=group, flat=1)
+    run = jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=tiles))
+    got = run(*args)
+    assert got.shape == (m, D) and got.dtype == BF16
+    _close(got, reference.decode(*args))
+    x, w, idx, gu, dn, sg, su, ss, sd = args
+    for t in range(m):
+        alone = run(x[t:t + 1], w[t:t + 1], idx[t:t + 1], gu, dn, sg[t:t + 1], su[t:t + 1], ss[t:t + 1], sd)
+        np.testing.assert_array_equal(np.asarray(got[t:t + 1]).view(np.uint16), np.asarray(alone).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(run(*args)).view(np.uint16), np.asarray(got).view(np.uint16))
+    for bad in (dict(group=3), dict(group=0), dict(group=1, meta=1), dict(group=1, tok=1)):
+        with pytest.raises(NotImplementedError, match="flat 1"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, **bad))
+
+
 def test_tokens_tiles_override(monkeypatch):
     """FNX_MOE_TOKENS_TILES replaces fields of the several-token defaults only (the one-token tiles stay), and a
     malformed value says what is wrong."""
@@ -690,6 +720,10 @@ def test_tokens_tiles_override(monkeypatch):
     assert decode_pallas.default_tiles(D, I, I, "nvfp4", 1) == base1
     assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base5, branch=0, num_warps2=2,
                                                                                    e2m1="f16")
+    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=1")      # flat slots run as one token's: its tiles
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base1, flat=1)
+    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=1,num_warps2=1")
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base1, flat=1, num_warps2=1)
     for bad, why in (("branchy=0", "not field=value"), ("branch", "not field=value"), ("bn2=wide", "integer")):
         monkeypatch.setenv("FNX_MOE_TOKENS_TILES", bad)
         with pytest.raises(ValueError, match=why):
@@ -792,8 +826,13 @@ def test_decode_lowers_for_cuda(which):
                            ("fp8", m, decode_pallas.DecodeTiles(bn=16, cw=128, bn2=16, group=1, wround=0, dot=1)),
                            ("bf16", 1, decode_pallas.DecodeTiles(bn=16, bn2=16, group=0, dot=1)),
                            ("nvfp4", m, decode_pallas.DecodeTiles(bn=16, bn2=16, group=1, e2m1="asm", wround=0,
-                                                                  dot=2, stages=3))):
-        if (which == "served") != (tiles is None or tiles.dot > 0):
+                                                                  dot=2, stages=3)),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1)),
+                           ("fp8", m, dataclasses.replace(decode_pallas.MEASURED["fp8_block"], flat=1, group=2)),
+                           ("bf16", m, dataclasses.replace(decode_pallas.MEASURED["dense"], flat=1)),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1,
+                                                            e2m1="hfmab"))):
+        if (which == "served") != (tiles is None or tiles.dot > 0 or tiles.flat > 0):
             continue
         fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
         lowered = jax.jit(fn).trace(

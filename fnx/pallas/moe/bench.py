@@ -31,7 +31,7 @@ BF16 = jnp.bfloat16
 
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
-# wround, gsum, tmajor, branch, dot, stages]. Each list holds only the variants not yet measured against the current default
+# wround, gsum, tmajor, branch, dot, stages, flat]. Each list holds only the variants not yet measured against the current default
 # (`decode_pallas.MEASURED` / `MEASURED_TOKENS`, the "fused" case), the most promising first, so a sweep cut by its
 # time limit still reaches them. Each case compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
@@ -74,7 +74,11 @@ BF16 = jnp.bfloat16
 # variant that computes something else says "mismatch"). (At five tokens FP8 runs these tiles too: e2m1 means
 # nothing there, and dot 1 on FP8 needs 128-column chunks: those cases are refused with the reason.)
 _SWEEP_M1: list = []
-_SWEEP_M5: list = []
+# Five tokens, not yet measured: flat slots (each (token, k) slot computes its own token alone with the one-token
+# NVFP4 tiles; for FP8 and bf16 the same tiles with their formats' meaning), one slot or two per down program, and
+# one-warp down programs.
+_FLAT = (4, 512, 8, 128, 1, 4, 2, 1, "asm", 0, 0, 0, 0, 1, 0, 1, 0, 1, 1)
+_SWEEP_M5: list = [_FLAT, _FLAT[:6] + (1,) + _FLAT[7:], _FLAT[:4] + (2,) + _FLAT[5:]]
 _SWEEP_NVFP4: list = []
 
 

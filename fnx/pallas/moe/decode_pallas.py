@@ -141,6 +141,13 @@ class DecodeTiles:
                          # 2 = the same with the chunks in a loop (`lax.fori_loop`), whose loads Triton pipelines
                          # `stages` deep, instead of every chunk's loads issued up front (registers for one chunk)
     stages: int = 1      # Triton's num_stages for both launches (software pipelining of looped loads: dot 2)
+    flat: int = 0        # several tokens: 1 = every (token, k) slot computes its own token's products alone, as a
+                         # one-token slot does: no owner reduction, no per-token branch, one token's activation row
+                         # per program, and the down terms' partials summed per token in k order (the reference's
+                         # order) by the XLA combine; the last M rows of the down grid compute each token's shared
+                         # expert. An expert two tokens chose is read by both slots (the second read mostly from L2;
+                         # at five tokens ~48 of the 50 pairs hold distinct experts). Needs group g dividing K, meta 0,
+                         # tok 0 and dot 0; the one-token tiles apply (`default_tiles`). One token: the same kernels
 
 
 def _pow2(n: int) -> int:
@@ -452,7 +459,7 @@ def _token_row(tile, i):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False, branch=True, dot=0):
+                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False):
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -463,6 +470,8 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
     s, j = pl.program_id(0), pl.program_id(1)
     e = ids_ref[s]
     dt = act_ref.dtype
+    # flat slots (m is 1 here): slot s = (token s // k, its k-th pick) multiplies that token's row alone
+    xrow = (lambda i: s // k) if flat_slots else (lambda i: i)    # noqa: E731
     if meta == 1:
         owner = own_ref[s] != 0
     elif m == 1 and meta == 0:  # one token's K experts are distinct: every slot owns its expert, no reduction
@@ -513,12 +522,12 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             tg = tu = None
             hf = _hfma(e2m1, fmt)
             if hf:                  # the activations in fp16's range: x * 2^s, the sums times 2^-s
-                up, down = _hx_prescale(x_ref, (0,), d, cw)
+                up, down = _hx_prescale(x_ref, (xrow(0),), d, cw)
             for c in range(nk):
                 if hf:
-                    xv = _hx(x_ref, (0,), c * cw, cw, up, e2m1)
+                    xv = _hx(x_ref, (xrow(0),), c * cw, cw, up, e2m1)
                 else:
-                    xv = _xs(x_ref, (0,), c * cw, cw, fmt == "nvfp4")
+                    xv = _xs(x_ref, (xrow(0),), c * cw, cw, fmt == "nvfp4")
                 tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
                 tu = _tile_fma(tu, deq(raw_u[c]), _scaled(xv, cs[c][1]))
             sg_, su_ = _tiles_sum(tg), _tiles_sum(tu)
@@ -541,7 +550,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
             def token(i, acc):
                 for c in range(nk):
-                    xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
+                    xv = _xs(x_ref, (xrow(i),), c * cw, cw, fmt == "nvfp4")
                     acc = (acc[0] + part(deq(raw_g[c]), _scaled(xv, cs[c][0])),
                            acc[1] + part(deq(raw_u[c]), _scaled(xv, cs[c][1])))
                 return acc
@@ -550,7 +559,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             wg, wu = deq(raw_g[c]), deq(raw_u[c])
 
             def add(i, acc, wg=wg, wu=wu, c=c):
-                xv = _xs(x_ref, (i,), c * cw, cw, fmt == "nvfp4")
+                xv = _xs(x_ref, (xrow(i),), c * cw, cw, fmt == "nvfp4")
                 return acc[0] + part(wg, _scaled(xv, cs[c][0])), acc[1] + part(wu, _scaled(xv, cs[c][1]))
             accs = _accumulate(m, hits, accs, add, branch)
         if gtiles:
@@ -598,7 +607,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True, dot=0):
+                 tmajor=False, branch=True, dot=0, flat_slots=False):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -728,6 +737,14 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
         for i in range(m):
             y_ref[gi, i, pl.ds(c0, bn)] = accs[i]
 
+    if flat_slots:  # (m is 1 here) row n_groups + t: token t's shared term, of the `flat` tokens
+        @pl.when(gi >= n_groups)
+        def _():
+            sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (gi - n_groups,), bn, cw, inter_s, dt, e2m1,
+                               wround, shared_loads, gsum=gsum, tiles=gtiles)[0]
+            y_ref[gi, 0, pl.ds(c0, bn)] = sh
+        return
+
     @pl.when(gi == n_groups)
     def _():
         for i, sh in enumerate(shared()):
@@ -795,9 +812,15 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
             or t.branch not in (0, 1, 2, 3):
         return f"tiles {t}: acc, hoist, wround, gsum and tmajor must be 0 or 1, meta 0, 1 or 2, branch 0 to 3 " \
                f"and e2m1 one of {E2M1_DECODES}"
-    if t.e2m1 in ("hfma", "hfmab") and (m != 1 or not t.acc or not t.gsum or t.wround or t.tok):
+    if t.flat not in (0, 1):
+        return f"tiles {t}: flat must be 0 or 1"
+    if t.flat and m > 1 and (t.group == 0 or k % t.group or t.meta or t.tok or t.dot):
+        return f"tiles {t}: flat 1 gives each (token, k) slot its own token: it needs a group of slots per down " \
+               f"program that divides K = {k} (a group never spans two tokens), meta 0, tok 0 and dot 0"
+    one_token = m == 1 or t.flat
+    if t.e2m1 in ("hfma", "hfmab") and (not one_token or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
-               f"(got {m}), acc 1, gsum 1, wround 0 and tok 0"
+               f"or flat 1 (got M = {m}), acc 1, gsum 1, wround 0 and tok 0"
     if t.gsum and t.wround:
         return f"tiles {t}: gsum 1 applies each NVFP4 group's scale to its sum, so no weight is dequantized on its " \
                "own: it needs wround 0"
@@ -893,9 +916,11 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: i
     Several tokens: `FNX_MOE_TOKENS_TILES` (read when a program is traced) replaces fields of the defaults."""
     t = MEASURED.get(fmt, MEASURED["fp8_block"])     # a format outside FORMATS: `check` says why not
     if m > 1:
-        t = MEASURED_TOKENS.get(fmt, t)
-        if os.environ.get(TOKENS_TILES_ENV):
-            t = dataclasses.replace(t, **tiles_override(os.environ[TOKENS_TILES_ENV]))
+        over = tiles_override(os.environ[TOKENS_TILES_ENV]) if os.environ.get(TOKENS_TILES_ENV) else {}
+        base = MEASURED_TOKENS.get(fmt, t)
+        if over.get("flat", base.flat):     # every slot runs as one token's: the one-token tiles
+            base = dataclasses.replace(t, flat=1)
+        t = dataclasses.replace(base, **over)
     cw = min(t.cw, _pow2(d))
     while d % cw:
         cw //= 2
@@ -952,21 +977,23 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                                      for a, n in ((s_gate, inter_s), (s_up, inter_s), (s_sig, 1)))
     n_slots = m * k
     sp = _pow2(n_slots)
+    flat = bool(tiles.flat) and m > 1
+    km = 1 if flat else m       # token rows per slot in the kernels: flat slots hold their own token's only
     fmt1, w1, _ = reference.kernel_operands(gate_up)
     fmt2, w2, _ = reference.kernel_operands(down)
     fmt3, w3, _ = reference.kernel_operands(shared_down)
-    flat = ids.reshape(-1).astype(jnp.int32)
+    flat_ids = ids.reshape(-1).astype(jnp.int32)
     rw = w.reshape(-1).astype(dt)
     meta = slot_meta(ids, w, dt) if tiles.meta == 1 else ()
-    act_shape = jax.ShapeDtypeStruct((n_slots, m, inter), dt)
+    act_shape = jax.ShapeDtypeStruct((n_slots, km, inter), dt)
     meta_shapes = (jax.ShapeDtypeStruct((n_slots,), jnp.int32), jax.ShapeDtypeStruct((n_slots * m,), jnp.int32),
                    jax.ShapeDtypeStruct((n_slots * m,), F32))
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
-        functools.partial(_gate_up_kernel, fmt=fmt1, m=m, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
+        functools.partial(_gate_up_kernel, fmt=fmt1, m=km, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                           meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot),
-        (flat, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot, flat_slots=flat),
+        (flat_ids, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
@@ -979,27 +1006,31 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
                               inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=tiles.e2m1,
                               offs=(og, ou, os_), wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
-            (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
+            (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
             out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
             interpret=interpret, name="moe_decode_down",
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
         )
     g = tiles.group
     n_groups = n_slots // g if g else 0
-    out_shape = (n_groups + 1, m, d) if g else (m, d)
+    n_shared = m if flat else 1     # grid rows of shared terms: one per token (flat), else one for every token
+    out_shape = (n_groups + n_shared, km, d) if g else (m, d)
     y = stacked.call(
-        functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=m, k=k, n_slots=n_slots, sp=sp,
+        functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=km, k=k, n_slots=n_slots, sp=sp,
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                           wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot),
-        (flat, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot, flat_slots=flat),
+        (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
-        grid=(d // tiles.bn2, n_groups + 1) if g else (d // tiles.bn2,),
+        grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
         interpret=interpret, name="moe_decode_down",
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
     )
     if not g:
         return y
+    if flat:    # token t's groups are rows [t*K/g, (t+1)*K/g): its terms in k order, then its shared term
+        routed = jnp.sum(y[:n_groups, 0].reshape(m, n_groups // m, d), axis=1)
+        return (routed.astype(dt).astype(F32) + y[n_groups:, 0]).astype(dt)
     # the routed partials in group order, rounded once, then the shared term (already rounded): as the reference
     return (jnp.sum(y[:n_groups], axis=0).astype(dt).astype(F32) + y[n_groups]).astype(dt)
