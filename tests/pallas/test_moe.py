@@ -879,18 +879,18 @@ def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):
 
 
 def test_auto_takes_the_kernels_only_where_measured_faster(monkeypatch):
-    """With Pallas available (stubbed here), "auto" takes the fused decode kernels for one token (bf16, FP8 and
-    NVFP4 experts) and for 5 tokens of NVFP4 experts, the gather path for 5 tokens of bf16 or FP8 experts and for
-    6 of NVFP4 ones (measured slower, or not measured), the Pallas prefill blocks for 80 tokens with every
-    expert format, XLA's paths inside a scanned layer group; FNX_KERNELS overrides each way."""
+    """With Pallas available (stubbed here), "auto" takes the fused decode kernels for one and five tokens (bf16,
+    FP8 and NVFP4 experts: flat slots at five), the gather path for 6 tokens (not measured), the Pallas prefill
+    blocks for 80 tokens with every expert format, XLA's paths inside a scanned layer group; FNX_KERNELS overrides
+    each way."""
     monkeypatch.setattr(dispatch, "why_unavailable", lambda b: None if b in dispatch.BACKENDS else "unknown")
     monkeypatch.delenv("FNX_KERNELS", raising=False)
     x1, x5, x80 = jnp.zeros((1, D), BF16), jnp.zeros((5, D), BF16), jnp.zeros((80, D), BF16)
     ps = {f: _block_params(*_weights(f, 14), _key(15), (1, D))[0] for f in ("bf16", "fp8", "nvfp4")}
     for f in ps:
         assert moe._auto_impl(1, K, ps[f], x1) == "decode", f
-        assert moe._auto_impl(5, K, ps[f], x5) == ("decode" if f == "nvfp4" else "gather"), f
-    assert moe._auto_impl(6, K, ps["nvfp4"], jnp.zeros((6, D), BF16)) == "gather"
+        assert moe._auto_impl(5, K, ps[f], x5) == "decode", f
+        assert moe._auto_impl(6, K, ps[f], jnp.zeros((6, D), BF16)) == "gather", f
     for f in ps:
         assert moe._auto_impl(80, K, ps[f], x80) == "grouped_pallas", f
     with dispatch.in_scanned_layers():        # the experts would be copied out of the layer stacks: reference
@@ -903,6 +903,7 @@ def test_auto_takes_the_kernels_only_where_measured_faster(monkeypatch):
     assert moe._auto_impl(80, K, ps["nvfp4"], x80) == "grouped_pallas"
     monkeypatch.setenv("FNX_KERNELS", "moe_decode=reference,moe_grouped=reference")
     assert moe._auto_impl(1, K, ps["fp8"], x1) == "gather"
+    assert moe._auto_impl(5, K, ps["nvfp4"], x5) == "gather"
     assert moe._auto_impl(80, K, ps["fp8"], x80) == "grouped"
 
 

@@ -77,9 +77,9 @@ def _scanned_reason() -> str | None:
 # sessions), against the gather path: one token FP8 51.8 us vs 82.0 (and the 4-layer FP8 step's kernel time 0.697
 # vs 0.727 ms), bf16 58.1 vs 76.6, NVFP4 60.5 vs 94.2; five tokens NVFP4 249.6 vs 268.7 us (the gather path
 # dequantizes 50 expert copies), but FP8 244 vs 178 us and bf16 280 vs 181 (commit a616029): slower. With flat
-# slots (twenty-fourth session, 6abfc64) five tokens take NVFP4 111.1 vs 276.3 us and FP8 140.0 vs 167.2 us: FP8
-# joins; bf16 is not measured with them.
-DECODE_AUTO_MAX_TOKENS = {"dense": 1, "fp8_block": 5, "nvfp4": 5}
+# slots (twenty-fourth session, 6abfc64) five tokens take NVFP4 111.1 vs 276.3 us, FP8 140.0 vs 167.2 us and bf16
+# 168.1 vs 180.1 us: every format up to 5 tokens (more are not measured).
+DECODE_AUTO_MAX_TOKENS = {"dense": 5, "fp8_block": 5, "nvfp4": 5}
 
 
 def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None = None,
@@ -94,8 +94,7 @@ def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None =
     limit = DECODE_AUTO_MAX_TOKENS.get(fmt, 1)
     if m > limit:
         slower = (f"{m} tokens of {fmt} experts: the fused kernels are measured faster than the gather path up to "
-                  f"{limit} token(s) in this format, and slower or not measured beyond (H200, five tokens: "
-                  "bf16 280 vs 181 us before flat slots; BENCHMARKS.md)")
+                  f"{limit} token(s) in this format, and not measured beyond (BENCHMARKS.md)")
     return dispatch.resolve("moe_decode", impl, prefer_reference=slower,
                             not_applicable=decode_not_applicable(x, top_k, gate_up, down, shared_down, tiles))
 

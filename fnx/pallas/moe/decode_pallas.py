@@ -890,11 +890,11 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # slot computing its own token with the one-token tiles) took five NVFP4 tokens from 182.1 us to 111.1 (one-warp
 # down programs; 121.3 with two, 119.5 with two slots per down program) and five FP8 tokens from 235.2 to 140.0 (two
 # slots per down program; 148.8 with one, 146.0 with one-warp programs), where XLA's gather path takes 276.3 (NVFP4)
-# and 167.2 us (FP8). So flat slots are the several-token default of both; bf16 is not measured with them (its
-# five-token layer stays on XLA under `auto`).
+# and 167.2 us (FP8); bf16 experts 280.6 -> 168.1 us (4-column gate/up and one-warp down programs; XLA 180.1).
+# So flat slots are the several-token default of every format.
 MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_warps2=1),
                    "fp8_block": dataclasses.replace(MEASURED["fp8_block"], flat=1, group=2),
-                   "dense": dataclasses.replace(MEASURED["dense"], acc=0)}
+                   "dense": dataclasses.replace(MEASURED["dense"], flat=1, bn=4, num_warps2=1)}
 
 
 TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
