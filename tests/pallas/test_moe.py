@@ -713,17 +713,27 @@ def test_decode_flat_slots(case, fmt, group, variant):
 
 
 def test_tokens_tiles_override(monkeypatch):
-    """FNX_MOE_TOKENS_TILES replaces fields of the several-token defaults only (the one-token tiles stay), and a
-    malformed value says what is wrong."""
+    """The several-token defaults are `MEASURED_TOKENS` with all their own fields (flat slots with each format's
+    down programs); FNX_MOE_TOKENS_TILES replaces fields of them only (the one-token tiles stay), flat=1 over
+    owner-slot defaults starts from the one-token tiles, and a malformed value says what is wrong."""
+    monkeypatch.delenv("FNX_MOE_TOKENS_TILES", raising=False)
+    for fmt in ("nvfp4", "fp8_block", "dense"):
+        t = decode_pallas.MEASURED_TOKENS[fmt]
+        assert t.flat == 1
+        assert decode_pallas.default_tiles(2560, 640, 640, fmt, 5) == t, fmt     # the released shapes: no shrinking
     base1, base5 = (decode_pallas.default_tiles(D, I, I, "nvfp4", m) for m in (1, 5))
+    assert base5.num_warps2 == 1 and base1.num_warps2 == 2
     monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "branch=0, num_warps2=2,e2m1=f16")
     assert decode_pallas.default_tiles(D, I, I, "nvfp4", 1) == base1
     assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base5, branch=0, num_warps2=2,
                                                                                    e2m1="f16")
-    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=1")      # flat slots run as one token's: its tiles
+    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=0")      # the owner-slot kernels with the same tiles
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base5, flat=0)
+    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=1,num_warps2=2")
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base5, num_warps2=2)
+    monkeypatch.setattr(decode_pallas, "MEASURED_TOKENS", {"nvfp4": dataclasses.replace(base5, flat=0, bn=2)})
+    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=1")      # over owner-slot defaults: the one-token tiles
     assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base1, flat=1)
-    monkeypatch.setenv("FNX_MOE_TOKENS_TILES", "flat=1,num_warps2=1")
-    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == dataclasses.replace(base1, flat=1, num_warps2=1)
     for bad, why in (("branchy=0", "not field=value"), ("branch", "not field=value"), ("bn2=wide", "integer")):
         monkeypatch.setenv("FNX_MOE_TOKENS_TILES", bad)
         with pytest.raises(ValueError, match=why):

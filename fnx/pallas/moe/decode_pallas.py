@@ -885,7 +885,7 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # The nineteenth session (93f8284) measured it at five tokens: 199.7 us for the old default (acc 0, gsum 0), 183.3
 # with acc 1, 184.9 with acc 1 and gsum 1, and 176.5 with acc 1, gsum 1 and one-warp down programs (num_warps2 1),
 # now the NVFP4 default there. At one token "hfma" (55.8 us) and "hfmab" (46.2) lost to "asm" (43.3).
-# FP8 at five tokens has not run acc 1 on a GPU: it stays 0.
+# FP8 at five tokens had not run acc 1 on a GPU and stayed 0 (until flat slots, below).
 # The twenty-fourth session (6abfc64, bracketed, random router): flat slots (`DecodeTiles.flat`, every (token, k)
 # slot computing its own token with the one-token tiles) took five NVFP4 tokens from 182.1 us to 111.1 (one-warp
 # down programs; 121.3 with two, 119.5 with two slots per down program) and five FP8 tokens from 235.2 to 140.0 (two
@@ -924,7 +924,7 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: i
     if m > 1:
         over = tiles_override(os.environ[TOKENS_TILES_ENV]) if os.environ.get(TOKENS_TILES_ENV) else {}
         base = MEASURED_TOKENS.get(fmt, t)
-        if over.get("flat", base.flat):     # every slot runs as one token's: the one-token tiles
+        if over.get("flat") and not base.flat:  # flat slots asked of owner-slot defaults: the one-token tiles
             base = dataclasses.replace(t, flat=1)
         t = dataclasses.replace(base, **over)
     cw = min(t.cw, _pow2(d))
