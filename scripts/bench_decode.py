@@ -617,13 +617,10 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     host_ple = None
     if args.ple_store != "device":
-        import importlib.util
+        import bench_ple as bp      # scripts/ is this script's folder on sys.path
+
         from fnx.ple.store import open_store
         from fnx.ple.table import from_raw
-        spec = importlib.util.spec_from_file_location("bench_ple", os.path.join(os.path.dirname(__file__),
-                                                                               "bench_ple.py"))
-        bp = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bp)
         os.makedirs(args.ple_dir, exist_ok=True)
         path = bp.synthetic_table(os.path.join(args.ple_dir, f"ple_synthetic_{args.ple_table_gb:g}g.raw"),
                                   args.ple_table_gb)

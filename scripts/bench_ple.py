@@ -159,14 +159,6 @@ def _uva_in_jit(store, ids, mode: str, name: str, iters: int, chain: int = 64) -
     return rec
 
 
-def _device_path(store) -> bool:
-    """Whether this store's rows can be taken inside a jitted program here: uva with its kernel, ring with its
-    page-locked control block (a CUDA device)."""
-    if store.mode == "uva":
-        return store._kernel_runs()
-    return store.mode == "ring" and store._block is not None
-
-
 def _stats(times):
     t = np.asarray(times) * 1e6
     return {"median_us": float(np.median(t)), "p90_us": float(np.percentile(t, 90)), "min_us": float(t.min()),
@@ -195,7 +187,7 @@ def bench_mode(mode, source, consts, args, emit):
                    **_stats(warm)}
             rec["rows_per_s"] = ids.size / (rec["median_us"] * 1e-6)
             emit(rec)
-            if _device_path(store):   # the rows read by the GPU (uva: from the pinned table; ring: the ring)
+            if store.device_path:   # the rows read by the GPU (uva: from the pinned table; ring: the ring)
                 import jax
                 dev = jax.numpy.asarray(ids, jax.numpy.int32)
                 jax.block_until_ready(store.rows_device(dev))
@@ -211,7 +203,7 @@ def bench_mode(mode, source, consts, args, emit):
                 emit(_uva_in_jit(store, dev, mode, name, iters))
             if mode in ("device", "pinned", "uva"):
                 continue  # no cache to be cold in
-            if _device_path(store):   # ring: a jitted step's post + wait with the backing store's pages evicted
+            if store.device_path:   # ring: a jitted step's post + wait with the backing store's pages evicted
                 import jax
                 cold = []
                 for _ in range(max(3, iters // 2)):

@@ -66,14 +66,6 @@ def driver_facts() -> dict:
     return out
 
 
-def _load_script(name: str):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _child(table: str, rows: int, row_bytes: int, chain: int) -> dict:
     """In the child: gather random rows of the mmap'd file through the uva kernel at their mapped addresses."""
     import jax
@@ -109,7 +101,7 @@ def _child(table: str, rows: int, row_bytes: int, chain: int) -> dict:
     # the same chained timing as bench_ple's, over a table handle of the mapping (raw bytes, no dequantization)
     _register_uva()
     handle = UvaTable(st, lo, hi, None, None, row_bytes=row_bytes, width=row_bytes, dtype="uint8", out_dtype="uint8")
-    bench_ple = _load_script("bench_ple")
+    import bench_ple        # scripts/ is this script's folder on sys.path
     warm_ids = jnp.asarray(rng.integers(0, n, (rows, 1)).astype(np.int32))
     times = bench_ple.chained_gather_us(handle, int(n), warm_ids, iters=15, chain=chain)   # first run touches them
     res[f"in_jit_mapped_us_per_gather_x{chain}"] = float(np.median(times)) * 1e6

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -24,14 +23,6 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-
-def _bench_decode():
-    spec = importlib.util.spec_from_file_location("bench_decode", os.path.join(os.path.dirname(__file__),
-                                                                               "bench_decode.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def short(name: str) -> str:
@@ -221,7 +212,7 @@ def main():
                  f"{f'_draft{args.draft_vocab}' if args.draft_vocab else ''}{'_draftfp8' if args.draft_fp8 else ''}"
                  ).strip("_")[:60]
 
-    bd = _bench_decode()
+    import bench_decode as bd   # scripts/ is this script's folder on sys.path
     from fnx.engine.engine import _jit_draft, _jit_verify
     from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys
     from fnx.model.mtp import init_mtp_state, mtp_param_shapes

@@ -1,7 +1,8 @@
-import importlib.util
+import importlib
 import os
 import pathlib
 import shutil
+import sys
 
 import pytest
 
@@ -34,11 +35,12 @@ if not shutil.which("nvidia-smi") and os.environ.get("FNX_TEST_JAX_CACHE", "1") 
 
 
 def load_script(name: str):
-    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """Import scripts/<name>.py as a module. scripts/ is not a package: it goes on sys.path, as it is for a script
+    run by path (its own folder first), so the scripts import one another by name either way."""
+    folder = str(ROOT / "scripts")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return importlib.import_module(name)
 
 
 EXTENDED_ENV = "FNX_EXTENDED_TESTS"

@@ -225,6 +225,10 @@ class RingStore(RowStore):
         self._thread = threading.Thread(target=self._serve, name="fnx-ple-ring", daemon=True)
         self._thread.start()
 
+    @property
+    def device_path(self) -> bool:
+        return self._block is not None
+
     # -- the control block ---------------------------------------------------------------------------------------
 
     def _setup_block(self, device, emulate):

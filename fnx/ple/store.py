@@ -207,6 +207,13 @@ class RowStore:
         return err
 
     @property
+    def device_path(self) -> bool:
+        """Whether a jitted program on this machine takes this store's rows itself (no host fetch in the step):
+        `uva` when its gather kernel runs here, `ring` when its page-locked control block exists (a CUDA device).
+        False for every host mode and under emulation."""
+        return False
+
+    @property
     def stats(self) -> dict:
         with self._lock:
             d = dict(self._stats.__dict__)
@@ -627,6 +634,7 @@ class UvaStore(PinnedStore):
         if src.rows >= 2**31:
             raise TableError(f"uva mode indexes rows with int32: the table has {src.rows:,} rows")
         mem = None
+        self._emulated = emulate
         if emulate:
             offs = np.cumsum([0] + [v.nbytes for v in self._views[:-1]], dtype=np.int64)
             addrs = offs.astype(np.uint64)
@@ -642,6 +650,10 @@ class UvaStore(PinnedStore):
         self._jit = jax.jit(UvaTable.gather)
         if emulate or self._kernel_runs():
             self._self_check()
+
+    @property
+    def device_path(self) -> bool:
+        return not self._emulated and self._kernel_runs()
 
     @staticmethod
     def _kernel_runs() -> bool:

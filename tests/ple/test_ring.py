@@ -48,6 +48,7 @@ def test_ring_serves_each_request_its_rows(table, consts, backing):
     with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, backing=backing,
                     max_ids=256) as store:
         assert isinstance(store, RingStore) and store.host.mode == backing
+        assert not store.device_path and not store.host.device_path     # emulated: no page-locked block
         run = jax.jit(lambda t, i: t.gather(i))
         for r, (batch, length) in enumerate([(3, 9), (1, 1), (2, 5), (3, 9)]):
             ids = _ids(consts, seed=10 + r, batch=batch, length=length)
@@ -196,7 +197,7 @@ def test_ring_kernels_with_the_host_thread_on_the_gpu(table, consts, monkeypatch
     turn, in one program twice (two requests back to back), rows equal to the reference; then a host that answers
     late: the wait kernel's deadline gives zero rows and ABANDONED, and the next request is served."""
     with open_store(table["ckpt"], "ring", consts=consts, layer=1, gpu_timeout_s=0.3) as store:
-        assert store._block is not None
+        assert store.device_path                                # the page-locked control block exists
         for seed in range(3):
             ids = _ids(consts, seed=20 + seed)
             want = reference_rows(table["table"], table["scale"], ids)

@@ -300,8 +300,10 @@ def test_uva_store_gathers_rows_on_the_device(table, consts, layout, impl, monke
         np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
         inside = jax.jit(lambda t, i: t.gather(i) * 2)(store.table, jnp.asarray(ids, jnp.int32))
         np.testing.assert_array_equal(np.asarray(inside), np.asarray(want.astype(np.float32) * 2, ml_dtypes.bfloat16))
+        assert not store.device_path                        # emulated: the rows come from a device copy
     if jax.default_backend() != "gpu":
         with open_store(table[layout], "uva", consts=consts, layer=1) as store:
+            assert not store.device_path                    # the kernel cannot run on this machine
             with pytest.raises(RuntimeError, match="cannot run here"):
                 store.rows_device(ids)
 

@@ -1,6 +1,6 @@
 """Decode MoE layer benchmark: router matmul + routing + routed experts + combine + sigmoid-gated shared expert,
 the fused decode kernels ("fused", op moe_decode, with tile variants "fused:<DecodeTiles fields>") and the
-router + weight-major expert kernels ("pallas") against the gather reference ("reference"), M = 1 and 5 tokens,
+router + weight-major expert kernels ("pallas") against the gather reference ("reference"), M = 1, 5 and 8 tokens,
 random and skewed routers, bf16 / FP8 128x128-block / NVFP4 experts at the released shapes (E=512, top-10,
 D=2560, I=640).
 
@@ -32,7 +32,7 @@ BF16 = jnp.bfloat16
 
 # DecodeTiles fields in order: bn, cw, bn2, cw2, group, num_warps, num_warps2[, acc, e2m1, meta, hoist, tok,
 # wround, gsum, tmajor, branch, dot, stages, flat]. Each list holds only the variants not yet measured against the current default
-# (`decode_pallas.MEASURED` / `MEASURED_TOKENS`, the "fused" case), the most promising first, so a sweep cut by its
+# (`decode_pallas.MEASURED` / `MEASURED_TOKENS`, the "fused" case; `_SWEEP_M5` serves 5 and 8 tokens), the most promising first, so a sweep cut by its
 # time limit still reaches them. Each case compiles for about 40 s on the H200. The measured losers are in benchmarks/results/bench_kernels.jsonl:
 # - one token, bf16 / FP8: 15 tile sets at b069eb2, fe1911e and 7c11243 (the FP8 winner 4,512,8,128,1,4,2, acc 1,
 #   is the default), and the in-kernel combine with hoisted loads / slot metadata (0400fd0);
@@ -130,7 +130,7 @@ def cases(quick: bool) -> list[BenchCase]:
     weights = {f: (_quantize(gu_master, f), _quantize(dn_master, f)) for f in fmts}
     del gu_master, dn_master
     out = []
-    for m in (1, 5):
+    for m in (1, 5, 8):     # 8: the verify window of k = 7 drafts, the most tokens the decode kernels take
         for router_kind in ("random", "skewed"):
             def make_set(i, m=m, router_kind=router_kind):
                 ks = jax.random.split(jax.random.fold_in(key, 1000 * m + i + 500 * (router_kind == "skewed")), 6)
