@@ -7,7 +7,8 @@ from fnx.pallas.hc import reference
 
 OP = "hc_boundary"            # 2..32 tokens: pallas.hc_boundary (padded MMA tiles, two kernels + two XLA steps)
 OP_M1 = "hc_boundary_m1"      # one token: pallas.hc_boundary_m1 (two kernels, nothing between them)
-OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): the one-token kernels over each token
+OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): few.hc_boundary_few (MMA tiles, XLA norm);
+                              # Tiles1 name the earlier design (the one-token kernels over each token)
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
 MAX_FEW_TOKENS = 8           # = pallas.FEW_MAX_TOKENS
 
@@ -52,7 +53,8 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     Wdown and Wup may be FP8 (float8_e4m3fn with `w_down_scale` / `w_up_scale`, one fp32 multiplier per 128x128
     block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
     no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
-    2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`).
+    2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`):
+    `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token.
     Returns (H' = h + inj_prev * y [..., S*D], x [..., D] the next sublayer's input, inj [..., S] or None)."""
     tokens = 1
     for n in h.shape[:-1]:
@@ -77,6 +79,11 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_down = dequantize("fp8", w_down, w_down_scale).astype(h.dtype)
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
+    if op == OP_FEW and not isinstance(tiles, kernel.Tiles1):
+        from fnx.pallas.hc import few
+        return few.hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
+                                   interpret=dispatch.interpret_flag(which), tiles=tiles,
+                                   w_down_scale=w_down_scale, w_up_scale=w_up_scale)
     if op in (OP_M1, OP_FEW):
         return kernel.hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                                      interpret=dispatch.interpret_flag(which), tiles=tiles,

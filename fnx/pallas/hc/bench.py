@@ -9,7 +9,7 @@ runs); bytes then count 1 byte per weight plus the scales.
 
 FNX_HC_SWEEP=1 replaces the cases by a sweep of the kernels' tiles (one field changed at a time from the default,
 plus a few pairs): the one-token kernels' Tiles1 at M = 1 (bf16 and FP8 weights, and the references), the
-multi-token Tiles at M = 5: what `choose_tiles` should pick, by measurement."""
+few-token MMA design's TilesFew at M = 5 (bf16 and FP8): what the defaults should be, by measurement."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.hc import api
 
-SWEEP = ({}, {"bd": 16}, {"bd": 64}, {"bkr": 32}, {"bkr": 128}, {"num_warps": 2}, {"num_warps": 8},
-         {"num_stages": 1}, {"num_stages": 3}, {"br": 8}, {"br": 32}, {"ks": 10}, {"ks": 2}, {"bk": 64},
-         {"bd": 16, "num_warps": 2}, {"bd": 16, "bkr": 128}, {"bd": 16, "ks": 10}, {"br": 32, "ks": 10})
+# the few-token MMA design (few.TilesFew), swept at M = 5 with bf16 and FP8 weights
+SWEEP_FEW = ({}, {"ks": 4}, {"ks": 16}, {"bn": 32}, {"bn": 32, "ks": 4}, {"bn": 32, "ks": 16}, {"bd": 32},
+             {"num_warps": 8}, {"num_warps": 2}, {"bk": 64}, {"bk": 64, "ks": 16}, {"ks": 20}, {"ks": 10})
 
 # the one-token kernels (Tiles1), swept at M = 1 (wround 1: the FP8 weights rounded as before a9d89fd; with the
 # per-weight rounding gone, each program's normalisation of its stream is a larger share of its work: bn 4 halves it)
@@ -43,11 +43,12 @@ def _fp8_sets(arg_sets):
     return out
 
 
-def _fp8_case(m, s, d, r, arg_sets, impl, change=None, label=None):
+def _fp8_case(m, s, d, r, arg_sets, impl, change=None, label=None, tiles=None):
     from fnx.pallas.hc import pallas as kernel
     sd = s * d
     nbytes = 2 * r * sd + 2 * 4 * (-(-r // 128)) * (-(-sd // 128)) + (s * sd + sd) * 2 + (2 * sd + 2 * d + 2 * s) * 2
-    tiles = None if change is None else dataclasses.replace(kernel.choose_tiles1(s, d, r), **change)
+    if change is not None:
+        tiles = dataclasses.replace(tiles or kernel.choose_tiles1(s, d, r), **change)
     extra = {"M": m, "weights": "fp8"}
     if change is not None:
         extra["tiles"] = ",".join(f"{k}={v}" for k, v in change.items()) or "default"
@@ -82,14 +83,30 @@ def cases(quick: bool) -> list[BenchCase]:
                 (jax.random.normal(ks[4], (r, sd)) * sd ** -0.5).astype(dt),
                 (jax.random.normal(ks[5], (sd, r)) * r ** -0.5).astype(dt),
                 (jax.random.normal(ks[6], (s, sd)) * sd ** -0.5).astype(dt)))
-        if os.environ.get("FNX_HC_SWEEP") and m <= 5:
+        if os.environ.get("FNX_HC_SWEEP") and m == 5:    # the few-token MMA design's tiles, bf16 and FP8 weights
+            from fnx.pallas.hc import few
+            for change in SWEEP_FEW:
+                t = dataclasses.replace(few.TilesFew(), **change)
+                if few.check(s, d, r, t):
+                    continue
+                label = ",".join(f"{k}={v}" for k, v in change.items()) or "default"
+                out.append(BenchCase(
+                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="few-mma",
+                    fn=lambda *a, _t=t: api.hc_boundary(*a, streams=s, eps=1e-6, impl="pallas", tiles=_t),
+                    arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m, "tiles": label}))
+                c = _fp8_case(m, s, d, r, _fp8_sets(arg_sets), "pallas", label="few-mma", tiles=t)
+                c.extra["tiles"] = label
+                out.append(c)
+            out.append(BenchCase(
+                kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
+                fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
+                arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
+            out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), "reference"))
+            continue
+        if os.environ.get("FNX_HC_SWEEP") and m == 1:   # the one-token kernels (Tiles1), the reference beside them
             from fnx.pallas.hc import pallas as kernel
-            if m == 1:   # the one-token kernels (Tiles1), with the reference beside them
-                base, sweep = kernel.choose_tiles1(s, d, r), SWEEP1
-                fits = lambda t: not (r % t.bn or s % t.bn or d % t.bd)  # noqa: E731
-            else:
-                base, sweep = kernel.choose_tiles(d, r), SWEEP
-                fits = lambda t: not (d % (t.bk * t.ks) or d % t.bd)  # noqa: E731
+            base, sweep = kernel.choose_tiles1(s, d, r), SWEEP1
+            fits = lambda t: not (r % t.bn or s % t.bn or d % t.bd)  # noqa: E731
             for change in sweep:
                 t = dataclasses.replace(base, **change)
                 if not fits(t):
@@ -99,15 +116,14 @@ def cases(quick: bool) -> list[BenchCase]:
                     fn=lambda *a, _t=t: api.hc_boundary(*a, streams=s, eps=1e-6, impl="pallas", tiles=_t),
                     arg_sets=arg_sets, bytes=nbytes, flops=flops,
                     extra={"M": m, "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))
-            if m == 1:
-                out.append(BenchCase(
-                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
-                    fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
-                    arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
-                f8 = _fp8_sets(arg_sets)       # FP8 Wdown / Wup: what the model runs (online FP8)
-                out += [_fp8_case(m, s, d, r, f8, "pallas", change) for change in sweep
-                        if fits(dataclasses.replace(base, **change))]
-                out.append(_fp8_case(m, s, d, r, f8, "reference"))
+            out.append(BenchCase(
+                kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r}", impl="reference",
+                fn=lambda *a: api.hc_boundary(*a, streams=s, eps=1e-6, impl="reference"),
+                arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
+            f8 = _fp8_sets(arg_sets)       # FP8 Wdown / Wup: what the model runs (online FP8)
+            out += [_fp8_case(m, s, d, r, f8, "pallas", change) for change in sweep
+                    if fits(dataclasses.replace(base, **change))]
+            out.append(_fp8_case(m, s, d, r, f8, "reference"))
             continue
         from fnx.pallas.hc import pallas as kernel
         # "pallas" at M > 1 is the multi-token MMA design (its Tiles); "few" the one-token kernels with a program
@@ -115,7 +131,8 @@ def cases(quick: bool) -> list[BenchCase]:
         variants = [("pallas", None if m == 1 else kernel.choose_tiles(d, r)), ("reference", None)]
         if 1 < m <= api.MAX_FEW_TOKENS:
             t1 = kernel.choose_tiles1(s, d, r)
-            variants += [("few", t1), ("few-loop", dataclasses.replace(t1, tokens="loop"))]
+            from fnx.pallas.hc import few
+            variants += [("few-mma", few.TilesFew()), ("few", t1), ("few-loop", dataclasses.replace(t1, tokens="loop"))]
         for impl, tiles in variants:
             run = "pallas" if impl.startswith("few") else impl
             out.append(BenchCase(
@@ -124,5 +141,6 @@ def cases(quick: bool) -> list[BenchCase]:
                 arg_sets=arg_sets, bytes=nbytes, flops=flops, extra={"M": m}))
             if m == 1 or impl != "pallas":       # FP8 Wdown / Wup: what the model runs (online FP8)
                 out.append(_fp8_case(m, s, d, r, _fp8_sets(arg_sets), run, label=impl,
-                                     change={"tokens": "loop"} if impl == "few-loop" else None))
+                                     change={"tokens": "loop"} if impl == "few-loop" else None,
+                                     tiles=tiles if impl == "few-mma" else None))
     return out

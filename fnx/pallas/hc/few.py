@@ -1,0 +1,244 @@
+"""The hyper-connection boundary for a few tokens (2..8: the MTP verify window) with MMA tiles and no loops.
+
+Why a third design. The one-token kernels (`pallas.hc_boundary_m1`) fold the combine and the norm into every
+program: at one token that is the cheapest place for them, but over M tokens each of the 5 x 648 programs renormalises
+a whole stream, and the five-token pair took ~31 us (grid) or ~33 us (loop) against ~22 us for XLA's boundary
+(H200). XLA's boundary spends ~8 us streaming the two FP8 weights and the rest on a cuBLAS product with its split-K
+reduce for the 4-row Winj (6.8 us) and six small fusions. Here:
+
+  pre  (XLA, the reference's own jnp): H' = H + inj_prev * y and Hn = GroupedRMSNorm(H') [M, S*D], once per token.
+  down (Pallas, `hc_down_few`): grid (R / bn, ks). Program (n, c) multiplies Hn's columns of split c (tokens padded
+        to 16 MMA rows, the padding masked off: no memory read) by rows [n*bn, (n+1)*bn) of [Wdown; Winj] (the
+        programs past Wdown's rows read Winj's S rows): one [16, bk] x [bk, bn] MMA per K chunk, all chunks' loads
+        issued before the first product; FP8 weights go to bf16 exactly and their 128x128 block scale multiplies
+        each chunk's fp32 product (the one-token kernels' `wround=0` arithmetic). fp32 partials [ks, 16, R].
+  up   (Pallas, `hc_up_few`): grid (D / bd,). Program i sums the ks partials of every row for the real tokens, then
+        u = silu(round(round(a) / S)) [16, r] (every program; the partials are 11 KB per split), the gates
+        m_j = sigmoid(round(u @ Wup_j[cols].T)) of its bd columns of each stream (MMAs over r in power-of-two pieces,
+        one scale per FP8 piece), x = round(mean_j round(m_j * Hn_j)) and, in program 0, inj = 2 sigmoid(round(
+        round(a_inj) / S)). x and inj are stored for the M real tokens only.
+
+Three launches at most (pre may be one or two XLA fusions), against ~10 for XLA's boundary. bf16 or FP8 Wdown / Wup
+(Winj and hc_norm dense). Each MMA row is one token's products; the norm is XLA's, as on the reference path, so a
+token's bits may differ with the window's length (XLA's reductions at another shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from fnx.pallas import stacked
+from fnx.pallas.hc import reference
+from fnx.pallas.kernel_math import rnd
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands (the tests' fp32 runs): IEEE products; bf16: no effect
+MP = 16                               # token rows of every MMA (the real tokens first, the rest masked)
+MAX_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TilesFew:
+    bn: int = 16            # rows of [Wdown; Winj] per down program (the MMA's N: >= 16, divides 128)
+    ks: int = 8             # splits of the S*D columns (down); S*D / ks a multiple of bk
+    bk: int = 128           # columns per MMA (down): a power of two <= 128, so a chunk lies in one FP8 block
+    bd: int = 16            # columns of each stream per up program (the MMA's N: >= 16, divides D and 128)
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
+    """None when the tiles fit (S streams of D, rank r), else why not."""
+    sd = s * d
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    if not (pow2(t.bn) and 16 <= t.bn <= 128):
+        return f"bn={t.bn}: a power of two in 16..128"
+    if not (pow2(t.bk) and 16 <= t.bk <= 128):
+        return f"bk={t.bk}: a power of two in 16..128"
+    if not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd:
+        return f"bd={t.bd}: a power of two in 16..128 dividing D={d}"
+    if t.ks < 1 or sd % (t.ks * t.bk):
+        return f"ks={t.ks}, bk={t.bk}: S*D={sd} is not ks whole chunks of bk"
+    if r < 16 or r % 16:
+        return f"r={r}: a multiple of 16 (the up MMAs' K pieces)"
+    return None
+
+
+def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
+    """[start, size) pieces covering range(n): powers of two, largest first, none above cap; each starts at a
+    multiple of its size (so a piece of at most 128 lies in one 128-block)."""
+    out, start, size = [], 0, cap
+    while start < n:
+        while size > n - start:
+            size //= 2
+        out.append((start, size))
+        start += size
+    return out
+
+
+def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
+    it = iter(refs)
+    hn_ref, wd_ref = next(it), next(it)
+    sd_ref = next(it) if fp8 else None
+    wi_ref = next(it) if has_inj else None
+    part_ref = next(it)
+    n, c = pl.program_id(0), pl.program_id(1)
+    dt = hn_ref.dtype
+    is_down = n < n_down
+    rows = jnp.arange(bn, dtype=jnp.int32)
+    tok = jnp.arange(MP, dtype=jnp.int32)
+    kk = jnp.arange(bk, dtype=jnp.int32)
+    ncb = (sd + 127) // 128
+    drow = n * bn + rows                                   # rows of Wdown (programs n < n_down)
+    irow = (n - n_down) * bn + rows                        # rows of Winj (the programs after them)
+    dok = (drow < r) & is_down
+    iok = (irow < s) & jnp.logical_not(is_down)
+    tiles = []
+    for k in range(n_chunks):                              # every load first: the chunks' DRAM reads overlap
+        col = (c * n_chunks + k) * bk + kk                 # [bk]
+        w = plt.load(wd_ref.at[drow[:, None] * sd + col[None, :]], mask=dok[:, None], other=0.0).astype(dt)
+        if has_inj:
+            w = w + plt.load(wi_ref.at[irow[:, None] * sd + col[None, :]], mask=iok[:, None],
+                             other=0.0).astype(dt)        # one of the two loads touches no memory
+        sc = None
+        if fp8:     # the program's rows lie in one 128-row block, the chunk in one 128-column block
+            sidx = (n * bn) // 128 * ncb + ((c * n_chunks + k) * bk) // 128
+            sc = plt.load(sd_ref.at[jnp.full((1, 1), sidx, jnp.int32)], mask=jnp.full((1, 1), is_down),
+                          other=1.0)                       # [1, 1]; Winj programs: 1
+        x = plt.load(hn_ref.at[tok[:, None] * sd + col[None, :]], mask=(tok < m)[:, None], other=0.0)
+        tiles.append((x, w, sc))
+    acc = None
+    for x, w, sc in tiles:
+        p = jnp.dot(x, w.T, precision=HIGHEST, preferred_element_type=F32)       # [MP, bn]
+        if sc is not None:
+            p = p * sc
+        acc = p if acc is None else acc + p
+    part_ref[...] = acc
+
+
+def _up_kernel(*refs, m, s, d, r, bd, ks, n_rows, inj_row, fp8, has_inj):
+    it = iter(refs)
+    part_ref, hn_ref, wu_ref = next(it), next(it), next(it)
+    su_ref = next(it) if fp8 else None
+    x_ref = next(it)
+    injo_ref = next(it) if has_inj else None
+    i = pl.program_id(0)
+    dt = hn_ref.dtype
+    tok = jnp.arange(MP, dtype=jnp.int32)
+    tmask = (tok < m)[:, None]
+    cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+    ncb = (r + 127) // 128
+    pieces = _pieces(r, 128)
+    wt = {}
+    for j in range(s):                                     # the weight tiles first: in flight early
+        for k0, p in pieces:
+            k = k0 + jnp.arange(p, dtype=jnp.int32)
+            w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)         # [bd, p]
+            sc = None
+            if fp8:     # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
+                sc = plt.load(su_ref.at[jnp.full((1, 1), ((j * d + i * bd) // 128) * ncb + k0 // 128, jnp.int32)])
+            wt[j, k0] = (w, sc)
+
+    def rowsum(k):                                         # sum over the ks splits of partial columns k [MP, p]
+        a = None
+        for c in range(ks):
+            v = plt.load(part_ref.at[(c * MP + tok[:, None]) * n_rows + k[None, :]], mask=tmask, other=0.0)
+            a = v if a is None else a + v
+        return a
+
+    us = {}
+    for k0, p in pieces:
+        v = rnd(rnd(rowsum(k0 + jnp.arange(p, dtype=jnp.int32)), dt) / s, dt)
+        us[k0] = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt).astype(dt)               # silu, rounded like the model
+    acc = None
+    for j in range(s):
+        z = None
+        for k0, p in pieces:
+            w, sc = wt[j, k0]
+            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)   # [MP, bd]
+            if sc is not None:
+                q = q * sc
+            z = q if z is None else z + q
+        mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
+        hn = plt.load(hn_ref.at[tok[:, None] * (s * d) + (j * d + cols)[None, :]], mask=tmask,
+                      other=0.0).astype(F32)
+        v = rnd(mg * hn, dt)
+        acc = v if acc is None else acc + v
+    plt.store(x_ref.at[tok[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=tmask)
+    if has_inj:
+        @pl.when(i == 0)
+        def _():
+            sj = jnp.arange(s, dtype=jnp.int32)
+            a = None
+            for c in range(ks):
+                v = plt.load(part_ref.at[(c * MP + tok[:, None]) * n_rows + inj_row + sj[None, :]], mask=tmask,
+                             other=0.0)
+                a = v if a is None else a + v
+            vi = rnd(rnd(a, dt) / s, dt)
+            plt.store(injo_ref.at[tok[:, None] * s + sj[None, :]], (2.0 * rnd(jax.nn.sigmoid(vi), dt)).astype(
+                injo_ref.dtype), mask=tmask)
+
+
+def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
+                    interpret: bool = False, tiles: TilesFew | None = None, w_down_scale=None, w_up_scale=None):
+    """`reference.hc_boundary` for 2..MAX_TOKENS tokens (h [..., S*D]); bf16 or FP8 Wdown / Wup (float8_e4m3fn with
+    one fp32 scale per 128x128 block, `w_down_scale` / `w_up_scale`); dense weights are rounded to h.dtype as the
+    reference's products do. Returns (H', x, inj or None)."""
+    lead, sd, s = h.shape[:-1], h.shape[-1], streams
+    d, r = sd // s, w_down.shape[0]
+    m = 1
+    for n in lead:
+        m *= n
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"hc_boundary_few takes 1..{MAX_TOKENS} tokens, got {m}")
+    t = tiles or TilesFew()
+    why = check(s, d, r, t)
+    if why:
+        raise ValueError(f"hc_boundary_few: S={s} D={d} r={r} do not fit {t}: {why}")
+    fp8 = w_down_scale is not None
+    if fp8 != (w_up_scale is not None):
+        raise ValueError("hc_boundary_few: FP8 needs both w_down_scale and w_up_scale")
+    if fp8:
+        want = {"w_down_scale": (-(-r // 128), -(-sd // 128)), "w_up_scale": (-(-sd // 128), -(-r // 128))}
+        for name, a in (("w_down_scale", w_down_scale), ("w_up_scale", w_up_scale)):
+            if tuple(a.shape) != want[name]:
+                raise ValueError(f"hc_boundary_few: {name} {tuple(a.shape)} is not one scale per 128x128 block "
+                                 f"{want[name]}")
+    has_inj = w_inj is not None
+    # pre: the reference's own combine and grouped norm (XLA fuses them; Hn is rounded exactly as the model's)
+    hp = reference.combine(h, y, inj_prev) if y is not None else h
+    hn = reference.grouped_rms_norm(hp, stacked.materialize(hc_norm), eps, d).reshape(m * sd)
+    params = {}
+    if not interpret:
+        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+    flat = stacked.flatten
+    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
+    n_down = -(-r // t.bn)
+    n_prog = n_down + (-(-s // t.bn) if has_inj else 0)
+    n_rows = n_prog * t.bn
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    args = (hn, flat(w_down)) + ((flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ())
+    part = stacked.call(
+        functools.partial(_down_kernel, m=m, sd=sd, r=r, s=s, bn=t.bn, bk=t.bk, n_chunks=sd // (t.ks * t.bk),
+                          n_down=n_down, fp8=fp8, has_inj=has_inj),
+        args, grid=(n_prog, t.ks), in_specs=[whole] * len(args),
+        out_specs=pl.BlockSpec((None, MP, t.bn), lambda n, c: (c, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((t.ks, MP, n_rows), F32),
+        interpret=interpret, name="hc_down_few_fp8" if fp8 else "hc_down_few", **params,
+    )
+    args = (part.reshape(-1), hn, flat(w_up)) + ((flat(f32(w_up_scale)),) if fp8 else ())
+    outs = [jax.ShapeDtypeStruct((m * d,), h.dtype)] + ([jax.ShapeDtypeStruct((m * s,), h.dtype)] if has_inj else [])
+    up = stacked.call(
+        functools.partial(_up_kernel, m=m, s=s, d=d, r=r, bd=t.bd, ks=t.ks, n_rows=n_rows, inj_row=n_down * t.bn,
+                          fp8=fp8, has_inj=has_inj),
+        args, grid=(d // t.bd,), in_specs=[whole] * len(args), out_specs=[whole] * len(outs), out_shape=outs,
+        interpret=interpret, name="hc_up_few_fp8" if fp8 else "hc_up_few", **params,
+    )
+    x = up[0].reshape(*lead, d)
+    inj = up[1].reshape(*lead, s) if has_inj else None
+    return hp, x, inj
