@@ -54,7 +54,8 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
     no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
     2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`):
-    `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token.
+    `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token
+    (also what tiles None runs where no TilesFew fits the shapes: r not a multiple of 16, D without a divisor 16).
     Returns (H' = h + inj_prev * y [..., S*D], x [..., D] the next sublayer's input, inj [..., S] or None)."""
     tokens = 1
     for n in h.shape[:-1]:
@@ -79,8 +80,10 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_down = dequantize("fp8", w_down, w_down_scale).astype(h.dtype)
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
+    from fnx.pallas.hc import few
+    if op == OP_FEW and tiles is None and few.default_tiles(streams, h.shape[-1] // streams, w_down.shape[0]) is None:
+        tiles = kernel.choose_tiles1(streams, h.shape[-1] // streams, w_down.shape[0])   # shapes the MMAs cannot take
     if op == OP_FEW and not isinstance(tiles, kernel.Tiles1):
-        from fnx.pallas.hc import few
         return few.hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                                    interpret=dispatch.interpret_flag(which), tiles=tiles,
                                    w_down_scale=w_down_scale, w_up_scale=w_up_scale)

@@ -69,6 +69,18 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
     return None
 
 
+def default_tiles(s: int, d: int, r: int) -> TilesFew | None:
+    """TilesFew's defaults where they fit (S streams of D, rank r), else the nearest that do (smaller K chunks or
+    fewer splits), else None (D without a power-of-two divisor of 16, r not a multiple of 16)."""
+    base = TilesFew()
+    for bk in (128, 64, 32, 16):
+        for ks in (base.ks, 4, 2, 1):
+            t = dataclasses.replace(base, bk=bk, ks=ks)
+            if check(s, d, r, t) is None:
+                return t
+    return None
+
+
 def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
     """[start, size) pieces covering range(n): powers of two, largest first, none above cap; each starts at a
     multiple of its size (so a piece of at most 128 lies in one 128-block)."""
@@ -196,7 +208,7 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         m *= n
     if not 1 <= m <= MAX_TOKENS:
         raise ValueError(f"hc_boundary_few takes 1..{MAX_TOKENS} tokens, got {m}")
-    t = tiles or TilesFew()
+    t = tiles or default_tiles(s, d, r) or TilesFew()
     why = check(s, d, r, t)
     if why:
         raise ValueError(f"hc_boundary_few: S={s} D={d} r={r} do not fit {t}: {why}")
