@@ -228,15 +228,17 @@ def test_few_token_kernels_lower_for_cuda_released_shapes():
     assert text.count("hc_down1_fp8_few") and text.count("hc_up1_fp8_few")
 
 
-@pytest.mark.parametrize("m,dtype,fp8,with_y,inject", [(5, jnp.float32, True, True, True),
-                                                       (5, jnp.bfloat16, True, True, True),
-                                                       (2, jnp.float32, False, True, True),
-                                                       (8, jnp.bfloat16, False, False, False),
-                                                       (3, jnp.float32, True, True, False)])
-def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject):
+@pytest.mark.parametrize("m,dtype,fp8,with_y,inject,up", [(5, jnp.float32, True, True, True, "mma"),
+                                                          (5, jnp.bfloat16, True, True, True, "mma"),
+                                                          (5, jnp.bfloat16, True, True, True, "gemv"),
+                                                          (2, jnp.float32, False, True, True, "mma"),
+                                                          (8, jnp.bfloat16, False, False, False, "gemv"),
+                                                          (3, jnp.float32, True, True, False, "mma")])
+def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, up):
     """The few-token MMA design (`few.hc_boundary_few`, what op "hc_boundary_few" runs without Tiles1): the XLA
-    norm, then the down and up kernels; S*D = 1280 and r = 48 (partial FP8 blocks, an up piece of 16), two K
-    splits of 64-column chunks. fp32 to 1e-5 (only the order of sums differs), bf16 within TOL."""
+    norm, the down kernel, the XLA mid, the gates and mix ("mma": the up kernel; "gemv": the GEMV dispatch and XLA);
+    S*D = 1280 and r = 48 (partial FP8 blocks, an up piece of 16), two 64-column chunks per down program. fp32 to
+    1e-5 (only the order of sums differs), bf16 within TOL."""
     from fnx.model import quant
     from fnx.pallas.hc import few
     h, y, inj, p = _inputs((1, m), 4, 320, 48, dtype, np.random.randint(1 << 30), inject)
@@ -250,7 +252,7 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject):
         ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     wi = p.get("block_inject_weight")
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
-    tiles = few.TilesFew(ks=2, bk=64)
+    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up)
     got = jax.jit(lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,
                                                   impl=KERNEL, tiles=tiles, **kw))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
@@ -264,7 +266,8 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject):
 def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
     from fnx.pallas.hc import few
     h, y, inj, p = _inputs((1, 2), 4, 320, 48, jnp.bfloat16, 3)
-    for bad, why in ((few.TilesFew(bn=8), "bn=8"), (few.TilesFew(ks=3), "ks=3"), (few.TilesFew(bd=24), "bd=24")):
+    for bad, why in ((few.TilesFew(bn=8), "bn=8"), (few.TilesFew(chunks=3), "chunks=3"),
+                     (few.TilesFew(bd=24, up="mma"), "bd=24"), (few.TilesFew(up="xla"), "up='xla'")):
         with pytest.raises(ValueError, match=why):
             few.hc_boundary_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True, tiles=bad)
     with pytest.raises(ValueError, match="1..8 tokens"):
@@ -275,12 +278,14 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
     acts = [jax.ShapeDtypeStruct((1, m, sd), bf), jax.ShapeDtypeStruct((1, m, d), bf),
             jax.ShapeDtypeStruct((1, m, 4), bf), jax.ShapeDtypeStruct((sd,), bf)]
     inj_w = jax.ShapeDtypeStruct((4, sd), bf)
-    f = jax.jit(lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8]))
+    f = jax.jit(lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],
+                                               tiles=few.TilesFew(up="mma")))
     text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8), inj_w,
                    jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("hc_down_few_fp8") and text.count("hc_up_few_fp8")
-    f = jax.jit(lambda *a: few.hc_boundary_few(*a, streams=4, eps=1e-6))
-    text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), bf), jax.ShapeDtypeStruct((sd, r), bf), inj_w).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("hc_down_few") and text.count("hc_up_few")
+    for up in ("gemv", "mma"):
+        f = jax.jit(lambda *a: few.hc_boundary_few(*a, streams=4, eps=1e-6, tiles=few.TilesFew(up=up)))
+        text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), bf), jax.ShapeDtypeStruct((sd, r), bf), inj_w).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("hc_down_few") and text.count("hc_up_few") == (2 if up == "mma" else 0)

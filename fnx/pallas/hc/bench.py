@@ -23,8 +23,8 @@ from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.hc import api
 
 # the few-token MMA design (few.TilesFew), swept at M = 5 with bf16 and FP8 weights
-SWEEP_FEW = ({}, {"ks": 4}, {"ks": 16}, {"bn": 32}, {"bn": 32, "ks": 4}, {"bn": 32, "ks": 16}, {"bd": 32},
-             {"num_warps": 8}, {"num_warps": 2}, {"bk": 64}, {"bk": 64, "ks": 16}, {"ks": 20}, {"ks": 10})
+SWEEP_FEW = ({}, {"up": "mma"}, {"bn": 32}, {"bn": 128}, {"bn": 16}, {"chunks": 2}, {"bk": 64}, {"num_warps": 2},
+             {"num_warps": 8}, {"up": "mma", "bd": 32}, {"up": "mma", "num_warps": 8})
 
 # the one-token kernels (Tiles1), swept at M = 1 (wround 1: the FP8 weights rounded as before a9d89fd; with the
 # per-weight rounding gone, each program's normalisation of its stream is a larger share of its work: bn 4 halves it)

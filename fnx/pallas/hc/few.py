@@ -1,26 +1,26 @@
-"""The hyper-connection boundary for a few tokens (2..8: the MTP verify window) with MMA tiles and no loops.
+"""The hyper-connection boundary for a few tokens (2..8: the MTP verify window).
 
 Why a third design. The one-token kernels (`pallas.hc_boundary_m1`) fold the combine and the norm into every
 program: at one token that is the cheapest place for them, but over M tokens each of the 5 x 648 programs renormalises
 a whole stream, and the five-token pair took ~31 us (grid) or ~33 us (loop) against ~22 us for XLA's boundary
-(H200). XLA's boundary spends ~8 us streaming the two FP8 weights and the rest on a cuBLAS product with its split-K
-reduce for the 4-row Winj (6.8 us) and six small fusions. Here:
+(H200). XLA's boundary spends ~8 us streaming the two FP8 weights through the GEMV kernels and the rest on a cuBLAS
+product with its split-K reduce for the 4-row Winj (6.8 us) and six small fusions. Here:
 
   pre  (XLA, the reference's own jnp): H' = H + inj_prev * y and Hn = GroupedRMSNorm(H') [M, S*D], once per token.
   down (Pallas, `hc_down_few`): grid (R / bn, ks). Program (n, c) multiplies Hn's columns of split c (tokens padded
         to 16 MMA rows, the padding masked off: no memory read) by rows [n*bn, (n+1)*bn) of [Wdown; Winj] (the
-        programs past Wdown's rows read Winj's S rows): one [16, bk] x [bk, bn] MMA per K chunk, all chunks' loads
-        issued before the first product; FP8 weights go to bf16 exactly and their 128x128 block scale multiplies
-        each chunk's fp32 product (the one-token kernels' `wround=0` arithmetic). fp32 partials [ks, 16, R].
-  up   (Pallas, `hc_up_few`): grid (D / bd,). Program i sums the ks partials of every row for the real tokens, then
-        u = silu(round(round(a) / S)) [16, r] (every program; the partials are 11 KB per split), the gates
-        m_j = sigmoid(round(u @ Wup_j[cols].T)) of its bd columns of each stream (MMAs over r in power-of-two pieces,
-        one scale per FP8 piece), x = round(mean_j round(m_j * Hn_j)) and, in program 0, inj = 2 sigmoid(round(
-        round(a_inj) / S)). x and inj are stored for the M real tokens only.
+        programs past Wdown's rows read Winj's S rows): one [16, bk] x [bk, bn] MMA per K chunk (`chunks` per
+        program, their loads issued first); FP8 weights go to bf16 exactly and the 128x128 block scale multiplies
+        each chunk's fp32 product (the one-token kernels' `wround=0` arithmetic). The real tokens' fp32 partials
+        [ks, M, r + S]. Winj rides in the same launch as Wdown: no cuBLAS product, no second split-K reduce.
+  mid  (XLA, the reference's ops): the splits' sum, rounded as the product's output, / S, silu -> u [M, r]; inj.
+  up   "gemv" (the default): the gates sigmoid(u @ Wup.T) through `fnx.pallas.gemv.api.linear` (its own dispatch)
+        and the reference's mix. "mma" (`hc_up_few`): grid (D / bd,); program i loads its [bd, r] rows of Wup for
+        every stream and u, runs the gate MMAs (r in power-of-two pieces, one scale per FP8 piece), and writes
+        x = round(mean_j round(m_j * Hn_j)) for its columns.
 
-Three launches at most (pre may be one or two XLA fusions), against ~10 for XLA's boundary. bf16 or FP8 Wdown / Wup
-(Winj and hc_norm dense). Each MMA row is one token's products; the norm is XLA's, as on the reference path, so a
-token's bits may differ with the window's length (XLA's reductions at another shape)."""
+bf16 or FP8 Wdown / Wup (Winj and hc_norm dense). Each MMA row is one token's products; the norm is XLA's, as on the
+reference path, so a token's bits may differ with the window's length (XLA's reductions at another shape)."""
 
 from __future__ import annotations
 
@@ -44,10 +44,14 @@ MAX_TOKENS = 8
 
 @dataclasses.dataclass(frozen=True)
 class TilesFew:
-    bn: int = 16            # rows of [Wdown; Winj] per down program (the MMA's N: >= 16, divides 128)
-    ks: int = 8             # splits of the S*D columns (down); S*D / ks a multiple of bk
+    bn: int = 64            # rows of [Wdown; Winj] per down program (the MMA's N: >= 16, divides 128)
     bk: int = 128           # columns per MMA (down): a power of two <= 128, so a chunk lies in one FP8 block
-    bd: int = 16            # columns of each stream per up program (the MMA's N: >= 16, divides D and 128)
+    chunks: int = 1         # K chunks per down program: S*D / (bk * chunks) splits (H200, 2026-12-03: 10 chunks per
+                            # program with their loads issued first ran 26.6 us per down call; the GEMV kernels at
+                            # M = 5 take one chunk per program, 80 splits, and stream Wdown in ~4 us)
+    up: str = "gemv"        # "gemv": the gates through fnx.pallas.gemv (Wup at M tokens) and the mix in XLA;
+                            # "mma": one kernel for the gate MMAs and the mix (u from XLA)
+    bd: int = 16            # up "mma": columns of each stream per program (the MMA's N: >= 16, divides D and 128)
     num_warps: int = 4
     num_stages: int = 1
 
@@ -60,24 +64,21 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
         return f"bn={t.bn}: a power of two in 16..128"
     if not (pow2(t.bk) and 16 <= t.bk <= 128):
         return f"bk={t.bk}: a power of two in 16..128"
-    if not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd:
-        return f"bd={t.bd}: a power of two in 16..128 dividing D={d}"
-    if t.ks < 1 or sd % (t.ks * t.bk):
-        return f"ks={t.ks}, bk={t.bk}: S*D={sd} is not ks whole chunks of bk"
-    if r < 16 or r % 16:
-        return f"r={r}: a multiple of 16 (the up MMAs' K pieces)"
+    if t.chunks < 1 or sd % (t.chunks * t.bk):
+        return f"chunks={t.chunks}, bk={t.bk}: S*D={sd} is not a whole number of splits of chunks x bk"
+    if t.up not in ("gemv", "mma"):
+        return f"up={t.up!r}: 'gemv' or 'mma'"
+    if t.up == "mma" and (not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd or r < 16 or r % 16):
+        return f"up 'mma': bd={t.bd} a power of two in 16..128 dividing D={d}, r={r} a multiple of 16"
     return None
 
 
 def default_tiles(s: int, d: int, r: int) -> TilesFew | None:
-    """TilesFew's defaults where they fit (S streams of D, rank r), else the nearest that do (smaller K chunks or
-    fewer splits), else None (D without a power-of-two divisor of 16, r not a multiple of 16)."""
-    base = TilesFew()
+    """TilesFew's defaults where they fit (S streams of D, rank r), else with a smaller K chunk, else None."""
     for bk in (128, 64, 32, 16):
-        for ks in (base.ks, 4, 2, 1):
-            t = dataclasses.replace(base, bk=bk, ks=ks)
-            if check(s, d, r, t) is None:
-                return t
+        t = TilesFew(bk=bk)
+        if check(s, d, r, t) is None:
+            return t
     return None
 
 
@@ -130,15 +131,15 @@ def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
         if sc is not None:
             p = p * sc
         acc = p if acc is None else acc + p
-    part_ref[...] = acc
+    # the real tokens' rows of part [ks, M, r + S]: Wdown's rows, then Winj's
+    row = jnp.where(is_down, drow, r + irow)
+    ok = (tok < m)[:, None] & (dok | iok)[None, :]
+    plt.store(part_ref.at[(c * m + tok[:, None]) * (r + s * has_inj) + row[None, :]], acc, mask=ok)
 
 
-def _up_kernel(*refs, m, s, d, r, bd, ks, n_rows, inj_row, fp8, has_inj):
-    it = iter(refs)
-    part_ref, hn_ref, wu_ref = next(it), next(it), next(it)
-    su_ref = next(it) if fp8 else None
-    x_ref = next(it)
-    injo_ref = next(it) if has_inj else None
+def _up_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bd, fp8):
+    su_ref = rest[0] if fp8 else None
+    x_ref = rest[-1]
     i = pl.program_id(0)
     dt = hn_ref.dtype
     tok = jnp.arange(MP, dtype=jnp.int32)
@@ -155,24 +156,14 @@ def _up_kernel(*refs, m, s, d, r, bd, ks, n_rows, inj_row, fp8, has_inj):
             if fp8:     # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
                 sc = plt.load(su_ref.at[jnp.full((1, 1), ((j * d + i * bd) // 128) * ncb + k0 // 128, jnp.int32)])
             wt[j, k0] = (w, sc)
-
-    def rowsum(k):                                         # sum over the ks splits of partial columns k [MP, p]
-        a = None
-        for c in range(ks):
-            v = plt.load(part_ref.at[(c * MP + tok[:, None]) * n_rows + k[None, :]], mask=tmask, other=0.0)
-            a = v if a is None else a + v
-        return a
-
-    us = {}
-    for k0, p in pieces:
-        v = rnd(rnd(rowsum(k0 + jnp.arange(p, dtype=jnp.int32)), dt) / s, dt)
-        us[k0] = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt).astype(dt)               # silu, rounded like the model
+    us = {k0: plt.load(u_ref.at[tok[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=tmask,
+                       other=0.0) for k0, p in pieces}                                           # [MP, p]
     acc = None
     for j in range(s):
         z = None
         for k0, p in pieces:
             w, sc = wt[j, k0]
-            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)   # [MP, bd]
+            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)             # [MP, bd]
             if sc is not None:
                 q = q * sc
             z = q if z is None else z + q
@@ -182,18 +173,6 @@ def _up_kernel(*refs, m, s, d, r, bd, ks, n_rows, inj_row, fp8, has_inj):
         v = rnd(mg * hn, dt)
         acc = v if acc is None else acc + v
     plt.store(x_ref.at[tok[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=tmask)
-    if has_inj:
-        @pl.when(i == 0)
-        def _():
-            sj = jnp.arange(s, dtype=jnp.int32)
-            a = None
-            for c in range(ks):
-                v = plt.load(part_ref.at[(c * MP + tok[:, None]) * n_rows + inj_row + sj[None, :]], mask=tmask,
-                             other=0.0)
-                a = v if a is None else a + v
-            vi = rnd(rnd(a, dt) / s, dt)
-            plt.store(injo_ref.at[tok[:, None] * s + sj[None, :]], (2.0 * rnd(jax.nn.sigmoid(vi), dt)).astype(
-                injo_ref.dtype), mask=tmask)
 
 
 def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
@@ -232,25 +211,32 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
     f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
     n_down = -(-r // t.bn)
     n_prog = n_down + (-(-s // t.bn) if has_inj else 0)
-    n_rows = n_prog * t.bn
+    ks = sd // (t.chunks * t.bk)
+    rows = r + (s if has_inj else 0)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     args = (hn, flat(w_down)) + ((flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ())
     part = stacked.call(
-        functools.partial(_down_kernel, m=m, sd=sd, r=r, s=s, bn=t.bn, bk=t.bk, n_chunks=sd // (t.ks * t.bk),
-                          n_down=n_down, fp8=fp8, has_inj=has_inj),
-        args, grid=(n_prog, t.ks), in_specs=[whole] * len(args),
-        out_specs=pl.BlockSpec((None, MP, t.bn), lambda n, c: (c, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((t.ks, MP, n_rows), F32),
+        functools.partial(_down_kernel, m=m, sd=sd, r=r, s=s, bn=t.bn, bk=t.bk, n_chunks=t.chunks, n_down=n_down,
+                          fp8=fp8, has_inj=has_inj),
+        args, grid=(n_prog, ks), in_specs=[whole] * len(args),
+        out_shape=jax.ShapeDtypeStruct((ks * m * rows,), F32),
         interpret=interpret, name="hc_down_few_fp8" if fp8 else "hc_down_few", **params,
     )
-    args = (part.reshape(-1), hn, flat(w_up)) + ((flat(f32(w_up_scale)),) if fp8 else ())
-    outs = [jax.ShapeDtypeStruct((m * d,), h.dtype)] + ([jax.ShapeDtypeStruct((m * s,), h.dtype)] if has_inj else [])
-    up = stacked.call(
-        functools.partial(_up_kernel, m=m, s=s, d=d, r=r, bd=t.bd, ks=t.ks, n_rows=n_rows, inj_row=n_down * t.bn,
-                          fp8=fp8, has_inj=has_inj),
-        args, grid=(d // t.bd,), in_specs=[whole] * len(args), out_specs=[whole] * len(outs), out_shape=outs,
-        interpret=interpret, name="hc_up_few_fp8" if fp8 else "hc_up_few", **params,
-    )
-    x = up[0].reshape(*lead, d)
-    inj = up[1].reshape(*lead, s) if has_inj else None
-    return hp, x, inj
+    # mid (XLA, the reference's own ops): the splits' sum rounded as the product's output, / S, silu; inj
+    a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                       # [M, r (+ S)]
+    u = jax.nn.silu(reference._div(a[:, :r], s))
+    inj = (2 * jax.nn.sigmoid(reference._div(a[:, r:], s))).reshape(*lead, s) if has_inj else None
+    if t.up == "gemv":      # the gates through the GEMV kernels, the mix as the reference's
+        from fnx.pallas.gemv import api as gemv
+        gate = jax.nn.sigmoid(gemv.linear(u, w_up, fmt="fp8" if fp8 else "bf16", scale=w_up_scale))
+        hn4 = hn.reshape(m, s, d)
+        x = jnp.mean(gate.reshape(m, s, d) * hn4, axis=-2)
+    else:
+        args = (u.reshape(-1), hn, flat(w_up)) + ((flat(f32(w_up_scale)),) if fp8 else ())
+        x = stacked.call(
+            functools.partial(_up_kernel, m=m, s=s, d=d, r=r, bd=t.bd, fp8=fp8),
+            args, grid=(d // t.bd,), in_specs=[whole] * len(args),
+            out_shape=jax.ShapeDtypeStruct((m * d,), h.dtype),
+            interpret=interpret, name="hc_up_few_fp8" if fp8 else "hc_up_few", **params,
+        )
+    return hp, x.reshape(*lead, d), inj
