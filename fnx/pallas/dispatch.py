@@ -55,8 +55,9 @@ VERIFIED_ON_GPU = {
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
     "gdn_step": "H200, 2026-12-01, commit d8545d0: tests/pallas/test_gdn.py (all 25; also 1f19306, all 23)",
     "hc_boundary": "H200, 2026-11-30, commit c7a432e: tests/pallas/test_hc.py (all 10)",
-    "hc_boundary_few": "H200, 2026-12-02, commit 2b161d1: tests/pallas/test_hc.py -k few_token_kernels_match "
-                       "(all 4), the 'loop' layout; both layouts ('grid' and 'loop', 8 cases) at commit 0400fd0",
+    "hc_boundary_few": "H200, 2026-12-03, commit 7b48f01: tests/pallas/test_hc.py -k mma_design (all 7), the MMA "
+                       "design (few.py); the per-token kernels (Tiles1): commit 2b161d1 -k few_token_kernels_match "
+                       "(all 4, 'loop'), both layouts ('grid' and 'loop', 8 cases) at commit 0400fd0",
     "gdn_prefill": "H200, 2026-12-02, commit 0400fd0: tests/pallas/test_gdn.py -k chunk (the chunk-scan kernel "
                    "against the reference, and the chunked prefill through it against token-by-token decoding)",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
@@ -96,11 +97,10 @@ AUTO_KEEPS_REFERENCE = {
     # 0.906 with the reference (H200, 4 layers bf16, commit 140df28; BENCHMARKS.md "Sixth H200 session")
     "hc_boundary": "the multi-token boundary (2-32 tokens) measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("
                    + _MODEL_AB + ")",
-    "hc_boundary_few": "measured slower in the MTP round: 4 layers, FP8 + NVFP4, 1K context, H200: 3.618 ms of "
-                       "kernel time per round in 448 kernels with XLA's boundary, against 3.776 ms in 385 with the "
-                       "'loop' kernels (commit 2b161d1, about 33 us per five-token boundary against 19.5) and "
-                       "3.710 ms in 359 with the 'grid' ones (commit 0400fd0, about 31 us; BENCHMARKS.md, "
-                       "thirteenth and fourteenth H200 sessions)",
+    # hc_boundary_few is on (the MMA design, few.py): the 4-layer verify program at 8K (FP8 + NVFP4, served heads,
+    # H200, commit 7b48f01) took 1.049 ms in 188 kernels against 1.111 ms in 212 with XLA's boundary (95f10c8): about
+    # 15 us per five-token boundary against 22.6. The per-token kernels (Tiles1) had measured slower than XLA's (33 and
+    # 31 us per boundary, commits 2b161d1 / 0400fd0)
     # gdn_prefill is on: with "tf32x3" products the chunk pass took 0.42 / 3.07 ms for 1K / 8K tokens against 0.69 /
     # 5.01 ms for XLA's scan (H200, commit 89aa848; the "ieee" products of the first kernel took 6.73 / 53.1 ms)
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "

@@ -185,8 +185,8 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
 def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, monkeypatch):
     """2..8 tokens (an MTP verify window) through the one-token kernels (op "hc_boundary_few"), one program per
     token on a grid axis ("grid") or each program walking the tokens ("loop"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
-    fp32 to 1e-5 (only the order of sums differs), bf16 within TOL. Auto leaves them off (slower in the round), and
-    the multi-token MMA tiles still name the multi-token design."""
+    fp32 to 1e-5 (only the order of sums differs), bf16 within TOL. Auto takes the op on a GPU (its default design
+    is the MMA one, few.py), and the multi-token MMA tiles still name the multi-token design."""
     from fnx.model import quant
     from fnx.pallas import dispatch
     h, y, inj, p = _inputs((1, m), 4, 320, 40, dtype, np.random.randint(1 << 30))
@@ -210,11 +210,11 @@ def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, monkeypatch):
     assert api.choose(KERNEL, None, m, fp8)[0] == api.OP_FEW
     with dispatch.force(KERNEL):
         assert api.choose(None, None, m, fp8)[0] == api.OP_FEW
-    # on a GPU, "auto" leaves them off: their compiled tests passed, but the MTP round measured slower with them
+    # on a GPU, "auto" takes the op (its default is the MMA design, faster than XLA's boundary in the MTP round)
     monkeypatch.setattr(dispatch, "why_unavailable", lambda b: None if b in dispatch.BACKENDS else "unknown")
     monkeypatch.delenv("FNX_KERNELS", raising=False)
-    assert api.OP_FEW in dispatch.VERIFIED_ON_GPU and api.OP_FEW in dispatch.AUTO_KEEPS_REFERENCE
-    assert api.choose(None, None, m, fp8)[1] == "reference"
+    assert api.OP_FEW in dispatch.VERIFIED_ON_GPU and api.OP_FEW not in dispatch.AUTO_KEEPS_REFERENCE
+    assert api.choose(None, None, m, fp8) == (api.OP_FEW, "pallas")
 
 
 def test_few_token_kernels_lower_for_cuda_released_shapes():
