@@ -73,13 +73,20 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
     return None
 
 
-def default_tiles(s: int, d: int, r: int) -> TilesFew | None:
-    """TilesFew's defaults where they fit (S streams of D, rank r), else with a smaller K chunk, else None."""
+def default_tiles(s: int, d: int, r: int, gemv_up: bool = True) -> TilesFew | None:
+    """TilesFew's defaults where they fit (S streams of D, rank r), else with a smaller K chunk, else None.
+    `gemv_up` False (the GEMV kernels take no Wup of this shape): the up kernel ("mma") where it fits."""
     for bk in (128, 64, 32, 16):
-        t = TilesFew(bk=bk)
+        t = TilesFew(bk=bk, up="gemv" if gemv_up else "mma")
         if check(s, d, r, t) is None:
             return t
     return None
+
+
+def gemv_takes_up(m: int, s: int, d: int, r: int, dtype, w_up_dtype, fp8: bool) -> bool:
+    """Whether the GEMV kernels take Wup [S*D, r] at m tokens (else its product would run on XLA's dot)."""
+    from fnx.pallas.gemv import api as gemv
+    return gemv.kernel_applies((m, r), dtype, "fp8" if fp8 else "bf16", (s * d, r), w_dtype=w_up_dtype) is None
 
 
 def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
@@ -187,11 +194,11 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         m *= n
     if not 1 <= m <= MAX_TOKENS:
         raise ValueError(f"hc_boundary_few takes 1..{MAX_TOKENS} tokens, got {m}")
-    t = tiles or default_tiles(s, d, r) or TilesFew()
+    fp8 = w_down_scale is not None
+    t = tiles or default_tiles(s, d, r, gemv_takes_up(m, s, d, r, h.dtype, w_up.dtype, fp8)) or TilesFew()
     why = check(s, d, r, t)
     if why:
         raise ValueError(f"hc_boundary_few: S={s} D={d} r={r} do not fit {t}: {why}")
-    fp8 = w_down_scale is not None
     if fp8 != (w_up_scale is not None):
         raise ValueError("hc_boundary_few: FP8 needs both w_down_scale and w_up_scale")
     if fp8:
