@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from fnx.pallas import stacked
+from fnx.pallas.hc import pallas as kernel
 from fnx.pallas.hc import reference
 from fnx.pallas.kernel_math import rnd
 
@@ -89,18 +90,6 @@ def gemv_takes_up(m: int, s: int, d: int, r: int, dtype, w_up_dtype, fp8: bool) 
     return gemv.kernel_applies((m, r), dtype, "fp8" if fp8 else "bf16", (s * d, r), w_dtype=w_up_dtype) is None
 
 
-def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
-    """[start, size) pieces covering range(n): powers of two, largest first, none above cap; each starts at a
-    multiple of its size (so a piece of at most 128 lies in one 128-block)."""
-    out, start, size = [], 0, cap
-    while start < n:
-        while size > n - start:
-            size //= 2
-        out.append((start, size))
-        start += size
-    return out
-
-
 def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
     it = iter(refs)
     hn_ref, wd_ref = next(it), next(it)
@@ -153,7 +142,7 @@ def _up_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bd, fp8):
     tmask = (tok < m)[:, None]
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     ncb = (r + 127) // 128
-    pieces = _pieces(r, 128)
+    pieces = kernel._pieces(r, 128)
     wt = {}
     for j in range(s):                                     # the weight tiles first: in flight early
         for k0, p in pieces:
@@ -187,26 +176,12 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
     """`reference.hc_boundary` for 2..MAX_TOKENS tokens (h [..., S*D]); bf16 or FP8 Wdown / Wup (float8_e4m3fn with
     one fp32 scale per 128x128 block, `w_down_scale` / `w_up_scale`); dense weights are rounded to h.dtype as the
     reference's products do. Returns (H', x, inj or None)."""
-    lead, sd, s = h.shape[:-1], h.shape[-1], streams
-    d, r = sd // s, w_down.shape[0]
-    m = 1
-    for n in lead:
-        m *= n
-    if not 1 <= m <= MAX_TOKENS:
-        raise ValueError(f"hc_boundary_few takes 1..{MAX_TOKENS} tokens, got {m}")
-    fp8 = w_down_scale is not None
+    lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, MAX_TOKENS, "hc_boundary_few")
+    fp8 = kernel.check_fp8_scales("hc_boundary_few", r, sd, w_down_scale, w_up_scale)
     t = tiles or default_tiles(s, d, r, gemv_takes_up(m, s, d, r, h.dtype, w_up.dtype, fp8)) or TilesFew()
     why = check(s, d, r, t)
     if why:
         raise ValueError(f"hc_boundary_few: S={s} D={d} r={r} do not fit {t}: {why}")
-    if fp8 != (w_up_scale is not None):
-        raise ValueError("hc_boundary_few: FP8 needs both w_down_scale and w_up_scale")
-    if fp8:
-        want = {"w_down_scale": (-(-r // 128), -(-sd // 128)), "w_up_scale": (-(-sd // 128), -(-r // 128))}
-        for name, a in (("w_down_scale", w_down_scale), ("w_up_scale", w_up_scale)):
-            if tuple(a.shape) != want[name]:
-                raise ValueError(f"hc_boundary_few: {name} {tuple(a.shape)} is not one scale per 128x128 block "
-                                 f"{want[name]}")
     has_inj = w_inj is not None
     # pre: the reference's own combine and grouped norm (XLA fuses them; Hn is rounded exactly as the model's)
     hp = reference.combine(h, y, inj_prev) if y is not None else h

@@ -366,6 +366,31 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
             injo_ref[...] = (injs[0] if one else _rows_of(injs, mp, (s,))).astype(dt)
 
 
+def boundary_dims(h, w_down, streams: int, max_tokens: int, who: str):
+    """(lead, S*D, S, D, r, M) of a boundary call: h [..., S*D] holds M tokens in its leading dims, 1..max_tokens."""
+    lead, sd = h.shape[:-1], h.shape[-1]
+    m = 1
+    for n in lead:
+        m *= n
+    if not 1 <= m <= max_tokens:
+        raise ValueError(f"{who} takes 1..{max_tokens} tokens, got {m}")
+    return lead, sd, streams, sd // streams, w_down.shape[0], m
+
+
+def check_fp8_scales(who: str, r: int, sd: int, w_down_scale, w_up_scale) -> bool:
+    """Whether Wdown / Wup are FP8 (their scales given); raises unless both or neither are, each one fp32 scale per
+    128x128 block of its weight (Wdown [r, S*D], Wup [S*D, r])."""
+    fp8 = w_down_scale is not None
+    if fp8 != (w_up_scale is not None):
+        raise ValueError(f"{who}: FP8 needs both w_down_scale and w_up_scale")
+    if fp8:
+        want = {"w_down_scale": (-(-r // 128), -(-sd // 128)), "w_up_scale": (-(-sd // 128), -(-r // 128))}
+        for name, a in (("w_down_scale", w_down_scale), ("w_up_scale", w_up_scale)):
+            if tuple(a.shape) != want[name]:
+                raise ValueError(f"{who}: {name} {tuple(a.shape)} is not one scale per 128x128 block {want[name]}")
+    return fp8
+
+
 def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
                    interpret: bool = False, tiles: Tiles1 | None = None, w_down_scale=None, w_up_scale=None):
     """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims): two kernels, see above.
@@ -376,26 +401,13 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     each weight is dequantized in registers and rounded to h.dtype, as the model's dequantize-then-matmul does
     (Winj stays dense)."""
     dt = h.dtype
-    lead, sd, s = h.shape[:-1], h.shape[-1], streams
-    d, r = sd // s, w_down.shape[0]
-    m = 1
-    for n in lead:
-        m *= n
-    if not 1 <= m <= FEW_MAX_TOKENS:
-        raise ValueError(f"hc_boundary_m1 takes 1..{FEW_MAX_TOKENS} tokens, got {m}")
+    lead, sd, s, d, r, m = boundary_dims(h, w_down, streams, FEW_MAX_TOKENS, "hc_boundary_m1")
     mp = _pow2(m)
     t = tiles or choose_tiles1(s, d, r)
     if s != _pow2(s) or r % t.bn or s % t.bn or d % t.bd:
         raise ValueError(f"hc_boundary (M = 1): S={s} (a power of two), r={r}, D={d} do not fit the tiles {t}")
-    fp8 = w_down_scale is not None
-    if fp8 != (w_up_scale is not None):
-        raise ValueError("hc_boundary (M = 1): FP8 needs both w_down_scale and w_up_scale")
+    fp8 = check_fp8_scales("hc_boundary (M = 1)", r, sd, w_down_scale, w_up_scale)
     if fp8:
-        want = {"w_down_scale": (-(-r // 128), -(-sd // 128)), "w_up_scale": (-(-sd // 128), -(-r // 128))}
-        for name, a in (("w_down_scale", w_down_scale), ("w_up_scale", w_up_scale)):
-            if tuple(a.shape) != want[name]:
-                raise ValueError(f"hc_boundary (M = 1): {name} {tuple(a.shape)} is not one scale per 128x128 "
-                                 f"block {want[name]}")
         if 128 % t.bn or 128 % t.bd:
             raise ValueError(f"hc_boundary (M = 1) FP8: bn={t.bn} and bd={t.bd} must divide the 128-row blocks")
     params = {}
