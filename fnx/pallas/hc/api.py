@@ -55,7 +55,7 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
     2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`):
     `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token
-    (also what tiles None runs where no TilesFew fits the shapes: r not a multiple of 16, D without a divisor 16).
+    (also what tiles None runs where no TilesFew fits the shapes, `few.default_tiles`).
     Returns (H' = h + inj_prev * y [..., S*D], x [..., D] the next sublayer's input, inj [..., S] or None)."""
     tokens = 1
     for n in h.shape[:-1]:
