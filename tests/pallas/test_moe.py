@@ -889,8 +889,8 @@ def test_model_decode_through_the_fused_moe(monkeypatch, tmp_path):
 
 
 def test_auto_takes_the_kernels_only_where_measured_faster(monkeypatch):
-    """With Pallas available (stubbed here), "auto" takes the fused decode kernels for one and five tokens (bf16,
-    FP8 and NVFP4 experts: flat slots at five), the gather path for 6 tokens (not measured), the Pallas prefill
+    """With Pallas available (stubbed here), "auto" takes the fused decode kernels for one to eight tokens (bf16,
+    FP8 and NVFP4 experts: flat slots above one), the gather path for 9 (past the kernels' 8), the Pallas prefill
     blocks for 80 tokens with every expert format, XLA's paths inside a scanned layer group; FNX_KERNELS overrides
     each way."""
     monkeypatch.setattr(dispatch, "why_unavailable", lambda b: None if b in dispatch.BACKENDS else "unknown")
@@ -900,7 +900,8 @@ def test_auto_takes_the_kernels_only_where_measured_faster(monkeypatch):
     for f in ps:
         assert moe._auto_impl(1, K, ps[f], x1) == "decode", f
         assert moe._auto_impl(5, K, ps[f], x5) == "decode", f
-        assert moe._auto_impl(6, K, ps[f], jnp.zeros((6, D), BF16)) == "gather", f
+        assert moe._auto_impl(8, K, ps[f], jnp.zeros((8, D), BF16)) == "decode", f
+        assert moe._auto_impl(9, K, ps[f], jnp.zeros((9, D), BF16)) == "gather", f
     for f in ps:
         assert moe._auto_impl(80, K, ps[f], x80) == "grouped_pallas", f
     with dispatch.in_scanned_layers():        # the experts would be copied out of the layer stacks: reference

@@ -78,8 +78,10 @@ def _scanned_reason() -> str | None:
 # vs 0.727 ms), bf16 58.1 vs 76.6, NVFP4 60.5 vs 94.2; five tokens NVFP4 249.6 vs 268.7 us (the gather path
 # dequantizes 50 expert copies), but FP8 244 vs 178 us and bf16 280 vs 181 (commit a616029): slower. With flat
 # slots (twenty-fourth session, 6abfc64) five tokens take NVFP4 111.1 vs 276.3 us, FP8 140.0 vs 167.2 us and bf16
-# 168.1 vs 180.1 us: every format up to 5 tokens (more are not measured).
-DECODE_AUTO_MAX_TOKENS = {"dense": 5, "fp8_block": 5, "nvfp4": 5}
+# 168.1 vs 180.1 us: every format up to 5 tokens. Eight tokens (twenty-fifth session, 2ac5df2): NVFP4 151.6-162.8
+# vs 416.6 us, FP8 193.7 vs 253.2, bf16 238.3-253.3 vs 247.3 (a tie): every format up to the kernels' 8 tokens
+# (6 and 7 lie between two measured wins; bf16 at 8 is even).
+DECODE_AUTO_MAX_TOKENS = {"dense": 8, "fp8_block": 8, "nvfp4": 8}
 
 
 def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None = None,
