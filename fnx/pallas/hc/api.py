@@ -81,10 +81,10 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
     from fnx.pallas.hc import few
-    d, r = h.shape[-1] // streams, w_down.shape[0]
-    if op == OP_FEW and tiles is None and few.default_tiles(
-            streams, d, r, few.gemv_takes_up(tokens, streams, d, r, h.dtype, w_up.dtype, fp8)) is None:
-        tiles = kernel.choose_tiles1(streams, d, r)     # shapes the MMA design cannot take: the per-token kernels
+    if op == OP_FEW and tiles is None:      # the MMA design's tiles, or the per-token kernels' where none fits
+        d, r = h.shape[-1] // streams, w_down.shape[0]
+        tiles = few.default_tiles(streams, d, r, few.gemv_takes_up(tokens, streams, d, r, h.dtype, w_up.dtype, fp8)
+                                  ) or kernel.choose_tiles1(streams, d, r)
     if op == OP_FEW and not isinstance(tiles, kernel.Tiles1):
         return few.hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                                    interpret=dispatch.interpret_flag(which), tiles=tiles,
