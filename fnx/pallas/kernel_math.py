@@ -63,15 +63,40 @@ mov.b32 {{h0, h1}}, w; cvt.f32.f16 $2, h0; cvt.f32.f16 $3, h1;
 E2M1_ASM_SHIFTS = {"low": (9, 12), "high": (5, 8)}
 
 
-def e2m1_pair_f32(packed, asm: bool = False):
+# The low or the high nibbles of four bytes (one 32-bit word $4 of Triton's `pack` = 4) without byte permutes: the
+# fp16 placement of `e2m1_f16` (sign at bit 15, the three E2M1 bits at 11-9 of each 16-bit half) done on the word
+# shifted so that two bytes' nibbles land in the two halves at once. Low nibbles: bytes 0 and 2 from q << 9 (sign
+# q << 12), bytes 1 and 3 from q << 1 (sign q << 4); high nibbles: bytes 0 and 2 from q << 5 (q << 8), bytes 1 and
+# 3 from q >> 3 (q's own sign bits). $0-$3: the four codes in byte order.
+_E2M1_ASM_Q_PAIR = "{op} t, $4, {a}; and.b32 t, t, 0x0E000E00; {sign} or.b32 {w}, t, u;"
+
+
+def _e2m1_asm_q(half: str) -> str:
+    """`kernel_math` PTX block for the `half` ("low"/"high") nibbles of four bytes (see above)."""
+    shifts = {"low": ((9, 12), (1, 4)), "high": ((5, 8), (-3, 0))}[half]
+    lines = ["{", ".reg .b32 t, u, w0, w1;", ".reg .b16 h0, h1, h2, h3;"]
+    for w, (a, sg) in enumerate(shifts):
+        op = "shl.b32" if a >= 0 else "shr.b32"
+        sign = f"shl.b32 u, $4, {sg}; and.b32 u, u, 0x80008000;" if sg else "and.b32 u, $4, 0x80008000;"
+        lines.append(_E2M1_ASM_Q_PAIR.format(op=op, a=abs(a), sign=sign, w=f"w{w}"))
+    lines += ["mov.b32 {h0, h2}, w0;", "mov.b32 {h1, h3}, w1;"]      # w0: bytes 0 and 2, w1: bytes 1 and 3
+    lines += [f"cvt.f32.f16 ${i}, h{i};" for i in range(4)]
+    return "\n".join(lines + ["}"])
+
+
+def e2m1_pair_f32(packed, asm: bool = False, shifts_only: bool = False):
     """Packed NVFP4 bytes (uint8, low nibble = even column) -> (low, high) nibble values x 2^-14 in fp32, the
     values of `e2m1_f16` (callers fold E2M1_F16_SCALE into a scale). asm=True (inside a Pallas Triton kernel on an
-    NVIDIA GPU only) decodes four bytes per inline-PTX block (`_E2M1_ASM`); the jnp form is the same arithmetic, and
-    what the interpreter runs (it cannot run PTX)."""
+    NVIDIA GPU only) decodes four bytes per inline-PTX block (`_E2M1_ASM`; with shifts_only `_e2m1_asm_q`, the
+    placement from shifts of the whole word, no byte permutes); the jnp form is the same arithmetic, and what the
+    interpreter runs (it cannot run PTX)."""
     if asm:
         from jax.experimental.pallas import triton as plt
         out = jax.ShapeDtypeStruct(packed.shape, F32)
         u8 = packed.astype(jnp.uint8)
+        if shifts_only:     # no byte permutes (`_e2m1_asm_q`)
+            return tuple(plt.elementwise_inline_asm(_e2m1_asm_q(h), args=[u8], constraints="=f,=f,=f,=f,r", pack=4,
+                                                    result_shape_dtypes=[out])[0] for h in ("low", "high"))
         return tuple(plt.elementwise_inline_asm(_E2M1_ASM.format(*E2M1_ASM_SHIFTS[h]), args=[u8],
                                                 constraints="=f,=f,=f,=f,r", pack=4, result_shape_dtypes=[out])[0]
                      for h in ("low", "high"))

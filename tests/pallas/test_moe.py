@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -324,18 +325,20 @@ def test_decode_matches_reference(fmt, m, shared_fmt, group):
 
 @pytest.mark.parametrize("fmt,m,acc,e2m1", [
     ("nvfp4", 1, 1, "f16"), ("nvfp4", 1, 0, "f16"), ("nvfp4", 5, 0, "f16"), ("fp8", 1, 1, "int"),
-    ("bf16", 1, 1, "int"), ("fp8", 4, 1, "int"), ("nvfp4", 1, 1, "asm"), ("nvfp4", 5, 0, "asm")])
+    ("bf16", 1, 1, "int"), ("fp8", 4, 1, "int"), ("nvfp4", 1, 1, "asm"), ("nvfp4", 5, 0, "asm"),
+    ("nvfp4", 1, 1, "asmq"), ("nvfp4", 5, 0, "asmq")])
 def test_decode_variants_match_reference(fmt, m, acc, e2m1):
     """The kernel variants the H200 sweeps: per-row tiles summed once (`acc` 1, one token; more tokens ignore it)
     and E2M1 codes read through fp16 bits (`e2m1` "f16"). The f16 decode gives the same weights, so with `acc` 0
     the output has the same bits as the integer decode. "asm" (the same placement in inline PTX, four bytes at a
-    time) gives the f16 decode's values, so the same bits: compiled, this checks the PTX; the interpreter cannot
-    run PTX and runs the f16 decode, so on the CPU only the rest of the path is checked."""
+    time; "asmq" without byte permutes) gives the f16 decode's values, so the same bits: compiled, this checks the
+    PTX; the interpreter cannot run PTX and runs the f16 decode, so on the CPU only the rest of the path is checked
+    (`test_e2m1_shift_only_ptx_places_the_codes` checks the "asmq" block's text)."""
     args = _decode_args(fmt, m, 20 + m)
     tiles = dataclasses.replace(DT, group=1, acc=acc, e2m1=e2m1)
     got = jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=tiles))(*args)
     _close(got, reference.decode(*args))
-    if e2m1 in ("f16", "asm") and (not acc or e2m1 == "asm"):
+    if e2m1 in ("f16", "asm", "asmq") and (not acc or e2m1 != "f16"):
         base = jax.jit(lambda *a: decode_pallas.moe_decode(
             *a, interpret=INTERPRET, tiles=dataclasses.replace(tiles, e2m1="int" if e2m1 == "f16" else "f16")))(*args)
         np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
@@ -366,7 +369,7 @@ def test_decode_unrounded_weights(fmt, m, shared_fmt, acc, group):
 
 @pytest.mark.parametrize("m,shared_fmt,acc,group,e2m1", [
     (1, "nvfp4", 1, 1, "f16"), (1, "fp8", 0, 0, "int"), (5, "nvfp4", 0, 1, "asm"), (2, "fp8", 0, 0, "f16"),
-    (5, "nvfp4", 1, 1, "asm")])   # acc 1 with several tokens: group-sum tiles per token (group 0: unrounded test)
+    (5, "nvfp4", 1, 1, "asm"), (1, "nvfp4", 1, 1, "asmq")])   # acc 1, several tokens: group-sum tiles per token
 def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
     """`gsum` 1 (NVFP4, wround 0): each 16-value group's products summed, then its scale applied once. Within the
     bound of the reference, and within an fp32 reordering of the per-weight-scale kernel: at most two bf16 ulps
@@ -464,6 +467,49 @@ def test_e2m1_f16_codes():
     got = np.asarray(decode_pallas._e2m1_f16(codes)) * kernel_math.E2M1_F16_SCALE
     np.testing.assert_array_equal(got, np.asarray(reference.e2m1_bits_to_f32(codes)))
     assert list(got[:8]) == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _run_ptx(asm, regs):
+    """The integer subset of PTX the "asmq" block uses (shl, shr, and, or on b32, mov of a b32 into two b16 halves,
+    cvt.f32.f16), run on NumPy arrays: regs maps operand names to uint32 arrays; returns the registers after."""
+    regs = dict(regs)
+    body = "\n".join(ln for ln in asm.splitlines() if not ln.startswith((".reg", "{", "}")))
+    for stmt in filter(None, (st.strip() for st in body.replace("\n", " ").split(";"))):
+        op, rest = stmt.split(" ", 1)
+        args = [a.strip() for a in re.sub(r"[{}]", "", rest).split(",")]
+        val = lambda a: regs[a] if a in regs else np.uint32(int(a, 0))  # noqa: E731
+        if op == "shl.b32":
+            regs[args[0]] = val(args[1]) << np.uint32(int(args[2]))
+        elif op == "shr.b32":
+            regs[args[0]] = val(args[1]) >> np.uint32(int(args[2]))
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[args[0]] = val(args[1]) | val(args[2])
+        elif op == "mov.b32":           # mov.b32 {lo, hi}, w
+            w = regs[args[2]]
+            regs[args[0]], regs[args[1]] = (w & 0xFFFF).astype(np.uint16), (w >> 16).astype(np.uint16)
+        elif op == "cvt.f32.f16":
+            regs[args[0]] = regs[args[1]].view(np.float16).astype(np.float32)
+        else:
+            raise AssertionError(f"PTX op {op} is outside the emulated subset")
+    return regs
+
+
+def test_e2m1_shift_only_ptx_places_the_codes():
+    """e2m1 "asmq" (`kernel_math._e2m1_asm_q`): each block's text, run instruction by instruction on 32-bit words
+    (every byte value in every position, and random words), gives for each of the four bytes its low (or high)
+    nibble's `e2m1_f16` value in byte order, the same bits as the jnp decode the interpreter runs."""
+    rng = np.random.default_rng(3)
+    q = np.concatenate([np.arange(256, dtype=np.uint32) * np.uint32(0x01010101),
+                        rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    by = q.view(np.uint8).reshape(-1, 4)
+    for half, shift in (("low", 0), ("high", 4)):
+        out = _run_ptx(kernel_math._e2m1_asm_q(half), {"$4": q})
+        for b in range(4):
+            codes = jnp.asarray((by[:, b].astype(np.uint32) >> shift) & 0xF)
+            want = np.asarray(kernel_math.e2m1_f16(codes).astype(jnp.float32))
+            np.testing.assert_array_equal(out[f"${b}"].view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("impl", [KERNEL, "reference"])
@@ -710,6 +756,40 @@ def test_decode_flat_slots(case, fmt, group, variant):
     for bad in (dict(group=3), dict(group=0), dict(group=1, meta=1), dict(group=1, tok=1)):
         with pytest.raises(NotImplementedError, match="flat 1"):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, **bad))
+
+
+@pytest.mark.parametrize("fmt,m,variant", [("nvfp4", 1, "served"), ("nvfp4", 4, "servedq"), ("fp8", 4, "flat"),
+                                            ("bf16", 1, "flat"), _ext("nvfp4", 4, "owner"), _ext("fp8", 1, "owner")])
+def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):
+    """DecodeTiles.x2d 1: the activations loaded as tiles shaped like the weight tiles (NVFP4: x passed with each
+    chunk's even columns first, then its odd, and the act rows written so by the gate/up kernel): the same output
+    bits as the vector loads for NVFP4 (FP8 and bf16 within one bf16 step: see below), one token and several (flat slots, owner slots), every expert format, once with an
+    FP8 shared expert under NVFP4 routed ones (the shared expert's inputs stay vectors). `pair_columns` is a
+    permutation within each chunk that `_paired_cols` inverts; refusals name x2d."""
+    args = _decode_args(fmt, m, 80, shared_fmt="fp8" if variant == "served" and m == 1 else None,
+                        ids=_case_ids("pairs", m) if m == 4 else None)
+    if variant.startswith("served"):     # "servedq": with the shift-only PTX decode
+        base = dataclasses.replace(decode_pallas.MEASURED["nvfp4"], bn=16, cw=128, bn2=64, cw2=64, flat=1,
+                                   e2m1="asmq" if variant == "servedq" else "asm")
+    else:
+        base = dataclasses.replace(DT, acc=1, wround=0, flat=int(variant == "flat"), group=1,
+                                   e2m1="f16" if fmt == "nvfp4" else "int")
+    want = _run_tiles(args, base)
+    got = _run_tiles(args, dataclasses.replace(base, x2d=1))
+    if fmt == "nvfp4":
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    else:   # the interpreter's XLA may contract a product and its add into an fma in one form only: one bf16 step
+        np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=0)
+    _close(got, reference.decode(*args))
+    x = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
+    p = decode_pallas.pair_columns(x, 64)
+    np.testing.assert_array_equal(np.asarray(p[:, :32]), np.asarray(x[:, 0:64:2]))
+    np.testing.assert_array_equal(np.asarray(p[:, 96:128]), np.asarray(x[:, 65:128:2]))
+    cols = jnp.arange(256, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(p[0])[np.asarray(decode_pallas._paired_cols(cols, 64))], np.asarray(x[0]))
+    for bad in (dict(tok=1, group=0, flat=0), dict(x2d=2)):
+        with pytest.raises(NotImplementedError, match="x2d"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, **{"x2d": 1, **bad}))
 
 
 def test_tokens_tiles_override(monkeypatch):

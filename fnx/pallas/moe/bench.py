@@ -16,6 +16,7 @@ set's 16 hot experts afresh) and the rotation streams from HBM."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ import numpy as np
 
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.moe import api, reference
-from fnx.pallas.moe.decode_pallas import DecodeTiles
+from fnx.pallas.moe.decode_pallas import DecodeTiles, default_tiles, tiles_override
 from fnx.pallas.moe.experts_pallas import Tiles
 
 F32 = jnp.float32
@@ -77,6 +78,23 @@ BF16 = jnp.bfloat16
 # Every fused case is checked against the reference layer on its first argument set ("check" in the record: a
 # variant that computes something else says "mismatch"). (At five tokens FP8 runs these tiles too: e2m1 means
 # nothing there, and dot 1 on FP8 needs 128-column chunks: those cases are refused with the reason.)
+SWEEP_ENV = "FNX_MOE_SWEEP"    # "fields;fields;...": variants of each (format, M)'s default tiles, e.g. "x2d=1;e2m1=asmq"
+_FMT = {"bf16": "dense", "fp8": "fp8_block", "nvfp4": "nvfp4"}
+
+
+def _env_variants(fmt: str, m: int, d: int, inter: int, inter_s: int) -> list:
+    """`FNX_MOE_SWEEP`'s variants of the default tiles for this format and M (an e2m1 field only for NVFP4),
+    then the default again (a bracket within the case list: the same program timed after the variants)."""
+    specs = [p.strip() for p in os.environ.get(SWEEP_ENV, "").split(";") if p.strip()]
+    out = []
+    for spec in specs:
+        over = tiles_override(spec, SWEEP_ENV)
+        if "e2m1" in over and fmt != "nvfp4":
+            continue
+        out.append(("fused", dataclasses.replace(default_tiles(d, inter, inter_s, _FMT[fmt], m), **over)))
+    return out + [("fused", "again")] if out else out
+
+
 _SWEEP_M1: list = []
 _SWEEP_M5: list = []
 _SWEEP_NVFP4: list = []
@@ -167,10 +185,14 @@ def cases(quick: bool) -> list[BenchCase]:
                 if router_kind == "random" and not quick:   # tiles of the fused kernels
                     sweep = _SWEEP_M5 if m > 1 else _SWEEP_NVFP4 if fmt == "nvfp4" else _SWEEP_M1
                     variants += [("fused", DecodeTiles(*t)) for t in sweep]
+                    variants += _env_variants(fmt, m, d, inter, inter_s)
                 variants += [("reference", None), ("pallas", None)]
                 ref_layer = jax.tree_util.Partial(layer, top_k=top_k, impl="reference")   # one check per shape
                 for impl, tiles in variants:
-                    name = impl if tiles is None else "fused:" + ",".join(map(str, dataclasses.astuple(tiles)))
+                    if tiles == "again":
+                        name, tiles = "fused(again)", None
+                    else:
+                        name = impl if tiles is None else "fused:" + ",".join(map(str, dataclasses.astuple(tiles)))
                     out.append(BenchCase(
                         kernel="moe_decode", shape=f"M={m} E={n_exp} K={top_k} D={d} I={inter} {fmt} {router_kind}",
                         impl=name, fn=jax.tree_util.Partial(layer, top_k=top_k, impl=impl, tiles=tiles),

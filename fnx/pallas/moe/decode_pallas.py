@@ -67,7 +67,7 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
-E2M1_DECODES = ("int", "f16", "asm", "hfma", "hfmab")
+E2M1_DECODES = ("int", "f16", "asm", "asmq", "hfma", "hfmab")
 _HFMA = ("hfma", "hfma_jnp", "hfmab", "hfmab_jnp")     # "_jnp": the interpreter's form of the PTX block
 
 
@@ -90,7 +90,8 @@ class DecodeTiles:
     e2m1: str = "int"    # NVFP4 codes: "int" (fp32 bits built from the fields), "f16" (the code placed as fp16
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
-                         # a GPU only, the interpreter runs "f16"): the same values. "hfma" (one token, gsum 1,
+                         # a GPU only, the interpreter runs "f16"), "asmq" (the same placed from shifts of the
+                         # whole 32-bit word, no byte permutes: `kernel_math._e2m1_asm_q`): the same values. "hfma" (one token, gsum 1,
                          # acc 1): each group's codes decoded and multiplied with the activations in half2 inside one
                          # inline-PTX block (`kernel_math.e2m1_hfma_group_sums`), the activations scaled by a power
                          # of two per row into fp16's range first; the interpreter runs the same fp16 arithmetic.
@@ -148,6 +149,12 @@ class DecodeTiles:
                          # expert. An expert two tokens chose is read by both slots (the second read mostly from L2;
                          # at five tokens ~48 of the 50 pairs hold distinct experts). Needs group g dividing K, meta 0,
                          # tok 0 and dot 0; the one-token tiles apply (`default_tiles`). One token: the same kernels
+    x2d: int = 0         # 1 = the activations of the routed products loaded as [rows, columns] tiles shaped like the
+                         # weight tiles (Triton gives both one register layout: no shared-memory round trip to spread
+                         # one activation vector over the rows); NVFP4 reads its even and odd columns as two contiguous
+                         # halves: x is passed with each cw chunk's even columns first, then its odd (`pair_columns`,
+                         # one XLA op), and the gate/up kernel writes the activation rows so for the down kernel's cw2
+                         # chunks. The same products in the same order. Not with e2m1 "hfma"/"hfmab", dot or tok
 
 
 def _pow2(n: int) -> int:
@@ -215,7 +222,7 @@ def _group_sums(g, xs):
     rows, half = g.codes[0].shape
     part = None
     for c, x in zip(g.codes, xs):
-        t = jnp.sum((c * x[None, :]).reshape(rows, half // 8, 8), axis=2)
+        t = jnp.sum((c * _bx(x)).reshape(rows, half // 8, 8), axis=2)
         part = t if part is None else part + t
     return part * g.sc
 
@@ -233,12 +240,12 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
         group = 16
         p, sc, s2 = raw
         sc = sc.astype(F32)
-        if e2m1 in ("f16", "asm") + _HFMA:
+        if e2m1 in ("f16", "asm", "asmq") + _HFMA:
             sc = sc * kernel_math.E2M1_F16_SCALE
         if e2m1 in _HFMA:
             return _Packed(p, sc, e2m1)      # `check`: gsum 1, wround 0
-        if e2m1 == "asm":
-            codes = kernel_math.e2m1_pair_f32(p, asm=True)
+        if e2m1 in ("asm", "asmq"):
+            codes = kernel_math.e2m1_pair_f32(p, asm=True, shifts_only=e2m1 == "asmq")
         else:
             p = p.astype(jnp.uint32)
             code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
@@ -291,14 +298,48 @@ def _rows(acc, rs):
     return acc if rs is None else acc * rs
 
 
-def _xs(ref, lead, c0, cw, halves):
+def _xs(ref, lead, c0, cw, halves, rows: int = 0):
     """Activation columns [c0, c0+cw) of ref[lead] in fp32: one vector, or for NVFP4 weights the even and the odd
     columns (strided loads). Unmasked: a slot that owns no expert reads its (unwritten) act rows too, and its
-    products are discarded with `where`, never added."""
+    products are discarded with `where`, never added. rows > 0 (`DecodeTiles.x2d`): each piece as a [rows, n] tile
+    (every row the same), and NVFP4's halves are the chunk's two contiguous halves of a row stored as
+    `pair_columns` leaves it (even columns first, then odd)."""
     lead = tuple(jnp.int32(i) if isinstance(i, int) else i for i in lead)
+    if rows:
+        n = cw // 2 if halves else cw
+        cols = lax.broadcasted_iota(jnp.int32, (rows, n), 1)
+        at = tuple(jnp.full(cols.shape, i, jnp.int32) for i in lead)
+        return [ref[(*at, c0 + h * n + cols)].astype(F32) for h in range(2 if halves else 1)]
     if halves:
         return [ref[(*lead, pl.ds(c0 + h, cw // 2, stride=2))].astype(F32) for h in (0, 1)]
     return [ref[(*lead, pl.ds(c0, cw))].astype(F32)]
+
+
+def _bx(x):
+    """An activation piece against a [rows, n] weight tile: a vector as one row, an x2d tile as it is."""
+    return x if x.ndim == 2 else x[None, :]
+
+
+def pair_columns(x, cw: int):
+    """x [..., N] with each chunk of cw columns reordered to its even columns, then its odd: the NVFP4 activation
+    layout of `DecodeTiles.x2d` (a byte's low nibble multiplies an even column, its high nibble the odd one)."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    return jnp.swapaxes(x.reshape(*lead, n // cw, cw // 2, 2), -1, -2).reshape(*lead, n)
+
+
+def _paired_cols(cols, cw: int):
+    """Where `pair_columns` with chunks of cw puts each of the columns `cols` (int32)."""
+    r = cols % cw
+    return cols - r + (r % 2) * (cw // 2) + r // 2
+
+
+def _store_act(act_ref, s, i, rg, a, pair):
+    """act[s, i, rg:rg+len(a)] = a, or with pair > 0 at the columns `pair_columns(., pair)` gives them."""
+    if not pair:
+        act_ref[s, i, pl.ds(rg, a.shape[0])] = a
+        return
+    cols = _paired_cols(rg + lax.broadcasted_iota(jnp.int32, a.shape, 0), pair)
+    act_ref[jnp.full(cols.shape, s, jnp.int32), jnp.full(cols.shape, i, jnp.int32), cols] = a
 
 
 def _hfma(e2m1, fmt) -> bool:
@@ -351,7 +392,7 @@ def _part_sums(ws, xs):
     part = None
     for w, x in zip(ws, xs):
         rows, n = w.shape
-        t = jnp.sum((w * x[None, :]).reshape(rows, n // per, per), axis=2)
+        t = jnp.sum((w * _bx(x)).reshape(rows, n // per, per), axis=2)
         part = t if part is None else part + t
     return part
 
@@ -360,16 +401,16 @@ def _rowdot(ws, xs):
     """sum_c w[r, c] * x[c] in fp32 over the tile pieces: [rows]."""
     if isinstance(ws, _Grouped):
         return jnp.sum(_group_sums(ws, xs), axis=1)
-    acc = jnp.sum(ws[0] * xs[0][None, :], axis=1)
+    acc = jnp.sum(ws[0] * _bx(xs[0]), axis=1)
     for w, x in zip(ws[1:], xs[1:]):
-        acc = acc + jnp.sum(w * x[None, :], axis=1)
+        acc = acc + jnp.sum(w * _bx(x), axis=1)
     return acc
 
 
 def _tile_fma(acc, ws, xs):
     """acc (a tuple of tiles shaped like ws, or None) + w * x elementwise, per tile piece: no reduction (group
     sums: one [rows, cw/16] tile of scaled group sums)."""
-    prods = [_group_sums(ws, xs)] if isinstance(ws, _Grouped) else [w * x[None, :] for w, x in zip(ws, xs)]
+    prods = [_group_sums(ws, xs)] if isinstance(ws, _Grouped) else [w * _bx(x) for w, x in zip(ws, xs)]
     return tuple(prods) if acc is None else tuple(a + p for a, p in zip(acc, prods))
 
 
@@ -459,7 +500,9 @@ def _token_row(tile, i):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False):
+                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, act_pair=0):
+    # x2d: x's pieces as [bn, .] tiles (`DecodeTiles.x2d`; NVFP4: x arrives paired); act_pair > 0: the activation rows
+    # stored paired in chunks of act_pair columns (the down kernel's NVFP4 x2d layout)
     if meta == 1:
         own_ref, hit_ref, *rest = rest
     if meta == 2:       # this kernel finds the slot metadata and writes it for the down kernel
@@ -527,14 +570,14 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
                 if hf:
                     xv = _hx(x_ref, (xrow(0),), c * cw, cw, up, e2m1)
                 else:
-                    xv = _xs(x_ref, (xrow(0),), c * cw, cw, fmt == "nvfp4")
+                    xv = _xs(x_ref, (xrow(0),), c * cw, cw, fmt == "nvfp4", bn if x2d else 0)
                 tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
                 tu = _tile_fma(tu, deq(raw_u[c]), _scaled(xv, cs[c][1]))
             sg_, su_ = _tiles_sum(tg), _tiles_sum(tu)
             if hf:
                 sg_, su_ = sg_ * down, su_ * down
             a = _silu_mul(rnd(_rows(sg_, rs_g), dt), rnd(_rows(su_, rs_u), dt), dt)
-            act_ref[s, 0, pl.ds(rg, bn)] = a.astype(dt)
+            _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
             return
         if m == 1:
             hits = None
@@ -550,7 +593,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
             def token(i, acc):
                 for c in range(nk):
-                    xv = _xs(x_ref, (xrow(i),), c * cw, cw, fmt == "nvfp4")
+                    xv = _xs(x_ref, (xrow(i),), c * cw, cw, fmt == "nvfp4", bn if x2d else 0)
                     acc = (acc[0] + part(deq(raw_g[c]), _scaled(xv, cs[c][0])),
                            acc[1] + part(deq(raw_u[c]), _scaled(xv, cs[c][1])))
                 return acc
@@ -559,14 +602,14 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             wg, wu = deq(raw_g[c]), deq(raw_u[c])
 
             def add(i, acc, wg=wg, wu=wu, c=c):
-                xv = _xs(x_ref, (xrow(i),), c * cw, cw, fmt == "nvfp4")
+                xv = _xs(x_ref, (xrow(i),), c * cw, cw, fmt == "nvfp4", bn if x2d else 0)
                 return acc[0] + part(wg, _scaled(xv, cs[c][0])), acc[1] + part(wu, _scaled(xv, cs[c][1]))
             accs = _accumulate(m, hits, accs, add, branch)
         if gtiles:
             accs = [(jnp.sum(a, axis=1), jnp.sum(b, axis=1)) for a, b in accs]
         for i in range(m):      # tokens not routed here: silu(0) * 0 = 0 with a branch; never read by the down kernel
             a = _silu_mul(rnd(_rows(accs[i][0], rs_g), dt), rnd(_rows(accs[i][1], rs_u), dt), dt)
-            act_ref[s, i, pl.ds(rg, bn)] = a.astype(dt)
+            _store_act(act_ref, s, i, rg, a.astype(dt), act_pair)
 
     if owner is None:
         body()
@@ -607,7 +650,7 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True, dot=0, flat_slots=False):
+                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -674,7 +717,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
             def token(i, a):
                 for c in range(nk):
-                    xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"),
+                    xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4", bn if x2d else 0),
                                  _col_scale(fmt, raw[c], cw, wround))
                     a = a + part(_deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum), xv)
                 return a
@@ -686,7 +729,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
             def add(i, a, w_c=w_c, c=c, cs=cs):
                 if hf:
                     return a + _rowdot(w_c, _hx(act_ref, (s, i), c * cw, cw, up, e2m1))
-                xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4"), cs)
+                xv = _scaled(_xs(act_ref, (s, i), c * cw, cw, fmt == "nvfp4", bn if x2d else 0), cs)
                 return a + part(w_c, xv)
             acc = _accumulate(m, routed, acc, add, branch)
         if gtiles:
@@ -817,6 +860,8 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
     if t.flat and m > 1 and (t.group == 0 or k % t.group or t.meta or t.tok or t.dot):
         return f"tiles {t}: flat 1 gives each (token, k) slot its own token: it needs a group of slots per down " \
                f"program that divides K = {k} (a group never spans two tokens), meta 0, tok 0 and dot 0"
+    if t.x2d not in (0, 1) or (t.x2d and (t.e2m1 in _HFMA or t.dot or t.tok)):
+        return f"tiles {t}: x2d must be 0 or 1, and x2d 1 (activation tiles) takes no e2m1 'hfma'/'hfmab', dot or tok"
     one_token = m == 1 or t.flat
     if t.e2m1 in ("hfma", "hfmab") and (not one_token or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
@@ -975,7 +1020,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
-    if interpret and tiles.e2m1 == "asm":     # the interpreter runs no PTX: the same values through jnp
+    if interpret and tiles.e2m1 in ("asm", "asmq"):     # the interpreter runs no PTX: the same values in jnp
         tiles = dataclasses.replace(tiles, e2m1="f16")
     if interpret and tiles.e2m1 in ("hfma", "hfmab"):    # the PTX block's fp16 arithmetic in jnp
         tiles = dataclasses.replace(tiles, e2m1=tiles.e2m1 + "_jnp")
@@ -991,6 +1036,9 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     flat_ids = ids.reshape(-1).astype(jnp.int32)
     rw = w.reshape(-1).astype(dt)
     meta = slot_meta(ids, w, dt) if tiles.meta == 1 else ()
+    x2d = bool(tiles.x2d)
+    x_in = pair_columns(x, tiles.cw) if x2d and fmt1 == "nvfp4" else x     # NVFP4 x2d: each chunk's halves contiguous
+    act_pair = tiles.cw2 if x2d and fmt2 == "nvfp4" else 0
     act_shape = jax.ShapeDtypeStruct((n_slots, km, inter), dt)
     meta_shapes = (jax.ShapeDtypeStruct((n_slots,), jnp.int32), jax.ShapeDtypeStruct((n_slots * m,), jnp.int32),
                    jax.ShapeDtypeStruct((n_slots * m,), F32))
@@ -998,8 +1046,9 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         functools.partial(_gate_up_kernel, fmt=fmt1, m=km, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
                           bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                           meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot, flat_slots=flat),
-        (flat_ids, x, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot, flat_slots=flat,
+                          x2d=x2d, act_pair=act_pair),
+        (flat_ids, x_in, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
         out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
         grid=(n_slots, inter // tiles.bn),
         interpret=interpret, name="moe_decode_gate_up",
@@ -1026,7 +1075,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                           inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
                           offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                           wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot, flat_slots=flat),
+                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot, flat_slots=flat,
+                          x2d=x2d),
         (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
         out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
         grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
