@@ -937,6 +937,9 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # slots per down program; 148.8 with one, 146.0 with one-warp programs), where XLA's gather path takes 276.3 (NVFP4)
 # and 167.2 us (FP8); bf16 experts 280.6 -> 168.1 us (4-column gate/up and one-warp down programs; XLA 180.1).
 # So flat slots are the several-token default of every format.
+# The twenty-sixth session (19088ee): activation tiles (x2d 1) and the shift-only PTX decode (e2m1 "asmq") cut the
+# NVFP4 programs' SASS by 8-11% but not their time (4-layer verify program at 8K: gate/up 196.4 -> 192.6 us, down
+# 112.7 -> 119.0 us per call; the harness within its noise): both stay off.
 MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_warps2=1),
                    "fp8_block": dataclasses.replace(MEASURED["fp8_block"], flat=1, group=2),
                    "dense": dataclasses.replace(MEASURED["dense"], flat=1, bn=4, num_warps2=1)}

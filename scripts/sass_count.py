@@ -1,0 +1,117 @@
+"""Instructions per kind of the MoE decode kernels' SASS, on a machine without a GPU.
+
+The two Pallas kernels are lowered for CUDA on the CPU (`lowering_platforms=("cuda",)`) at the released shapes, the
+Triton IR of each launch is printed as text, and a stock Triton wheel compiles it for sm_90 (its own `ptxas`; no GPU
+is needed) in a separate interpreter; `cuobjdump` gives the SASS and the registers. The stock Triton is not the
+one XLA embeds, so the counts show the shape of the code (what a change adds or removes), not the device's bits.
+
+Setup once (Triton stays out of the project's environment):
+    python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.5.0
+Run:
+    python scripts/sass_count.py nvfp4 1                 # the served tiles at one token
+    python scripts/sass_count.py nvfp4 5 x2d=1,e2m1=asmq # DecodeTiles fields replaced (`tiles_override` syntax)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax._src.lib import triton as jax_triton  # noqa: E402  (its dialect prints the IR in Triton's own syntax)
+from jax._src.lib.mlir import ir  # noqa: E402  (the lowered module's custom calls carry the Triton IR as bytecode)
+
+from fnx.model import quant  # noqa: E402
+from fnx.pallas.moe import decode_pallas  # noqa: E402
+
+S = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+FMT = {"bf16": "dense", "fp8": "fp8_block", "nvfp4": "nvfp4"}
+
+_COMPILE = """
+import sys, triton
+from triton.backends.compiler import GPUTarget
+k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32), options={"num_warps": int(sys.argv[2]), "num_stages": 1})
+open(sys.argv[3], "wb").write(k.asm["cubin"])
+"""
+
+
+def _spec(shape, fmt):
+    if fmt == "bf16":
+        return S(shape, BF16)
+    if fmt == "nvfp4":
+        return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
+                           jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
+    return quant.Fp8Block(S(shape, jnp.float8_e4m3fn),
+                          S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128), jnp.float32))
+
+
+def triton_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, str]]:
+    """(name, num_warps, Triton IR text) of each launch of `moe_decode` at the released shapes."""
+    n_exp, top_k, d, inter = 512, 10, 2560, 640
+    fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
+    lowered = jax.jit(fn).trace(
+        S((m, d), BF16), S((m, top_k), BF16), S((m, top_k), jnp.int32), _spec((n_exp, 2 * inter, d), fmt),
+        _spec((n_exp, d, inter), fmt), S((m, inter), BF16), S((m, inter), BF16), S((m, 1), BF16),
+        _spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
+    out = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for o in block.operations:
+                    if o.operation.name == "stablehlo.custom_call" and \
+                            "triton" in str(o.attributes["call_target_name"]):
+                        cfg = o.attributes["mhlo.backend_config"]
+                        ctx = ir.Context()
+                        jax_triton.dialect.register_dialect(ctx)
+                        module = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes, context=ctx)
+                        out.append((ir.StringAttr(cfg["name"]).value, ir.IntegerAttr(cfg["num_warps"]).value,
+                                    module.operation.get_asm(enable_debug_info=False)))
+                    walk(o.operation)
+    walk(lowered.compiler_ir().operation)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("fmt", choices=sorted(FMT))
+    ap.add_argument("m", type=int)
+    ap.add_argument("fields", nargs="?", default="", help="DecodeTiles fields to replace: name=value,...")
+    ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
+    args = ap.parse_args()
+    tiles = decode_pallas.default_tiles(2560, 640, 640, FMT[args.fmt], args.m)
+    tiles = dataclasses.replace(tiles, **decode_pallas.tiles_override(args.fields, "fields"))
+    bin_dir = subprocess.run([args.python, "-c", "import os, triton; print(os.path.join(os.path.dirname("
+                              "triton.__file__), 'backends', 'nvidia', 'bin'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    print(tiles)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, warps, text in triton_kernels(args.fmt, args.m, tiles):
+            src, cubin = os.path.join(tmp, f"{name}.ttir"), os.path.join(tmp, f"{name}.cubin")
+            with open(src, "w") as f:
+                f.write(text)
+            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin], check=True)
+            sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                  text=True, check=True).stdout
+            res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,
+                                 text=True, check=True).stdout
+            ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)
+            regs = re.search(r"REG:(\d+)", res)
+            kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))
+            print(f"{name}: {len(ops)} instructions, {regs.group(1) if regs else '?'} registers, {warps} warps; "
+                  f"{kinds}")
+
+
+if __name__ == "__main__":
+    main()
