@@ -41,7 +41,8 @@ FMT = {"bf16": "dense", "fp8": "fp8_block", "nvfp4": "nvfp4"}
 _COMPILE = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
-k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32), options={"num_warps": int(sys.argv[2]), "num_stages": 1})
+opts = {"num_warps": int(sys.argv[2]), "num_stages": 1}
+k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32), options=opts)
 open(sys.argv[3], "wb").write(k.asm["cubin"])
 """
 

@@ -72,7 +72,7 @@ _E2M1_ASM_Q_PAIR = "{op} t, $4, {a}; and.b32 t, t, 0x0E000E00; {sign} or.b32 {w}
 
 
 def _e2m1_asm_q(half: str) -> str:
-    """`kernel_math` PTX block for the `half` ("low"/"high") nibbles of four bytes (see above)."""
+    """The PTX block for the `half` ("low" / "high") nibbles of four bytes (see above)."""
     shifts = {"low": ((9, 12), (1, 4)), "high": ((5, 8), (-3, 0))}[half]
     lines = ["{", ".reg .b32 t, u, w0, w1;", ".reg .b16 h0, h1, h2, h3;"]
     for w, (a, sg) in enumerate(shifts):

@@ -763,9 +763,10 @@ def test_decode_flat_slots(case, fmt, group, variant):
 def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):
     """DecodeTiles.x2d 1: the activations loaded as tiles shaped like the weight tiles (NVFP4: x passed with each
     chunk's even columns first, then its odd, and the act rows written so by the gate/up kernel): the same output
-    bits as the vector loads for NVFP4 (FP8 and bf16 within one bf16 step: see below), one token and several (flat slots, owner slots), every expert format, once with an
-    FP8 shared expert under NVFP4 routed ones (the shared expert's inputs stay vectors). `pair_columns` is a
-    permutation within each chunk that `_paired_cols` inverts; refusals name x2d."""
+    bits as the vector loads for NVFP4 (FP8 and bf16 within one bf16 step: see below), one token and several
+    (flat slots, owner slots), every expert format, once with an FP8 shared expert under NVFP4 routed ones (the
+    shared expert's inputs stay vectors); "servedq" with the shift-only PTX decode ("f16" in the interpreter).
+    `pair_columns` is a permutation within each chunk that `_paired_cols` inverts; refusals name x2d."""
     args = _decode_args(fmt, m, 80, shared_fmt="fp8" if variant == "served" and m == 1 else None,
                         ids=_case_ids("pairs", m) if m == 4 else None)
     if variant.startswith("served"):     # "servedq": with the shift-only PTX decode

@@ -78,7 +78,7 @@ BF16 = jnp.bfloat16
 # Every fused case is checked against the reference layer on its first argument set ("check" in the record: a
 # variant that computes something else says "mismatch"). (At five tokens FP8 runs these tiles too: e2m1 means
 # nothing there, and dot 1 on FP8 needs 128-column chunks: those cases are refused with the reason.)
-SWEEP_ENV = "FNX_MOE_SWEEP"    # "fields;fields;...": variants of each (format, M)'s default tiles, e.g. "x2d=1;e2m1=asmq"
+SWEEP_ENV = "FNX_MOE_SWEEP"    # "fields;fields;...": variants of each (format, M)'s defaults, e.g. "x2d=1;e2m1=asmq"
 _FMT = {"bf16": "dense", "fp8": "fp8_block", "nvfp4": "nvfp4"}
 
 

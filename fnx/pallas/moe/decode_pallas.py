@@ -91,9 +91,10 @@ class DecodeTiles:
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
                          # a GPU only, the interpreter runs "f16"), "asmq" (the same placed from shifts of the
-                         # whole 32-bit word, no byte permutes: `kernel_math._e2m1_asm_q`): the same values. "hfma" (one token, gsum 1,
-                         # acc 1): each group's codes decoded and multiplied with the activations in half2 inside one
-                         # inline-PTX block (`kernel_math.e2m1_hfma_group_sums`), the activations scaled by a power
+                         # whole 32-bit word, no byte permutes: `kernel_math._e2m1_asm_q`): the same values.
+                         # "hfma" (one token, gsum 1, acc 1): each group's codes decoded and multiplied with the
+                         # activations in half2 inside one inline-PTX block (`kernel_math.e2m1_hfma_group_sums`),
+                         # the activations scaled by a power
                          # of two per row into fp16's range first; the interpreter runs the same fp16 arithmetic.
                          # "hfmab": the same byte by byte (elementwise: no assumption on Triton's register layout;
                          # each byte's two products summed in fp16, a group's 8 bytes in fp32)
