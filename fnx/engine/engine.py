@@ -1003,12 +1003,13 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
         def head_fn(out, rows):  # ids [B, L] over the full vocabulary
             ids = linear_argmax(out, rows)
             return ids if hot is None else hot[ids]
+    # the head on each row's last valid position only (its logits are the first draft's; the others' are unused)
     logits, mstate, h = mtp_step(params, mp, mstate, hidden, pair_tok, cfg=cfg, n_valid=count, moe_impl=moe_impl,
-                                 head=head, head_fn=head_fn)
+                                 head=head, head_fn=head_fn, at=count - 1)
     if not greedy:
         logits = widen(logits.astype(jnp.float32))
     last = lambda a: jnp.take_along_axis(a, (count - 1).reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa
-    lg, hh = last(logits)[:, 0], last(h)
+    lg, hh = logits[:, 0], last(h)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)             # [B, k+2, 2]
     draft_toks, draft_lps = [], []
     scratch = mstate

@@ -88,12 +88,9 @@ def rec_after(aux: dict, n_keep: jax.Array) -> jax.Array:
     input state with the tokens past n_keep made no-ops (g = 0: no decay, beta = 0: no write). The kept tokens
     repeat the verify call's arithmetic exactly and a no-op token leaves the state bit for bit, so this equals
     the state a token-by-token run would hold after n_keep tokens."""
-    k, g, beta = aux["k"], aux["g"], aux["beta"]
-    keep = (jnp.arange(g.shape[1])[None, :] < n_keep[:, None])[..., None]          # [B, L, 1]
-    g = jnp.where(keep, g, 0.0)
-    beta = jnp.where(keep, beta, 0.0)
-    _, rec = gdn_recurrent(k, k, aux["v"], g, beta, aux["rec0"], scale=k.shape[-1] ** -0.5, qk_l2norm=True,
-                           out_dtype=aux["v"].dtype)
+    k = aux["k"]
+    _, rec = gdn_recurrent(k, k, aux["v"], aux["g"], aux["beta"], aux["rec0"], scale=k.shape[-1] ** -0.5,
+                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep)   # the mask in the kernel
     return rec
 
 

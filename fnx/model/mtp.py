@@ -120,11 +120,13 @@ def init_mtp_state(cfg: ModelConfig, batch: int, capacity: int, dtype) -> dict:
 
 def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens: jax.Array, *, cfg: ModelConfig,
              n_valid: jax.Array | None = None, moe_impl: str = "auto", head: jax.Array | None = None,
-             head_fn=None):
+             head_fn=None, at: jax.Array | None = None):
     """hidden [B, L, S*D] (target pre-mixer hidden at positions pos..pos+L-1, or the layer's own output when
     chaining drafts), next_tokens [B, L] (x_{t+1}); head: the draft head's rows (default the full lm_head; a
     hot-token subset [H, D] gives logits over that subset only); head_fn(out, rows) replaces the head's matmul
-    (e.g. a fused greedy argmax). Returns (logits [B, L, V] or head_fn's result, new state, H' [B, L, S*D])."""
+    (e.g. a fused greedy argmax); at [B] (int): the head runs on row b's position at[b] only (the drafter's
+    catch-up needs the last valid position's logits, not L rows of them), and the logits are [B, 1, V].
+    Returns (logits [B, L, V] or head_fn's result, new state, H' [B, L, S*D])."""
     bsz, length = next_tokens.shape
     dtype = params["embed_tokens"].dtype
     eps = cfg.rms_norm_eps
@@ -136,6 +138,8 @@ def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens
     x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
     h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
     out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False)
+    if at is not None:
+        out = jnp.take_along_axis(out, at.astype(jnp.int32).reshape(bsz, 1, 1), axis=1)      # [B, 1, D]
     rows = params["lm_head"] if head is None else head
     logits = linear(out, rows) if head_fn is None else head_fn(out, rows)
     return logits, {"pos": state["pos"] + meta["n_valid"], "layer": st}, h

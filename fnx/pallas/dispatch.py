@@ -111,9 +111,8 @@ AUTO_KEEPS_REFERENCE = {
     # gemv_fp8 is on: in the FP8 step (4 layers, fused projections, FP8 lm_head; H200, commit b189f03) the
     # whole-K kernels took 0.746 ms of kernel time per step against 0.847 with XLA's dequantize-and-dot: the
     # lm_head 168 us against 272, the other FP8 projections 153 us against 149 (BENCHMARKS.md, seventh session)
-    "gemv_fp8_argmax": "not yet measured in the whole step with the whole-K tiles (the looped kernels lost there: "
-                       "1.060 ms against 0.955 with XLA, H200, commit c74db63); FNX_KERNELS=gemv_fp8_argmax=pallas "
-                       "opts in",
+    # gemv_fp8_argmax is on where its tiles take whole K in one program ("fma": the MTP draft head at one token);
+    # with looped tiles "auto" keeps XLA's (fnx.pallas.gemv.api.ARGMAX_LOOP_REASON)
 }
 _logged: set[tuple[str, str]] = set()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("fnx_kernels_forced", default=None)

@@ -2,6 +2,7 @@
 invisible in the output, the jitted loop equal to the engine."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -324,6 +325,34 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
     assert sync["r3"][2] == "length" and len(sync["r3"][0]) == 7
     assert sync["r1"][2] == "length" and len(sync["r1"][1]) == 11 and len(sync["r1"][1][0][1]) == 2
     assert sync["r2"][2] is None and 4 <= len(sync["r2"][0]) < 9        # aborted after a round past 4 tokens
+
+
+def test_mtp_head_at_one_position_per_row_equals_the_full_head(tiny_models):
+    """`mtp_step(at=...)` (the drafter's catch-up: only each row's last valid position feeds the first draft) gives
+    those rows' logits of the full-window head, the same state and the same hidden; with head_fn as well."""
+    from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
+    from fnx.model.ops import linear_argmax
+    model, _ = tiny_models("tiny-a")
+    cfg, params = model.cfg, model.params
+    mp = mtp_params(cfg, model.mtp, np.float32)
+    bsz, length = 3, 4
+    key = jax.random.PRNGKey(7)
+    hidden = jax.random.normal(key, (bsz, length, cfg.hc_dim), jnp.float32)
+    toks = jax.random.randint(jax.random.fold_in(key, 1), (bsz, length), 0, cfg.vocab_size)
+    count = jnp.array([4, 1, 3], jnp.int32)
+    st = init_mtp_state(cfg, bsz, 32, jnp.float32)
+    full, st_full, h_full = mtp_step(params, mp, st, hidden, toks, cfg=cfg, n_valid=count)
+    one, st_one, h_one = mtp_step(params, mp, st, hidden, toks, cfg=cfg, n_valid=count, at=count - 1)
+    assert one.shape == (bsz, 1, cfg.vocab_size)
+    want = np.asarray(full)[np.arange(bsz), np.asarray(count) - 1]
+    np.testing.assert_allclose(np.asarray(one)[:, 0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(h_one), np.asarray(h_full))
+    for a, b in zip(jax.tree.leaves(st_one), jax.tree.leaves(st_full)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ids, _, _ = mtp_step(params, mp, st, hidden, toks, cfg=cfg, n_valid=count, at=count - 1,
+                         head_fn=lambda out, rows: linear_argmax(out, rows))
+    assert ids.shape == (bsz, 1)
+    np.testing.assert_array_equal(np.asarray(ids)[:, 0], want.argmax(-1))
 
 
 def test_mtp_params_accept_a_built_tree(tiny_models):

@@ -96,6 +96,21 @@ def test_masked_tokens_leave_the_state_exactly():
     o_m, s_m = f(q, k, v, jnp.where(mask, g, 0.0), jnp.where(mask, beta, 0.0), s0)
     for b in range(B):
         np.testing.assert_allclose(np.asarray(s_m[b]), np.asarray(steps[b, keep[b]]), rtol=1e-6, atol=1e-6)
+    # n_keep: the same mask applied inside the kernel (rollback's replay), and by the reference backend
+    nk = jnp.asarray(keep, jnp.int32)
+    o_k, s_k = f(q, k, v, g, beta, s0, n_keep=nk)
+    np.testing.assert_array_equal(np.asarray(s_k), np.asarray(s_m))
+    np.testing.assert_array_equal(np.asarray(o_k), np.asarray(o_m))
+    _, s_r = api.gdn_recurrent(q, k, v, g, beta, s0, impl="reference", n_keep=nk, **KW)
+    np.testing.assert_allclose(np.asarray(s_r), np.asarray(s_m), rtol=1e-6, atol=1e-6)
+    # under vmap over a stack of layers (the scanned layout's rollback), n_keep shared by the layers
+    stack = lambda a: jnp.stack([a, a[::-1]])  # noqa: E731
+    _, s_v = jax.vmap(lambda *a: f(*a, n_keep=nk))(*(stack(a) for a in (q, k, v, g, beta, s0)))
+    np.testing.assert_array_equal(np.asarray(s_v[0]), np.asarray(s_k))
+    _, s_1 = f(*(a[::-1] for a in (q, k, v, g, beta, s0)), n_keep=nk)
+    np.testing.assert_array_equal(np.asarray(s_v[1]), np.asarray(s_1))
+    with pytest.raises(ValueError, match="n_keep"):
+        api.gdn_recurrent(q, k, v, g, beta, s0, impl=KERNEL, n_keep=nk[:1], **KW)
 
 
 def test_inplace_and_no_gqa():
@@ -146,6 +161,7 @@ def test_non_power_of_two_heads():
 @pytest.mark.parametrize("bsz,length,keep,hk,hv,dk,dv", [(8, 1, False, 16, 48, 128, 128),
                                                          (1, 1, "norm", 16, 48, 128, 128),
                                                          (8, 5, True, 16, 48, 128, 128),
+                                                         (1, 5, "n_keep", 16, 48, 128, 128),
                                                          (2, 5, True, 2, 6, 8, 8)])    # tiny-d's heads
 def test_lowers_for_cuda(bsz, length, keep, hk, hv, dk, dv):
     """The Pallas -> Triton lowering (compute capability 9.0) at the released heads (16 key / 48 value of 128)."""
@@ -159,6 +175,9 @@ def test_lowers_for_cuda(bsz, length, keep, hk, hv, dk, dv):
         f = lambda *a: kernel.gdn_recurrent(*a[:6], False, out_dtype=jnp.bfloat16,  # noqa: E731
                                             tiles=Tiles(block_v=dv, num_warps=8, fuse_norm=True),
                                             norm=(a[6], a[7], 1e-6, "sigmoid"), **KW)
+    elif keep == "n_keep":  # rollback's replay: the mask inside the kernel
+        args += (sds((bsz,), jnp.int32),)
+        f = lambda *a: kernel.gdn_recurrent(*a[:6], out_dtype=jnp.bfloat16, n_keep=a[6], **KW)  # noqa: E731
     else:
         f = lambda *a: kernel.gdn_recurrent(*a, keep, steps_with_initial=keep, inplace=not keep,  # noqa: E731
                                             out_dtype=jnp.bfloat16, scale=dk ** -0.5, qk_l2norm=True)

@@ -8,7 +8,7 @@ import pytest
 
 from fnx.model import ops, quant
 from fnx.pallas.gemv import api, reference, shapes
-from fnx.pallas import kernel_math
+from fnx.pallas import dispatch, kernel_math
 from fnx.pallas.gemv import pallas as gp
 from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
@@ -223,6 +223,18 @@ def test_fused_argmax_equals_argmax_of_fp32_logits(fmt):
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(jnp.argmax(logits, -1)))
 
 
+def test_auto_takes_the_fp8_argmax_kernel_only_with_whole_k_tiles():
+    """"auto" runs the FP8 fused argmax where its tiles take whole K per program (the one-token heads: the MTP
+    draft head) and keeps XLA's head where they loop over K (measured slower there)."""
+    for n in (32768, 248320):
+        assert api.tiles_for("fp8", n, 2560, 1, argmax=True).mode == "fma"
+        assert api.argmax_auto_reason("fp8", n, 2560, 1) is None
+        assert api.tiles_for("fp8", n, 2560, 5, argmax=True).mode == "loop"
+        assert api.argmax_auto_reason("fp8", n, 2560, 5) == api.ARGMAX_LOOP_REASON
+    assert api.argmax_auto_reason("nvfp4", 248320, 2560, 5) is None
+    assert "gemv_fp8_argmax" not in dispatch.AUTO_KEEPS_REFERENCE and "gemv_fp8_argmax" in dispatch.VERIFIED_ON_GPU
+
+
 def test_fused_argmax_ties_go_to_lowest_id():
     """Identical rows in different tiles and within one tile: the lowest id wins, as jnp.argmax."""
     n, k = 256, 128
@@ -339,7 +351,7 @@ def test_gpu_kernel_matches_reference_at_released_shapes(fmt):
 # ---- gemv_pair: an FP8 product and a narrow bf16 one of the same x, one launch --------------------------------------
 
 @pytest.mark.parametrize("m,n2,mode,rows", [(1, 96, "fma", 1), (1, 513, "fma", 1), (3, 13, "fma", 1),
-                                            (2, 40, "dot", 1), (1, 96, "fma", 4)])
+                                            (2, 40, "dot", 1), (1, 96, "fma", 4), (5, 513, "fma", 2)])
 def test_pair_equals_the_two_products(m, n2, mode, rows):
     """The FP8 half is the whole-K kernel's own body (the same bits as `gemv` with the same tiles); the narrow bf16
     half against the fp32 reference within one output rounding (its rows past N2 masked: 513 = the router + the
@@ -398,14 +410,26 @@ def test_pair_dispatch_and_model_wiring(monkeypatch):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+def test_small_pairs_take_one_token_tiles_at_a_few_tokens():
+    """At an MTP verify window's five tokens the MoE pair (shared gate / up 1280 x 2560 FP8 + 513 bf16 rows) runs in
+    one launch with the one-token whole-K tiles; the GDN pair's 16384-row product keeps its looped tiles (apart)."""
+    k = 2560
+    for m in (5, 8):
+        assert api.pair_product_tiles(1280, k, m) == api.tiles_for("fp8", 1280, k, 1)
+        assert api.pair_applies((m, k), jnp.bfloat16, (1280, k), (513, k), jnp.bfloat16) is None
+        assert api.pair_product_tiles(16384, k, m) == api.tiles_for("fp8", 16384, k, m)
+        assert "loop" in api.pair_applies((m, k), jnp.bfloat16, (16384, k), (96, k), jnp.bfloat16)
+    assert "loop" in api.pair_applies((gp.FMA_MAX_M + 1, k), jnp.bfloat16, (1280, k), (513, k), jnp.bfloat16)
+
+
 def test_pair_lowers_for_cuda_at_released_shapes():
     """The GDN pair (qkv + z 16384 x 2560 FP8, b + a 96 x 2560 bf16) and the MoE pair (shared gate / up 1280 x 2560
-    FP8, router + shared gate logit 513 x 2560 bf16) at one token."""
-    for n1, n2 in ((16384, 96), (1280, 513)):
+    FP8, router + shared gate logit 513 x 2560 bf16) at one token, and the MoE pair at five."""
+    for n1, n2, m in ((16384, 96, 1), (1280, 513, 1), (1280, 513, 5)):
         k = 2560
-        t = api.tiles_for("fp8", n1, k, 1)
+        t = api.pair_tiles(api.pair_product_tiles(n1, k, m))
         assert t.mode != "loop", t
-        args = (jax.ShapeDtypeStruct((1, k), jnp.bfloat16), jax.ShapeDtypeStruct((n1, k), jnp.float8_e4m3fn),
+        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((n1, k), jnp.float8_e4m3fn),
                 jax.ShapeDtypeStruct((n1 // 128, k // 128), F32), jax.ShapeDtypeStruct((n2, k), jnp.bfloat16))
         text = jax.jit(lambda *a: gp.gemv_pair(*a, tiles=t)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -51,9 +51,12 @@ def _gated_norm(o, z, w, eps, act, dt):
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps, with_initial, qk_l2norm,
-            scale, unroll, norm):
+            scale, unroll, norm, masked):
     if norm is not None:
         z_ref, w_ref, refs = refs[0], refs[1], refs[2:]
+    nk = None
+    if masked:                                              # tokens t >= n_keep[b]: g = 0, beta = 0 (no-ops)
+        nk, refs = refs[0][0], refs[1:]
     o_ref, sout_ref = refs[0], refs[1]
     steps_ref = refs[2] if keep_steps else None
     off = 1 if with_initial else 0
@@ -67,6 +70,9 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps,
         vt = v_ref[0, t, 0, :].astype(F32)                  # [BV]
         gt = g_ref[0, t, 0].astype(F32)
         bt = b_ref[0, t, 0].astype(F32)
+        if nk is not None:
+            gt = jnp.where(t < nk, gt, 0.0)
+            bt = jnp.where(t < nk, bt, 0.0)
         if qk_l2norm:
             qt = qt * lax.rsqrt(jnp.sum(qt * qt) + L2NORM_EPS)
             kt = kt * lax.rsqrt(jnp.sum(kt * kt) + L2NORM_EPS)
@@ -94,9 +100,10 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps,
 
 def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: float | None = None,
                   qk_l2norm: bool = False, steps_with_initial: bool = False, out_dtype=F32, inplace: bool = False,
-                  tiles: Tiles | None = None, interpret: bool = False, norm=None):
+                  tiles: Tiles | None = None, interpret: bool = False, norm=None, n_keep=None):
     """See `fnx.pallas.gdn.api.gdn_recurrent`; shapes are checked there. norm: None or (z [B, T, HV, dv],
-    weight [dv], eps, act): the gated RMSNorm on o, in-kernel when tiles.fuse_norm (needs BV = dv)."""
+    weight [dv], eps, act): the gated RMSNorm on o, in-kernel when tiles.fuse_norm (needs BV = dv). n_keep: None
+    or [B] int32: tokens t >= n_keep[b] made no-ops in the kernel."""
     bsz, length, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     rep = hv // hk
@@ -104,7 +111,7 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
     if norm is not None and not t.fuse_norm:                # the kernel, then the norm as XLA ops
         res = gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
                             steps_with_initial=steps_with_initial, out_dtype=out_dtype, inplace=inplace, tiles=t,
-                            interpret=interpret)
+                            interpret=interpret, n_keep=n_keep)
         return (rms_norm_gated(res[0], *norm),) + res[1:]
     if norm is not None and t.block_v != dv:
         raise ValueError(f"the fused gated norm needs block_v = dv = {dv}, got {t.block_v}")
@@ -127,9 +134,12 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
         in_specs += [pl.BlockSpec((1, length, 1, dv), lambda b, h, j: (b, 0, h, 0)),
                      pl.BlockSpec((dv,), lambda b, h, j: (0,))]
         operands += [norm[0], norm[1]]
+    if n_keep is not None:
+        in_specs.append(pl.BlockSpec((1,), lambda b, h, j: (b,)))
+        operands.append(n_keep.astype(jnp.int32))
     kernel = functools.partial(_kernel, length=length, keep_steps=keep_steps, with_initial=steps_with_initial,
                                qk_l2norm=qk_l2norm, scale=scale, unroll=t.unroll,
-                               norm=None if norm is None else (float(norm[2]), norm[3]))
+                               norm=None if norm is None else (float(norm[2]), norm[3]), masked=n_keep is not None)
     res = stacked.call(     # the norm weight may be a layer of a stack (fnx.pallas.stacked): read in place
         kernel, operands, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={5: 1} if inplace else {},

@@ -18,6 +18,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fnx.pallas import dispatch, stacked
 from fnx.pallas.gemv import pallas as gp
@@ -161,13 +162,28 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
     return y.reshape(*lead, -1)
 
 
+# "auto" and the FP8 argmax kernel: with looped tiles (K walked in steps, partial sums carried) it lost in the whole
+# step, 1.060 ms against 0.955 with XLA's dequantize-and-dot (H200, commit c74db63); the whole-K ("fma") tiles of
+# one token are the GEMV kernels the step's heads run (the 248,320-row head 166 us against XLA's 272)
+ARGMAX_LOOP_REASON = ("FP8 head argmax with looped tiles: measured slower than XLA in the whole step (1.060 vs "
+                      "0.955 ms, H200, commit c74db63); whole-K tiles take the kernel")
+
+
+def argmax_auto_reason(fmt: str, n: int, k: int, m: int) -> str | None:
+    """Why "auto" keeps XLA's head for this fused-argmax call (None: the kernel), given that the kernel applies."""
+    if fmt == "fp8" and tiles_for(fmt, n, k, m, argmax=True).mode != "fma":
+        return ARGMAX_LOOP_REASON
+    return None
+
+
 def linear_argmax(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2=None, block=(128, 128),
                   group: int = 16, impl: str | None = None) -> jax.Array:
     """Greedy ids argmax(x @ W.T) [...] int32 without writing the logits out (the lm_head / MTP draft head of
     greedy decoding). Ties go to the lowest id. The kernel compares fp32 logits; the reference compares the
     x.dtype-rounded logits the model returns, so near-ties closer than one bf16 step may pick differently."""
     why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, argmax=True, w_dtype=w.dtype)
-    backend = dispatch.resolve(f"gemv_{fmt}_argmax", impl, not_applicable=why)
+    prefer = None if why else argmax_auto_reason(fmt, w.shape[0], x.shape[-1], int(np.prod(x.shape[:-1])))
+    backend = dispatch.resolve(f"gemv_{fmt}_argmax", impl, not_applicable=why, prefer_reference=prefer)
     if backend == "reference":
         w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         y = reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
@@ -195,7 +211,7 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
     m = 1
     for d in x_shape[:-1]:
         m *= d
-    t = pair_tiles(tiles_for("fp8", w1_shape[0], x_shape[-1], m))
+    t = pair_tiles(pair_product_tiles(w1_shape[0], x_shape[-1], m))
     if t.mode == "loop":
         return "the FP8 product's tiles walk K in a loop (split-K): only whole-K tiles pair"
     why = gp.check_tiles("fp8", w1_shape[0], x_shape[-1], t)
@@ -207,6 +223,25 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
         return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows of K={x_shape[-1]} in at "
                 f"most 16 power-of-two chunks")
     return None
+
+
+# A few tokens (an MTP verify window) and a small FP8 product (the shared expert's gate / up, 1280 x 2560): its own
+# tiles at that many tokens loop over K with split-K, which the pair cannot take, so the two products would be four
+# launches (the FP8 GEMV, its split sum, and XLA's product and split sum for the narrow one: ~15 us in the verify
+# program at five tokens, H200, commit 19088ee, against ~4 us for the one-token pair). Up to this many weights the
+# pair runs the FP8 product with its one-token whole-K tiles at M <= gp.FMA_MAX_M tokens instead; larger products
+# (the GDN qkv + z, 16384 x 2560) keep their looped tiles and stay apart ("fma" lost there at five tokens).
+PAIR_FMA_MAX_WEIGHTS = 4 * 1024 * 1024
+
+
+def pair_product_tiles(n: int, k: int, m: int) -> gp.Tiles | None:
+    """The FP8 product's tiles for a pair at m tokens (see PAIR_FMA_MAX_WEIGHTS)."""
+    t = tiles_for("fp8", n, k, m)
+    if t is not None and t.mode == "loop" and 1 < m <= gp.FMA_MAX_M and n * k <= PAIR_FMA_MAX_WEIGHTS:
+        one = tiles_for("fp8", n, k, 1)
+        if one is not None and one.mode == "fma":
+            return one
+    return t
 
 
 def pair_tiles(t: gp.Tiles) -> gp.Tiles:
@@ -226,6 +261,6 @@ def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *
         return linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    t = pair_tiles(tiles_for("fp8", w1.shape[0], k, x2.shape[0]))
+    t = pair_tiles(pair_product_tiles(w1.shape[0], k, x2.shape[0]))
     y1, y2 = gp.gemv_pair(x2, w1, scale1, w2, tiles=t, interpret=dispatch.interpret_flag(backend))
     return y1.reshape(*lead, -1), y2.reshape(*lead, -1)
