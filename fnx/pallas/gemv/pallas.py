@@ -348,25 +348,25 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
 # At one token a layer's input projections are often two products of the same x: a wide FP8 one (the fused GDN
 # qkv + z, the shared expert's gate / up) and a narrow bf16 one kept out of FP8 (the GDN b / a gates: 96 rows; the
 # MoE router with the shared expert's gate logit: 513 rows). Apart they are two launches, the narrow one an XLA
-# reduction of ~2 us that mostly waits. `gemv_pair` runs both in one grid: programs [0, N1 / BN) are the whole-K FP8
-# kernel above ("fma" or "dot" tiles), the next ceil(N2 / BN2) programs each multiply BN2 rows of the bf16 weight
-# by x in fp32 on the CUDA cores (all their K chunks loaded first; the rows past N2 masked).
+# reduction of ~2 us that mostly waits. `gemv_pair` runs both in one grid: the first ceil(N2 / BN2) programs each
+# multiply BN2 rows of the bf16 weight by x in fp32 on the CUDA cores (all their K chunks loaded first; the rows past
+# N2 masked), the next N1 / BN programs are the whole-K FP8 kernel above ("fma" or "dot" tiles).
 
 PAIR_SIDE_MAX_N = 1024      # the narrow product's rows at most (it runs on few programs; wide ones take their own)
 
 
-def _pair_kernel(x_ref, w1_ref, s1_ref, w2_ref, y1_ref, y2_ref, *, t: Tiles, k: int, m: int, n1_prog: int,
+def _pair_kernel(x_ref, w1_ref, s1_ref, w2_ref, y1_ref, y2_ref, *, t: Tiles, k: int, m: int, n2_prog: int,
                  n2: int, bn2: int, cw2: int, out_dtype):
     pid = pl.program_id(0)
 
-    @pl.when(pid < n1_prog)
+    @pl.when(pid >= n2_prog)
     def _():
         _wide_kernel(x_ref, w1_ref, s1_ref, y1_ref, fmt="fp8", t=t, k=k, m=m, out_dtype=out_dtype, argmax=False,
-                     n=pid)
+                     n=pid - n2_prog)
 
-    @pl.when(pid >= n1_prog)
+    @pl.when(pid < n2_prog)
     def _():
-        rows = (pid - n1_prog) * bn2 + jnp.arange(bn2, dtype=jnp.int32)
+        rows = pid * bn2 + jnp.arange(bn2, dtype=jnp.int32)
         ok = rows < n2
         cols = jnp.arange(cw2, dtype=jnp.int32)
         nk = k // cw2
@@ -411,11 +411,12 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
     mp = _padded_m(m, t.mode)
     xb = x.astype(BF16)     # M rows: the kernels load the padded tile themselves (`_xrows`)
     n1_prog = n1 // (t.bn * t.rows)
+    n2_prog = -(-n2 // bn2)     # the narrow programs first: they start with the first wave, not in the grid's tail
     y1, y2 = stacked.call(
-        functools.partial(_pair_kernel, t=t, k=k, m=m, n1_prog=n1_prog, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype),
+        functools.partial(_pair_kernel, t=t, k=k, m=m, n2_prog=n2_prog, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype),
         (xb, w1, stacked.astype(scale1, F32), stacked.flatten(w2)),
         out_shape=(jax.ShapeDtypeStruct((1, mp, n1), x.dtype), jax.ShapeDtypeStruct((m * n2,), x.dtype)),
-        grid=(n1_prog + -(-n2 // bn2),),
+        grid=(n2_prog + n1_prog,),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_pair_fp8_{t.mode}",
