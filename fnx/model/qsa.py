@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnx.model.fuse import linears
+from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm, scale
 from fnx.pallas.qsa import api as qsa_api
 
@@ -132,7 +132,8 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     capacity = st["k"].shape[2]
 
     ix = p["indexer"]
-    qk, qg, kp, vp = linears(x, p, ("indexer/index_qk_proj", "q_proj", "k_proj", "v_proj"))   # fused or not
+    wins = linear_windows(x, p, ("indexer/index_qk_proj", "q_proj", "k_proj", "v_proj"))   # fused or not
+    qk, qg, kp, vp = (w.get() for w in wins)
     q_idx = rms_norm(qk[..., : hi * di].reshape(bsz, length, hi, di), ix["q_layernorm"], cfg.rms_norm_eps)
     q_idx = apply_rope(q_idx, cos, sin)
     kraw = qk[..., hi * di:]
@@ -154,7 +155,9 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         f"{length} tokens > {qsa_api.MAX_DECODE_TOKENS} (prefill runs the masked dense path)"
     if qsa_api.backend(impl, why, prefer_reference=qsa_api.auto_reason(capacity)) != "reference":
         idx = select_token_indices(q_idx, blocks, positions, capacity, cfg, impl)      # [B, L, N]
-        o = qsa_api.qsa_decode_attention(q, kc, vc, idx, impl=impl)
+        # the output gate applied by the api (with the kernels: where the splits merge, the gate read in place)
+        o = qsa_api.qsa_decode_attention(q, kc, vc, idx, impl=impl, gate=(wins[1].buf, wins[1].start))
+        o = o.reshape(bsz, length, h * hd)
     else:
         mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
@@ -165,6 +168,6 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         probs = jax.nn.softmax(s, axis=-1).astype(dt)
         o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
                        preferred_element_type=F32).astype(dt)
-    o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
+        o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
     y = linear(o, p["o_proj"])
     return y, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, {"idx_buf": buf}

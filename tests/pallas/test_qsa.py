@@ -131,6 +131,54 @@ def test_kernel_matches_reference(dtype, tiles):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("ns", [3, 65])        # fewer splits than one combine step; more, not a power of two
+def test_combine_kernel_equals_the_jnp_merge_and_gate(dtype, ns):
+    """The splits' merge in one launch (`combine_kernel`) against `combine` in jnp, rounded as the attention's
+    output, then the model's output gate read in place from a wider product (o * sigmoid(gate), each rounded):
+    empty splits (m = -inf) and a row with no split at all among them; 3 heads of a group padded to 16."""
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    rows, hkv, gp, grp, hd = 3, 2, 16, 3, 32
+    m = rng.normal(size=(rows, hkv, ns, gp)).astype(np.float32) * 3
+    m[0, 1, : max(1, ns // 2)] = -np.inf
+    m[1, 0] = -np.inf                                       # nothing selected: zeros
+    l_ = np.where(np.isfinite(m), rng.uniform(0.5, 4.0, m.shape), 0.0).astype(np.float32)
+    acc = (rng.normal(size=(rows, hkv, ns, gp, hd)) * np.isfinite(m)[..., None]).astype(np.float32)
+    hq, start, width = hkv * grp, 5, hkv * grp * 2 * hd + 11
+    buf = jnp.asarray(rng.normal(size=(rows, width)) * 2, dtype)
+    m, l_, acc = jnp.asarray(m), jnp.asarray(l_), jnp.asarray(acc)
+    base = kernel.combine(m, l_, acc)[:, :, :grp].astype(dtype).reshape(rows, hq, hd)
+    plain = kernel.combine_kernel(m, l_, acc, grp, dtype, interpret=INTERPRET)
+    gate = buf[:, start:start + hq * 2 * hd].reshape(rows, hq, 2 * hd)[..., hd:]
+    want = base * jax.nn.sigmoid(gate)
+    got = kernel.combine_kernel(m, l_, acc, grp, dtype, gate=(buf, start), interpret=INTERPRET)
+    assert got.shape == plain.shape == (rows, hq, hd) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(plain[1, :grp], np.float32), 0.0)
+    # bf16: the merge's sums in another order may round o one step apart, and the gated product rounds again
+    tol = dict(rtol=2 ** -7, atol=1e-6) if dtype == jnp.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(plain, np.float32), np.asarray(base, np.float32), **tol)
+    tol = dict(rtol=2 ** -6, atol=1e-6) if dtype == jnp.bfloat16 else tol
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    with pytest.raises(ValueError, match="gate window"):
+        kernel.combine_kernel(m, l_, acc, grp, dtype, gate=(buf, width - 10), interpret=INTERPRET)
+
+
+def test_kernel_path_applies_the_gate_as_the_model():
+    """api.qsa_decode_attention(gate=...) on the kernel (fused merge + gate) and on the reference (XLA's ops)."""
+    q, kc, vc, idx = _inputs(jnp.bfloat16, bsz=1, length=2, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=5)
+    buf = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 6 * 64 + 40), jnp.bfloat16)
+    ref = api.qsa_decode_attention(q, kc, vc, idx, impl="reference", gate=(buf, 40))
+    plain = reference.qsa_decode_attention(q, kc, vc, idx)
+    g = buf[..., 40:].reshape(1, 2, 6, 64)[..., 32:]
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), np.asarray(plain * jax.nn.sigmoid(g), np.float32))
+    got = api.qsa_decode_attention(q, kc, vc, idx, impl=KERNEL, gate=(buf, 40))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=0,
+                               atol=TOL[jnp.bfloat16] * float(jnp.abs(ref.astype(jnp.float32)).max()))
+    jaxpr = jax.make_jaxpr(lambda *a: api.qsa_decode_attention(*a, impl=KERNEL, gate=(buf, 40)))(q, kc, vc, idx)
+    prims = [e.primitive.name for e in jaxpr.jaxpr.eqns]
+    assert prims.count("pallas_call") == 2 and "logistic" not in prims, prims    # attention, then merge + gate
+
+
 def test_reference_matches_masked_dense():
     """The gather reference equals the model's masked dense softmax for the same token set."""
     seed = np.random.randint(1 << 30)
@@ -210,6 +258,10 @@ def test_lowers_for_cuda_released_shapes(length):
     f = jax.jit(lambda q, k, v, i: kernel.qsa_decode_attention(q, k, v, i))
     text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower()
+    gate = jax.ShapeDtypeStruct((length, 24 * 512 + 2 * 256 * 2 + 4 * 128 + 128), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v, i, g: kernel.qsa_decode_attention(q, k, v, i, gate=(g, 640), fused_combine=True))
+    text = f.trace(*sds, gate).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 2 and "qsa_combine" in text
 
 
 def test_kernel_reads_q_and_the_selection_in_place():

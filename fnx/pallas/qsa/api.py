@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from fnx.pallas import dispatch
+from fnx.pallas.kernel_math import take_window, window_operand
 from fnx.pallas.qsa import reference
 
 OP = "qsa_decode_attention"
@@ -38,19 +39,43 @@ def backend(impl: str | None = None, not_applicable: str | None = None, prefer_r
     return dispatch.resolve(OP, impl, not_applicable=not_applicable, prefer_reference=prefer_reference)
 
 
+COMBINE_OP = "qsa_combine"
+
+
 def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx: jax.Array,
-                         impl: str | None = None, tiles=None) -> jax.Array:
+                         impl: str | None = None, tiles=None, gate=None) -> jax.Array:
     """Softmax attention of each query over its selected tokens only.
 
     q [B, L, Hq, hd]; k_cache, v_cache [B, Hkv, S, hd] (the QSA state layout); idx [B, L, N] int32 token positions
     into S, -1 for unused slots (no position twice in one row). Query head h uses KV head h // (Hq // Hkv).
-    Returns o [B, L, Hq, hd] in q.dtype, before the output gate; a row with no valid slot gives zeros."""
+    Returns o [B, L, Hq, hd] in q.dtype; a row with no valid slot gives zeros. gate: None (o before the output gate)
+    or the q_proj product holding each head's query then its gate, as (buffer [B, L, W], start column) or an array
+    [B, L, Hq * 2hd]: o becomes o * sigmoid(gate) with the model's roundings. The kernel path merges its splits and
+    applies the gate in one more launch (op "qsa_combine"), or in XLA where that op resolves to the reference."""
+    bsz, length, hq, hd = q.shape
     which = dispatch.resolve(OP, impl)
     if which == "reference":
-        return reference.qsa_decode_attention(q, k_cache, v_cache, idx)
+        return _gated(reference.qsa_decode_attention(q, k_cache, v_cache, idx), gate)
     from fnx.pallas.qsa import pallas as kernel
-    return kernel.qsa_decode_attention(q, k_cache, v_cache, idx, interpret=dispatch.interpret_flag(which),
-                                       tiles=tiles)
+    fused = dispatch.resolve(COMBINE_OP, None if impl in (None, "auto") else impl) != "reference"
+    win = None
+    if gate is not None and fused:
+        buf, start = window_operand(gate, hq * 2 * hd, (bsz, length), "qsa output gate")
+        win = (buf.reshape(bsz * length, -1), start)
+    o = kernel.qsa_decode_attention(q, k_cache, v_cache, idx, interpret=dispatch.interpret_flag(which), tiles=tiles,
+                                    gate=win, fused_combine=fused)
+    return o if fused else _gated(o, gate)
+
+
+def _gated(o, gate):
+    """o [B, L, Hq, hd] times sigmoid of the heads' gates in `gate` (see qsa_decode_attention), as the model's
+    `o.reshape(B, L, Hq * hd) * jax.nn.sigmoid(gate)`."""
+    if gate is None:
+        return o
+    bsz, length, hq, hd = o.shape
+    buf, start = window_operand(gate, hq * 2 * hd, (bsz, length), "qsa output gate")
+    g = take_window(buf, start, hq * 2 * hd).reshape(bsz, length, hq, 2 * hd)[..., hd:].reshape(bsz, length, hq * hd)
+    return (o.reshape(bsz, length, hq * hd) * jax.nn.sigmoid(g)).reshape(o.shape)
 
 
 SCORES_OP = "qsa_index_scores"

@@ -100,9 +100,92 @@ def combine(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
+COMBINE_BD = 16        # head-dim columns per combine program
+COMBINE_SPLITS = 16    # splits per step of a combine program's walk over the partials
+
+
+def _combine_kernel(m_ref, l_ref, acc_ref, *rest, ns, gp, grp, hd, hkv, gated, gate_w, gate_start, out_dtype):
+    """Program (r, g, j): query token r's heads of KV group g, head-dim columns [j*BD, (j+1)*BD): `combine` over
+    the ns splits' partials (m, l [rows*Hkv*ns, Gp], acc [rows*Hkv*ns, Gp, hd], flattened), rounded to out_dtype,
+    times sigmoid(gate) rounded as the model's output gate when gated (the gate read in place in its product:
+    row r's head h at column gate_start + h * 2hd + hd + c of a [rows, gate_w] buffer)."""
+    gate_ref = rest[0] if gated else None
+    o_ref = rest[-1]
+    r, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    base = (r * hkv + g) * ns
+    # the Gp rows are the grp heads, the padding rows repeating the last head: they read its partials and gate and
+    # store its value at its place (the same bits twice: no masked store, whose masked lanes the interpreter writes
+    # back as they were, racing the real lane at the same address)
+    heads = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), grp - 1)
+    cols = j * COMBINE_BD + jnp.arange(COMBINE_BD, dtype=jnp.int32)
+    nsp = _pow2(ns)
+    sp = jnp.arange(nsp, dtype=jnp.int32)
+    at = (base + jnp.minimum(sp, ns - 1))[:, None] * gp + heads[None, :]                     # [nsp, Gp]
+    sok = jnp.broadcast_to((sp < ns)[:, None], (nsp, gp))
+    m = plt.load(m_ref.at[at], mask=sok, other=-jnp.inf)
+    l_all = plt.load(l_ref.at[at], mask=sok, other=0.0)
+    mx = jnp.max(m, axis=0)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)                                                # [Gp]
+    den = jnp.sum(jnp.exp(m - mx[None, :]) * l_all, axis=0)                                  # 0 for empty splits
+    num = jnp.zeros((gp, COMBINE_BD), F32)
+    cs = min(COMBINE_SPLITS, nsp)
+    sc = jnp.arange(cs, dtype=jnp.int32)
+    for c0 in range(0, ns, cs):                    # the splits in steps of cs: [cs, Gp, BD] tiles of acc
+        ids = c0 + sc
+        ok = ids < ns
+        row = base + jnp.minimum(ids, ns - 1)
+        mc = plt.load(m_ref.at[row[:, None] * gp + heads[None, :]],
+                      mask=jnp.broadcast_to(ok[:, None], (cs, gp)), other=-jnp.inf)          # [cs, Gp]
+        w = jnp.exp(mc - mx[None, :])
+        a = plt.load(acc_ref.at[(row[:, None, None] * gp + heads[None, :, None]) * hd + cols[None, None, :]],
+                     mask=jnp.broadcast_to(ok[:, None, None], (cs, gp, COMBINE_BD)), other=0.0)
+        num = num + jnp.sum(w[:, :, None] * a, axis=0)
+    o = (num / jnp.where(den > 0, den, 1.0)[:, None]).astype(out_dtype)                       # [Gp, BD]
+    hq = hkv * grp
+    head = g * grp + heads
+    if gated:
+        gt = plt.load(gate_ref.at[r * gate_w + gate_start + head[:, None] * (2 * hd) + hd + cols[None, :]])
+        sg = jax.nn.sigmoid(gt.astype(F32)).astype(out_dtype).astype(F32)
+        o = (o.astype(F32) * sg).astype(out_dtype)
+    plt.store(o_ref.at[(r * hq + head[:, None]) * hd + cols[None, :]], o)
+
+
+def combine_kernel(m, l, acc, grp: int, out_dtype, gate=None, *, interpret: bool = False):
+    """`combine` in one launch: m, l [rows, Hkv, ns, Gp], acc [rows, Hkv, ns, Gp, hd] -> o [rows, Hkv*grp, hd] in
+    out_dtype (the first grp of the Gp padded heads), and with gate = (buffer [rows, W], start) the model's output
+    gate: round(o * round(sigmoid(gate))), the gate of head h at columns start + h*2hd + hd + [0, hd) of the buffer
+    (the q_proj product holds each head's query then its gate)."""
+    rows, hkv, ns, gp, hd = acc.shape
+    if hd % COMBINE_BD:
+        raise ValueError(f"qsa combine: head_dim {hd} is not a multiple of {COMBINE_BD}")
+    gated = gate is not None
+    args = [m.reshape(-1), l.reshape(-1), acc.reshape(-1)]
+    gate_w = gate_start = 0
+    if gated:
+        buf, gate_start = gate
+        gate_w = buf.shape[-1]
+        if buf.shape[0] != rows or gate_start + hkv * grp * 2 * hd > gate_w:
+            raise ValueError(f"qsa combine: gate window at {gate_start} of {tuple(buf.shape)} does not hold "
+                             f"{rows} rows of {hkv * grp} heads x (query, gate) of {hd}")
+        args.append(buf.reshape(-1))
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=4, num_stages=1)}
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, ns=ns, gp=gp, grp=grp, hd=hd, hkv=hkv, gated=gated, gate_w=gate_w,
+                          gate_start=int(gate_start), out_dtype=out_dtype),
+        grid=(rows, hkv, hd // COMBINE_BD), in_specs=[whole] * len(args),
+        out_specs=whole, out_shape=jax.ShapeDtypeStruct((rows * hkv * grp * hd,), out_dtype),
+        interpret=interpret, name="qsa_combine", **params,
+    )(*args)
+    return out.reshape(rows, hkv * grp, hd)
+
+
 def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx: jax.Array, *,
-                         interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
-    """Same contract as reference.qsa_decode_attention."""
+                         interpret: bool = False, tiles: Tiles | None = None, gate=None,
+                         fused_combine: bool = False) -> jax.Array:
+    """Same contract as reference.qsa_decode_attention. fused_combine: the splits merged by `combine_kernel` (one
+    launch, not XLA's three reductions), and with gate = (buffer [B*L, W], start) the output gate applied there
+    too (see combine_kernel); gate needs fused_combine."""
     bsz, length, hq, hd = q.shape
     _, hkv, seq_len, hd_k = k_cache.shape
     n_sel = idx.shape[-1]
@@ -140,6 +223,10 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
         name="qsa_decode_attention",
         **params,
     )(qg, ix, kf, vf)
+    if fused_combine:
+        return combine_kernel(m, l, acc, grp, dt, gate, interpret=interpret).reshape(bsz, length, hq, hd)
+    if gate is not None:
+        raise ValueError("qsa_decode_attention: the output gate rides on the fused combine (fused_combine=True)")
     o = combine(m, l, acc)[:, :, :grp]                                # [rows, Hkv, G, hd]
     return o.astype(dt).reshape(bsz, length, hq, hd)
 
