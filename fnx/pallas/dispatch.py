@@ -68,6 +68,10 @@ VERIFIED_ON_GPU = {
     # kernels against 4.778 in 960 (BENCHMARKS.md, twentieth H200 session)
     "qsa_block_topk": "H200, 2026-12-03, commit 1ddebd7: tests/pallas/test_qsa.py -k block_topk (all 5: the top-k "
                       "set at 70 / 2,122 / 40 / 33 blocks with ties and -inf rows, and the CUDA lowering)",
+    # on under auto: the step's QSA layer at 8K merged its splits and gated in 4.6 us against ~6.1 us in four XLA
+    # kernels (4-layer round table, H200, commit fb693e8)
+    "qsa_combine": "H200, 2026-12-04, commit COMBINE_COMMIT: tests/pallas/test_qsa.py -k \"combine or gate or "
+                   "kernel_matches or qsa_layer\"",
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_decode": "H200, 2026-12-01, commits bba8d84 (tests/pallas/test_moe.py, all 31) and 4a34368 (its 20 "

@@ -211,7 +211,7 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
     m = 1
     for d in x_shape[:-1]:
         m *= d
-    t = pair_tiles(pair_product_tiles(w1_shape[0], x_shape[-1], m))
+    t = pair_tiles(tiles_for("fp8", w1_shape[0], x_shape[-1], m))
     if t.mode == "loop":
         return "the FP8 product's tiles walk K in a loop (split-K): only whole-K tiles pair"
     why = gp.check_tiles("fp8", w1_shape[0], x_shape[-1], t)
@@ -225,23 +225,10 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
     return None
 
 
-# A few tokens (an MTP verify window) and a small FP8 product (the shared expert's gate / up, 1280 x 2560): its own
-# tiles at that many tokens loop over K with split-K, which the pair cannot take, so the two products would be four
-# launches (the FP8 GEMV, its split sum, and XLA's product and split sum for the narrow one: ~15 us in the verify
-# program at five tokens, H200, commit 19088ee, against ~4 us for the one-token pair). Up to this many weights the
-# pair runs the FP8 product with its one-token whole-K tiles at M <= gp.FMA_MAX_M tokens instead; larger products
-# (the GDN qkv + z, 16384 x 2560) keep their looped tiles and stay apart ("fma" lost there at five tokens).
-PAIR_FMA_MAX_WEIGHTS = 4 * 1024 * 1024
-
-
-def pair_product_tiles(n: int, k: int, m: int) -> gp.Tiles | None:
-    """The FP8 product's tiles for a pair at m tokens (see PAIR_FMA_MAX_WEIGHTS)."""
-    t = tiles_for("fp8", n, k, m)
-    if t is not None and t.mode == "loop" and 1 < m <= gp.FMA_MAX_M and n * k <= PAIR_FMA_MAX_WEIGHTS:
-        one = tiles_for("fp8", n, k, 1)
-        if one is not None and one.mode == "fma":
-            return one
-    return t
+# At a few tokens (an MTP verify window) the FP8 product's own tiles loop over K with split-K, which the pair cannot
+# take, so the products run apart. Pairing the MoE's (shared gate / up 1280 x 2560 + router 513 rows) at five tokens
+# with the one-token whole-K tiles lost: 26.1 us per layer against 18.7 for the four launches apart (the 4-layer
+# verify program at 8K, H200, commit fb693e8 against 19088ee).
 
 
 def pair_tiles(t: gp.Tiles) -> gp.Tiles:
@@ -261,6 +248,6 @@ def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *
         return linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
-    t = pair_tiles(pair_product_tiles(w1.shape[0], k, x2.shape[0]))
+    t = pair_tiles(tiles_for("fp8", w1.shape[0], k, x2.shape[0]))
     y1, y2 = gp.gemv_pair(x2, w1, scale1, w2, tiles=t, interpret=dispatch.interpret_flag(backend))
     return y1.reshape(*lead, -1), y2.reshape(*lead, -1)
