@@ -70,8 +70,8 @@ VERIFIED_ON_GPU = {
                       "set at 70 / 2,122 / 40 / 33 blocks with ties and -inf rows, and the CUDA lowering)",
     # on under auto: the step's QSA layer at 8K merged its splits and gated in 4.6 us against ~6.1 us in four XLA
     # kernels (4-layer round table, H200, commit fb693e8)
-    "qsa_combine": "H200, 2026-12-04, commit COMBINE_COMMIT: tests/pallas/test_qsa.py -k \"combine or gate or "
-                   "kernel_matches or qsa_layer\"",
+    "qsa_combine": "H200, 2026-12-04, commit 0b8e35c: tests/pallas/test_qsa.py -k \"combine or gate or "
+                   "kernel_matches or qsa_layer or lowers\" (all 15)",
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_decode": "H200, 2026-12-01, commits bba8d84 (tests/pallas/test_moe.py, all 31) and 4a34368 (its 20 "
@@ -94,9 +94,10 @@ AUTO_KEEPS_REFERENCE = {
     "moe_experts": "measured slower: see moe_route",
     # qsa_decode_attention: "auto" keeps the masked dense path per call below a KV capacity of 8K
     # (fnx.pallas.qsa.api.auto_reason: slower at 1K in the whole step, faster at 8K in it, 2x at 32K in isolation)
-    "qsa_index_scores": "measured slower together with the attention kernel in the whole step at 1K context: 1.450 "
-                        "vs 1.170 ms (" + _MODEL_AB + "); not measured apart, so the kernel path's block scores stay "
-                        "XLA's",
+    "qsa_index_scores": "measured slower: apart at 8K context (2,122 blocks) 283.6 us per call against 5.4 us for "
+                        "XLA's product in the step (4-layer round table, H200, commit fb693e8); earlier together "
+                        "with the attention kernel in the whole step at 1K context: 1.450 vs 1.170 ms (" + _MODEL_AB +
+                        ")",
     # the one-token boundary (hc_boundary_m1) is on: 0.865 / 0.869 / 0.866 ms per chained step against 0.902 /
     # 0.906 with the reference (H200, 4 layers bf16, commit 140df28; BENCHMARKS.md "Sixth H200 session")
     "hc_boundary": "the multi-token boundary (2-32 tokens) measured slower in the whole step: with the HC kernel 1.170 ms, its XLA reference 1.020 ms ("
