@@ -263,6 +263,24 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
             _close(g, w, tol, what)
 
 
+def test_few_token_tiles_env_replaces_the_defaults(monkeypatch):
+    """FNX_HC_FEW_TILES (a benchmark knob) replaces fields of the few-token defaults; a field it does not know, a
+    value that is not an integer, a tile set that does not fit, or up=gemv where the GEMV kernels take no Wup are
+    errors."""
+    from fnx.pallas.hc import few
+    monkeypatch.delenv(few.TILES_ENV, raising=False)
+    assert few.default_tiles(4, 2560, 320) == few.TilesFew()
+    monkeypatch.setenv(few.TILES_ENV, "up=mma,bd=32")
+    assert few.default_tiles(4, 2560, 320) == few.TilesFew(up="mma", bd=32)
+    for bad, why in (("upp=mma", "not field=value"), ("bd=x", "takes an integer"), ("bd=24,up=mma", "does not fit")):
+        monkeypatch.setenv(few.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            few.default_tiles(4, 2560, 320)
+    monkeypatch.setenv(few.TILES_ENV, "up=gemv")
+    with pytest.raises(ValueError, match="take no Wup"):
+        few.default_tiles(4, 2560, 320, gemv_up=False)
+
+
 def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
     from fnx.pallas.hc import few
     h, y, inj, p = _inputs((1, 2), 4, 320, 48, jnp.bfloat16, 3)

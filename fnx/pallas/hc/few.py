@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,9 +75,39 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
     return None
 
 
+TILES_ENV = "FNX_HC_FEW_TILES"
+
+
+def tiles_override(spec: str) -> dict:
+    """"field=value,..." (TilesFew fields; `up` a name, the others integers) -> the fields to replace. A benchmark
+    knob: `FNX_HC_FEW_TILES` (read when a program is traced) changes the defaults of every few-token boundary."""
+    names = [f.name for f in dataclasses.fields(TilesFew)]
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in names:
+            raise ValueError(f"{TILES_ENV}: {part!r} is not field=value with a TilesFew field ({', '.join(names)})")
+        try:
+            out[key] = val.strip() if key == "up" else int(val)
+        except ValueError:
+            raise ValueError(f"{TILES_ENV}: {key} takes an integer, got {val!r}") from None
+    return out
+
+
 def default_tiles(s: int, d: int, r: int, gemv_up: bool = True) -> TilesFew | None:
     """TilesFew's defaults where they fit (S streams of D, rank r), else with a smaller K chunk, else None.
-    `gemv_up` False (the GEMV kernels take no Wup of this shape): the up kernel ("mma") where it fits."""
+    `gemv_up` False (the GEMV kernels take no Wup of this shape): the up kernel ("mma") where it fits.
+    `FNX_HC_FEW_TILES` replaces fields first (a tile set that then does not fit is an error, not a fallback)."""
+    over = tiles_override(os.environ[TILES_ENV]) if os.environ.get(TILES_ENV) else {}
+    if over:
+        t = dataclasses.replace(TilesFew(up="gemv" if gemv_up else "mma"), **over)
+        if over.get("up") == "gemv" and not gemv_up:
+            raise ValueError(f"{TILES_ENV}: up=gemv, but the GEMV kernels take no Wup [{s * d}, {r}] here")
+        why = check(s, d, r, t)
+        if why:
+            raise ValueError(f"{TILES_ENV}: {t} does not fit S={s} D={d} r={r}: {why}")
+        return t
     for bk in (128, 64, 32, 16):
         t = TilesFew(bk=bk, up="gemv" if gemv_up else "mma")
         if check(s, d, r, t) is None:
