@@ -419,48 +419,6 @@ def test_pair_dispatch_and_model_wiring(monkeypatch):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
-@pytest.mark.parametrize("m,n2", [(5, 513), (8, 96), (1, 13)])
-def test_narrow_kernel_equals_the_product(m, n2):
-    """`gemv_narrow` (the pair's narrow programs alone) against the fp32 product within one output rounding, the rows
-    past the last whole tile masked (513, 13); more rows or tokens than it serves are refused."""
-    k = 1024
-    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
-    w2, _, _ = _weights("bf16", n2, k, key)
-    x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), F32).astype(jnp.bfloat16)
-    y = gp.gemv_narrow(x, w2, interpret=INTERPRET)
-    assert y.shape == (m, n2) and y.dtype == jnp.bfloat16
-    ref = np.asarray(reference.linear_f32(x, w2.astype(F32)))
-    err = np.abs(np.asarray(y, np.float32) - ref).max() / np.abs(ref).max()
-    assert np.all(np.isfinite(np.asarray(y, np.float32))) and err <= TOL, err
-    with pytest.raises(ValueError, match="gemv_narrow"):
-        gp.gemv_narrow(jnp.zeros((gp.NARROW_MAX_M + 1, k), jnp.bfloat16), w2, interpret=True)
-    with pytest.raises(ValueError, match="gemv_narrow"):
-        gp.gemv_narrow(x, jnp.zeros((gp.PAIR_SIDE_MAX_N + 1, k), jnp.bfloat16), interpret=True)
-
-
-def test_pairs_at_several_tokens_run_the_narrow_product_in_one_launch(monkeypatch):
-    """At five tokens the MoE pair's FP8 product loops over K, so the pair runs apart: the FP8 product through
-    `linear` and the narrow bf16 one through `gemv_narrow` when the pair's op resolves to a kernel, XLA's product on
-    the reference; both against the two products."""
-    k = 2560
-    key = jax.random.PRNGKey(5)
-    q = quant.quantize_fp8_block(jax.random.normal(key, (1280, k), F32) * k ** -0.5)
-    wb = (jax.random.normal(jax.random.fold_in(key, 1), (513, k), F32) * k ** -0.5).astype(jnp.bfloat16)
-    x = jax.random.normal(jax.random.fold_in(key, 2), (1, 5, k), F32).astype(jnp.bfloat16)
-    want = (ops.linear(x, q, impl="reference"), ops.linear(x, wb, impl="reference"))
-    assert api.narrow_applies(x.shape, x.dtype, wb.shape, wb.dtype) is None
-    assert "tokens" in api.narrow_applies((9, k), x.dtype, wb.shape, wb.dtype)
-    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair={KERNEL}")
-    jaxpr = str(jax.make_jaxpr(lambda x: ops.linear_pair(x, q, wb))(x))
-    assert "fnx_gemv_narrow" in jaxpr and "fnx_gemv_pair" not in jaxpr
-    for g, w in zip(ops.linear_pair(x, q, wb), want):
-        assert g.shape == w.shape
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2,
-                                   atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
-    monkeypatch.setenv("FNX_KERNELS", "gemv_pair=reference")
-    assert "fnx_gemv_narrow" not in str(jax.make_jaxpr(lambda x: ops.linear_pair(x, q, wb))(x))
-
-
 def test_pair_lowers_for_cuda_at_released_shapes():
     """The GDN pair (qkv + z 16384 x 2560 FP8, b + a 96 x 2560 bf16) and the MoE pair (shared gate / up 1280 x 2560
     FP8, router + shared gate logit 513 x 2560 bf16) at one token, and the MoE pair at five with the one-token
@@ -474,11 +432,6 @@ def test_pair_lowers_for_cuda_at_released_shapes():
         text = jax.jit(lambda *a: gp.gemv_pair(*a, tiles=t)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "fnx_gemv_pair_fp8" in text
-    for n2, m in ((513, 5), (96, 5), (513, 8)):          # the narrow product alone at a verify window's tokens
-        text = jax.jit(lambda *a: gp.gemv_narrow(*a)).trace(
-            jax.ShapeDtypeStruct((m, 2560), jnp.bfloat16), jax.ShapeDtypeStruct((n2, 2560), jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "fnx_gemv_narrow" in text
 
 
 def test_fused_projections_take_the_pair_kernel(monkeypatch):

@@ -226,24 +226,9 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
 
 
 # At a few tokens (an MTP verify window) the FP8 product's own tiles loop over K with split-K, which the pair cannot
-# take, so the products run apart: the FP8 one through `linear`, the narrow one through `gemv_narrow` (the pair's
-# narrow programs alone: one launch where XLA's split-K product and its sum are two). Pairing the MoE's (shared gate / up 1280 x 2560 + router 513 rows) at five tokens
+# take, so the products run apart. Pairing the MoE's (shared gate / up 1280 x 2560 + router 513 rows) at five tokens
 # with the one-token whole-K tiles lost: 26.1 us per layer against 18.7 for the four launches apart (the 4-layer
 # verify program at 8K, H200, commit fb693e8 against 19088ee).
-
-
-def narrow_applies(x_shape, x_dtype, w2_shape, w2_dtype) -> str | None:
-    """None when `gemv_narrow` (the pair's narrow programs alone) serves x @ W2.T, else why not."""
-    m = int(np.prod(x_shape[:-1]))
-    if len(w2_shape) != 2 or jnp.dtype(w2_dtype) != jnp.bfloat16 or jnp.dtype(x_dtype) != jnp.bfloat16:
-        return "not a 2-D bf16 weight with bf16 activations"
-    if m > gp.NARROW_MAX_M:
-        return f"{m} tokens > {gp.NARROW_MAX_M}"
-    if dispatch.active_mesh() is not None:
-        return "params on a mesh"
-    if w2_shape[1] != x_shape[-1] or gp.pair_side_tiles(w2_shape[0], x_shape[-1]) is None:
-        return f"{tuple(w2_shape)}: more than {gp.PAIR_SIDE_MAX_N} rows, or K in more than 16 chunks"
-    return None
 
 
 def pair_tiles(t: gp.Tiles) -> gp.Tiles:
@@ -260,17 +245,7 @@ def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *
     why = pair_applies(x.shape, x.dtype, w1.shape, w2.shape, w2.dtype)
     backend = dispatch.resolve(PAIR_OP, impl, not_applicable=why)
     if backend == "reference":
-        y1 = linear(x, w1, fmt="fp8", scale=scale1)
-        side = None
-        if why is not None and impl in (None, "auto") and narrow_applies(x.shape, x.dtype, w2.shape, w2.dtype) is None:
-            side = dispatch.resolve(PAIR_OP, impl)          # the pair's own choice, had it applied
-        if side in (None, "reference"):
-            return y1, linear(x, w2, fmt="bf16")
-        # apart, but the narrow product in one launch of the pair's narrow programs (XLA: a split-K product and
-        # its sum, two launches)
-        lead, k = x.shape[:-1], x.shape[-1]
-        y2 = gp.gemv_narrow(x.reshape(-1, k), w2, interpret=dispatch.interpret_flag(side))
-        return y1, y2.reshape(*lead, -1)
+        return linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     t = pair_tiles(tiles_for("fp8", w1.shape[0], k, x2.shape[0]))

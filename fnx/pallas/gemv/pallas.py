@@ -366,55 +366,19 @@ def _pair_kernel(x_ref, w1_ref, s1_ref, w2_ref, y1_ref, y2_ref, *, t: Tiles, k: 
 
     @pl.when(pid < n2_prog)
     def _():
-        _narrow_rows(x_ref, w2_ref, y2_ref, pid, k=k, m=m, n2=n2, bn2=bn2, cw2=cw2, out_dtype=out_dtype)
-
-
-def _narrow_rows(x_ref, w2_ref, y2_ref, pid, *, k: int, m: int, n2: int, bn2: int, cw2: int, out_dtype):
-    """Program pid of a narrow bf16 product: rows [pid*BN2, (pid+1)*BN2) of W2 [N2, K] (past N2 masked) times the m
-    rows of x, fp32 on the CUDA cores, all K chunks loaded first; y2 [m * N2] flat."""
-    rows = pid * bn2 + jnp.arange(bn2, dtype=jnp.int32)
-    ok = rows < n2
-    cols = jnp.arange(cw2, dtype=jnp.int32)
-    nk = k // cw2
-    mask = jnp.broadcast_to(ok[:, None], (bn2, cw2))
-    ws = [pltriton.load(w2_ref.at[rows[:, None] * k + (j * cw2 + cols)[None, :]], mask=mask, other=0.0)
-          for j in range(nk)]                                                        # weights first: [BN2, CW2]
-    for i in range(m):
-        acc = jnp.zeros((bn2,), F32)
-        for j in range(nk):
-            xv = x_ref[i, pl.ds(j * cw2, cw2)].astype(F32)
-            acc = acc + jnp.sum(ws[j].astype(F32) * xv[None, :], axis=1)
-        pltriton.store(y2_ref.at[i * n2 + rows], acc.astype(out_dtype), mask=ok)
-
-
-NARROW_MAX_M = 8        # `gemv_narrow`: tokens per call at most (each program walks them in turn)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gemv_narrow(x, w2, *, interpret: bool = False):
-    """x @ W2.T in one launch for a narrow bf16 W2 [N2 <= PAIR_SIDE_MAX_N, K] (any N2: the rows past the last whole
-    tile are masked) and x [M <= NARROW_MAX_M, K]: `gemv_pair`'s narrow programs alone, for the several-token calls
-    whose FP8 partner loops over K (split-K) and so runs apart. Returns y [M, N2] in x.dtype."""
-    m, k = x.shape
-    n2 = w2.shape[0]
-    side = pair_side_tiles(n2, k)
-    if side is None or w2.shape[1] != k or w2.dtype != BF16 or m > NARROW_MAX_M:
-        raise ValueError(f"gemv_narrow: bf16 [N2 <= {PAIR_SIDE_MAX_N}, K={k}] with K in at most 16 chunks of a power "
-                         f"of two, M <= {NARROW_MAX_M}; got {w2.dtype} {tuple(w2.shape)}, M={m}")
-    bn2, cw2 = side
-
-    def kernel(x_ref, w2_ref, y2_ref):
-        _narrow_rows(x_ref, w2_ref, y2_ref, pl.program_id(0), k=k, m=m, n2=n2, bn2=bn2, cw2=cw2, out_dtype=x.dtype)
-
-    y2 = stacked.call(
-        kernel, (x.astype(BF16), stacked.flatten(w2)),
-        out_shape=jax.ShapeDtypeStruct((m * n2,), x.dtype),
-        grid=(-(-n2 // bn2),),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="fnx_gemv_narrow",
-    )
-    return y2.reshape(m, n2)
+        rows = pid * bn2 + jnp.arange(bn2, dtype=jnp.int32)
+        ok = rows < n2
+        cols = jnp.arange(cw2, dtype=jnp.int32)
+        nk = k // cw2
+        mask = jnp.broadcast_to(ok[:, None], (bn2, cw2))
+        ws = [pltriton.load(w2_ref.at[rows[:, None] * k + (j * cw2 + cols)[None, :]], mask=mask, other=0.0)
+              for j in range(nk)]                                                    # weights first: [BN2, CW2]
+        for i in range(m):
+            acc = jnp.zeros((bn2,), F32)
+            for j in range(nk):
+                xv = x_ref[i, pl.ds(j * cw2, cw2)].astype(F32)
+                acc = acc + jnp.sum(ws[j].astype(F32) * xv[None, :], axis=1)
+            pltriton.store(y2_ref.at[i * n2 + rows], acc.astype(out_dtype), mask=ok)
 
 
 def pair_side_tiles(n2: int, k: int) -> tuple[int, int] | None:
