@@ -228,7 +228,10 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
 # At a few tokens (an MTP verify window) the FP8 product's own tiles loop over K with split-K, which the pair cannot
 # take, so the products run apart. Pairing the MoE's (shared gate / up 1280 x 2560 + router 513 rows) at five tokens
 # with the one-token whole-K tiles lost: 26.1 us per layer against 18.7 for the four launches apart (the 4-layer
-# verify program at 8K, H200, commit fb693e8 against 19088ee).
+# verify program at 8K, H200, commit fb693e8 against 19088ee). The pair's narrow programs alone as one launch for the
+# narrow product (a `gemv_narrow`, 139de24, reverted) lost too: 10.5 us per call for the router's 513 rows and for the
+# GDN b / a's 96 at five tokens, against ~4.5 and ~4.2 us for XLA's split-K product and its sum (each program walks
+# the five tokens' chunk sums one after another; the 4-layer verify program 1.067 against 1.012 ms).
 
 
 def pair_tiles(t: gp.Tiles) -> gp.Tiles:
