@@ -37,6 +37,7 @@ from fnx.pallas.moe import decode_pallas  # noqa: E402
 S = jax.ShapeDtypeStruct
 BF16 = jnp.bfloat16
 FMT = {"bf16": "dense", "fp8": "fp8_block", "nvfp4": "nvfp4"}
+W = quant.abstract_weight
 
 _COMPILE = """
 import sys, triton
@@ -47,24 +48,14 @@ open(sys.argv[3], "wb").write(k.asm["cubin"])
 """
 
 
-def _spec(shape, fmt):
-    if fmt == "bf16":
-        return S(shape, BF16)
-    if fmt == "nvfp4":
-        return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
-                           jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
-    return quant.Fp8Block(S(shape, jnp.float8_e4m3fn),
-                          S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128), jnp.float32))
-
-
 def triton_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, str]]:
     """(name, num_warps, Triton IR text) of each launch of `moe_decode` at the released shapes."""
     n_exp, top_k, d, inter = 512, 10, 2560, 640
     fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
     lowered = jax.jit(fn).trace(
-        S((m, d), BF16), S((m, top_k), BF16), S((m, top_k), jnp.int32), _spec((n_exp, 2 * inter, d), fmt),
-        _spec((n_exp, d, inter), fmt), S((m, inter), BF16), S((m, inter), BF16), S((m, 1), BF16),
-        _spec((d, inter), fmt)).lower(lowering_platforms=("cuda",))
+        S((m, d), BF16), S((m, top_k), BF16), S((m, top_k), jnp.int32), W((n_exp, 2 * inter, d), fmt),
+        W((n_exp, d, inter), fmt), S((m, inter), BF16), S((m, inter), BF16), S((m, 1), BF16),
+        W((d, inter), fmt)).lower(lowering_platforms=("cuda",))
     out = []
 
     def walk(op):

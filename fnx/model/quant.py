@@ -82,6 +82,22 @@ jax.tree_util.register_dataclass(Nvfp4, data_fields=["w", "scale", "scale_2", "i
 QUANTIZED = (Fp8Block, Nvfp4)
 
 
+def abstract_weight(shape: tuple[int, ...], fmt: str, dtype=jnp.bfloat16):
+    """A weight [..., out, in] of a format as shapes only (jax.ShapeDtypeStruct leaves), for tracing and lowering
+    without arrays: "bf16" (a plain `dtype` array), "fp8" (`Fp8Block`, 128 x 128 blocks) or "nvfp4" (`Nvfp4`)."""
+    S = jax.ShapeDtypeStruct
+    shape = tuple(shape)
+    if fmt == "bf16":
+        return S(shape, dtype)
+    if fmt == "nvfp4":
+        return Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // NVFP4_GROUP,),
+                     jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
+    if fmt in ("fp8", "fp8_block"):
+        return Fp8Block(S(shape, jnp.float8_e4m3fn),
+                        S(shape[:-2] + (_cdiv(shape[-2], 128), _cdiv(shape[-1], 128)), jnp.float32))
+    raise ValueError(f"abstract_weight: unknown format {fmt!r} (bf16, fp8 or nvfp4)")
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, QUANTIZED)
 

@@ -55,6 +55,22 @@ def test_fp8_dequant_matches_numpy(shape):
     assert np.all(np.abs(got - w) <= np.maximum(np.abs(w) * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6))
 
 
+@pytest.mark.parametrize("shape", [(3, 256, 128), (200, 96)])
+def test_abstract_weights_have_the_quantizers_layouts(shape):
+    """`quant.abstract_weight` (shapes only, for tracing and lowering) has the leaves, shapes and dtypes the
+    quantizers produce, in every format; an unknown format is refused."""
+    w = jnp.ones(shape, jnp.float32)
+    for fmt, real in (("fp8", quant.quantize_fp8_block(w)), ("nvfp4", quant.quantize_nvfp4(w)),
+                      ("bf16", w.astype(jnp.bfloat16))):
+        spec = quant.abstract_weight(shape, fmt)
+        got = jax.tree.leaves(spec)
+        want = jax.tree.leaves(real)
+        assert jax.tree.structure(spec) == jax.tree.structure(real), fmt
+        assert [(a.shape, a.dtype) for a in got] == [(a.shape, a.dtype) for a in want], fmt
+    with pytest.raises(ValueError, match="unknown format"):
+        quant.abstract_weight(shape, "int4")
+
+
 def test_fp8_zero_block_and_bf16_rounding():
     w = np.zeros((130, 10), np.float32)
     w[129, 3] = 2.5

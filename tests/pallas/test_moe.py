@@ -246,16 +246,7 @@ def test_api_dispatch_errors():
                                interpret=INTERPRET, tiles=TILES)
 
 
-def _spec(shape, fmt):
-    """Abstract weights of a format: [..., out, in] bf16, FP8 128x128 blocks or NVFP4 (fnx.model.quant layouts)."""
-    S = jax.ShapeDtypeStruct
-    if fmt == "bf16":
-        return S(shape, BF16)
-    if fmt == "nvfp4":
-        return quant.Nvfp4(S(shape[:-1] + (shape[-1] // 2,), jnp.uint8), S(shape[:-1] + (shape[-1] // 16,),
-                           jnp.float8_e4m3fn), S(shape[:-1], jnp.float32), S(shape[:-2], jnp.float32))
-    return quant.Fp8Block(S(shape, jnp.float8_e4m3fn), S(shape[:-2] + (shape[-2] // 128, shape[-1] // 128),
-                                                         jnp.float32))
+_spec = quant.abstract_weight      # abstract weights of a format: [..., out, in] bf16, FP8 128x128 blocks or NVFP4
 
 
 def test_lowers_for_cuda():
