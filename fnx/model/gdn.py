@@ -90,7 +90,8 @@ def rec_after(aux: dict, n_keep: jax.Array) -> jax.Array:
     the state a token-by-token run would hold after n_keep tokens."""
     k = aux["k"]
     _, rec = gdn_recurrent(k, k, aux["v"], aux["g"], aux["beta"], aux["rec0"], scale=k.shape[-1] ** -0.5,
-                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep)   # the mask in the kernel
+                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep,  # the mask in the kernel
+                           want_o=False)                                             # the state alone
     return rec
 
 

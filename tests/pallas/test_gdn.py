@@ -90,7 +90,7 @@ def test_masked_tokens_leave_the_state_exactly():
     length, keep = 5, np.array([2, 4])
     q, k, v, g, beta, s0 = inputs(seed(), length)
     f = jax.jit(lambda *a, **kw: api.gdn_recurrent(*a, impl=KERNEL, tiles=TILES, **KW, **kw),
-                static_argnames=("keep_steps", "steps_with_initial"))
+                static_argnames=("keep_steps", "steps_with_initial", "want_o"))
     _, _, steps = f(q, k, v, g, beta, s0, keep_steps=True, steps_with_initial=True)
     mask = jnp.arange(length)[None, :, None] < jnp.asarray(keep)[:, None, None]
     o_m, s_m = f(q, k, v, jnp.where(mask, g, 0.0), jnp.where(mask, beta, 0.0), s0)
@@ -103,6 +103,16 @@ def test_masked_tokens_leave_the_state_exactly():
     np.testing.assert_array_equal(np.asarray(o_k), np.asarray(o_m))
     _, s_r = api.gdn_recurrent(q, k, v, g, beta, s0, impl="reference", n_keep=nk, **KW)
     np.testing.assert_allclose(np.asarray(s_r), np.asarray(s_m), rtol=1e-6, atol=1e-6)
+    # the state alone (the replay discards o): the same state bits, no o computed or returned, on both backends
+    o_s, s_s = f(q, k, v, g, beta, s0, n_keep=nk, want_o=False)
+    assert o_s is None
+    np.testing.assert_array_equal(np.asarray(s_s), np.asarray(s_k))
+    o_s, s_rs = api.gdn_recurrent(q, k, v, g, beta, s0, impl="reference", n_keep=nk, want_o=False, **KW)
+    assert o_s is None
+    np.testing.assert_array_equal(np.asarray(s_rs), np.asarray(s_r))
+    with pytest.raises(ValueError, match="want_o"):
+        api.gdn_recurrent(q, k, v, g, beta, s0, impl=KERNEL, want_o=False,
+                          norm=(v, jnp.ones((DV,), v.dtype), 1e-6, "silu"), **KW)
     # under vmap over a stack of layers (the scanned layout's rollback), n_keep shared by the layers
     stack = lambda a: jnp.stack([a, a[::-1]])  # noqa: E731
     _, s_v = jax.vmap(lambda *a: f(*a, n_keep=nk))(*(stack(a) for a in (q, k, v, g, beta, s0)))
@@ -177,7 +187,8 @@ def test_lowers_for_cuda(bsz, length, keep, hk, hv, dk, dv):
                                             norm=(a[6], a[7], 1e-6, "sigmoid"), **KW)
     elif keep == "n_keep":  # rollback's replay: the mask inside the kernel
         args += (sds((bsz,), jnp.int32),)
-        f = lambda *a: kernel.gdn_recurrent(*a[:6], out_dtype=jnp.bfloat16, n_keep=a[6], **KW)  # noqa: E731
+        f = lambda *a: kernel.gdn_recurrent(*a[:6], out_dtype=jnp.bfloat16, n_keep=a[6], want_o=False,  # noqa
+                                            **KW)
     else:
         f = lambda *a: kernel.gdn_recurrent(*a, keep, steps_with_initial=keep, inplace=not keep,  # noqa: E731
                                             out_dtype=jnp.bfloat16, scale=dk ** -0.5, qk_l2norm=True)

@@ -19,7 +19,7 @@ def _is_pow2(n: int) -> bool:
 
 def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str | None = None, *,
                   scale: float | None = None, qk_l2norm: bool = False, steps_with_initial: bool = False,
-                  out_dtype=F32, inplace: bool = False, tiles=None, norm=None, n_keep=None):
+                  out_dtype=F32, inplace: bool = False, tiles=None, norm=None, n_keep=None, want_o: bool = True):
     """Run T tokens of the gated delta rule on an fp32 state, token by token.
 
     q, k [B, T, HK, dk] (any float dtype); v [B, T, HV, dv]; g (log decay), beta [B, T, HV] fp32;
@@ -36,6 +36,8 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
     BV = dv, per program).
     n_keep: None or [B] int: row b's tokens t >= n_keep[b] are no-ops (g = 0 and beta = 0 for them, applied inside
     the kernel: no select kernels in front of it), as the rollback's replay of a verify window needs.
+    want_o False: the state alone (the replay discards o): the kernel skips each token's q . S reduction and o's
+    store, and None is returned in o's place (not with norm).
     impl: None/"auto", "reference", "pallas", "pallas_interpret" (fnx.pallas.dispatch)."""
     bsz, length, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -52,6 +54,8 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
     if norm is not None and (len(norm) != 4 or norm[0].shape != v.shape or norm[1].shape != (dv,)
                              or norm[3] not in ("sigmoid", "silu")):
         raise ValueError(f"gdn_recurrent: norm must be (z {v.shape}, weight ({dv},), eps, 'sigmoid'|'silu')")
+    if not want_o and norm is not None:
+        raise ValueError("gdn_recurrent: a gated norm applies to o, which want_o=False does not compute")
     if n_keep is not None and tuple(n_keep.shape) != (bsz,):
         raise ValueError(f"gdn_recurrent: n_keep {tuple(n_keep.shape)} must be [B] = {(bsz,)}")
     why = None                                        # the Triton lowering's tensors are powers of two
@@ -63,16 +67,17 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
         if n_keep is not None:
             keep = (jnp.arange(length)[None, :] < n_keep[:, None])[..., None]          # [B, T, 1]
             g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-        return reference.gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
-                                       steps_with_initial=steps_with_initial, out_dtype=out_dtype,
-                                       norm=norm)
+        res = reference.gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
+                                      steps_with_initial=steps_with_initial, out_dtype=out_dtype,
+                                      norm=norm)
+        return res if want_o else (None,) + tuple(res[1:])
     from fnx.pallas.gdn import pallas as kernel
     if tiles is not None and (not _is_pow2(tiles.block_v) or dv % tiles.block_v):
         raise ValueError(f"gdn_recurrent: block_v={tiles.block_v} must be a power of two dividing dv={dv}")
     return kernel.gdn_recurrent(q, k, v, g.astype(F32), beta.astype(F32), state, keep_steps, scale=scale,
                                 qk_l2norm=qk_l2norm, steps_with_initial=steps_with_initial, out_dtype=out_dtype,
                                 inplace=inplace, tiles=tiles, interpret=dispatch.interpret_flag(backend),
-                                norm=norm, n_keep=n_keep)
+                                norm=norm, n_keep=n_keep, want_o=want_o)
 
 
 # "auto" and the recurrence kernel, by measurement on the H200: for one token it gave no gain in the whole step

@@ -51,12 +51,14 @@ def _gated_norm(o, z, w, eps, act, dt):
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps, with_initial, qk_l2norm,
-            scale, unroll, norm, masked):
+            scale, unroll, norm, masked, want_o=True):
     if norm is not None:
         z_ref, w_ref, refs = refs[0], refs[1], refs[2:]
     nk = None
     if masked:                                              # tokens t >= n_keep[b]: g = 0, beta = 0 (no-ops)
         nk, refs = refs[0][0], refs[1:]
+    if not want_o:                                          # the state alone: no q . S reduction, no o store
+        refs = (None,) + tuple(refs)
     o_ref, sout_ref = refs[0], refs[1]
     steps_ref = refs[2] if keep_steps else None
     off = 1 if with_initial else 0
@@ -82,10 +84,11 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps,
         kv = jnp.sum(s * kt[:, None], axis=0)               # [BV]
         delta = (vt - kv) * bt
         s = s + kt[:, None] * delta[None, :]
-        o = jnp.sum(s * qt[:, None], axis=0)                # [BV]
-        if norm is not None:                                # BV = dv: the whole head is here
-            o = _gated_norm(o, z_ref[0, t, 0, :], w_ref[:], norm[0], norm[1], o_ref.dtype)
-        o_ref[0, t, 0, :] = o.astype(o_ref.dtype)
+        if want_o:
+            o = jnp.sum(s * qt[:, None], axis=0)            # [BV]
+            if norm is not None:                            # BV = dv: the whole head is here
+                o = _gated_norm(o, z_ref[0, t, 0, :], w_ref[:], norm[0], norm[1], o_ref.dtype)
+            o_ref[0, t, 0, :] = o.astype(o_ref.dtype)
         if keep_steps:
             steps_ref[0, t + off, 0, :, :] = s
         return s
@@ -100,10 +103,14 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps,
 
 def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: float | None = None,
                   qk_l2norm: bool = False, steps_with_initial: bool = False, out_dtype=F32, inplace: bool = False,
-                  tiles: Tiles | None = None, interpret: bool = False, norm=None, n_keep=None):
+                  tiles: Tiles | None = None, interpret: bool = False, norm=None, n_keep=None,
+                  want_o: bool = True):
     """See `fnx.pallas.gdn.api.gdn_recurrent`; shapes are checked there. norm: None or (z [B, T, HV, dv],
     weight [dv], eps, act): the gated RMSNorm on o, in-kernel when tiles.fuse_norm (needs BV = dv). n_keep: None
-    or [B] int32: tokens t >= n_keep[b] made no-ops in the kernel."""
+    or [B] int32: tokens t >= n_keep[b] made no-ops in the kernel. want_o False: o is neither computed nor
+    written (None is returned in its place)."""
+    if not want_o and norm is not None:
+        raise ValueError("gdn_recurrent: a gated norm applies to o, which want_o=False does not compute")
     bsz, length, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     rep = hv // hk
@@ -111,7 +118,7 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
     if norm is not None and not t.fuse_norm:                # the kernel, then the norm as XLA ops
         res = gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
                             steps_with_initial=steps_with_initial, out_dtype=out_dtype, inplace=inplace, tiles=t,
-                            interpret=interpret, n_keep=n_keep)
+                            interpret=interpret, n_keep=n_keep)       # want_o: the norm needs o
         return (rms_norm_gated(res[0], *norm),) + res[1:]
     if norm is not None and t.block_v != dv:
         raise ValueError(f"the fused gated norm needs block_v = dv = {dv}, got {t.block_v}")
@@ -126,6 +133,8 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
     out_specs = [pl.BlockSpec((1, length, 1, bv), lambda b, h, j: (b, 0, h, j)), state_spec]
     out_shape = [jax.ShapeDtypeStruct((bsz, length, hv, dv), out_dtype),
                  jax.ShapeDtypeStruct((bsz, hv, dk, dv), F32)]
+    if not want_o:
+        out_specs, out_shape = out_specs[1:], out_shape[1:]
     if keep_steps:
         out_specs.append(pl.BlockSpec((1, n_steps, 1, dk, bv), lambda b, h, j: (b, 0, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((bsz, n_steps, hv, dk, dv), F32))
@@ -139,14 +148,15 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
         operands.append(n_keep.astype(jnp.int32))
     kernel = functools.partial(_kernel, length=length, keep_steps=keep_steps, with_initial=steps_with_initial,
                                qk_l2norm=qk_l2norm, scale=scale, unroll=t.unroll,
-                               norm=None if norm is None else (float(norm[2]), norm[3]), masked=n_keep is not None)
+                               norm=None if norm is None else (float(norm[2]), norm[3]), masked=n_keep is not None,
+                               want_o=want_o)
     res = stacked.call(     # the norm weight may be a layer of a stack (fnx.pallas.stacked): read in place
         kernel, operands, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={5: 1} if inplace else {},
+        input_output_aliases=({5: 1 if want_o else 0} if inplace else {}),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret, name="gdn_recurrent",
     )
-    return tuple(res)
+    return tuple(res) if want_o else (None,) + tuple(res)
 
 
 # ---------------------------------------------------------------------------------------------------------------
