@@ -20,6 +20,7 @@ Backends, by name:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import contextvars
 import logging
 import os
@@ -270,6 +271,24 @@ def resolve(op: str, impl: str | None = None, *, supported: tuple[str, ...] = BA
         _logged.add((op, choice))
         log.info("fnx kernel %s: using %s", op, choice)
     return choice
+
+
+def fields_override(spec: str, cls, what: str, text_fields: tuple[str, ...] = ()) -> dict:
+    """"field=value,..." -> {field: value} for fields of the dataclass `cls` (the ones in `text_fields` as text, the
+    others integers): the tile knobs of benchmarks (`FNX_MOE_TOKENS_TILES`, `FNX_HC_FEW_TILES`). `what` names the
+    knob in the errors."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in names:
+            raise ValueError(f"{what}: {part!r} is not field=value with a {cls.__name__} field ({', '.join(names)})")
+        try:
+            out[key] = val.strip() if key in text_fields else int(val)
+        except ValueError:
+            raise ValueError(f"{what}: {key} takes an integer, got {val!r}") from None
+    return out
 
 
 def env_choice(op: str) -> str | None:

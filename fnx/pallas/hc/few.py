@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas import stacked
+from fnx.pallas import dispatch, stacked
 from fnx.pallas.hc import pallas as kernel
 from fnx.pallas.hc import reference
 from fnx.pallas.kernel_math import rnd
@@ -82,18 +82,7 @@ TILES_ENV = "FNX_HC_FEW_TILES"
 def tiles_override(spec: str) -> dict:
     """"field=value,..." (TilesFew fields; `up` a name, the others integers) -> the fields to replace. A benchmark
     knob: `FNX_HC_FEW_TILES` (read when a program is traced) changes the defaults of every few-token boundary."""
-    names = [f.name for f in dataclasses.fields(TilesFew)]
-    out = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        key, eq, val = part.partition("=")
-        key = key.strip()
-        if not eq or key not in names:
-            raise ValueError(f"{TILES_ENV}: {part!r} is not field=value with a TilesFew field ({', '.join(names)})")
-        try:
-            out[key] = val.strip() if key == "up" else int(val)
-        except ValueError:
-            raise ValueError(f"{TILES_ENV}: {key} takes an integer, got {val!r}") from None
-    return out
+    return dispatch.fields_override(spec, TilesFew, TILES_ENV, ("up",))
 
 
 def default_tiles(s: int, d: int, r: int, gemv_up: bool = True) -> TilesFew | None:

@@ -59,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnx.pallas import kernel_math, stacked
+from fnx.pallas import dispatch, kernel_math, stacked
 from fnx.pallas.kernel_math import rnd
 from fnx.pallas.moe import reference
 
@@ -952,18 +952,7 @@ TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
 def tiles_override(spec: str, what: str = TOKENS_TILES_ENV) -> dict:
     """"field=value,..." (DecodeTiles fields; e2m1 a name, the others integers) -> the fields to replace. A benchmark
     knob: `FNX_MOE_TOKENS_TILES` changes the several-token defaults of every layer without a code change."""
-    names = [f.name for f in dataclasses.fields(DecodeTiles)]
-    out = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        key, eq, val = part.partition("=")
-        key = key.strip()
-        if not eq or key not in names:
-            raise ValueError(f"{what}: {part!r} is not field=value with a DecodeTiles field ({', '.join(names)})")
-        try:
-            out[key] = val.strip() if key == "e2m1" else int(val)
-        except ValueError:
-            raise ValueError(f"{what}: {key} takes an integer, got {val!r}") from None
-    return out
+    return dispatch.fields_override(spec, DecodeTiles, what, ("e2m1",))
 
 
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: int = 1) -> DecodeTiles:
