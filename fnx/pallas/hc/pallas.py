@@ -155,7 +155,7 @@ class Tiles1:
     tokens: str = "grid"    # 2..FEW_MAX_TOKENS tokens: "grid" = one program per token (a grid axis; a token's
                             # programs read the same weight tiles, the later ones mostly from L2); "loop" = each
                             # program loads its tiles once and walks the tokens in turn (H200: ~33 us per five-token
-                            # boundary for "loop" at 2b161d1, ~31 us for "grid" at 0400fd0, against ~22 us for XLA's;
+                            # boundary for "loop" at 2b161d1, ~31 us for "grid" at 0400fd0, against 19.5-22.6 for XLA's;
                             # the few-token MMA design (few.py) serves the verify window instead)
     wround: int = 1         # FP8 weights: 1 = each weight dequantized and rounded to the activation dtype, as the
                             # reference; 0 = each 128-column piece's products summed first and its block scale
