@@ -784,6 +784,22 @@ def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, **{"x2d": 1, **bad}))
 
 
+def test_bench_sweep_variants_end_with_the_default_again(monkeypatch):
+    """FNX_MOE_SWEEP's variants (bench): each spec replaces fields of the defaults, e2m1 specs only for NVFP4, and
+    the default is timed again after them (the AGAIN marker); no variants without the knob."""
+    from fnx.pallas.moe import bench
+    monkeypatch.delenv(bench.SWEEP_ENV, raising=False)
+    assert bench._env_variants("nvfp4", 5, D, I, I) == []
+    monkeypatch.setenv(bench.SWEEP_ENV, "x2d=1; e2m1=asmq")
+    base = decode_pallas.default_tiles(D, I, I, "nvfp4", 5)
+    got = bench._env_variants("nvfp4", 5, D, I, I)
+    assert got == [("fused", dataclasses.replace(base, x2d=1)), ("fused", dataclasses.replace(base, e2m1="asmq")),
+                   ("fused", bench.AGAIN)]
+    got = bench._env_variants("fp8", 5, D, I, I)
+    assert [t for _, t in got] == [dataclasses.replace(decode_pallas.default_tiles(D, I, I, "fp8_block", 5), x2d=1),
+                                   bench.AGAIN]
+
+
 def test_tokens_tiles_override(monkeypatch):
     """The several-token defaults are `MEASURED_TOKENS` with all their own fields (flat slots with each format's
     down programs); FNX_MOE_TOKENS_TILES replaces fields of them only (the one-token tiles stay), flat=1 over
