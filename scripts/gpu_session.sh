@@ -26,6 +26,7 @@
 #   scripts/gpu_session.sh engine    # the engine's decode, synchronous vs overlapped (ENGINE_LAYERS, ENGINE_SLOTS)
 #   scripts/gpu_session.sh probe     # launch gaps / dispatch / chained steps (PROBE_LAYERS, PROBE_ARGS, PROBE_S)
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
+#   scripts/gpu_session.sh ncu       # Nsight Compute counters of the MoE decode and GEMV kernels (NCU_CASES, NCU_KERNELS)
 #   scripts/gpu_session.sh roundtable  # every kernel of the step, draft and verify at 8K (ROUND_CTX), matched to HLO
 #   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
 #   scripts/gpu_session.sh graph     # host cost per kernel node of a bare chain of N kernels (GRAPH_NODES, GRAPH_MODES)
@@ -34,7 +35,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | ncu | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -162,6 +163,20 @@ case "$part" in
       timeout ${TABLE_S:-150} python scripts/probe_launch.py --layers 4 --dispatch-only --no-round --kernel-table \
         --calls 3 --chains 5 $f --out "$OUT/probe" 2>&1 | grep -E '"part"|^ +[0-9.]+ us' | cut -c1-300 | head -30
     done ;;
+  ncu)     # hardware counters of decode kernels (scripts/probe_ncu.py: the MoE decode layer, the GEMV kernel) through
+           # Nsight Compute: DRAM throughput, issue slots, warp stall reasons, occupancy; NCU_CASES the probe's cases,
+           # NCU_KERNELS a kernel-name regex, NCU_SECTIONS ncu sections. Each matching kernel of the probe's first
+           # (compiling) call is replayed with its caches flushed; the clocks are left alone (METHOD.md)
+    ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu_bin" ] || { echo "ncu: not found"; continue; }
+    secs=""; for s_ in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis ComputeWorkloadAnalysis SchedulerStats \
+      WarpStateStats Occupancy LaunchStats InstructionStats}; do secs="$secs --section $s_"; done
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${NCU_S:-300} "$ncu_bin" --clock-control none \
+      --kernel-name "regex:${NCU_KERNELS:-moe_decode|fnx_gemv}" $secs \
+      python scripts/probe_ncu.py --reps 0 --cases ${NCU_CASES:-moe5_nvfp4 moe1_nvfp4 gemv_fp8} > "$OUT/ncu.log" 2>&1
+    echo "ncu rc=$? kernels profiled: $(grep -cE '^  [a-z_0-9]+.*\(([0-9]+, ){2}[0-9]+\)x' "$OUT/ncu.log")"
+    grep -E '^  [a-z_0-9]+.*x\(|DRAM Throughput|Duration|Memory Throughput|Issue Slots Busy|Achieved Occupancy|No Eligible|Registers Per|probe_ncu|ERR|rror' \
+      "$OUT/ncu.log" | cut -c1-160 | head -120 ;;
   roundtable)   # every kernel of the step and of the MTP round's draft and verify programs, matched to their HLO
                 # (op_name, fused opcodes): 4 layers, FP8 dense + NVFP4 experts, fused projections, at ROUND_CTX
                 # (8192: issue 8's round target); where the round's "other XLA" and cuBLAS time comes from (a library

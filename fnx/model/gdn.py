@@ -89,10 +89,9 @@ def rec_after(aux: dict, n_keep: jax.Array) -> jax.Array:
     repeat the verify call's arithmetic exactly and a no-op token leaves the state bit for bit, so this equals
     the state a token-by-token run would hold after n_keep tokens."""
     k = aux["k"]
-    # the mask in the kernel (n_keep); o is computed and dropped: the state-only kernel (want_o=False) passes its
-    # tests in interpret mode and lowers for CUDA, but has not been compiled on a GPU yet
+    # the mask in the kernel (n_keep), the state alone (want_o=False: no q . S reduction or o store per token)
     _, rec = gdn_recurrent(k, k, aux["v"], aux["g"], aux["beta"], aux["rec0"], scale=k.shape[-1] ** -0.5,
-                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep)
+                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep, want_o=False)
     return rec
 
 
