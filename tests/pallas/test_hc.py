@@ -228,17 +228,25 @@ def test_few_token_kernels_lower_for_cuda_released_shapes():
     assert text.count("hc_down1_fp8_few") and text.count("hc_up1_fp8_few")
 
 
-@pytest.mark.parametrize("m,dtype,fp8,with_y,inject,up", [(5, jnp.float32, True, True, True, "mma"),
-                                                          (5, jnp.bfloat16, True, True, True, "mma"),
-                                                          (5, jnp.bfloat16, True, True, True, "gemv"),
-                                                          (2, jnp.float32, False, True, True, "mma"),
-                                                          (8, jnp.bfloat16, False, False, False, "gemv"),
-                                                          (3, jnp.float32, True, True, False, "mma")])
-def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, up):
-    """The few-token MMA design (`few.hc_boundary_few`, what op "hc_boundary_few" runs without Tiles1): the XLA
-    norm, the down kernel, the XLA mid, the gates and mix ("mma": the up kernel; "gemv": the GEMV dispatch and XLA);
-    S*D = 1280 and r = 48 (partial FP8 blocks, an up piece of 16), two 64-column chunks per down program. fp32 to
-    1e-5 (only the order of sums differs), bf16 within TOL."""
+BF, F32_ = jnp.bfloat16, jnp.float32
+
+
+@pytest.mark.parametrize("m,dtype,fp8,with_y,inject,up,glue", [(5, F32_, True, True, True, "mma", "pallas"),
+                                                               (5, BF, True, True, True, "mma", "pallas"),
+                                                               (5, BF, True, True, True, "gemv", "pallas"),
+                                                               (5, BF, True, True, True, "gemv", "xla"),
+                                                               (2, F32_, False, True, True, "mma", "pallas"),
+                                                               (2, F32_, False, True, True, "mma", "xla"),
+                                                               (8, BF, False, False, False, "gemv", "pallas"),
+                                                               (8, BF, False, False, False, "gemv", "xla"),
+                                                               (3, F32_, True, True, False, "mma", "pallas")])
+def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, up, glue):
+    """The few-token MMA design (`few.hc_boundary_few`, what op "hc_boundary_few" runs without Tiles1): the norm
+    (glue "pallas": the pre kernel with the combine; "xla": the reference's jnp), the down kernel, the mid (the
+    splits' sum, silu and inj: the mid kernel or XLA), the gates and mix ("mma": the up kernel; "gemv": the GEMV
+    dispatch and XLA); S*D = 1280 and r = 48 (partial FP8 blocks, an up piece of 16), two 64-column chunks per down
+    program (20 splits: a piece of 16 and one of 4 in the mid kernel). fp32 to 1e-5 (only the order of sums
+    differs), bf16 within TOL; H' (the combine's two roundings, in both glues) bit for bit."""
     from fnx.model import quant
     from fnx.pallas.hc import few
     h, y, inj, p = _inputs((1, m), 4, 320, 48, dtype, np.random.randint(1 << 30), inject)
@@ -252,7 +260,7 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
         ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     wi = p.get("block_inject_weight")
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
-    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up)
+    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up, pre=glue, mid=glue)
     got = jax.jit(lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,
                                                   impl=KERNEL, tiles=tiles, **kw))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
@@ -261,6 +269,7 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
             assert g is None, what
         else:
             _close(g, w, tol, what)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
 
 
 def test_few_token_tiles_env_replaces_the_defaults(monkeypatch):
@@ -285,7 +294,8 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
     from fnx.pallas.hc import few
     h, y, inj, p = _inputs((1, 2), 4, 320, 48, jnp.bfloat16, 3)
     for bad, why in ((few.TilesFew(bn=8), "bn=8"), (few.TilesFew(chunks=3), "chunks=3"),
-                     (few.TilesFew(bd=24, up="mma"), "bd=24"), (few.TilesFew(up="xla"), "up='xla'")):
+                     (few.TilesFew(bd=24, up="mma"), "bd=24"), (few.TilesFew(up="xla"), "up='xla'"),
+                     (few.TilesFew(pre="cuda"), "pre='cuda'"), (few.TilesFew(mid="jnp"), "mid='jnp'")):
         with pytest.raises(ValueError, match=why):
             few.hc_boundary_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True, tiles=bad)
     with pytest.raises(ValueError, match="1..8 tokens"):
@@ -302,6 +312,7 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
                    jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("hc_down_few_fp8") and text.count("hc_up_few_fp8")
+    assert text.count("hc_pre_few") and text.count("hc_mid_few")
     for up in ("gemv", "mma"):
         f = jax.jit(lambda *a: few.hc_boundary_few(*a, streams=4, eps=1e-6, tiles=few.TilesFew(up=up)))
         text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), bf), jax.ShapeDtypeStruct((sd, r), bf), inj_w).lower(

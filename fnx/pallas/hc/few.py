@@ -55,6 +55,10 @@ class TilesFew:
                             # "mma": one kernel for the gate MMAs and the mix (u from XLA); in the 4-layer verify
                             # program at 8K (H200, e6d2934) 15.9 us per boundary against ~5.4 for "gemv"'s two
     bd: int = 16            # up "mma": columns of each stream per program (the MMA's N: >= 16, divides D and 128)
+    pre: str = "pallas"     # the combine and the grouped norm: "pallas" one kernel (`hc_pre_few`), "xla" the
+                            # reference's jnp (two XLA fusions on the H200: the combine, then the norm)
+    mid: str = "pallas"     # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
+                            # the reference's jnp (a reduce fusion and a silu fusion)
     num_warps: int = 4
     num_stages: int = 1
 
@@ -71,6 +75,9 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
         return f"chunks={t.chunks}, bk={t.bk}: S*D={sd} is not a whole number of splits of chunks x bk"
     if t.up not in ("gemv", "mma"):
         return f"up={t.up!r}: 'gemv' or 'mma'"
+    for name in ("pre", "mid"):
+        if getattr(t, name) not in ("pallas", "xla"):
+            return f"{name}={getattr(t, name)!r}: 'pallas' or 'xla'"
     if t.up == "mma" and (not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd or r < 16 or r % 16):
         return f"up 'mma': bd={t.bd} a power of two in 16..128 dividing D={d}, r={r} a multiple of 16"
     return None
@@ -82,7 +89,7 @@ TILES_ENV = "FNX_HC_FEW_TILES"
 def tiles_override(spec: str) -> dict:
     """"field=value,..." (TilesFew fields; `up` a name, the others integers) -> the fields to replace. A benchmark
     knob: `FNX_HC_FEW_TILES` (read when a program is traced) changes the defaults of every few-token boundary."""
-    return dispatch.fields_override(spec, TilesFew, TILES_ENV, ("up",))
+    return dispatch.fields_override(spec, TilesFew, TILES_ENV, ("up", "pre", "mid"))
 
 
 def default_tiles(s: int, d: int, r: int, gemv_up: bool = True) -> TilesFew | None:
@@ -109,6 +116,59 @@ def gemv_takes_up(m: int, s: int, d: int, r: int, dtype, w_up_dtype, fp8: bool) 
     """Whether the GEMV kernels take Wup [S*D, r] at m tokens (else its product would run on XLA's dot)."""
     from fnx.pallas.gemv import api as gemv
     return gemv.kernel_applies((m, r), dtype, "fp8" if fp8 else "bf16", (s * d, r), w_dtype=w_up_dtype) is None
+
+
+def _pre_kernel(*refs, s, d, eps, has_y):
+    """Program (t, j): token t's stream j, [D] in power-of-two pieces: H' = H + round(inj_prev_j * y) (rounded as
+    the reference's bf16 add), the stream's 1/rms in fp32 and Hn = round(H' * rstd * (1 + w)); stores H' and Hn."""
+    it = iter(refs)
+    h_ref = next(it)
+    y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
+    wn_ref = next(it)
+    hp_ref = next(it) if has_y else None        # without a combine H' is H: only Hn is stored
+    hn_ref = next(it)
+    t, j = pl.program_id(0), pl.program_id(1)
+    dt = h_ref.dtype
+    sd = s * d
+    pieces = []
+    for c0, p in kernel._pieces(d, 1024):
+        col = c0 + jnp.arange(p, dtype=jnp.int32)
+        hc = plt.load(h_ref.at[t * sd + j * d + col]).astype(F32)
+        if has_y:
+            inj = plt.load(inj_ref.at[jnp.full((1,), t * s + j, jnp.int32)]).astype(F32)        # [1]
+            yv = plt.load(y_ref.at[t * d + col]).astype(F32)
+            hc = rnd(hc + rnd(yv * inj, dt), dt)
+        pieces.append((col, hc))
+    ss = None
+    for _, hc in pieces:
+        piece = jnp.sum(hc * hc, axis=0, keepdims=True)                                         # [1]
+        ss = piece if ss is None else ss + piece
+    rstd = jax.lax.rsqrt(ss / d + eps)
+    for col, hc in pieces:
+        w = plt.load(wn_ref.at[j * d + col]).astype(F32)
+        if has_y:
+            plt.store(hp_ref.at[t * sd + j * d + col], hc.astype(hp_ref.dtype))
+        plt.store(hn_ref.at[t * sd + j * d + col], (hc * rstd * (1.0 + w)).astype(hn_ref.dtype))
+
+
+def _mid_kernel(part_ref, u_ref, inj_ref, *, ks, m, r, s, rows, bc):
+    """Program (t, c): token t's columns [c*bc, (c+1)*bc) of the splits' partials [ks, M, rows]: their sum (the
+    splits in order), rounded as the product's output, / S rounded; silu for Wdown's r columns (u), the logits'
+    2 sigmoid for Winj's S columns after them (inj)."""
+    t, c = pl.program_id(0), pl.program_id(1)
+    dt = u_ref.dtype
+    col = c * bc + jnp.arange(bc, dtype=jnp.int32)
+    ok = col < rows
+    a = None
+    for k0, p in kernel._pieces(ks, 16):                   # every split's load issued first, summed in order
+        kk = k0 + jnp.arange(p, dtype=jnp.int32)
+        v = plt.load(part_ref.at[(kk[:, None] * m + t) * rows + col[None, :]], mask=ok[None, :], other=0.0)
+        v = jnp.sum(v, axis=0)
+        a = v if a is None else a + v
+    z = rnd(rnd(a, dt) / s, dt)
+    plt.store(u_ref.at[t * r + col], (z * jax.nn.sigmoid(z)).astype(dt), mask=col < r)
+    if inj_ref is not None:
+        plt.store(inj_ref.at[t * s + (col - r)], (2 * jax.nn.sigmoid(z)).astype(dt), mask=ok & (col >= r))
 
 
 def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
@@ -204,19 +264,29 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
     if why:
         raise ValueError(f"hc_boundary_few: S={s} D={d} r={r} do not fit {t}: {why}")
     has_inj = w_inj is not None
-    # pre: the reference's own combine and grouped norm (XLA fuses them; Hn is rounded exactly as the model's)
-    hp = reference.combine(h, y, inj_prev) if y is not None else h
-    hn = reference.grouped_rms_norm(hp, stacked.materialize(hc_norm), eps, d).reshape(m * sd)
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
     flat = stacked.flatten
     f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    if t.pre == "pallas":   # the combine and the grouped norm in one launch
+        args = (h.reshape(m * sd),) + ((y.reshape(m * d), inj_prev.reshape(m * s)) if y is not None else ()) + \
+            (flat(hc_norm),)
+        vec = jax.ShapeDtypeStruct((m * sd,), h.dtype)
+        res = stacked.call(
+            functools.partial(_pre_kernel, s=s, d=d, eps=eps, has_y=y is not None),
+            args, grid=(m, s), in_specs=[whole] * len(args), out_shape=(vec, vec) if y is not None else (vec,),
+            interpret=interpret, name="hc_pre_few", **params,
+        )
+        hp, hn = (res[0].reshape(h.shape), res[1]) if y is not None else (h, res[0])
+    else:   # the reference's own combine and grouped norm (two XLA fusions)
+        hp = reference.combine(h, y, inj_prev) if y is not None else h
+        hn = reference.grouped_rms_norm(hp, stacked.materialize(hc_norm), eps, d).reshape(m * sd)
     n_down = -(-r // t.bn)
     n_prog = n_down + (-(-s // t.bn) if has_inj else 0)
     ks = sd // (t.chunks * t.bk)
     rows = r + (s if has_inj else 0)
-    whole = pl.BlockSpec(memory_space=pl.ANY)
     args = (hn, flat(w_down)) + ((flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ())
     part = stacked.call(
         functools.partial(_down_kernel, m=m, sd=sd, r=r, s=s, bn=t.bn, bk=t.bk, n_chunks=t.chunks, n_down=n_down,
@@ -225,10 +295,22 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         out_shape=jax.ShapeDtypeStruct((ks * m * rows,), F32),
         interpret=interpret, name="hc_down_few_fp8" if fp8 else "hc_down_few", **params,
     )
-    # mid (XLA, the reference's own ops): the splits' sum rounded as the product's output, / S, silu; inj
-    a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                       # [M, r (+ S)]
-    u = jax.nn.silu(reference._div(a[:, :r], s))
-    inj = (2 * jax.nn.sigmoid(reference._div(a[:, r:], s))).reshape(*lead, s) if has_inj else None
+    if t.mid == "pallas":   # the splits' sum, / S, silu and inj in one launch
+        bc = 128
+        outs = (jax.ShapeDtypeStruct((m * r,), h.dtype),) + ((jax.ShapeDtypeStruct((m * s,), h.dtype),)
+                                                             if has_inj else ())
+        res = stacked.call(
+            lambda p_ref, u_ref, *i_ref: _mid_kernel(p_ref, u_ref, i_ref[0] if i_ref else None, ks=ks, m=m, r=r,
+                                                     s=s, rows=rows, bc=bc),
+            (part,), grid=(m, -(-rows // bc)), in_specs=[whole], out_shape=outs,
+            interpret=interpret, name="hc_mid_few", **params,
+        )
+        u = res[0].reshape(m, r)
+        inj = res[1].reshape(*lead, s) if has_inj else None
+    else:   # the reference's own ops (XLA): the splits' sum rounded as the product's output, / S, silu; inj
+        a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                   # [M, r (+ S)]
+        u = jax.nn.silu(reference._div(a[:, :r], s))
+        inj = (2 * jax.nn.sigmoid(reference._div(a[:, r:], s))).reshape(*lead, s) if has_inj else None
     if t.up == "gemv":      # the gates through the GEMV kernels, the mix as the reference's
         from fnx.pallas.gemv import api as gemv
         gate = jax.nn.sigmoid(gemv.linear(u, w_up, fmt="fp8" if fp8 else "bf16", scale=w_up_scale))
