@@ -260,7 +260,7 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
         ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     wi = p.get("block_inject_weight")
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
-    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up, pre=glue, mid=glue)
+    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up, pre=glue, mid=glue, mid_bc=16 if m == 2 else 32)
     got = jax.jit(lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,
                                                   impl=KERNEL, tiles=tiles, **kw))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
@@ -295,7 +295,8 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
     h, y, inj, p = _inputs((1, 2), 4, 320, 48, jnp.bfloat16, 3)
     for bad, why in ((few.TilesFew(bn=8), "bn=8"), (few.TilesFew(chunks=3), "chunks=3"),
                      (few.TilesFew(bd=24, up="mma"), "bd=24"), (few.TilesFew(up="xla"), "up='xla'"),
-                     (few.TilesFew(pre="cuda"), "pre='cuda'"), (few.TilesFew(mid="jnp"), "mid='jnp'")):
+                     (few.TilesFew(pre="cuda"), "pre='cuda'"), (few.TilesFew(mid="jnp"), "mid='jnp'"),
+                     (few.TilesFew(mid_bc=48), "mid_bc=48")):
         with pytest.raises(ValueError, match=why):
             few.hc_boundary_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True, tiles=bad)
     with pytest.raises(ValueError, match="1..8 tokens"):

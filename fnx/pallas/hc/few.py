@@ -59,6 +59,9 @@ class TilesFew:
                             # reference's jnp (two XLA fusions on the H200: the combine, then the norm)
     mid: str = "pallas"     # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
                             # the reference's jnp (a reduce fusion and a silu fusion)
+    mid_bc: int = 32        # mid kernel: columns of [Wdown; Winj]'s output per program (a power of two, 8..128);
+                            # grid (M, ceil((r + S) / mid_bc)). 128 (15 programs at five tokens) took 3.9 us per
+                            # boundary in the 4-layer verify program (H200, 9fb37bb), XLA's two kernels 2.9
     num_warps: int = 4
     num_stages: int = 1
 
@@ -75,6 +78,8 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
         return f"chunks={t.chunks}, bk={t.bk}: S*D={sd} is not a whole number of splits of chunks x bk"
     if t.up not in ("gemv", "mma"):
         return f"up={t.up!r}: 'gemv' or 'mma'"
+    if not (pow2(t.mid_bc) and 8 <= t.mid_bc <= 128):
+        return f"mid_bc={t.mid_bc}: a power of two in 8..128"
     for name in ("pre", "mid"):
         if getattr(t, name) not in ("pallas", "xla"):
             return f"{name}={getattr(t, name)!r}: 'pallas' or 'xla'"
@@ -296,7 +301,7 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         interpret=interpret, name="hc_down_few_fp8" if fp8 else "hc_down_few", **params,
     )
     if t.mid == "pallas":   # the splits' sum, / S, silu and inj in one launch
-        bc = 128
+        bc = t.mid_bc
         outs = (jax.ShapeDtypeStruct((m * r,), h.dtype),) + ((jax.ShapeDtypeStruct((m * s,), h.dtype),)
                                                              if has_inj else ())
         res = stacked.call(
