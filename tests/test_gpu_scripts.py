@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -246,3 +248,22 @@ def test_probe_hmm_reports_what_it_cannot_probe(tmp_path, monkeypatch, capsys):
     assert recs[1]["read_test"].startswith("skipped: the driver reports no pageable memory access")
     facts = ph.driver_facts()          # the real query: on this machine either the answers or why there are none
     assert "kernel" in facts and ("error" in facts or "pageable_memory_access" in facts)
+
+
+def test_probe_ncu_runs_its_cases_and_refuses_unknown_ones(monkeypatch, capsys):
+    """scripts/probe_ncu.py (what `gpu_session.sh ncu` profiles): the GEMV cases through the interpreter at a small
+    shape run and report their calls; a case it does not know is an error that names the accepted forms."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import probe_ncu
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(probe_ncu, "GEMV_SHAPES", ((256, 256),))
+    monkeypatch.setattr(probe_ncu, "IMPL", "pallas_interpret")
+    monkeypatch.setattr(sys, "argv", ["probe_ncu", "--cases", "gemv_fp8", "gemv_bf16_m5", "--reps", "1"])
+    probe_ncu.main()
+    out = capsys.readouterr().out
+    assert "probe_ncu gemv_fp8 N=256 K=256: 1 calls" in out and "probe_ncu gemv_bf16_m5 N=256 K=256: 1 calls" in out
+    monkeypatch.setattr(sys, "argv", ["probe_ncu", "--cases", "attn_fp8"])
+    with pytest.raises(SystemExit, match="unknown case 'attn_fp8'"):
+        probe_ncu.main()

@@ -308,7 +308,7 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
             jax.ShapeDtypeStruct((1, m, 4), bf), jax.ShapeDtypeStruct((sd,), bf)]
     inj_w = jax.ShapeDtypeStruct((4, sd), bf)
     f = jax.jit(lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],
-                                               tiles=few.TilesFew(up="mma")))
+                                               tiles=few.TilesFew(up="mma", pre="pallas", mid="pallas")))
     text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8), inj_w,
                    jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)).lower(
         lowering_platforms=("cuda",)).as_text()

@@ -6,14 +6,16 @@ a whole stream, and the five-token pair took ~31 us (grid) or ~33 us (loop) agai
 (H200). XLA's boundary spends ~8 us streaming the two FP8 weights through the GEMV kernels and the rest on a cuBLAS
 product with its split-K reduce for the 4-row Winj (6.8 us) and six small fusions. Here:
 
-  pre  (XLA, the reference's own jnp): H' = H + inj_prev * y and Hn = GroupedRMSNorm(H') [M, S*D], once per token.
+  pre  (XLA, the reference's own jnp; or `hc_pre_few`, TilesFew.pre "pallas", grid (M, S)): H' = H + inj_prev * y
+        and Hn = GroupedRMSNorm(H') [M, S*D], once per token.
   down (Pallas, `hc_down_few`): grid (R / bn, ks). Program (n, c) multiplies Hn's columns of split c (tokens padded
         to 16 MMA rows, the padding masked off: no memory read) by rows [n*bn, (n+1)*bn) of [Wdown; Winj] (the
         programs past Wdown's rows read Winj's S rows): one [16, bk] x [bk, bn] MMA per K chunk (`chunks` per
         program, their loads issued first); FP8 weights go to bf16 exactly and the 128x128 block scale multiplies
         each chunk's fp32 product (the one-token kernels' `wround=0` arithmetic). The real tokens' fp32 partials
         [ks, M, r + S]. Winj rides in the same launch as Wdown: no cuBLAS product, no second split-K reduce.
-  mid  (XLA, the reference's ops): the splits' sum, rounded as the product's output, / S, silu -> u [M, r]; inj.
+  mid  (XLA, the reference's ops; or `hc_mid_few`, TilesFew.mid "pallas"): the splits' sum, rounded as the
+        product's output, / S, silu -> u [M, r]; inj.
   up   "gemv" (the default): the gates sigmoid(u @ Wup.T) through `fnx.pallas.gemv.api.linear` (its own dispatch)
         and the reference's mix. "mma" (`hc_up_few`): grid (D / bd,); program i loads its [bd, r] rows of Wup for
         every stream and u, runs the gate MMAs (r in power-of-two pieces, one scale per FP8 piece), and writes
@@ -55,13 +57,17 @@ class TilesFew:
                             # "mma": one kernel for the gate MMAs and the mix (u from XLA); in the 4-layer verify
                             # program at 8K (H200, e6d2934) 15.9 us per boundary against ~5.4 for "gemv"'s two
     bd: int = 16            # up "mma": columns of each stream per program (the MMA's N: >= 16, divides D and 128)
-    pre: str = "pallas"     # the combine and the grouped norm: "pallas" one kernel (`hc_pre_few`), "xla" the
+    # The glue around the down kernel: "xla" (the default) the reference's jnp, "pallas" a kernel. In the 4-layer
+    # verify program at 8K (H200, eb7f627; compiled tests passed) both kernels took the program from 181 to 172
+    # launches, but its kernel time rose (1.0078 -> 1.0139-1.0191 ms; HC + other XLA families 0.212 -> 0.220 ms):
+    # hc_pre_few ~3.0 us per boundary (XLA's combine + norm ~3.5), hc_mid_few 2.8 us at mid_bc 8 (3.9 at 128, 15
+    # programs; XLA's reduce + silu ~2.9), and one XLA fusion more per boundary. pre alone: 188 launches.
+    pre: str = "xla"        # the combine and the grouped norm: "pallas" one kernel (`hc_pre_few`), "xla" the
                             # reference's jnp (two XLA fusions on the H200: the combine, then the norm)
-    mid: str = "pallas"     # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
+    mid: str = "xla"        # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
                             # the reference's jnp (a reduce fusion and a silu fusion)
-    mid_bc: int = 32        # mid kernel: columns of [Wdown; Winj]'s output per program (a power of two, 8..128);
-                            # grid (M, ceil((r + S) / mid_bc)). 128 (15 programs at five tokens) took 3.9 us per
-                            # boundary in the 4-layer verify program (H200, 9fb37bb), XLA's two kernels 2.9
+    mid_bc: int = 8         # mid kernel: columns of [Wdown; Winj]'s output per program (a power of two, 8..128);
+                            # grid (M, ceil((r + S) / mid_bc)); 8, 16, 32, 128 measured 2.8, 2.8, 2.9, 3.9 us
     num_warps: int = 4
     num_stages: int = 1
 
