@@ -171,12 +171,15 @@ case "$part" in
     [ -n "$ncu_bin" ] || { echo "ncu: not found"; continue; }
     secs=""; for s_ in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis ComputeWorkloadAnalysis SchedulerStats \
       WarpStateStats Occupancy LaunchStats InstructionStats}; do secs="$secs --section $s_"; done
+    # NCU_METRICS: extra metrics (e.g. "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio", the
+    # stall reasons per issued instruction); NCU_LOG the log's name (several runs in one call)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${NCU_S:-300} "$ncu_bin" --clock-control none \
-      --kernel-name "regex:${NCU_KERNELS:-moe_decode|fnx_gemv}" $secs \
-      python scripts/probe_ncu.py --reps 0 --cases ${NCU_CASES:-moe5_nvfp4 moe1_nvfp4 gemv_fp8} > "$OUT/ncu.log" 2>&1
-    echo "ncu rc=$? kernels profiled: $(grep -cE '^  [a-z_0-9]+.*\(([0-9]+, ){2}[0-9]+\)x' "$OUT/ncu.log")"
-    grep -E '^  [a-z_0-9]+.*x\(|DRAM Throughput|Duration|Memory Throughput|Issue Slots Busy|Achieved Occupancy|No Eligible|Registers Per|probe_ncu|ERR|rror' \
-      "$OUT/ncu.log" | cut -c1-160 | head -120 ;;
+      --kernel-name "regex:${NCU_KERNELS:-moe_decode|fnx_gemv}" $secs ${NCU_METRICS:+--metrics "$NCU_METRICS"} \
+      python scripts/probe_ncu.py --reps 0 --cases ${NCU_CASES:-moe5_nvfp4 moe1_nvfp4 gemv_fp8} \
+      > "$OUT/${NCU_LOG:-ncu}.log" 2>&1
+    echo "ncu rc=$? kernels profiled: $(grep -cE '^  [a-z_0-9]+.*\(([0-9]+, ){2}[0-9]+\)x' "$OUT/${NCU_LOG:-ncu}.log")"
+    grep -E '^  [a-z_0-9]+.*x\(|DRAM Throughput|Duration|Memory Throughput|Issue Slots Busy|Achieved Occupancy|No Eligible|Registers Per|stalled|probe_ncu|ERR|rror' \
+      "$OUT/${NCU_LOG:-ncu}.log" | cut -c1-160 | head -120 ;;
   roundtable)   # every kernel of the step and of the MTP round's draft and verify programs, matched to their HLO
                 # (op_name, fused opcodes): 4 layers, FP8 dense + NVFP4 experts, fused projections, at ROUND_CTX
                 # (8192: issue 8's round target); where the round's "other XLA" and cuBLAS time comes from (a library

@@ -81,6 +81,7 @@ def main() -> None:
     ap.add_argument("m", type=int)
     ap.add_argument("fields", nargs="?", default="", help="DecodeTiles fields to replace: name=value,...")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
+    ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
     tiles = decode_pallas.default_tiles(2560, 640, 640, FMT[args.fmt], args.m)
     tiles = dataclasses.replace(tiles, **decode_pallas.tiles_override(args.fields, "fields"))
@@ -98,6 +99,10 @@ def main() -> None:
                                   text=True, check=True).stdout
             res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,
                                  text=True, check=True).stdout
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
+                    f.write(sass)
             ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)
             regs = re.search(r"REG:(\d+)", res)
             kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))
