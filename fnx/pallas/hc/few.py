@@ -61,7 +61,8 @@ class TilesFew:
     # verify program at 8K (H200, eb7f627; compiled tests passed) both kernels took the program from 181 to 172
     # launches, but its kernel time rose (1.0078 -> 1.0139-1.0191 ms; HC + other XLA families 0.212 -> 0.220 ms):
     # hc_pre_few ~3.0 us per boundary (XLA's combine + norm ~3.5), hc_mid_few 2.8 us at mid_bc 8 (3.9 at 128, 15
-    # programs; XLA's reduce + silu ~2.9), and one XLA fusion more per boundary. pre alone: 188 launches.
+    # programs; XLA's reduce + silu ~2.9); XLA had fused most combines into the previous sublayer's epilogue (PLE add,
+    # GDN out_proj split sum, MoE convert), which split off again as fusions of their own. pre alone: 188 launches.
     pre: str = "xla"        # the combine and the grouped norm: "pallas" one kernel (`hc_pre_few`), "xla" the
                             # reference's jnp (two XLA fusions on the H200: the combine, then the norm)
     mid: str = "xla"        # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
