@@ -84,18 +84,52 @@ def _e2m1_asm_q(half: str) -> str:
     return "\n".join(lines + ["}"])
 
 
-def e2m1_pair_f32(packed, asm: bool = False, shifts_only: bool = False):
+# The low or the high nibbles of four bytes with the integer multiplier doing the shifts (`_e2m1_asm_i`): each
+# pair of codes is masked out of the word ($4) by two ANDs, one for the three E2M1 bits and one for the sign, and
+# moved into place by a multiply and a multiply-add (the bits are disjoint, so the add is an or). On Hopper the
+# ANDs run on the ALU pipe and the multiplies on the FMA pipe, where `_E2M1_ASM` runs its shifts and merges on the
+# ALU pipe too (the MoE decode kernels are bound by that pipe: BENCHMARKS.md, twenty-eighth session). The high
+# nibbles of bytes 1 and 3 need a right shift (bits 12-14 to 9-11), which no multiply does. (mask, multiplier) for
+# the E2M1 bits, then for the sign, per pair: bytes 0 and 2 (output halves h0, h2), then bytes 1 and 3 (h1, h3).
+_E2M1_ASM_I_PAIRS = {"low": (((0x00070007, 512), (0x00080008, 4096)), ((0x07000700, 2), (0x08000800, 16))),
+                     "high": (((0x00700070, 32), (0x00800080, 256)), None)}
+
+
+def _e2m1_asm_i(half: str) -> str:
+    """The PTX block for the `half` ("low" / "high") nibbles of four bytes (see above); $0-$3 in byte order."""
+    lines = ["{", ".reg .b32 a, s, w0, w1;", ".reg .b16 h0, h1, h2, h3;"]
+    for w, pair in enumerate(_E2M1_ASM_I_PAIRS[half]):
+        if pair is None:        # the high nibbles of bytes 1 and 3: bits 12-14 -> 9-11, the sign already at 15
+            lines.append(f"shr.b32 a, $4, 3; and.b32 a, a, 0x0E000E00; and.b32 s, $4, 0x80008000; "
+                         f"or.b32 w{w}, a, s;")
+            continue
+        (ma, ka), (ms, ks) = pair
+        lines.append(f"and.b32 a, $4, {ma:#010x}; and.b32 s, $4, {ms:#010x}; mul.lo.u32 s, s, {ks}; "
+                     f"mad.lo.u32 w{w}, a, {ka}, s;")
+    lines += ["mov.b32 {h0, h2}, w0;", "mov.b32 {h1, h3}, w1;"]      # w0: bytes 0 and 2, w1: bytes 1 and 3
+    lines += [f"cvt.f32.f16 ${i}, h{i};" for i in range(4)]
+    return "\n".join(lines + ["}"])
+
+
+E2M1_ASM_VARIANTS = ("prmt", "shifts", "imad")   # `_E2M1_ASM`, `_e2m1_asm_q`, `_e2m1_asm_i`
+
+
+def e2m1_pair_f32(packed, asm: bool = False, variant: str = "prmt"):
     """Packed NVFP4 bytes (uint8, low nibble = even column) -> (low, high) nibble values x 2^-14 in fp32, the
     values of `e2m1_f16` (callers fold E2M1_F16_SCALE into a scale). asm=True (inside a Pallas Triton kernel on an
-    NVIDIA GPU only) decodes four bytes per inline-PTX block (`_E2M1_ASM`; with shifts_only `_e2m1_asm_q`, the
-    placement from shifts of the whole word, no byte permutes); the jnp form is the same arithmetic, and what the
-    interpreter runs (it cannot run PTX)."""
+    NVIDIA GPU only) decodes four bytes per inline-PTX block: `variant` "prmt" `_E2M1_ASM` (byte permutes, then
+    shifts), "shifts" `_e2m1_asm_q` (the placement from shifts of the whole word, no byte permutes), "imad"
+    `_e2m1_asm_i` (masks, then the shifts as integer multiplies); the jnp form is the same arithmetic, and what
+    the interpreter runs (it cannot run PTX)."""
+    if variant not in E2M1_ASM_VARIANTS:
+        raise ValueError(f"e2m1_pair_f32: variant {variant!r}, one of {E2M1_ASM_VARIANTS}")
     if asm:
         from jax.experimental.pallas import triton as plt
         out = jax.ShapeDtypeStruct(packed.shape, F32)
         u8 = packed.astype(jnp.uint8)
-        if shifts_only:     # no byte permutes (`_e2m1_asm_q`)
-            return tuple(plt.elementwise_inline_asm(_e2m1_asm_q(h), args=[u8], constraints="=f,=f,=f,=f,r", pack=4,
+        if variant != "prmt":
+            block = _e2m1_asm_q if variant == "shifts" else _e2m1_asm_i
+            return tuple(plt.elementwise_inline_asm(block(h), args=[u8], constraints="=f,=f,=f,=f,r", pack=4,
                                                     result_shape_dtypes=[out])[0] for h in ("low", "high"))
         return tuple(plt.elementwise_inline_asm(_E2M1_ASM.format(*E2M1_ASM_SHIFTS[h]), args=[u8],
                                                 constraints="=f,=f,=f,=f,r", pack=4, result_shape_dtypes=[out])[0]

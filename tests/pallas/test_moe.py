@@ -461,8 +461,9 @@ def test_e2m1_f16_codes():
 
 
 def _run_ptx(asm, regs):
-    """The integer subset of PTX the "asmq" block uses (shl, shr, and, or on b32, mov of a b32 into two b16 halves,
-    cvt.f32.f16), run on NumPy arrays: regs maps operand names to uint32 arrays; returns the registers after."""
+    """The integer subset of PTX the "asmq" and "asmi" blocks use (shl, shr, and, or on b32, mul.lo / mad.lo on u32,
+    mov of a b32 into two b16 halves, cvt.f32.f16), run on NumPy arrays: regs maps operand names to uint32 arrays;
+    returns the registers after."""
     regs = dict(regs)
     body = "\n".join(ln for ln in asm.splitlines() if not ln.startswith((".reg", "{", "}")))
     for stmt in filter(None, (st.strip() for st in body.replace("\n", " ").split(";"))):
@@ -477,6 +478,11 @@ def _run_ptx(asm, regs):
             regs[args[0]] = val(args[1]) & val(args[2])
         elif op == "or.b32":
             regs[args[0]] = val(args[1]) | val(args[2])
+        elif op == "mul.lo.u32":        # the low 32 bits of the product
+            regs[args[0]] = (val(args[1]).astype(np.uint64) * np.uint64(val(args[2]))).astype(np.uint32)
+        elif op == "mad.lo.u32":
+            prod = val(args[1]).astype(np.uint64) * np.uint64(val(args[2])) + val(args[3]).astype(np.uint64)
+            regs[args[0]] = prod.astype(np.uint32)
         elif op == "mov.b32":           # mov.b32 {lo, hi}, w
             w = regs[args[2]]
             regs[args[0]], regs[args[1]] = (w & 0xFFFF).astype(np.uint16), (w >> 16).astype(np.uint16)
@@ -487,16 +493,18 @@ def _run_ptx(asm, regs):
     return regs
 
 
-def test_e2m1_shift_only_ptx_places_the_codes():
-    """e2m1 "asmq" (`kernel_math._e2m1_asm_q`): each block's text, run instruction by instruction on 32-bit words
-    (every byte value in every position, and random words), gives for each of the four bytes its low (or high)
-    nibble's `e2m1_f16` value in byte order, the same bits as the jnp decode the interpreter runs."""
+@pytest.mark.parametrize("block", ["_e2m1_asm_q", "_e2m1_asm_i"])
+def test_e2m1_shift_only_ptx_places_the_codes(block):
+    """e2m1 "asmq" (`kernel_math._e2m1_asm_q`) and "asmi" (`_e2m1_asm_i`, the shifts as multiplies): each block's
+    text, run instruction by instruction on 32-bit words (every byte value in every position, and random words),
+    gives for each of the four bytes its low (or high) nibble's `e2m1_f16` value in byte order, the same bits as the
+    jnp decode the interpreter runs."""
     rng = np.random.default_rng(3)
     q = np.concatenate([np.arange(256, dtype=np.uint32) * np.uint32(0x01010101),
                         rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
     by = q.view(np.uint8).reshape(-1, 4)
     for half, shift in (("low", 0), ("high", 4)):
-        out = _run_ptx(kernel_math._e2m1_asm_q(half), {"$4": q})
+        out = _run_ptx(getattr(kernel_math, block)(half), {"$4": q})
         for b in range(4):
             codes = jnp.asarray((by[:, b].astype(np.uint32) >> shift) & 0xF)
             want = np.asarray(kernel_math.e2m1_f16(codes).astype(jnp.float32))

@@ -67,7 +67,7 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
-E2M1_DECODES = ("int", "f16", "asm", "asmq", "hfma", "hfmab")
+E2M1_DECODES = ("int", "f16", "asm", "asmq", "asmi", "hfma", "hfmab")
 _HFMA = ("hfma", "hfma_jnp", "hfmab", "hfmab_jnp")     # "_jnp": the interpreter's form of the PTX block
 
 
@@ -91,7 +91,9 @@ class DecodeTiles:
                          # bits, one conversion; 2^14 folded into the group scale), "asm" (the f16 placement for
                          # four bytes per inline-PTX block, two codes per integer op: `kernel_math._E2M1_ASM`; on
                          # a GPU only, the interpreter runs "f16"), "asmq" (the same placed from shifts of the
-                         # whole 32-bit word, no byte permutes: `kernel_math._e2m1_asm_q`): the same values.
+                         # whole 32-bit word, no byte permutes: `kernel_math._e2m1_asm_q`), "asmi" (each pair of
+                         # codes masked out, the shifts as integer multiplies: the FMA pipe, not the ALU pipe;
+                         # `kernel_math._e2m1_asm_i`): the same values.
                          # "hfma" (one token, gsum 1, acc 1): each group's codes decoded and multiplied with the
                          # activations in half2 inside one inline-PTX block (`kernel_math.e2m1_hfma_group_sums`),
                          # the activations scaled by a power
@@ -241,12 +243,13 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
         group = 16
         p, sc, s2 = raw
         sc = sc.astype(F32)
-        if e2m1 in ("f16", "asm", "asmq") + _HFMA:
+        if e2m1 in ("f16", "asm", "asmq", "asmi") + _HFMA:
             sc = sc * kernel_math.E2M1_F16_SCALE
         if e2m1 in _HFMA:
             return _Packed(p, sc, e2m1)      # `check`: gsum 1, wround 0
-        if e2m1 in ("asm", "asmq"):
-            codes = kernel_math.e2m1_pair_f32(p, asm=True, shifts_only=e2m1 == "asmq")
+        if e2m1 in ("asm", "asmq", "asmi"):
+            codes = kernel_math.e2m1_pair_f32(p, asm=True,
+                                              variant={"asm": "prmt", "asmq": "shifts", "asmi": "imad"}[e2m1])
         else:
             p = p.astype(jnp.uint32)
             code = _e2m1_f16 if e2m1 == "f16" else reference.e2m1_bits_to_f32
@@ -1013,7 +1016,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
-    if interpret and tiles.e2m1 in ("asm", "asmq"):     # the interpreter runs no PTX: the same values in jnp
+    if interpret and tiles.e2m1 in ("asm", "asmq", "asmi"):     # the interpreter runs no PTX: the same values
         tiles = dataclasses.replace(tiles, e2m1="f16")
     if interpret and tiles.e2m1 in ("hfma", "hfmab"):    # the PTX block's fp16 arithmetic in jnp
         tiles = dataclasses.replace(tiles, e2m1=tiles.e2m1 + "_jnp")
