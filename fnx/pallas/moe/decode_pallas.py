@@ -944,6 +944,11 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # The twenty-sixth session (19088ee): activation tiles (x2d 1) and the shift-only PTX decode (e2m1 "asmq") cut the
 # NVFP4 programs' SASS by 8-11% but not their time (4-layer verify program at 8K: gate/up 196.4 -> 192.6 us, down
 # 112.7 -> 119.0 us per call; the harness within its noise): both stay off.
+# The twenty-eighth session: Nsight Compute puts the five-token gate/up kernel at 75% of the issue slots and 65% of
+# the ALU pipe, DRAM at 36%; x2d + "asmq" executed only 3.4% fewer instructions on the device's compiler. e2m1 "asmi"
+# (the decode's shifts as integer multiplies, on the FMA pipe: -5% SASS in a stock Triton, ptxas refactors part of
+# it back into LEA / SHF) took 117.2 us per five-token NVFP4 layer in the harness against 125.5 / 117.6 / 105.9 for
+# the default bracketing it (d14da57): inside the spread, stays off.
 MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_warps2=1),
                    "fp8_block": dataclasses.replace(MEASURED["fp8_block"], flat=1, group=2),
                    "dense": dataclasses.replace(MEASURED["dense"], flat=1, bn=4, num_warps2=1)}
