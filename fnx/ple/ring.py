@@ -299,16 +299,18 @@ class RingStore(RowStore):
 
     def _wait_header(self, last: int, busy: bool = True) -> int:
         """The header's seq once it differs from `last` (or `last` after ~100 ms, to check for close). busy: the
-        last request was within ~100 ms (spin, then poll every 20 us), else idle (poll every 500 us)."""
+        last request was within ~100 ms (spin, then poll every 20 us), else idle (poll every 500 us). Without the
+        compiled poller the Python loop yields between reads when busy and sleeps 500 us between them when idle."""
         if self._poll is not None:
             spin, fast = (self.spin_ns, 100_000_000) if busy else (0, 0)
             return int(self._poll(self._addr + layout.HEADER, last, spin, fast, 100_000_000))
+        pause = 0.0 if busy else 0.0005
         end = time.perf_counter() + 0.1
         while time.perf_counter() < end:
             v = int(self._header[0]) & 0xFFFFFFFF
             if v != last:
                 return v
-            time.sleep(0)
+            time.sleep(pause)
         return last
 
     def _serve(self):

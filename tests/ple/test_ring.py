@@ -5,6 +5,7 @@ DONE, ABANDONED, deadlines. The kernels themselves: tests/pallas/test_ple_ring.p
 
 import shutil
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -217,3 +218,29 @@ def test_ring_kernels_with_the_host_thread_on_the_gpu(table, consts, monkeypatch
         ids = _ids(consts, seed=41)
         want = reference_rows(table["table"], table["scale"], ids)
         np.testing.assert_array_equal(np.asarray(store.rows_device(ids)).view(np.uint16), want.view(np.uint16))
+
+
+def test_ring_python_wait_polls_slowly_when_idle():
+    """Without the compiled poller the host thread's wait reads the header word in Python: as soon as it changes
+    the new seq comes back; otherwise `last` after ~100 ms, having yielded between reads when busy and slept 500 us
+    between them when idle (a few hundred reads at most, not a spin)."""
+    class Header:                       # the header word, counting its reads
+        def __init__(self, v):
+            self.v, self.reads = v, 0
+
+        def __getitem__(self, i):
+            self.reads += 1
+            return self.v
+
+    for busy in (True, False):
+        h = Header(3)
+        assert RingStore._wait_header(types.SimpleNamespace(_poll=None, _header=h), 2, busy) == 3
+        assert h.reads == 1
+    reads = {}
+    for busy in (True, False):
+        h = Header(2)
+        t0 = time.perf_counter()
+        assert RingStore._wait_header(types.SimpleNamespace(_poll=None, _header=h), 2, busy) == 2
+        assert 0.09 < time.perf_counter() - t0 < 1.0
+        reads[busy] = h.reads
+    assert reads[False] <= 250 < reads[True], reads
