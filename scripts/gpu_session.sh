@@ -172,10 +172,14 @@ case "$part" in
     secs=""; for s_ in ${NCU_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis ComputeWorkloadAnalysis SchedulerStats \
       WarpStateStats Occupancy LaunchStats InstructionStats}; do secs="$secs --section $s_"; done
     # NCU_METRICS: extra metrics (e.g. "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio", the
-    # stall reasons per issued instruction); NCU_LOG the log's name (several runs in one call)
+    # stall reasons per issued instruction; one such run ended in a segmentation fault, 0b0ecf6); NCU_LOG the log's
+    # name (several runs in one call); NCU_PROG another program to profile instead of the probe (a python script
+    # and its flags, e.g. "scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse --no-round --reps 1 --calls 1
+    # --chains 1": every kernel of a decode step; NCU_KERNELS then picks which, NCU_COUNT caps how many)
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${NCU_S:-300} "$ncu_bin" --clock-control none \
       --kernel-name "regex:${NCU_KERNELS:-moe_decode|fnx_gemv}" $secs ${NCU_METRICS:+--metrics "$NCU_METRICS"} \
-      python scripts/probe_ncu.py --reps 0 --cases ${NCU_CASES:-moe5_nvfp4 moe1_nvfp4 gemv_fp8} \
+      ${NCU_COUNT:+--launch-count $NCU_COUNT} \
+      python ${NCU_PROG:-scripts/probe_ncu.py --reps 0 --cases ${NCU_CASES:-moe5_nvfp4 moe1_nvfp4 gemv_fp8}} \
       > "$OUT/${NCU_LOG:-ncu}.log" 2>&1
     echo "ncu rc=$? kernels profiled: $(grep -cE '^  [a-z_0-9]+.*\(([0-9]+, ){2}[0-9]+\)x' "$OUT/${NCU_LOG:-ncu}.log")"
     grep -E '^  [a-z_0-9]+.*x\(|DRAM Throughput|Duration|Memory Throughput|Issue Slots Busy|Achieved Occupancy|No Eligible|Registers Per|stalled|probe_ncu|ERR|rror' \
