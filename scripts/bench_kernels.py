@@ -83,6 +83,9 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
                     t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out:
                         out.append(t)
+        if m > 1:   # several tokens: each tensor-core candidate also with the weights as the MMA's left operand
+            out += [t for t in (dataclasses.replace(c, tr=1) for c in out if c.mode != "fma" and not c.tr)
+                    if gp.check_tiles(fmt, n, k, t) is None and t not in out]
         return out + [t for t in wide_candidates(fmt, n, k) if t not in out]
     out = []
     if base.mode != "loop":
@@ -91,19 +94,26 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
         opts += [dataclasses.replace(base, bk=b) for b in (128, 256, 512, 1024) if b != base.bk]
         opts += [dataclasses.replace(base, rows=r) for r in (1, 2, 4) if r != base.rows]
         opts += [dataclasses.replace(base, split=sp) for sp in (1, 2, 4, 8) if sp != base.split]
+        if m > 1 and base.mode == "dot":
+            opts.insert(0, dataclasses.replace(base, tr=1 - base.tr))
         return [t for t in opts if t.bn >= 1 and gp.check_tiles(fmt, n, k, t) is None]
     for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
         if n % bn:
             continue
         for target in (api.SMS, 2 * api.SMS, 4 * api.SMS):
             for warps in ((4, 8) if target == 2 * api.SMS else (4,)):
-                t = gp.Tiles(bn, base.bk, api.split_for(n, bn, k, base.bk, target), warps, 3, base.dec)
+                t = gp.Tiles(bn, base.bk, api.split_for(n, bn, k, base.bk, target), warps, 3, base.dec,
+                             tr=base.tr)
                 if gp.check_tiles(fmt, n, k, t) is None and t not in out and t != base:
                     out.append(t)
     for stages in (4, 5):   # deeper software pipelining: more loads in flight per program (latency-bound shapes)
         t = dataclasses.replace(base, num_stages=stages)
         if gp.check_tiles(fmt, n, k, t) is None and t not in out:
             out.append(t)
+    if m > 1:   # the other operand order of the best (`Tiles.tr`)
+        t = dataclasses.replace(base, tr=1 - base.tr)
+        if gp.check_tiles(fmt, n, k, t) is None and t not in out:
+            out.insert(0, t)
     return out
 
 

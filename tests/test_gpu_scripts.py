@@ -1,6 +1,7 @@
 """The scripts the GPU sessions run, exercised on the CPU at tiny sizes, so device time is never spent on a script
 that breaks before it measures (the numbers here mean nothing; only that the paths run and write their records)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -132,6 +133,10 @@ def test_gemv_tune_candidates_include_what_runs_at_m():
         assert api.heuristic_tiles("fp8", n, k, 5) in cands and api.heuristic_tiles("fp8", n, k, 1) in cands
         assert api.tiles_for("fp8", n, k, 5) in cands
         assert len(set(cands)) == len(cands)
+        assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), tr=1) in cands     # the other operand order
+        assert not any(c.tr for c in bench_kernels.gemv_candidates("fp8", n, k, m=1))
+        loop = api.heuristic_tiles("fp8", n, k, 5)
+        assert dataclasses.replace(loop, tr=1) in bench_kernels.gemv_candidates("fp8", n, k, base=loop, m=5)
 
 
 def test_probe_launch_writes_every_part(tmp_path):

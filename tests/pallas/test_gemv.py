@@ -96,7 +96,8 @@ WIDE = [gp.Tiles(4, 64, 1, mode="fma"), gp.Tiles(16, 128, 1, mode="fma", num_war
         gp.Tiles(8, 128, 1, mode="fma", acc=1),   # one token: products kept as a tile (more tokens ignore acc)
         gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(32, 64, 1, mode="dot", num_warps=8),
         gp.Tiles(8, 128, 1, mode="fma", rows=2),  # two row tiles per program, the second's loads issued first
-        gp.Tiles(8, 64, 2, mode="fma"), gp.Tiles(16, 64, 2, mode="dot", rows=2)]   # K split over two programs
+        gp.Tiles(8, 64, 2, mode="fma"), gp.Tiles(16, 64, 2, mode="dot", rows=2),   # K split over two programs
+        gp.Tiles(16, 128, 1, mode="dot", tr=1)]   # the weights as the MMA's left operand
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -129,6 +130,53 @@ def test_whole_k_modes_match_fp32_reference(fmt, name, n, k):
         clear = top2[:, 1] - top2[:, 0] > 1e-3 * np.abs(logits).max()    # no near-tie for fp32 order to flip
         np.testing.assert_array_equal(np.asarray(ids)[clear], np.argmax(logits, -1)[clear])
     assert ran, f"no whole-K tile set divides {name} ({n} x {k})"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_operand_order_gives_the_same_products(fmt):
+    """`Tiles.tr` 1 (W . x^T, transposed before the store) against 0 (x . W^T) in the looped kernel, at five tokens
+    and with the fused argmax: the same products (fp32 order noise at most), both within TOL of the reference."""
+    n, k = 128, 1024
+    seed = np.random.SeedSequence().entropy % (2**31)
+    key = jax.random.PRNGKey(seed)
+    w, extra, q = _weights(fmt, n, k, key)
+    wf = quant.dequantize(q, F32) if fmt != "bf16" else w
+    x = jax.random.normal(key, (5, k), F32).astype(jnp.bfloat16)
+    ref = np.asarray(reference.linear_f32(x, wf))
+    base = gp.Tiles(32, 256 if fmt == "fp8" else 128, 2)
+    outs = []
+    for tr in (0, 1):
+        t = dataclasses.replace(base, tr=tr)
+        assert gp.check_tiles(fmt, n, k, t) is None
+        y = np.asarray(gp.gemv(x, w, extra.get("scale"), extra.get("scale_2"), fmt=fmt, tiles=t,
+                               interpret=INTERPRET), np.float32)
+        assert y.shape == (5, n)
+        assert np.abs(y - ref).max() <= TOL * np.abs(ref).max(), (fmt, tr, f"seed {seed}")
+        outs.append(y)
+        ids = gp.gemv(x, w, extra.get("scale"), extra.get("scale_2"), fmt=fmt, interpret=INTERPRET, argmax=True,
+                      tiles=dataclasses.replace(t, split=1))
+        top2 = np.sort(ref, -1)[:, -2:]
+        clear = top2[:, 1] - top2[:, 0] > 1e-2 * np.abs(ref).max()
+        np.testing.assert_array_equal(np.asarray(ids)[clear], np.argmax(ref, -1)[clear])
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-2, atol=1e-2 * np.abs(outs[0]).max())
+    assert "tr=1" in gp.check_tiles(fmt if fmt != "nvfp4" else "bf16", n, k,
+                                    gp.Tiles(16, 128, 1, mode="fma", tr=1))
+
+
+def test_many_tiles_knob_changes_only_several_token_tiles(monkeypatch):
+    """`FNX_GEMV_MANY_TILES` replaces fields of the tensor-core tiles at M > 1 (a benchmark knob), leaves one token's
+    and "fma" tiles alone, and raises on a spec that makes the tiles invalid."""
+    n, k = 10240, 2560
+    plain = {m: api.tiles_for("fp8", n, k, m) for m in (1, 5)}
+    monkeypatch.setenv(api.MANY_TILES_ENV, "tr=1")
+    assert api.tiles_for("fp8", n, k, 1) == plain[1]
+    assert api.tiles_for("fp8", n, k, 5) == dataclasses.replace(plain[5], tr=1) != plain[5]
+    monkeypatch.setenv(api.MANY_TILES_ENV, "bn=48")
+    with pytest.raises(ValueError, match="FNX_GEMV_MANY_TILES.*power of two"):
+        api.tiles_for("fp8", n, k, 5)
+    monkeypatch.setenv(api.MANY_TILES_ENV, "tx=1")
+    with pytest.raises(ValueError, match="not field=value"):
+        api.tiles_for("fp8", n, k, 5)
 
 
 def test_whole_k_modes_refuse_what_they_do_not_serve():
@@ -321,6 +369,8 @@ def test_tile_variants_lower_for_cuda():
     cases += [(f, gp.Tiles(bn, 512, 1, 4, 1, mode=mode), a) for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(
         dtype=jnp.bfloat16), None, None))) for bn, mode in ((8, "fma"), (32, "dot"))]
     cases += [("nvfp4", gp.Tiles(64, 256, 2, dec=d), nv) for d in gp.DECODES]
+    cases += [("fp8", gp.Tiles(64, 128, 4, tr=1), fp8), ("fp8", gp.Tiles(128, 256, 2, tr=1), fp8),
+              ("nvfp4", gp.Tiles(64, 256, 2, tr=1), nv), ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", tr=1), fp8)]
     one = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)     # "fma" with acc 1 keeps its tile at one token only
     cases = [(f, t, a, x) for f, t, a in cases] + [(f, gp.Tiles(8, 512, 1, 4, 1, mode="fma", acc=acc, rows=r), a, one)
                                                    for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(

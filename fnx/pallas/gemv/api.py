@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 
 import jax
@@ -90,8 +91,30 @@ def heuristic_tiles(fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
     return t if gp.check_tiles(fmt, n, k, t) is None else None
 
 
+MANY_TILES_ENV = "FNX_GEMV_MANY_TILES"
+
+
+def many_override(t: gp.Tiles | None, fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
+    """`FNX_GEMV_MANY_TILES` ("field=value,...": Tiles fields; dec and mode as text) replaces fields of the tensor-core
+    tiles ("loop" / "dot") chosen for several tokens (M > 1), read when a program is traced: a benchmark knob for
+    an A/B of the whole step without a table change (e.g. "tr=1"). Tiles it would make invalid raise, saying why."""
+    spec = os.environ.get(MANY_TILES_ENV, "").strip()
+    if not spec or t is None or m <= 1 or t.mode == "fma":
+        return t
+    new = dataclasses.replace(t, **dispatch.fields_override(spec, gp.Tiles, MANY_TILES_ENV, ("dec", "mode")))
+    why = gp.check_tiles(fmt, n, k, new)
+    if why:
+        raise ValueError(f"{MANY_TILES_ENV}={spec!r} on {fmt} N={n} K={k} tiles {t}: {why}")
+    return new
+
+
 def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
-    """Tuned tiles for this (fmt, N, K) at M's bucket, else at the nearest tuned bucket, else the heuristic."""
+    """Tuned tiles for this (fmt, N, K) at M's bucket, else at the nearest tuned bucket, else the heuristic (and
+    `FNX_GEMV_MANY_TILES` over them at M > 1)."""
+    return many_override(_tiles_for(fmt, n, k, m, argmax), fmt, n, k, m)
+
+
+def _tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
     table = _tuned(_device_kind())
     suffix = ":argmax" if argmax else ""
     b = m_bucket(m)

@@ -62,6 +62,11 @@ class Tiles:
     rows: int = 1      # whole-K modes: row tiles of BN per program, walked in turn, the next tile's loads issued
                        # before the current tile's arithmetic (registers hold two tiles), so a program's loads and
                        # arithmetic overlap instead of alternating; N / (BN * rows) programs
+    tr: int = 0        # tensor-core modes ("loop", "dot"): 1 = each product as W . x^T ([BN, Mp]: the weight tile is
+                       # the MMA's left operand with BN >= 64 rows, the padded token tile its 16 columns), transposed
+                       # once before the store; 0 = x . W^T ([Mp, BN]: the 16 token rows on the left). The same
+                       # products; which operand is which decides how Triton feeds the MMA (on Hopper a left operand
+                       # of 64+ rows converted in registers can go to a warpgroup MMA without a shared-memory copy)
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 
@@ -96,6 +101,11 @@ def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
         mx_ref[n, :] = best
     else:
         outs[0][s, :, pl.ds(row0, bn)] = acc.astype(out_dtype)
+
+
+def _mm(xk, wk, tr: int):
+    """x [Mp, BK] times w [BN, BK] on the tensor cores, fp32: x . w^T [Mp, BN], or with tr w . x^T [BN, Mp]."""
+    return _dot(wk, xk, trans_b=True) if tr else _dot(xk, wk, trans_b=True)
 
 
 def _padded_m(m: int, mode: str) -> int:
@@ -152,23 +162,24 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
                     sc = sc.astype(F32) * kernel_math.E2M1_F16_SCALE
                 lo = (kernel_math.e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
                 hi = (kernel_math.e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
-            part = _dot(xe, lo, trans_b=True) + _dot(xo, hi, trans_b=True)
-            return acc + part
+            return acc + _mm(xe, lo, t.tr) + _mm(xo, hi, t.tr)
         if fmt == "fp8" and t.bk > 128:  # several 128-column blocks per step, each scaled on its own partial
             for j in range(t.bk // 128):
                 c0 = col0 + j * 128
                 xk = _xrows(x_ref, mp, c0, 128)
                 wk = w_ref[pl.ds(row0, t.bn), pl.ds(c0, 128)].astype(BF16)
-                acc = acc + _dot(xk, wk, trans_b=True) * s_ref[row0 // 128, c0 // 128]
+                acc = acc + _mm(xk, wk, t.tr) * s_ref[row0 // 128, c0 // 128]
             return acc
         xk = _xrows(x_ref, mp, col0, t.bk)                               # [Mp, BK] bf16
         wk = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)].astype(BF16)  # [BN, BK]
-        part = _dot(xk, wk, trans_b=True)                             # [Mp, BN] fp32
+        part = _mm(xk, wk, t.tr)                                      # [Mp, BN] fp32 ([BN, Mp] with tr)
         if fmt == "fp8":
             part = part * s_ref[row0 // 128, col0 // 128]
         return acc + part
 
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((mp, t.bn), F32))
+    acc = lax.fori_loop(0, steps, body, jnp.zeros((t.bn, mp) if t.tr else (mp, t.bn), F32))
+    if t.tr:
+        acc = acc.T
     if fmt == "nvfp4":
         acc = acc * g_ref[pl.ds(row0, t.bn)][None, :]
     _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax)
@@ -239,9 +250,11 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
         for i in range(m):
             acc = jnp.where(rows == i, accs[i][None, :], acc)
     else:
+        acc = jnp.zeros((t.bn, mp), F32) if t.tr else acc
         for j in range(nk):
-            part = _dot(_xrows(x_ref, mp, k0 + j * cw, cw), ws[j].astype(BF16), trans_b=True)   # [Mp, BN] fp32
+            part = _mm(_xrows(x_ref, mp, k0 + j * cw, cw), ws[j].astype(BF16), t.tr)   # [Mp, BN] ([BN, Mp]: tr)
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
+        acc = acc.T if t.tr else acc
     return acc
 
 
@@ -252,6 +265,8 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
             return f"{name}={v} is not a power of two"
     if t.mode not in MODES:
         return f"unknown mode {t.mode!r} (one of {MODES})"
+    if t.tr not in (0, 1) or (t.tr and t.mode == "fma"):
+        return f"tr={t.tr}: 0, or 1 with a tensor-core mode ('loop' or 'dot'; 'fma' has no operand order)"
     if t.mode != "loop":
         return _check_wide(fmt, n, k, t)
     if t.acc:
