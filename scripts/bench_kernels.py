@@ -106,6 +106,12 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
                              tr=base.tr)
                 if gp.check_tiles(fmt, n, k, t) is None and t not in out and t != base:
                     out.append(t)
+    for bk in (base.bk * 2, base.bk * 4):   # more bytes per pipeline stage (several 128-column FP8 blocks a step),
+        for stages in (2, 3):                # fewer stages to fit the shared memory
+            sp = api.split_for(n, base.bn, k, bk, (n // base.bn) * base.split)
+            t = dataclasses.replace(base, bk=bk, num_stages=stages, split=sp)
+            if k % (bk * sp) == 0 and gp.check_tiles(fmt, n, k, t) is None and t not in out:
+                out.append(t)
     for stages in (4, 5):   # deeper software pipelining: more loads in flight per program (latency-bound shapes)
         t = dataclasses.replace(base, num_stages=stages)
         if gp.check_tiles(fmt, n, k, t) is None and t not in out:
@@ -118,10 +124,11 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
 
 
 def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0, fmts=("fp8", "bf16", "nvfp4"),
-              layer_filter: str | None = None, m: int = 1) -> dict:
+              layer_filter: str | None = None, m: int = 1, second: bool = False) -> dict:
     """Time the candidates per (fmt, N, K) at M tokens (two stages, see gemv_candidates) and keep the fastest
     under M's bucket (other buckets use the nearest tuned one; M = 5, an MTP verify window, is bucket 8); stops at
-    `budget_s`, leaving the rest to the heuristic. Entries already in the config file stay unless re-tuned.
+    `budget_s`, leaving the rest to the heuristic. Entries already in the config file stay unless re-tuned; a
+    stage-1 best that is already the tuned entry skips the second stage unless `second`.
     Returns the config dict written."""
     import re
 
@@ -160,7 +167,7 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
             if not results:
                 continue
             first = min(results, key=lambda r: r[0])[1]
-            if not (key in best and first == gp.Tiles(**best[key])):   # a tuned best needs no second stage
+            if second or not (key in best and first == gp.Tiles(**best[key])):   # a tuned best: no second stage
                 run(gemv_candidates(fmt, n, k, base=first, m=m))
             us, t = min(results, key=lambda r: r[0])
             best[key] = dataclasses.asdict(t)
@@ -201,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-fmts", nargs="*", default=["fp8", "bf16", "nvfp4"])
     ap.add_argument("--tune-layers", default=None, help="regex over layer names: tune only those shapes")
     ap.add_argument("--tune-m", type=int, default=1, help="tokens per call to tune at (its M bucket gets the entry)")
+    ap.add_argument("--tune-second", action="store_true",
+                    help="run the tuner's second stage even where the first stage's best is the tuned entry")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--min-apps", type=int, default=64,
                     help="applications the slope spans (fewer compile faster: the longer program unrolls them)")
@@ -228,7 +237,7 @@ def main(argv=None) -> int:
         from fnx.pallas.gemv import api
         name = dev.device_kind.lower().replace(" ", "_") + ".json"
         tune_gemv(api.CONFIG_DIR / name, args.quick, lambda s: print(s, flush=True), args.tune_budget,
-                  tuple(args.tune_fmts), args.tune_layers, args.tune_m)
+                  tuple(args.tune_fmts), args.tune_layers, args.tune_m, args.tune_second)
     results = []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

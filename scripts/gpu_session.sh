@@ -55,7 +55,7 @@ case "$part" in
   tune)   # GEMV tiles for the shapes that carry the decode bytes; the table is kept in $OUT
     timeout ${TUNE_S:-240} python scripts/bench_kernels.py --tune gemv --tune-budget $(( ${TUNE_S:-240} - 40 )) \
       --tune-fmts ${TUNE_FMTS:-fp8 nvfp4 bf16} --tune-layers "${TUNE_LAYERS:-in_proj_qkv|gdn.out_proj|lm_head|shared|hc.up}" \
-      --tune-m ${TUNE_M:-1} \
+      --tune-m ${TUNE_M:-1} ${TUNE_ARGS:-} \
       --only --out "$OUT/bench_kernels.jsonl" > "$OUT/tune.log" 2>&1
     cp fnx/pallas/gemv/configs/*.json "$OUT/" 2>/dev/null
     grep "^tune" "$OUT/tune.log" ;;
