@@ -83,8 +83,10 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
                     t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out:
                         out.append(t)
-        if m > 1:   # several tokens: each tensor-core candidate also with the weights as the MMA's left operand
-            out += [t for t in (dataclasses.replace(c, tr=1) for c in out if c.mode != "fma" and not c.tr)
+        if m > 1:   # several tokens: each tensor-core candidate also with the weights as the MMA's left operand,
+            tc = [c for c in out if c.mode != "fma" and not c.tr and c.mma == "bf16"]    # and FP8 on fp16 MMAs
+            out += [t for t in [dataclasses.replace(c, tr=1) for c in tc] + [dataclasses.replace(c, mma="f16")
+                                                                              for c in tc]
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out]
         return out + [t for t in wide_candidates(fmt, n, k) if t not in out]
     out = []
@@ -95,7 +97,8 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
         opts += [dataclasses.replace(base, rows=r) for r in (1, 2, 4) if r != base.rows]
         opts += [dataclasses.replace(base, split=sp) for sp in (1, 2, 4, 8) if sp != base.split]
         if m > 1 and base.mode == "dot":
-            opts.insert(0, dataclasses.replace(base, tr=1 - base.tr))
+            opts[:0] = [dataclasses.replace(base, tr=1 - base.tr),
+                        dataclasses.replace(base, mma="f16" if base.mma == "bf16" else "bf16")]
         return [t for t in opts if t.bn >= 1 and gp.check_tiles(fmt, n, k, t) is None]
     for bn in ((16, 32, 64, 128) if n <= 640 else (32, 64, 128)):
         if n % bn:
@@ -116,10 +119,11 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
         t = dataclasses.replace(base, num_stages=stages)
         if gp.check_tiles(fmt, n, k, t) is None and t not in out:
             out.append(t)
-    if m > 1:   # the other operand order of the best (`Tiles.tr`)
-        t = dataclasses.replace(base, tr=1 - base.tr)
-        if gp.check_tiles(fmt, n, k, t) is None and t not in out:
-            out.insert(0, t)
+    if m > 1:   # the other operand order and (FP8) the other MMA type of the best (`Tiles.tr`, `Tiles.mma`)
+        for t in (dataclasses.replace(base, tr=1 - base.tr),
+                  dataclasses.replace(base, mma="f16" if base.mma == "bf16" else "bf16")):
+            if gp.check_tiles(fmt, n, k, t) is None and t not in out:
+                out.insert(0, t)
     return out
 
 

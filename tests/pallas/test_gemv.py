@@ -163,6 +163,33 @@ def test_operand_order_gives_the_same_products(fmt):
                                     gp.Tiles(16, 128, 1, mode="fma", tr=1))
 
 
+def test_fp16_mma_matches_the_reference_per_token_row():
+    """`Tiles.mma` "f16" (FP8 tiles on fp16 MMAs, each token row of a chunk prescaled by a power of two): every token
+    row within TOL of the fp32 reference relative to that row's own size, with rows far outside fp16's range (1e6
+    and 1e-6 times the others: without the prescale the first overflows and the second flushes), in the looped kernel
+    (one and two 128-column blocks per step) and the whole-K "dot" mode, at one and five tokens."""
+    n, k = 128, 1024
+    seed = np.random.SeedSequence().entropy % (2**31)
+    key = jax.random.PRNGKey(seed)
+    w, extra, q = _weights("fp8", n, k, key)
+    wf = quant.dequantize(q, F32)
+    x = jax.random.normal(key, (5, k), F32) * jnp.array([1.0, 1e6, 1e-6, 3.0, 0.0])[:, None]
+    x = x.astype(jnp.bfloat16)
+    ref = np.asarray(reference.linear_f32(x, wf))
+    for t in (gp.Tiles(32, 128, 2, mma="f16"), gp.Tiles(64, 256, 1, mma="f16"), gp.Tiles(32, 128, 2, mma="f16", tr=1),
+              gp.Tiles(16, 256, 2, mode="dot", mma="f16")):
+        assert gp.check_tiles("fp8", n, k, t) is None, t
+        for m in (1, 5):
+            y = np.asarray(gp.gemv(x[:m], w, extra["scale"], fmt="fp8", tiles=t, interpret=INTERPRET), np.float32)
+            assert np.all(np.isfinite(y)), (t, m, f"seed {seed}")
+            for i in range(m):
+                size = np.abs(ref[i]).max()
+                assert np.abs(y[i] - ref[i]).max() <= TOL * size, (t, m, i, f"seed {seed}")
+    assert "mma='f16'" in gp.check_tiles("bf16", n, k, gp.Tiles(32, 128, 2, mma="f16"))
+    assert "mma='f16'" in gp.check_tiles("fp8", n, k, gp.Tiles(16, 128, 1, mode="fma", mma="f16"))
+    assert "mma='f32'" in gp.check_tiles("fp8", n, k, gp.Tiles(32, 128, 2, mma="f32"))
+
+
 def test_many_tiles_knob_changes_only_several_token_tiles(monkeypatch):
     """`FNX_GEMV_MANY_TILES` replaces fields of the tensor-core tiles at M > 1 (a benchmark knob), leaves one token's
     and "fma" tiles alone, and raises on a spec that makes the tiles invalid."""
@@ -171,6 +198,8 @@ def test_many_tiles_knob_changes_only_several_token_tiles(monkeypatch):
     monkeypatch.setenv(api.MANY_TILES_ENV, "tr=1")
     assert api.tiles_for("fp8", n, k, 1) == plain[1]
     assert api.tiles_for("fp8", n, k, 5) == dataclasses.replace(plain[5], tr=1) != plain[5]
+    monkeypatch.setenv(api.MANY_TILES_ENV, "mma=f16,tr=1")
+    assert api.tiles_for("fp8", n, k, 5) == dataclasses.replace(plain[5], tr=1, mma="f16")
     monkeypatch.setenv(api.MANY_TILES_ENV, "bn=48")
     with pytest.raises(ValueError, match="FNX_GEMV_MANY_TILES.*power of two"):
         api.tiles_for("fp8", n, k, 5)
@@ -370,7 +399,9 @@ def test_tile_variants_lower_for_cuda():
         dtype=jnp.bfloat16), None, None))) for bn, mode in ((8, "fma"), (32, "dot"))]
     cases += [("nvfp4", gp.Tiles(64, 256, 2, dec=d), nv) for d in gp.DECODES]
     cases += [("fp8", gp.Tiles(64, 128, 4, tr=1), fp8), ("fp8", gp.Tiles(128, 256, 2, tr=1), fp8),
-              ("nvfp4", gp.Tiles(64, 256, 2, tr=1), nv), ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", tr=1), fp8)]
+              ("nvfp4", gp.Tiles(64, 256, 2, tr=1), nv), ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", tr=1), fp8),
+              ("fp8", gp.Tiles(64, 128, 4, mma="f16"), fp8), ("fp8", gp.Tiles(128, 256, 2, mma="f16", tr=1), fp8),
+              ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", mma="f16"), fp8)]
     one = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)     # "fma" with acc 1 keeps its tile at one token only
     cases = [(f, t, a, x) for f, t, a in cases] + [(f, gp.Tiles(8, 512, 1, 4, 1, mode="fma", acc=acc, rows=r), a, one)
                                                    for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(

@@ -67,6 +67,12 @@ class Tiles:
                        # once before the store; 0 = x . W^T ([Mp, BN]: the 16 token rows on the left). The same
                        # products; which operand is which decides how Triton feeds the MMA (on Hopper a left operand
                        # of 64+ rows converted in registers can go to a warpgroup MMA without a shared-memory copy)
+    mma: str = "bf16"  # FP8 in the tensor-core modes: the MMA's operand type. "bf16": the E4M3 tile converted to bf16
+                       # against the bf16 activations; "f16": the tile converted to fp16 (one instruction per two
+                       # weights on Hopper, where E4M3 -> bf16 goes through fp32), each token row of the activation
+                       # chunk scaled by a power of two into fp16's range first (max |x'| in [2^14, 2^15):
+                       # `kernel_math.hfma_prescale`) and the partial scaled back: E4M3 is exact in fp16 and x' rounds
+                       # to fp16's 11 bits instead of bf16's 8 (values below max|x| * 2^-28 of a chunk lose bits)
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 
@@ -101,6 +107,21 @@ def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
         mx_ref[n, :] = best
     else:
         outs[0][s, :, pl.ds(row0, bn)] = acc.astype(out_dtype)
+
+
+MMA_TYPES = ("bf16", "f16")
+
+
+def _fp8_mm(xk, wq, t: Tiles):
+    """An FP8 tile's product with the activation chunk xk [Mp, cw] (before its block scale): `_mm` on bf16
+    operands, or with `Tiles.mma` "f16" on fp16 ones with each token row prescaled by a power of two and the
+    partial scaled back (exact: powers of two)."""
+    if t.mma != "f16":
+        return _mm(xk, wq.astype(BF16), t.tr)
+    xf = xk.astype(F32)
+    up, down = kernel_math.hfma_prescale(jnp.max(jnp.abs(xf), axis=1))     # [Mp] each
+    part = _mm((xf * up[:, None]).astype(jnp.float16), wq.astype(jnp.float16), t.tr)
+    return part * (down[None, :] if t.tr else down[:, None])
 
 
 def _mm(xk, wk, tr: int):
@@ -167,12 +188,12 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
             for j in range(t.bk // 128):
                 c0 = col0 + j * 128
                 xk = _xrows(x_ref, mp, c0, 128)
-                wk = w_ref[pl.ds(row0, t.bn), pl.ds(c0, 128)].astype(BF16)
-                acc = acc + _mm(xk, wk, t.tr) * s_ref[row0 // 128, c0 // 128]
+                wq = w_ref[pl.ds(row0, t.bn), pl.ds(c0, 128)]
+                acc = acc + _fp8_mm(xk, wq, t) * s_ref[row0 // 128, c0 // 128]
             return acc
         xk = _xrows(x_ref, mp, col0, t.bk)                               # [Mp, BK] bf16
-        wk = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)].astype(BF16)  # [BN, BK]
-        part = _mm(xk, wk, t.tr)                                      # [Mp, BN] fp32 ([BN, Mp] with tr)
+        wq = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)]                # [BN, BK]
+        part = _fp8_mm(xk, wq, t) if fmt == "fp8" else _mm(xk, wq.astype(BF16), t.tr)   # [Mp, BN] ([BN, Mp]: tr)
         if fmt == "fp8":
             part = part * s_ref[row0 // 128, col0 // 128]
         return acc + part
@@ -252,7 +273,8 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
     else:
         acc = jnp.zeros((t.bn, mp), F32) if t.tr else acc
         for j in range(nk):
-            part = _mm(_xrows(x_ref, mp, k0 + j * cw, cw), ws[j].astype(BF16), t.tr)   # [Mp, BN] ([BN, Mp]: tr)
+            xk = _xrows(x_ref, mp, k0 + j * cw, cw)
+            part = _fp8_mm(xk, ws[j], t) if fmt == "fp8" else _mm(xk, ws[j].astype(BF16), t.tr)  # [Mp, BN] / [BN, Mp]
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
         acc = acc.T if t.tr else acc
     return acc
@@ -267,6 +289,8 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
         return f"unknown mode {t.mode!r} (one of {MODES})"
     if t.tr not in (0, 1) or (t.tr and t.mode == "fma"):
         return f"tr={t.tr}: 0, or 1 with a tensor-core mode ('loop' or 'dot'; 'fma' has no operand order)"
+    if t.mma not in MMA_TYPES or (t.mma != "bf16" and (fmt != "fp8" or t.mode == "fma")):
+        return f"mma={t.mma!r}: one of {MMA_TYPES}; 'f16' takes FP8 weights in a tensor-core mode ('loop' or 'dot')"
     if t.mode != "loop":
         return _check_wide(fmt, n, k, t)
     if t.acc:
