@@ -97,7 +97,8 @@ MANY_TILES_ENV = "FNX_GEMV_MANY_TILES"
 def many_override(t: gp.Tiles | None, fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
     """`FNX_GEMV_MANY_TILES` ("field=value,...": Tiles fields; dec and mode as text) replaces fields of the tensor-core
     tiles ("loop" / "dot") chosen for several tokens (M > 1), read when a program is traced: a benchmark knob for
-    an A/B of the whole step without a table change (e.g. "tr=1", "mma=f16"). Tiles it would make invalid raise, saying why."""
+    an A/B of the whole step without a table change (e.g. "tr=1", "mma=f16"). Tiles it would make invalid raise,
+    saying why."""
     spec = os.environ.get(MANY_TILES_ENV, "").strip()
     if not spec or t is None or m <= 1 or t.mode == "fma":
         return t
