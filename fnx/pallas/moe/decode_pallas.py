@@ -158,6 +158,11 @@ class DecodeTiles:
                          # halves: x is passed with each cw chunk's even columns first, then its odd (`pair_columns`,
                          # one XLA op), and the gate/up kernel writes the activation rows so for the down kernel's cw2
                          # chunks. The same products in the same order. Not with e2m1 "hfma"/"hfmab", dot or tok
+    persist: int = 0     # kernel 1 (gate/up) as this many resident programs (0: one program per (slot, row tile)),
+                         # each walking its share of the tasks with the next task's weight loads issued before the
+                         # current task's arithmetic (`_gate_up_persist_kernel`): the expert id -> weight address ->
+                         # weights round trips of one task overlap another's decode. One token per slot (M = 1 or
+                         # flat 1), acc 1, meta 0, dot 0. The same values
 
 
 def _pow2(n: int) -> int:
@@ -562,27 +567,13 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             return
         raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
+        if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
+            _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xrow(0), s, rg, d=d, cw=cw, bn=bn, dt=dt,
+                               e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair)
+            return
         deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
         cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
         rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
-        if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
-            tg = tu = None
-            hf = _hfma(e2m1, fmt)
-            if hf:                  # the activations in fp16's range: x * 2^s, the sums times 2^-s
-                up, down = _hx_prescale(x_ref, (xrow(0),), d, cw)
-            for c in range(nk):
-                if hf:
-                    xv = _hx(x_ref, (xrow(0),), c * cw, cw, up, e2m1)
-                else:
-                    xv = _xs(x_ref, (xrow(0),), c * cw, cw, fmt == "nvfp4", bn if x2d else 0)
-                tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
-                tu = _tile_fma(tu, deq(raw_u[c]), _scaled(xv, cs[c][1]))
-            sg_, su_ = _tiles_sum(tg), _tiles_sum(tu)
-            if hf:
-                sg_, su_ = sg_ * down, su_ * down
-            a = _silu_mul(rnd(_rows(sg_, rs_g), dt), rnd(_rows(su_, rs_u), dt), dt)
-            _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
-            return
         if m == 1:
             hits = None
         elif meta == 1:
@@ -619,6 +610,68 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         body()
     else:
         pl.when(owner)(body)
+
+
+def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, e2m1, wround, gsum, x2d,
+                       act_pair):
+    """One slot's gate and up rows [rg, rg+bn) for its one token (x row xr) from their loaded chunks (`_raw`), the
+    products kept as tiles over the chunks and each row summed once (`DecodeTiles.acc` 1); act[s, 0, rg:rg+bn] =
+    silu(g) * u rounded as the reference."""
+    nk = d // cw
+    deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
+    cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
+    rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
+    tg = tu = None
+    hf = _hfma(e2m1, fmt)
+    if hf:                  # the activations in fp16's range: x * 2^s, the sums times 2^-s
+        up, down = _hx_prescale(x_ref, (xr,), d, cw)
+    for c in range(nk):
+        if hf:
+            xv = _hx(x_ref, (xr,), c * cw, cw, up, e2m1)
+        else:
+            xv = _xs(x_ref, (xr,), c * cw, cw, fmt == "nvfp4", bn if x2d else 0)
+        tg = _tile_fma(tg, deq(raw_g[c]), _scaled(xv, cs[c][0]))
+        tu = _tile_fma(tu, deq(raw_u[c]), _scaled(xv, cs[c][1]))
+    sg_, su_ = _tiles_sum(tg), _tiles_sum(tu)
+    if hf:
+        sg_, su_ = sg_ * down, su_ * down
+    a = _silu_mul(rnd(_rows(sg_, rs_g), dt), rnd(_rows(su_, rs_u), dt), dt)
+    _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
+
+
+def _gate_up_persist_kernel(ids_ref, x_ref, *rest, fmt, k, n_slots, inter, d, bn, cw, e2m1, wround, gsum,
+                            flat_slots, x2d, act_pair, n_prog):
+    """Kernel 1 as `n_prog` resident programs (`DecodeTiles.persist`): program p takes the tasks t = p, p + n_prog,
+    ... of the n_slots * I / bn (slot, row tile) tasks in slot-major order and issues the next task's weight loads
+    (its expert id read first) before the current task's arithmetic, so a program's memory round trips overlap its
+    decode instead of each short program waiting for its own. One token per slot (M = 1 or flat slots), the
+    `_one_token_gate_up` arithmetic: the same values as the grid of one program per task."""
+    *w_refs, act_ref = rest
+    pid = pl.program_id(0)
+    nj, nk = inter // bn, d // cw
+    total = n_slots * nj
+    dt = act_ref.dtype
+
+    def task(i):
+        t = jnp.minimum(pid + i * n_prog, total - 1)     # past the end: the last task's (valid) address, not used
+        return t // nj, t % nj
+
+    def loads(i):
+        s, j = task(i)
+        e = ids_ref[s]
+        return tuple([_raw(fmt, w_refs, (e,), r0, bn, c * cw, cw) for c in range(nk)] for r0 in (j * bn, inter + j * bn))
+
+    def step(i, raws):
+        nxt = loads(i + 1)            # issued before this task's arithmetic
+        s, j = task(i)
+
+        @pl.when(pid + i * n_prog < total)
+        def _():
+            _one_token_gate_up(x_ref, act_ref, fmt, raws[0], raws[1], s // k if flat_slots else 0, s, j * bn, d=d,
+                               cw=cw, bn=bn, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair)
+        return nxt
+
+    lax.fori_loop(0, -(-total // n_prog), step, loads(0))
 
 
 def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
@@ -864,6 +917,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
     if t.flat and m > 1 and (t.group == 0 or k % t.group or t.meta or t.tok or t.dot):
         return f"tiles {t}: flat 1 gives each (token, k) slot its own token: it needs a group of slots per down " \
                f"program that divides K = {k} (a group never spans two tokens), meta 0, tok 0 and dot 0"
+    if t.persist < 0 or (t.persist and (not (m == 1 or t.flat) or not t.acc or t.meta or t.dot)):
+        return f"tiles {t}: persist {t.persist} (resident gate/up programs) computes one token per slot: it needs " \
+               f"M = 1 or flat 1 (got M = {m}), acc 1, meta 0 and dot 0"
     if t.x2d not in (0, 1) or (t.x2d and (t.e2m1 in _HFMA or t.dot or t.tok)):
         return f"tiles {t}: x2d must be 0 or 1, and x2d 1 (activation tiles) takes no e2m1 'hfma'/'hfmab', dot or tok"
     one_token = m == 1 or t.flat
@@ -1043,18 +1099,28 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     act_shape = jax.ShapeDtypeStruct((n_slots, km, inter), dt)
     meta_shapes = (jax.ShapeDtypeStruct((n_slots,), jnp.int32), jax.ShapeDtypeStruct((n_slots * m,), jnp.int32),
                    jax.ShapeDtypeStruct((n_slots * m,), F32))
-    act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
-        functools.partial(_gate_up_kernel, fmt=fmt1, m=km, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
-                          bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
-                          meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot, flat_slots=flat,
-                          x2d=x2d, act_pair=act_pair),
-        (flat_ids, x_in, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
-        out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
-        grid=(n_slots, inter // tiles.bn),
-        interpret=interpret, name="moe_decode_gate_up",
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.stages),
-    )
+    if tiles.persist:       # resident programs walking the (slot, row tile) tasks
+        n_prog = min(tiles.persist, n_slots * (inter // tiles.bn))
+        act = stacked.call(
+            functools.partial(_gate_up_persist_kernel, fmt=fmt1, k=k, n_slots=n_slots, inter=inter, d=d,
+                              bn=tiles.bn, cw=tiles.cw, e2m1=tiles.e2m1, wround=bool(tiles.wround),
+                              gsum=bool(tiles.gsum), flat_slots=flat, x2d=x2d, act_pair=act_pair, n_prog=n_prog),
+            (flat_ids, x_in, *w1), out_shape=act_shape, grid=(n_prog,), interpret=interpret,
+            name="moe_decode_gate_up_persist",
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.stages))
+    else:
+        act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
+            functools.partial(_gate_up_kernel, fmt=fmt1, m=km, k=k, n_slots=n_slots, sp=sp, inter=inter, d=d,
+                              bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
+                              meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
+                              tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot,
+                              flat_slots=flat, x2d=x2d, act_pair=act_pair),
+            (flat_ids, x_in, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
+            out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
+            grid=(n_slots, inter // tiles.bn),
+            interpret=interpret, name="moe_decode_gate_up",
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.stages),
+        )
     if tiles.meta == 2:
         act, *meta = act
     if tiles.tok:
