@@ -659,7 +659,8 @@ def _gate_up_persist_kernel(ids_ref, x_ref, *rest, fmt, k, n_slots, inter, d, bn
     def loads(i):
         s, j = task(i)
         e = ids_ref[s]
-        return tuple([_raw(fmt, w_refs, (e,), r0, bn, c * cw, cw) for c in range(nk)] for r0 in (j * bn, inter + j * bn))
+        return tuple([_raw(fmt, w_refs, (e,), r0, bn, c * cw, cw) for c in range(nk)]
+                     for r0 in (j * bn, inter + j * bn))
 
     def step(i, raws):
         nxt = loads(i + 1)            # issued before this task's arithmetic
