@@ -83,10 +83,12 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
                     t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out:
                         out.append(t)
-        if m > 1:   # several tokens: each tensor-core candidate also with the weights as the MMA's left operand,
-            tc = [c for c in out if c.mode != "fma" and not c.tr and c.mma == "bf16"]    # and FP8 on fp16 MMAs
-            out += [t for t in [dataclasses.replace(c, tr=1) for c in tc] + [dataclasses.replace(c, mma="f16")
-                                                                              for c in tc]
+        tc = [c for c in out if c.mode != "fma" and not c.tr and c.mma == "bf16"]
+        if m > 1:   # several tokens: each tensor-core candidate also with the weights as the MMA's left operand
+            out += [t for t in (dataclasses.replace(c, tr=1) for c in tc)
+                    if gp.check_tiles(fmt, n, k, t) is None and t not in out]
+        if m > 1 or fmt == "nvfp4":     # and on fp16 MMAs (FP8, NVFP4: `Tiles.mma`; NVFP4 runs them at one token too)
+            out += [t for t in (dataclasses.replace(c, mma="f16") for c in tc)
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out]
         return out + [t for t in wide_candidates(fmt, n, k) if t not in out]
     out = []
@@ -119,11 +121,12 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
         t = dataclasses.replace(base, num_stages=stages)
         if gp.check_tiles(fmt, n, k, t) is None and t not in out:
             out.append(t)
-    if m > 1:   # the other operand order and (FP8) the other MMA type of the best (`Tiles.tr`, `Tiles.mma`)
-        for t in (dataclasses.replace(base, tr=1 - base.tr),
-                  dataclasses.replace(base, mma="f16" if base.mma == "bf16" else "bf16")):
-            if gp.check_tiles(fmt, n, k, t) is None and t not in out:
-                out.insert(0, t)
+    flips = [dataclasses.replace(base, tr=1 - base.tr)] if m > 1 else []     # the other operand order and
+    if m > 1 or fmt == "nvfp4":                                               # MMA type of the best
+        flips.append(dataclasses.replace(base, mma="f16" if base.mma == "bf16" else "bf16"))
+    for t in flips:
+        if gp.check_tiles(fmt, n, k, t) is None and t not in out:
+            out.insert(0, t)
     return out
 
 

@@ -136,6 +136,7 @@ def test_gemv_tune_candidates_include_what_runs_at_m():
         assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), tr=1) in cands     # the other operand order
         assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), mma="f16") in cands   # fp16 MMAs
         assert not any(c.mma != "bf16" for c in bench_kernels.gemv_candidates("bf16", n, k, m=5))
+        assert any(c.mma == "f16" for c in bench_kernels.gemv_candidates("nvfp4", n, k, m=1))
         assert not any(c.tr for c in bench_kernels.gemv_candidates("fp8", n, k, m=1))
         loop = api.heuristic_tiles("fp8", n, k, 5)
         assert dataclasses.replace(loop, tr=1) in bench_kernels.gemv_candidates("fp8", n, k, base=loop, m=5)

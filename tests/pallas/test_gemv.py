@@ -167,7 +167,8 @@ def test_fp16_mma_matches_the_reference_per_token_row():
     """`Tiles.mma` "f16" (FP8 tiles on fp16 MMAs, each token row of a chunk prescaled by a power of two): every token
     row within TOL of the fp32 reference relative to that row's own size, with rows far outside fp16's range (1e6
     and 1e-6 times the others: without the prescale the first overflows and the second flushes), in the looped kernel
-    (one and two 128-column blocks per step) and the whole-K "dot" mode, at one and five tokens."""
+    (one and two 128-column blocks per step) and the whole-K "dot" mode, at one and five tokens; NVFP4 (code * scale
+    in fp16) in the looped kernel with both scale layouts."""
     n, k = 128, 1024
     seed = np.random.SeedSequence().entropy % (2**31)
     key = jax.random.PRNGKey(seed)
@@ -185,6 +186,16 @@ def test_fp16_mma_matches_the_reference_per_token_row():
             for i in range(m):
                 size = np.abs(ref[i]).max()
                 assert np.abs(y[i] - ref[i]).max() <= TOL * size, (t, m, i, f"seed {seed}")
+    wn, en, qn = _weights("nvfp4", n, k, key)       # NVFP4: code * scale formed in fp16, both decodes
+    refn = np.asarray(reference.linear_f32(x, quant.dequantize(qn, F32)))
+    for t in (gp.Tiles(32, 128, 2, mma="f16"), gp.Tiles(64, 256, 1, dec="f32g", mma="f16", tr=1)):
+        assert gp.check_tiles("nvfp4", n, k, t) is None, t
+        y = np.asarray(gp.gemv(x, wn, en["scale"], en["scale_2"], fmt="nvfp4", tiles=t, interpret=INTERPRET),
+                       np.float32)
+        assert np.all(np.isfinite(y)), (t, f"seed {seed}")
+        for i in range(5):
+            assert np.abs(y[i] - refn[i]).max() <= TOL * np.abs(refn[i]).max(), (t, i, f"seed {seed}")
+    assert "mma='f16'" in gp.check_tiles("nvfp4", n, k, gp.Tiles(32, 128, 2, dec="bf16", mma="f16"))
     assert "mma='f16'" in gp.check_tiles("bf16", n, k, gp.Tiles(32, 128, 2, mma="f16"))
     assert "mma='f16'" in gp.check_tiles("fp8", n, k, gp.Tiles(16, 128, 1, mode="fma", mma="f16"))
     assert "mma='f32'" in gp.check_tiles("fp8", n, k, gp.Tiles(32, 128, 2, mma="f32"))
@@ -401,7 +412,9 @@ def test_tile_variants_lower_for_cuda():
     cases += [("fp8", gp.Tiles(64, 128, 4, tr=1), fp8), ("fp8", gp.Tiles(128, 256, 2, tr=1), fp8),
               ("nvfp4", gp.Tiles(64, 256, 2, tr=1), nv), ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", tr=1), fp8),
               ("fp8", gp.Tiles(64, 128, 4, mma="f16"), fp8), ("fp8", gp.Tiles(128, 256, 2, mma="f16", tr=1), fp8),
-              ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", mma="f16"), fp8)]
+              ("fp8", gp.Tiles(32, 512, 1, 4, 1, mode="dot", mma="f16"), fp8),
+              ("nvfp4", gp.Tiles(64, 256, 2, mma="f16"), nv),
+              ("nvfp4", gp.Tiles(64, 256, 2, dec="f32g", mma="f16"), nv)]
     one = jax.ShapeDtypeStruct((1, k), jnp.bfloat16)     # "fma" with acc 1 keeps its tile at one token only
     cases = [(f, t, a, x) for f, t, a in cases] + [(f, gp.Tiles(8, 512, 1, 4, 1, mode="fma", acc=acc, rows=r), a, one)
                                                    for f, a in (("fp8", fp8), ("bf16", (fp8[0].update(

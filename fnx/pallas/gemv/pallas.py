@@ -67,12 +67,14 @@ class Tiles:
                        # once before the store; 0 = x . W^T ([Mp, BN]: the 16 token rows on the left). The same
                        # products; which operand is which decides how Triton feeds the MMA (on Hopper a left operand
                        # of 64+ rows converted in registers can go to a warpgroup MMA without a shared-memory copy)
-    mma: str = "bf16"  # FP8 in the tensor-core modes: the MMA's operand type. "bf16": the E4M3 tile converted to bf16
-                       # against the bf16 activations; "f16": the tile converted to fp16 (one instruction per two
-                       # weights on Hopper, where E4M3 -> bf16 goes through fp32), each token row of the activation
-                       # chunk scaled by a power of two into fp16's range first (max |x'| in [2^14, 2^15):
-                       # `kernel_math.hfma_prescale`) and the partial scaled back: E4M3 is exact in fp16 and x' rounds
-                       # to fp16's 11 bits instead of bf16's 8 (values below max|x| * 2^-28 of a chunk lose bits)
+    mma: str = "bf16"  # FP8 / NVFP4 in the tensor-core modes: the MMA's operand type. "bf16": the dequantized tile
+                       # in bf16 against the bf16 activations; "f16": FP8's E4M3 tile converted to fp16 (one
+                       # instruction per two weights on Hopper, where E4M3 -> bf16 goes through fp32), NVFP4's code *
+                       # group scale formed in fp16 (`_nvfp4_f16_mm`: exact, no fp32 step), each token row of the
+                       # activation chunk scaled by a power of two into fp16's range first (max |x'| in [2^14, 2^15):
+                       # `kernel_math.hfma_prescale`) and the partial scaled back: the weights are exact in fp16 and
+                       # x' rounds to fp16's 11 bits instead of bf16's 8 (values below max|x| * 2^-28 of a chunk
+                       # lose bits)
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 
@@ -124,6 +126,29 @@ def _fp8_mm(xk, wq, t: Tiles):
     return part * (down[None, :] if t.tr else down[:, None])
 
 
+def _nvfp4_f16_mm(xe, xo, packed, sc_ref, row0, kb, t: Tiles):
+    """An NVFP4 step on fp16 MMAs (`Tiles.mma` "f16"): code * 2^-14 (`kernel_math.e2m1_f16`) times its E4M3 group
+    scale in fp16 is exact (at most 11 significant bits, every value a multiple of 2^-24, at most 6 * 448 * 2^-14), the
+    even and odd activation columns prescaled per token row by one power of two, the partial scaled back with 2^14
+    (before the row's global scale)."""
+    half, ng = t.bk // 2, t.bk // 16
+    if t.dec == "f32g":     # each packed byte's scale gathered in the tile's shape
+        rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
+        cols = lax.broadcasted_iota(jnp.int32, (t.bn, half), 1) // 8 + kb * ng
+        sc = sc_ref[rows, cols].astype(jnp.float16)
+    else:
+        sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(jnp.float16)
+        sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
+    lo = kernel_math.e2m1_f16(packed & 0xF) * sc
+    hi = kernel_math.e2m1_f16(packed >> 4) * sc
+    xe, xo = xe.astype(F32), xo.astype(F32)
+    up, down = kernel_math.hfma_prescale(jnp.maximum(jnp.max(jnp.abs(xe), axis=1), jnp.max(jnp.abs(xo), axis=1)))
+    h = lambda v: (v * up[:, None]).astype(jnp.float16)     # noqa: E731
+    part = _mm(h(xe), lo, t.tr) + _mm(h(xo), hi, t.tr)
+    back = down * kernel_math.E2M1_F16_SCALE
+    return part * (back[None, :] if t.tr else back[:, None])
+
+
 def _mm(xk, wk, tr: int):
     """x [Mp, BK] times w [BN, BK] on the tensor cores, fp32: x . w^T [Mp, BN], or with tr w . x^T [BN, Mp]."""
     return _dot(wk, xk, trans_b=True) if tr else _dot(xk, wk, trans_b=True)
@@ -167,6 +192,8 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
             xo = _xrows(x2_ref, mp, kb * half, half)                    # odd columns
             packed = w_ref[pl.ds(row0, t.bn), pl.ds(kb * half, half)]    # [BN, BK/2] uint8
             ng = t.bk // 16
+            if t.mma == "f16":
+                return acc + _nvfp4_f16_mm(xe, xo, packed, sc_ref, row0, kb, t)
             if t.dec == "f32":
                 sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32) * kernel_math.E2M1_F16_SCALE   # [BN, BK/16]
                 sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
@@ -289,8 +316,10 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
         return f"unknown mode {t.mode!r} (one of {MODES})"
     if t.tr not in (0, 1) or (t.tr and t.mode == "fma"):
         return f"tr={t.tr}: 0, or 1 with a tensor-core mode ('loop' or 'dot'; 'fma' has no operand order)"
-    if t.mma not in MMA_TYPES or (t.mma != "bf16" and (fmt != "fp8" or t.mode == "fma")):
-        return f"mma={t.mma!r}: one of {MMA_TYPES}; 'f16' takes FP8 weights in a tensor-core mode ('loop' or 'dot')"
+    if t.mma not in MMA_TYPES or (t.mma != "bf16" and (fmt not in ("fp8", "nvfp4") or t.mode == "fma"
+                                                        or (fmt == "nvfp4" and t.dec == "bf16"))):
+        return f"mma={t.mma!r}: one of {MMA_TYPES}; 'f16' takes FP8 or NVFP4 weights (decode 'f32' / 'f32g') in a " \
+               "tensor-core mode ('loop' or 'dot')"
     if t.mode != "loop":
         return _check_wide(fmt, n, k, t)
     if t.acc:
