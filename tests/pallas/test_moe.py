@@ -794,23 +794,26 @@ def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):
 
 @pytest.mark.parametrize("fmt,m,n_prog", [("nvfp4", 1, 7), ("nvfp4", 4, 5), ("fp8", 4, 64), _ext("bf16", 1, 3)])
 def test_decode_resident_gate_up_programs_give_the_same_bits(fmt, m, n_prog):
-    """DecodeTiles.persist: kernel 1 as n_prog resident programs walking the (slot, row tile) tasks with the next
-    task's loads issued first gives the bits of one program per task, one token (K * I / bn = 32 tasks) and flat
-    slots (128), with n_prog not dividing the tasks (a last partial round) and above them (capped); NVFP4 with the
-    served one-token arithmetic (group sums, "f16" in the interpreter). Tiles it does not serve are refused."""
+    """DecodeTiles.persist / persist2: kernel 1 (gate/up) and kernel 2 (down) as n_prog resident programs walking
+    their tasks with the next task's loads issued first give the bits of one program per task, each alone and both,
+    one token (K * I / bn = 32 gate/up tasks) and flat slots (128), with n_prog not dividing the tasks (a last partial
+    round) and above them (capped); NVFP4 with the served one-token arithmetic (group sums, "f16" in the
+    interpreter), FP8 with two slots per down group. Tiles they do not serve are refused."""
     args = _decode_args(fmt, m, 85, ids=_case_ids("pairs", m) if m > 1 else None)
     if fmt == "nvfp4":
         base = dataclasses.replace(decode_pallas.MEASURED["nvfp4"], bn=16, cw=128, bn2=64, cw2=64, flat=int(m > 1))
     else:
-        base = dataclasses.replace(DT, acc=1, wround=0, group=1, flat=int(m > 1))
+        base = dataclasses.replace(DT, acc=1, wround=0, group=2 if fmt == "fp8" else 1, flat=int(m > 1))
     want = _run_tiles(args, base)
-    got = _run_tiles(args, dataclasses.replace(base, persist=n_prog))
-    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for knobs in (dict(persist=n_prog), dict(persist2=n_prog), dict(persist=n_prog, persist2=n_prog + 2)):
+        got = _run_tiles(args, dataclasses.replace(base, **knobs))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(knobs))
     _close(got, reference.decode(*args))
-    bad = [dict(acc=0), dict(dot=1, bn2=16)] + ([dict(flat=0)] if m > 1 else [])
+    bad = [dict(persist=n_prog, acc=0), dict(persist=n_prog, dot=1, bn2=16), dict(persist2=n_prog, group=0),
+           dict(persist2=n_prog, tok=1, group=0)] + ([dict(persist=n_prog, flat=0)] if m > 1 else [])
     for b in bad:
         with pytest.raises(NotImplementedError, match="persist"):
-            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, persist=n_prog, **b))
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(base, **b))
 
 
 def test_bench_sweep_variants_end_with_the_default_again(monkeypatch):
@@ -959,7 +962,10 @@ def test_decode_lowers_for_cuda(which):
                            ("bf16", m, dataclasses.replace(decode_pallas.MEASURED["dense"], flat=1)),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1,
                                                             e2m1="hfmab")),
-                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, persist=1056)),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, persist=1056,
+                                                            persist2=1056)),
+                           ("fp8", m, dataclasses.replace(decode_pallas.MEASURED["fp8_block"], flat=1, group=2,
+                                                          persist2=528)),
                            ("nvfp4", 1, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], persist=528))):
         if (which == "served") != (tiles is None or tiles.dot > 0 or tiles.flat > 0):
             continue

@@ -163,6 +163,9 @@ class DecodeTiles:
                          # current task's arithmetic (`_gate_up_persist_kernel`): the expert id -> weight address ->
                          # weights round trips of one task overlap another's decode. One token per slot (M = 1 or
                          # flat 1), acc 1, meta 0, dot 0. The same values
+    persist2: int = 0    # kernel 2 (down) likewise (`_down_persist_kernel`): resident programs walking the (slot group,
+                         # column tile) tasks with the next task's down-row loads issued first, then the shared-expert
+                         # tasks. One token per slot, a group g > 0, meta 0, tok 0, dot 0. The same values
 
 
 def _pow2(n: int) -> int:
@@ -706,6 +709,79 @@ def _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, tokens, bn, cw, inter_s,
     return out
 
 
+def _one_token_down_term(fmt, raw, act_ref, s, coef, *, bn, cw, inter, dt, e2m1, wround, gsum, x2d):
+    """Slot s's routed term for its one token over the down rows loaded in `raw` (`_raw`'s chunks of one column
+    tile): round(round(act[s, 0] @ down.T) * coef), [bn] fp32 holding dt values."""
+    hf = _hfma(e2m1, fmt)
+    if hf:                  # this slot's activation row in fp16's range: x * 2^s, the sums times 2^-s
+        up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
+    acc = jnp.zeros((bn,), F32)
+    for c in range(inter // cw):
+        w_c = _deq(fmt, raw[c], bn, cw, dt, e2m1, wround, gsum)
+        if hf:
+            acc = acc + _rowdot(w_c, _hx(act_ref, (s, 0), c * cw, cw, up, e2m1))
+        else:
+            xv = _scaled(_xs(act_ref, (s, 0), c * cw, cw, fmt == "nvfp4", bn if x2d else 0),
+                         _col_scale(fmt, raw[c], cw, wround))
+            acc = acc + _rowdot(w_c, xv)
+    if hf:
+        acc = acc * down
+    return rnd(rnd(_rows(acc, _row_scale(fmt, raw[0], wround)), dt) * coef, dt)
+
+
+def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, d,
+                         inter, inter_s, bn, cw, group, e2m1, offs, wround, gsum, x2d, n_shared, n_prog):
+    """Kernel 2 as `n_prog` resident programs (`DecodeTiles.persist`), one token per slot (M = 1 or flat slots),
+    grouped slots (`DecodeTiles.group` g): program p takes the routed tasks p, p + n_prog, ... of the n_slots / g
+    groups x D / bn column tiles, issuing the next task's down-row loads (its experts' ids read first) before the
+    current task's arithmetic, and writes each group's fp32 partial as the grid kernel does; then its share of the
+    n_shared x D / bn shared-expert tasks (token t's shared term, row n_slots / g + t), without prefetch. The same
+    values as the grid of one program per (column tile, row)."""
+    dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
+    dt = sg_ref.dtype
+    pid = pl.program_id(0)
+    nj, nk, n_groups = d // bn, inter // cw, n_slots // group
+    total = n_groups * nj
+
+    def task(i):
+        t = jnp.minimum(pid + i * n_prog, total - 1)     # past the end: the last task's (valid) address, not used
+        return t // nj, t % nj
+
+    def loads(i):
+        gi, j = task(i)
+        return tuple([_raw(fmt, dn_refs, (ids_ref[gi * group + u],), j * bn, bn, c * cw, cw) for c in range(nk)]
+                     for u in range(group))
+
+    def step(i, raws):
+        nxt = loads(i + 1)            # issued before this task's arithmetic
+        gi, j = task(i)
+
+        @pl.when(pid + i * n_prog < total)
+        def _():
+            acc = jnp.zeros((bn,), F32)
+            for u in range(group):
+                s = gi * group + u
+                acc = acc + _one_token_down_term(fmt, raws[u], act_ref, s, rw_ref[s].astype(F32), bn=bn, cw=cw,
+                                                 inter=inter, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d)
+            y_ref[gi, 0, pl.ds(j * bn, bn)] = acc
+        return nxt
+
+    lax.fori_loop(0, -(-total // n_prog), step, loads(0))
+
+    def shared_step(i, carry):
+        t = pid + i * n_prog
+
+        @pl.when(t < n_shared * nj)
+        def _():
+            r, c0 = t // nj, (t % nj) * bn
+            sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (r,), bn, cw, inter_s, dt, e2m1, wround,
+                               functools.partial(_shared_loads, sfmt, sh_refs, c0, bn, cw, inter_s), gsum=gsum)[0]
+            y_ref[n_groups + r, 0, pl.ds(c0, bn)] = sh
+        return carry
+
+    lax.fori_loop(0, -(-(n_shared * nj) // n_prog), shared_step, 0)
+
+
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
                  tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False):
@@ -767,6 +843,9 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
                 term = rnd(rnd(_token_row(tile, i), dt) * coefs[i], dt)
                 out.append(accs[i] + jnp.where(routed[i], term, 0.0))
             return tuple(out)
+        if one:                 # one token per slot, always routed to it: `_one_token_down_term`
+            return (accs[0] + _one_token_down_term(fmt, raw, act_ref, s, coefs[0], bn=bn, cw=cw, inter=inter, dt=dt,
+                                                   e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d),)
         acc = [jnp.zeros((bn, cw // 16) if gtiles else (bn,), F32) for _ in range(m)]
         if hf:                  # this slot's activation row in fp16's range: x * 2^s, the sums times 2^-s
             up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
@@ -921,6 +1000,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
     if t.persist < 0 or (t.persist and (not (m == 1 or t.flat) or not t.acc or t.meta or t.dot)):
         return f"tiles {t}: persist {t.persist} (resident gate/up programs) computes one token per slot: it needs " \
                f"M = 1 or flat 1 (got M = {m}), acc 1, meta 0 and dot 0"
+    if t.persist2 < 0 or (t.persist2 and (not (m == 1 or t.flat) or not t.group or t.meta or t.tok or t.dot)):
+        return f"tiles {t}: persist2 {t.persist2} (resident down programs) computes one token per slot into " \
+               f"grouped partials: it needs M = 1 or flat 1 (got M = {m}), a group > 0, meta 0, tok 0 and dot 0"
     if t.x2d not in (0, 1) or (t.x2d and (t.e2m1 in _HFMA or t.dot or t.tok)):
         return f"tiles {t}: x2d must be 0 or 1, and x2d 1 (activation tiles) takes no e2m1 'hfma'/'hfmab', dot or tok"
     one_token = m == 1 or t.flat
@@ -1138,19 +1220,31 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     n_groups = n_slots // g if g else 0
     n_shared = m if flat else 1     # grid rows of shared terms: one per token (flat), else one for every token
     out_shape = (n_groups + n_shared, km, d) if g else (m, d)
-    y = stacked.call(
-        functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=km, k=k, n_slots=n_slots, sp=sp,
-                          inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
-                          offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
-                          wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
-                          tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot, flat_slots=flat,
-                          x2d=x2d),
-        (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
-        out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
-        grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
-        interpret=interpret, name="moe_decode_down",
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
-    )
+    if tiles.persist2:      # resident programs walking the (slot group, column tile) tasks, then the shared ones
+        n_prog2 = min(tiles.persist2, n_groups * (d // tiles.bn2))
+        y = stacked.call(
+            functools.partial(_down_persist_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, d=d,
+                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
+                              offs=(og, ou, os_), wround=bool(tiles.wround), gsum=bool(tiles.gsum), x2d=x2d,
+                              n_shared=n_shared, n_prog=n_prog2),
+            (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
+            out_shape=jax.ShapeDtypeStruct(out_shape, F32), grid=(n_prog2,), interpret=interpret,
+            name="moe_decode_down_persist",
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages))
+    else:
+        y = stacked.call(
+            functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=km, k=k, n_slots=n_slots, sp=sp,
+                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
+                              offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
+                              wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
+                              tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot,
+                              flat_slots=flat, x2d=x2d),
+            (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
+            out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
+            grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
+            interpret=interpret, name="moe_decode_down",
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
+        )
     if not g:
         return y
     if flat:    # token t's groups are rows [t*K/g, (t+1)*K/g): its terms in k order, then its shared term
