@@ -778,8 +778,10 @@ def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):
     got = _run_tiles(args, dataclasses.replace(base, x2d=1))
     if fmt == "nvfp4":
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-    else:   # the interpreter's XLA may contract a product and its add into an fma in one form only: one bf16 step
-        np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=0)
+    else:   # the interpreter's XLA may contract a product and its add into an fma in one form only, which can flip
+        # an act value's bf16 rounding before the down product: one bf16 step at the output's scale (a seed gave a
+        # 2-ulp difference at an output 10x below the largest, with the same code before and after the x2d change)
+        np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=2.0 ** -8 * np.abs(want).max())
     _close(got, reference.decode(*args))
     x = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
     p = decode_pallas.pair_columns(x, 64)
