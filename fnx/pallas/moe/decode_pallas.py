@@ -650,32 +650,39 @@ def _gate_up_persist_kernel(ids_ref, x_ref, *rest, fmt, k, n_slots, inter, d, bn
     decode instead of each short program waiting for its own. One token per slot (M = 1 or flat slots), the
     `_one_token_gate_up` arithmetic: the same values as the grid of one program per task."""
     *w_refs, act_ref = rest
-    pid = pl.program_id(0)
     nj, nk = inter // bn, d // cw
-    total = n_slots * nj
     dt = act_ref.dtype
 
-    def task(i):
-        t = jnp.minimum(pid + i * n_prog, total - 1)     # past the end: the last task's (valid) address, not used
-        return t // nj, t % nj
-
-    def loads(i):
-        s, j = task(i)
+    def loads(s, j):
         e = ids_ref[s]
         return tuple([_raw(fmt, w_refs, (e,), r0, bn, c * cw, cw) for c in range(nk)]
                      for r0 in (j * bn, inter + j * bn))
 
-    def step(i, raws):
-        nxt = loads(i + 1)            # issued before this task's arithmetic
-        s, j = task(i)
+    def compute(s, j, raws):
+        _one_token_gate_up(x_ref, act_ref, fmt, raws[0], raws[1], s // k if flat_slots else 0, s, j * bn, d=d,
+                           cw=cw, bn=bn, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair)
 
-        @pl.when(pid + i * n_prog < total)
-        def _():
-            _one_token_gate_up(x_ref, act_ref, fmt, raws[0], raws[1], s // k if flat_slots else 0, s, j * bn, d=d,
-                               cw=cw, bn=bn, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair)
+    _resident_tasks(n_prog, n_slots, nj, loads, compute)
+
+
+def _resident_tasks(n_prog, n_rows, nj, loads, compute):
+    """This program's share of the n_rows * nj (row, column tile) tasks in row-major order, tasks p, p + n_prog, ...
+    (`DecodeTiles.persist` / `persist2`): loads(row, j) for the next task is issued before compute(row, j, loaded)
+    for the current one. A task index past the end loads the last task's (valid) address and computes nothing."""
+    pid = pl.program_id(0)
+    total = n_rows * nj
+
+    def task(i):
+        t = jnp.minimum(pid + i * n_prog, total - 1)
+        return t // nj, t % nj
+
+    def step(i, loaded):
+        nxt = loads(*task(i + 1))     # issued before this task's arithmetic
+        row, j = task(i)
+        pl.when(pid + i * n_prog < total)(lambda: compute(row, j, loaded))
         return nxt
 
-    lax.fori_loop(0, -(-total // n_prog), step, loads(0))
+    lax.fori_loop(0, -(-total // n_prog), step, loads(*task(0)))
 
 
 def _shared_loads(sfmt, sh_refs, c0, bn, cw, inter_s):
@@ -731,55 +738,39 @@ def _one_token_down_term(fmt, raw, act_ref, s, coef, *, bn, cw, inter, dt, e2m1,
 
 def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, d,
                          inter, inter_s, bn, cw, group, e2m1, offs, wround, gsum, x2d, n_shared, n_prog):
-    """Kernel 2 as `n_prog` resident programs (`DecodeTiles.persist`), one token per slot (M = 1 or flat slots),
+    """Kernel 2 as `n_prog` resident programs (`DecodeTiles.persist2`), one token per slot (M = 1 or flat slots),
     grouped slots (`DecodeTiles.group` g): program p takes the routed tasks p, p + n_prog, ... of the n_slots / g
     groups x D / bn column tiles, issuing the next task's down-row loads (its experts' ids read first) before the
     current task's arithmetic, and writes each group's fp32 partial as the grid kernel does; then its share of the
-    n_shared x D / bn shared-expert tasks (token t's shared term, row n_slots / g + t), without prefetch. The same
+    n_shared x D / bn shared-expert tasks (token t's shared term, row n_slots / g + t), likewise. The same
     values as the grid of one program per (column tile, row)."""
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
     dt = sg_ref.dtype
-    pid = pl.program_id(0)
     nj, nk, n_groups = d // bn, inter // cw, n_slots // group
-    total = n_groups * nj
 
-    def task(i):
-        t = jnp.minimum(pid + i * n_prog, total - 1)     # past the end: the last task's (valid) address, not used
-        return t // nj, t % nj
-
-    def loads(i):
-        gi, j = task(i)
+    def loads(gi, j):
         return tuple([_raw(fmt, dn_refs, (ids_ref[gi * group + u],), j * bn, bn, c * cw, cw) for c in range(nk)]
                      for u in range(group))
 
-    def step(i, raws):
-        nxt = loads(i + 1)            # issued before this task's arithmetic
-        gi, j = task(i)
+    def compute(gi, j, raws):
+        acc = jnp.zeros((bn,), F32)
+        for u in range(group):
+            s = gi * group + u
+            acc = acc + _one_token_down_term(fmt, raws[u], act_ref, s, rw_ref[s].astype(F32), bn=bn, cw=cw,
+                                             inter=inter, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d)
+        y_ref[gi, 0, pl.ds(j * bn, bn)] = acc
 
-        @pl.when(pid + i * n_prog < total)
-        def _():
-            acc = jnp.zeros((bn,), F32)
-            for u in range(group):
-                s = gi * group + u
-                acc = acc + _one_token_down_term(fmt, raws[u], act_ref, s, rw_ref[s].astype(F32), bn=bn, cw=cw,
-                                                 inter=inter, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d)
-            y_ref[gi, 0, pl.ds(j * bn, bn)] = acc
-        return nxt
+    _resident_tasks(n_prog, n_groups, nj, loads, compute)
 
-    lax.fori_loop(0, -(-total // n_prog), step, loads(0))
+    def shared_loads(r, j):
+        return _shared_loads(sfmt, sh_refs, j * bn, bn, cw, inter_s)
 
-    def shared_step(i, carry):
-        t = pid + i * n_prog
+    def shared(r, j, raw):          # token r's shared term
+        y_ref[n_groups + r, 0, pl.ds(j * bn, bn)] = _shared_terms(
+            sfmt, sg_ref, su_ref, ssig_ref, offs, (r,), bn, cw, inter_s, dt, e2m1, wround, None, raw=raw,
+            gsum=gsum)[0]
 
-        @pl.when(t < n_shared * nj)
-        def _():
-            r, c0 = t // nj, (t % nj) * bn
-            sh = _shared_terms(sfmt, sg_ref, su_ref, ssig_ref, offs, (r,), bn, cw, inter_s, dt, e2m1, wround,
-                               functools.partial(_shared_loads, sfmt, sh_refs, c0, bn, cw, inter_s), gsum=gsum)[0]
-            y_ref[n_groups + r, 0, pl.ds(c0, bn)] = sh
-        return carry
-
-    lax.fori_loop(0, -(-(n_shared * nj) // n_prog), shared_step, 0)
+    _resident_tasks(n_prog, n_shared, nj, shared_loads, shared)
 
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
