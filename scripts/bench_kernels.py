@@ -107,8 +107,8 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
             continue
         for target in (api.SMS, 2 * api.SMS, 4 * api.SMS):
             for warps in ((4, 8) if target == 2 * api.SMS else (4,)):
-                t = gp.Tiles(bn, base.bk, api.split_for(n, bn, k, base.bk, target), warps, 3, base.dec,
-                             tr=base.tr)
+                t = dataclasses.replace(base, bn=bn, split=api.split_for(n, bn, k, base.bk, target),
+                                        num_warps=warps, num_stages=3)    # the best's other fields (tr, mma) kept
                 if gp.check_tiles(fmt, n, k, t) is None and t not in out and t != base:
                     out.append(t)
     for bk in (base.bk * 2, base.bk * 4):   # more bytes per pipeline stage (several 128-column FP8 blocks a step),

@@ -114,39 +114,47 @@ def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
 MMA_TYPES = ("bf16", "f16")
 
 
+def _f16_rows(xs, tr: int):
+    """Activation chunks xs ([Mp, n] each, one token per row) for fp16 MMAs: each token row scaled by one power of
+    two into fp16's range over all the chunks (`kernel_math.hfma_prescale`), and the factor [Mp] scaling a product's
+    partial back, shaped for `_mm`'s output ([Mp, 1], or [1, Mp] with tr)."""
+    xs = [x.astype(F32) for x in xs]
+    mx = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=1) for x in xs])
+    up, down = kernel_math.hfma_prescale(mx)
+    return [(x * up[:, None]).astype(jnp.float16) for x in xs], (down[None, :] if tr else down[:, None])
+
+
 def _fp8_mm(xk, wq, t: Tiles):
     """An FP8 tile's product with the activation chunk xk [Mp, cw] (before its block scale): `_mm` on bf16
-    operands, or with `Tiles.mma` "f16" on fp16 ones with each token row prescaled by a power of two and the
-    partial scaled back (exact: powers of two)."""
+    operands, or with `Tiles.mma` "f16" on fp16 ones (`_f16_rows`: exact rescaling by powers of two)."""
     if t.mma != "f16":
         return _mm(xk, wq.astype(BF16), t.tr)
-    xf = xk.astype(F32)
-    up, down = kernel_math.hfma_prescale(jnp.max(jnp.abs(xf), axis=1))     # [Mp] each
-    part = _mm((xf * up[:, None]).astype(jnp.float16), wq.astype(jnp.float16), t.tr)
-    return part * (down[None, :] if t.tr else down[:, None])
+    (xh,), back = _f16_rows([xk], t.tr)
+    return _mm(xh, wq.astype(jnp.float16), t.tr) * back
 
 
-def _nvfp4_f16_mm(xe, xo, packed, sc_ref, row0, kb, t: Tiles):
+def _nvfp4_scales(sc_ref, row0, kb, t: Tiles, f):
+    """A step's E4M3 group scales, `f` applied (a conversion, a factor), spread to its [BN, BK/2] packed bytes (each
+    byte's two codes share a group): f on the [BN, BK/16] block, then a reshape (dec "f32"), or gathered in the
+    tile's shape, then f (the other decodes: no reshape in registers)."""
+    half, ng = t.bk // 2, t.bk // 16
+    if t.dec == "f32":
+        sc = f(sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)])
+        return jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
+    rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
+    cols = lax.broadcasted_iota(jnp.int32, (t.bn, half), 1) // 8 + kb * ng
+    return f(sc_ref[rows, cols])
+
+
+def _nvfp4_f16_mm(xe, xo, packed, sc, t: Tiles):
     """An NVFP4 step on fp16 MMAs (`Tiles.mma` "f16"): code * 2^-14 (`kernel_math.e2m1_f16`) times its E4M3 group
     scale in fp16 is exact (at most 11 significant bits, every value a multiple of 2^-24, at most 6 * 448 * 2^-14), the
-    even and odd activation columns prescaled per token row by one power of two, the partial scaled back with 2^14
-    (before the row's global scale)."""
-    half, ng = t.bk // 2, t.bk // 16
-    if t.dec == "f32g":     # each packed byte's scale gathered in the tile's shape
-        rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
-        cols = lax.broadcasted_iota(jnp.int32, (t.bn, half), 1) // 8 + kb * ng
-        sc = sc_ref[rows, cols].astype(jnp.float16)
-    else:
-        sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(jnp.float16)
-        sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
-    lo = kernel_math.e2m1_f16(packed & 0xF) * sc
-    hi = kernel_math.e2m1_f16(packed >> 4) * sc
-    xe, xo = xe.astype(F32), xo.astype(F32)
-    up, down = kernel_math.hfma_prescale(jnp.maximum(jnp.max(jnp.abs(xe), axis=1), jnp.max(jnp.abs(xo), axis=1)))
-    h = lambda v: (v * up[:, None]).astype(jnp.float16)     # noqa: E731
-    part = _mm(h(xe), lo, t.tr) + _mm(h(xo), hi, t.tr)
-    back = down * kernel_math.E2M1_F16_SCALE
-    return part * (back[None, :] if t.tr else back[:, None])
+    even and odd activation columns prescaled per token row by one power of two (`_f16_rows`), the partial scaled
+    back with 2^14 (before the row's global scale). sc: the step's scales in fp16 (`_nvfp4_scales`)."""
+    (he, ho), back = _f16_rows([xe, xo], t.tr)
+    part = _mm(he, kernel_math.e2m1_f16(packed & 0xF) * sc, t.tr) + _mm(ho, kernel_math.e2m1_f16(packed >> 4) * sc,
+                                                                        t.tr)
+    return part * (back * kernel_math.E2M1_F16_SCALE)
 
 
 def _mm(xk, wk, tr: int):
@@ -191,23 +199,15 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
             xe = _xrows(x_ref, mp, kb * half, half)                     # even columns [Mp, BK/2]
             xo = _xrows(x2_ref, mp, kb * half, half)                    # odd columns
             packed = w_ref[pl.ds(row0, t.bn), pl.ds(kb * half, half)]    # [BN, BK/2] uint8
-            ng = t.bk // 16
             if t.mma == "f16":
-                return acc + _nvfp4_f16_mm(xe, xo, packed, sc_ref, row0, kb, t)
-            if t.dec == "f32":
-                sc = sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)].astype(F32) * kernel_math.E2M1_F16_SCALE   # [BN, BK/16]
-                sc = jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
-            else:  # each packed byte's scale, gathered in the weight tile's own shape (no reshape in registers)
-                rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
-                cols = lax.broadcasted_iota(jnp.int32, (t.bn, half), 1) // 8 + kb * ng
-                sc = sc_ref[rows, cols]
+                sc = _nvfp4_scales(sc_ref, row0, kb, t, lambda v: v.astype(jnp.float16))
+                return acc + _nvfp4_f16_mm(xe, xo, packed, sc, t)
             if t.dec == "bf16":
-                sc = sc.astype(BF16)
+                sc = _nvfp4_scales(sc_ref, row0, kb, t, lambda v: v.astype(BF16))
                 lo = _e2m1_bf16(packed & 0xF) * sc
                 hi = _e2m1_bf16(packed >> 4) * sc
-            else:
-                if t.dec == "f32g":
-                    sc = sc.astype(F32) * kernel_math.E2M1_F16_SCALE
+            else:   # code * 2^-14 from the fp16 bits: 2^14 folded into the scale
+                sc = _nvfp4_scales(sc_ref, row0, kb, t, lambda v: v.astype(F32) * kernel_math.E2M1_F16_SCALE)
                 lo = (kernel_math.e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
                 hi = (kernel_math.e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
             return acc + _mm(xe, lo, t.tr) + _mm(xo, hi, t.tr)
