@@ -201,6 +201,23 @@ def test_fp16_mma_matches_the_reference_per_token_row():
     assert "mma='f32'" in gp.check_tiles("fp8", n, k, gp.Tiles(32, 128, 2, mma="f32"))
 
 
+def test_fp8_takes_fp16_mmas_at_several_tokens_unless_an_entry_names_its_mma(monkeypatch):
+    """FP8 tensor-core tiles run fp16 MMAs at M > 1 by default (`api.MANY_MMA`), bf16 at one token; bf16 weights
+    keep bf16; a table entry that names its mma keeps it."""
+    monkeypatch.setenv(api.MANY_TILES_ENV, "")
+    n, k = 10240, 2560
+    assert api.tiles_for("fp8", n, k, 5).mma == "f16" and api.tiles_for("fp8", n, k, 5).mode == "loop"
+    assert api.tiles_for("fp8", n, k, 1).mma == "bf16"
+    assert api.tiles_for("bf16", n, k, 5).mma == "bf16"
+    assert api.tiles_for("fp8", 384, 512, 3).mma == "f16"            # heuristic tiles (no table entry) too
+    named = {f"fp8:{n}:{k}:8": dict(dataclasses.asdict(gp.Tiles(64, 128, 4)), mma="bf16")}
+    monkeypatch.setattr(api, "_tuned", lambda kind: named)
+    assert api.tiles_for("fp8", n, k, 5) == gp.Tiles(64, 128, 4)
+    unnamed = {key: {f: v for f, v in e.items() if f != "mma"} for key, e in named.items()}
+    monkeypatch.setattr(api, "_tuned", lambda kind: unnamed)
+    assert api.tiles_for("fp8", n, k, 5) == gp.Tiles(64, 128, 4, mma="f16")
+
+
 def test_many_tiles_knob_changes_only_several_token_tiles(monkeypatch):
     """`FNX_GEMV_MANY_TILES` replaces fields of the tensor-core tiles at M > 1 (a benchmark knob), leaves one token's
     and "fma" tiles alone, and raises on a spec that makes the tiles invalid."""
@@ -211,6 +228,17 @@ def test_many_tiles_knob_changes_only_several_token_tiles(monkeypatch):
     assert api.tiles_for("fp8", n, k, 5) == dataclasses.replace(plain[5], tr=1) != plain[5]
     monkeypatch.setenv(api.MANY_TILES_ENV, "mma=f16,tr=1")
     assert api.tiles_for("fp8", n, k, 5) == dataclasses.replace(plain[5], tr=1, mma="f16")
+    monkeypatch.setenv(api.MANY_TILES_ENV, "")
+    bf16 = api.tiles_for("bf16", n, k, 5)
+    monkeypatch.setenv(api.MANY_TILES_ENV, "mma=f16")        # bf16 weights take no fp16 MMAs: raises unscoped
+    with pytest.raises(ValueError, match="FNX_GEMV_MANY_TILES.*takes FP8 or NVFP4"):
+        api.tiles_for("bf16", n, k, 5)
+    monkeypatch.setenv(api.MANY_TILES_ENV, "fp8+nvfp4:mma=f16")   # scoped: bf16 keeps its tiles
+    assert api.tiles_for("bf16", n, k, 5) == bf16
+    assert api.tiles_for("fp8", n, k, 5) == dataclasses.replace(plain[5], mma="f16")
+    monkeypatch.setenv(api.MANY_TILES_ENV, "fp9:mma=f16")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        api.tiles_for("fp8", n, k, 5)
     monkeypatch.setenv(api.MANY_TILES_ENV, "bn=48")
     with pytest.raises(ValueError, match="FNX_GEMV_MANY_TILES.*power of two"):
         api.tiles_for("fp8", n, k, 5)

@@ -97,9 +97,18 @@ MANY_TILES_ENV = "FNX_GEMV_MANY_TILES"
 def many_override(t: gp.Tiles | None, fmt: str, n: int, k: int, m: int) -> gp.Tiles | None:
     """`FNX_GEMV_MANY_TILES` ("field=value,...": Tiles fields; dec and mode as text) replaces fields of the tensor-core
     tiles ("loop" / "dot") chosen for several tokens (M > 1), read when a program is traced: a benchmark knob for
-    an A/B of the whole step without a table change (e.g. "tr=1", "mma=f16"). Tiles it would make invalid raise,
+    an A/B of the whole step without a table change (e.g. "tr=1", "mma=f16"). A prefix "FMT+FMT:" limits it to
+    those weight formats ("fp8+nvfp4:mma=f16" leaves bf16 GEMVs as tuned). Tiles it would make invalid raise,
     saying why."""
     spec = os.environ.get(MANY_TILES_ENV, "").strip()
+    if ":" in spec:
+        fmts, spec = (part.strip() for part in spec.split(":", 1))
+        unknown = set(fmts.split("+")) - set(FORMATS)
+        if unknown or not fmts:
+            raise ValueError(f"{MANY_TILES_ENV}: unknown weight format(s) {sorted(unknown) or fmts!r} before ':' "
+                             "(known: " + "+".join(FORMATS) + ")")
+        if fmt not in fmts.split("+"):
+            return t
     if not spec or t is None or m <= 1 or t.mode == "fma":
         return t
     new = dataclasses.replace(t, **dispatch.fields_override(spec, gp.Tiles, MANY_TILES_ENV, ("dec", "mode", "mma")))
@@ -124,6 +133,8 @@ def _tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Til
     if tuned:
         tb = min(tuned, key=lambda tb: (abs(tb - b), tb))
         t = gp.Tiles(**tuned[tb])
+        if "mma" not in tuned[tb]:
+            t = _many_mma(t, fmt, n, k, m)
         # an "fma" entry tuned at another token count serves up to FMA_AUTO_MAX_M tokens (measured slower beyond)
         fma_ok = m <= (gp.FMA_MAX_M if tb == b else FMA_AUTO_MAX_M)
         fits = not (argmax and t.split != 1) and not (t.mode == "fma" and not fma_ok)
@@ -132,7 +143,22 @@ def _tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Til
     t = heuristic_tiles(fmt, n, k, m)
     if t is not None and argmax and t.split != 1:
         t = dataclasses.replace(t, split=1)
-    return t
+    return None if t is None else _many_mma(t, fmt, n, k, m)
+
+
+# The MMA operand type of the tensor-core tiles at several tokens, per weight format, where a table entry does not
+# name one. FP8 -> fp16 (one conversion instruction per two weights, activations prescaled per token row by a power
+# of two): in the 48-layer MTP round at 8K the GEMV family went 2.342 -> 2.231 ms of kernel time and the 4-layer
+# verify program 1.008 -> 0.957 ms (BENCHMARKS.md, thirtieth session). NVFP4 GEMVs keep bf16 (not measured in a
+# model: the experts run in the MoE kernels).
+MANY_MMA = {"fp8": "f16"}
+
+
+def _many_mma(t: gp.Tiles, fmt: str, n: int, k: int, m: int) -> gp.Tiles:
+    if m <= 1 or fmt not in MANY_MMA or t.mode not in ("loop", "dot"):
+        return t
+    new = dataclasses.replace(t, mma=MANY_MMA[fmt])
+    return new if gp.check_tiles(fmt, n, k, new) is None else t
 
 
 def kernel_applies(x_shape, x_dtype, fmt: str, w_shape, block=(128, 128), group: int = 16,
