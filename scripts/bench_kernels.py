@@ -83,6 +83,10 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
                     t = gp.Tiles(heur.bn, bk, api.split_for(n, heur.bn, k, bk, 2 * api.SMS), 4, 3, dec)
                     if gp.check_tiles(fmt, n, k, t) is None and t not in out:
                         out.append(t)
+        for c in list(out):     # the configured tiles on fp16 MMAs (FP8's default at M > 1): also on bf16 ones
+            b = dataclasses.replace(c, mma="bf16")
+            if c.mma == "f16" and b not in out and gp.check_tiles(fmt, n, k, b) is None:
+                out.insert(out.index(c) + 1, b)
         tc = [c for c in out if c.mode != "fma" and not c.tr and c.mma == "bf16"]
         if m > 1:   # several tokens: each tensor-core candidate also with the weights as the MMA's left operand
             out += [t for t in (dataclasses.replace(c, tr=1) for c in tc)
@@ -131,21 +135,29 @@ def gemv_candidates(fmt: str, n: int, k: int, base=None, m: int = 1) -> list:
 
 
 def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0, fmts=("fp8", "bf16", "nvfp4"),
-              layer_filter: str | None = None, m: int = 1, second: bool = False) -> dict:
+              layer_filter: str | None = None, m: int = 1, second: bool = False, workers: int = 4,
+              min_apps: int = 64, clock=time.time) -> dict:
     """Time the candidates per (fmt, N, K) at M tokens (two stages, see gemv_candidates) and keep the fastest
     under M's bucket (other buckets use the nearest tuned one; M = 5, an MTP verify window, is bucket 8); stops at
     `budget_s`, leaving the rest to the heuristic. Entries already in the config file stay unless re-tuned; a
-    stage-1 best that is already the tuned entry skips the second stage unless `second`.
+    stage-1 best that is already the tuned entry skips the second stage unless `second`. `workers` candidates
+    are compiled at once (host threads), then timed one after another. A shape cut by the budget keeps the best
+    of the candidates it timed (the configured tiles are the first), and says so. `min_apps`: time_case's.
     Returns the config dict written."""
     import re
 
-    from fnx.pallas.bench import time_case
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fnx.pallas.bench import prepare_case, time_case
     from fnx.pallas.gemv import api, bench, shapes
     from fnx.pallas.gemv import pallas as gp
     best: dict = json.loads(out_path.read_text()) if out_path.exists() else {}
-    t_start = time.time()
+    t_start = clock()
     # the fused projections first: the served step runs them (a tune cut by its budget reached only the unfused
     # shapes at M = 5 in the nineteenth session)
+    if workers < 1:
+        raise ValueError(f"workers={workers}: at least one compile thread")
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="tune-compile")
     shape_list = shapes.TEST if quick else shapes.FUSED + shapes.RELEASED
     seen: set = set()      # (N, K) pairs shared by two layers (gdn.out_proj, qsa.o_proj) are tuned once
     shape_list = [s for s in shape_list if not ((s[1], s[2]) in seen or seen.add((s[1], s[2])))]
@@ -153,41 +165,54 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
         shape_list = [s for s in shape_list if re.search(layer_filter, s[0])]
     for fmt in fmts:
         for name, n, k in shape_list:
-            if time.time() - t_start > budget_s:
+            if clock() - t_start > budget_s:
                 log(f"tune: budget of {budget_s:.0f}s spent; {fmt} {name} and later keep the heuristic")
                 break
             results = []
 
-            def run(cands):
-                for t in cands:
-                    c = bench.cases(quick, fmts=(fmt,), ms=(m,), impls=("pallas",), tiles=t, only=(n, k))
-                    try:
-                        r = time_case(c[0], iters=10, warmup=1)
-                    except Exception as e:  # a tile set that does not compile is skipped, and said
-                        log(f"  skip {t}: {type(e).__name__}: {str(e)[:120]}")
-                        continue
-                    log(f"  {fmt} {name} {t}: {r['us']:.1f} us {r['tbps']:.3f} TB/s")
-                    results.append((r["us"], t))
+            def run(cands) -> bool:
+                """Time `cands` in batches of `workers`: each batch compiled at once on host threads, then timed
+                one by one with nothing compiling. False when the budget ran out before the last batch."""
+                cands = list(cands)
+                for i in range(0, len(cands), workers):
+                    if clock() - t_start > budget_s:
+                        log(f"tune: budget of {budget_s:.0f}s spent after {i} of {len(cands)} candidates of "
+                            f"{fmt} {name}")
+                        return False
+                    batch = [(t, bench.cases(quick, fmts=(fmt,), ms=(m,), impls=("pallas",), tiles=t,
+                                             only=(n, k))[0]) for t in cands[i:i + workers]]
+                    futs = [pool.submit(prepare_case, c, min_apps) for _, c in batch]
+                    for (t, c), fut in zip(batch, futs):
+                        try:
+                            r = time_case(c, iters=10, warmup=1, prepared=fut.result())
+                        except Exception as e:  # a tile set that does not compile is skipped, and said
+                            log(f"  skip {t}: {type(e).__name__}: {str(e)[:120]}")
+                            continue
+                        log(f"  {fmt} {name} {t}: {r['us']:.1f} us {r['tbps']:.3f} TB/s")
+                        results.append((r["us"], t))
+                return True
 
             key = f"{fmt}:{n}:{k}:{api.m_bucket(m)}"
-            run(gemv_candidates(fmt, n, k, m=m))
+            whole = run(gemv_candidates(fmt, n, k, m=m))
             if not results:
                 continue
             first = min(results, key=lambda r: r[0])[1]
-            if second or not (key in best and first == gp.Tiles(**best[key])):   # a tuned best: no second stage
-                run(gemv_candidates(fmt, n, k, base=first, m=m))
+            if whole and (second or not (key in best and first == gp.Tiles(**best[key]))):   # a tuned best: no
+                whole = run(gemv_candidates(fmt, n, k, base=first, m=m))                     # second stage
             us, t = min(results, key=lambda r: r[0])
             best[key] = dataclasses.asdict(t)
             heur = api.heuristic_tiles(fmt, n, k, m)
             h_us = next((u for u, tt in results if tt == heur), None)
             log(f"tune {key} ({name}): {us:.1f} us with {t}; heuristic {heur} "
-                f"{'%.1f us' % h_us if h_us else 'not among candidates'} ({len(results)} candidates)")
+                f"{'%.1f us' % h_us if h_us else 'not among candidates'} ({len(results)} candidates"
+                f"{'' if whole else ', cut by the budget: the best of those timed, the configured tiles first'})")
             if name == "lm_head":  # the fused argmax needs split == 1
                 r1 = [r for r in results if r[1].split == 1]
                 if r1:
                     best[key + ":argmax"] = dataclasses.asdict(min(r1, key=lambda r: r[0])[1])
             out_path.parent.mkdir(parents=True, exist_ok=True)   # written after every shape: a cut run keeps it
             out_path.write_text(json.dumps(best, indent=1, sort_keys=True) + "\n")
+    pool.shutdown()
     api._tuned.cache_clear()
     return best
 
@@ -217,6 +242,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-m", type=int, default=1, help="tokens per call to tune at (its M bucket gets the entry)")
     ap.add_argument("--tune-second", action="store_true",
                     help="run the tuner's second stage even where the first stage's best is the tuned entry")
+    ap.add_argument("--tune-workers", type=int, default=4,
+                    help="tile candidates the GEMV tuner compiles at once (host threads) before timing them in turn")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--min-apps", type=int, default=64,
                     help="applications the slope spans (fewer compile faster: the longer program unrolls them)")
@@ -231,6 +258,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
+
     from fnx.pallas.bench import time_case
 
     dev = jax.devices()[0]
@@ -244,7 +272,8 @@ def main(argv=None) -> int:
         from fnx.pallas.gemv import api
         name = dev.device_kind.lower().replace(" ", "_") + ".json"
         tune_gemv(api.CONFIG_DIR / name, args.quick, lambda s: print(s, flush=True), args.tune_budget,
-                  tuple(args.tune_fmts), args.tune_layers, args.tune_m, args.tune_second)
+                  tuple(args.tune_fmts), args.tune_layers, args.tune_m, args.tune_second, args.tune_workers,
+                  args.min_apps)
     results = []
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

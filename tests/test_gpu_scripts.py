@@ -133,8 +133,9 @@ def test_gemv_tune_candidates_include_what_runs_at_m():
         assert api.heuristic_tiles("fp8", n, k, 5) in cands and api.heuristic_tiles("fp8", n, k, 1) in cands
         assert api.tiles_for("fp8", n, k, 5) in cands
         assert len(set(cands)) == len(cands)
-        assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), tr=1) in cands     # the other operand order
-        assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), mma="f16") in cands   # fp16 MMAs
+        assert api.tiles_for("fp8", n, k, 5).mma == "f16"        # FP8's default at M > 1 (fp16 MMAs) and
+        assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), mma="bf16") in cands    # the same on bf16 ones
+        assert dataclasses.replace(api.tiles_for("fp8", n, k, 5), tr=1, mma="bf16") in cands   # other operand order
         assert not any(c.mma != "bf16" for c in bench_kernels.gemv_candidates("bf16", n, k, m=5))
         assert any(c.mma == "f16" for c in bench_kernels.gemv_candidates("nvfp4", n, k, m=1))
         assert not any(c.tr for c in bench_kernels.gemv_candidates("fp8", n, k, m=1))
@@ -144,6 +145,43 @@ def test_gemv_tune_candidates_include_what_runs_at_m():
         around = bench_kernels.gemv_candidates("fp8", n, k, base=f16, m=5)
         assert dataclasses.replace(loop, mma="bf16") in around
         assert all(c.mma == "f16" for c in around if c != dataclasses.replace(loop, mma="bf16"))
+
+
+def test_gemv_tuner_compiles_in_batches_and_keeps_a_cut_shape(tmp_path, monkeypatch):
+    """The tuner compiles its candidates a batch at a time on host threads and times them in turn (every candidate
+    timed or said skipped, the best written); a shape cut by the budget keeps the best of the candidates it timed
+    and says so. Tiny shape in interpret mode: the times mean nothing."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_kernels
+
+    from fnx.pallas.gemv import api
+    from fnx.pallas.gemv import pallas as gp
+    first = [api.tiles_for("fp8", 256, 512, 1), gp.Tiles(32, 128, 1), gp.Tiles(64, 128, 2)]
+    assert len(set(first)) == 3
+    monkeypatch.setattr(bench_kernels, "gemv_candidates", lambda fmt, n, k, base=None, m=1: [] if base else first)
+
+    def tune(path, clock):
+        lines = []
+        best = bench_kernels.tune_gemv(path, True, lines.append, budget_s=100.0, fmts=("fp8",), layer_filter="^wide$",
+                                       m=1, workers=2, min_apps=4, clock=clock)
+        return best, lines
+
+    best, lines = tune(tmp_path / "a.json", lambda: 0.0)
+    timed = [ln for ln in lines if ln.startswith("  fp8 wide")]
+    skipped = [ln for ln in lines if ln.startswith("  skip")]
+    assert len(timed) + len(skipped) == 3 and timed, lines
+    assert gp.Tiles(**best["fp8:256:512:1"]) in first
+    assert json.loads((tmp_path / "a.json").read_text()) == best
+    assert not any("cut by the budget" in ln for ln in lines)
+
+    ticks = iter([0.0, 0.0, 0.0] + [1e9] * 100)     # start, the shape's check, the first batch's: then over
+    best, lines = tune(tmp_path / "b.json", lambda: next(ticks))
+    timed = [ln for ln in lines if ln.startswith("  fp8 wide")]
+    assert len(timed) + sum(ln.startswith("  skip") for ln in lines) == 2, lines     # one batch of two
+    assert any("budget of 100s spent after 2 of 3 candidates" in ln for ln in lines)
+    if timed:
+        assert gp.Tiles(**best["fp8:256:512:1"]) in first[:2]
+        assert any("cut by the budget" in ln for ln in lines if ln.startswith("tune fp8:256:512:1"))
 
 
 def test_probe_launch_writes_every_part(tmp_path):

@@ -66,20 +66,43 @@ def _min_time(f, sets, iters: int, warmup: int) -> float:
     return float(np.min(ts))   # noise (host jitter, clock ramps) only ever adds
 
 
-def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int = 64) -> dict:
-    """Time per application = (t(B) - t(A)) / (apps(B) - apps(A)), A the program over the n argument sets once
-    and B over them 1 + R times (R * n >= min_apps, later repetitions with offset activations): the slope
-    between two programs, so the fixed cost of a jitted call (~70 us of dispatch and sync on the H200) cancels,
-    and over enough applications that host jitter is a small fraction. Each program's time is its minimum over
-    `iters` calls. `n_sets` makes one pass over the sets exceed L2 four times over, so every application streams
-    from HBM. A slope that is not positive is an error, never a number."""
+@dataclasses.dataclass
+class Prepared:
+    """The two compiled programs of `time_case` and their argument lists (`prepare_case`)."""
+    once: Any
+    once_args: list
+    many: Any
+    many_args: list
+    reps: int
+
+
+def prepare_case(case: BenchCase, min_apps: int = 64) -> Prepared:
+    """Build and compile the two programs `time_case` times (A over the argument sets once, B over them 1 + R
+    times), without running them. Safe on a host thread: the GEMV tuner compiles a batch of candidates at once,
+    then times them one by one with no compilation running (a compile thread holding the interpreter lock would
+    delay the timing thread's returns)."""
     sets = case.arg_sets
     n = len(sets)
     if n < 2:
         raise ValueError(f"{case.kernel} {case.shape}: the slope timing needs at least 2 argument sets")
     reps = 1 + max(1, -(-min_apps // n))
-    t0 = _min_time(_program(case), sets, iters, warmup)
-    t1 = _min_time(_program(case), _varied(sets, reps), iters, warmup)
+    many = _varied(sets, reps)
+    return Prepared(_program(case).lower(sets).compile(), sets, _program(case).lower(many).compile(), many, reps)
+
+
+def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int = 64,
+              prepared: Prepared | None = None) -> dict:
+    """Time per application = (t(B) - t(A)) / (apps(B) - apps(A)), A the program over the n argument sets once
+    and B over them 1 + R times (R * n >= min_apps, later repetitions with offset activations): the slope
+    between two programs, so the fixed cost of a jitted call (~70 us of dispatch and sync on the H200) cancels,
+    and over enough applications that host jitter is a small fraction. Each program's time is its minimum over
+    `iters` calls. `n_sets` makes one pass over the sets exceed L2 four times over, so every application streams
+    from HBM. A slope that is not positive is an error, never a number. `prepared`: the programs compiled
+    beforehand by `prepare_case` (for this case and min_apps)."""
+    p = prepared if prepared is not None else prepare_case(case, min_apps)
+    n, reps = len(p.once_args), p.reps
+    t0 = _min_time(p.once, p.once_args, iters, warmup)
+    t1 = _min_time(p.many, p.many_args, iters, warmup)
     if t1 <= t0:
         raise RuntimeError(f"{case.kernel} {case.shape} {case.impl}: {(reps - 1) * n} more applications did not "
                            f"take longer ({t0 * 1e6:.1f} us vs {t1 * 1e6:.1f} us): timing noise, no result")
