@@ -9,6 +9,7 @@ the kernel (or, inplace, the state itself)."""
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,13 @@ def inputs(key, length, bsz=B, hk=HK, hv=HV, dk=DK, dv=DV, dtype=jnp.bfloat16):
     return q, k, v, g, beta, state
 
 
+_seed = int(os.environ.get("FNX_TEST_SEED") or np.random.SeedSequence().entropy % (2 ** 63))   # a failure reports it
+_draws = np.random.default_rng(_seed)
+
+
 def seed():
-    return jax.random.key(np.random.SeedSequence().entropy % (2 ** 31))
+    """A fresh key per call, drawn from the module's `_seed` (FNX_TEST_SEED replays a failed run's draws)."""
+    return jax.random.key(int(_draws.integers(2 ** 31)))
 
 
 def test_512_steps_one_at_a_time():
@@ -222,10 +228,9 @@ def test_step_equals_the_model_ops(dtype, act, bv):
     """The kernel against the reference (the model's decode ops). fp32: 1e-5 on o, 1e-6 on the states (only the
     order of the sums differs). The conv window is moved, not computed: exact in both dtypes. bf16: the kernel
     rounds sigmoid / silu to bf16 where the HLO does, and XLA:CPU's bf16 ops round differently, so both are held
-    to the same computation in fp32 on the same inputs. Over 300 CPU runs the kernel was within 0.092 (o, |o| < ~1:
-    the norm over dv = 8 values amplifies a rounding where a head's rms is small) and 0.010 (state) of it, the
-    reference ops within 0.078 and 0.022; an H200 run saw 0.074. Bounds 0.15 and 0.03 (a wrong gate, conv tap or
-    head is off by O(1)). bv: columns per program (dv = 8; < dv puts the norm after the kernel)."""
+    to the same computation in fp32 on the same inputs: o within 4x its own spread under 2^-8 input perturbations
+    (below), the state within 0.03 (0.010 the most over 300 CPU runs; a wrong gate, conv tap or head is off by
+    O(1)). bv: columns per program (dv = 8; < dv puts the norm after the kernel)."""
     from fnx.pallas.gdn.pallas import StepTiles
     kw = step_inputs(seed(), dtype=dtype)
     o_r, c_r, s_r = _step("reference", kw, act)
@@ -238,7 +243,20 @@ def test_step_equals_the_model_ops(dtype, act, bv):
         return
     f32 = {name: a.astype(jnp.float32) if a.dtype == dtype else a for name, a in kw.items()}
     o32, _, s32 = _step("reference", f32, act)
-    assert np.abs(np.asarray(o, np.float32) - np.asarray(o32)).max() < 0.15
+    # each output's own conditioning: how far the fp32 computation moves when the bf16 inputs move by 2^-8
+    # (relative, random); the gated norm amplifies a cancellation in a head's core output, which a fixed bound
+    # cannot follow (a run saw 0.168 where 300 others stayed under 0.10, the reference ops themselves 0.34)
+    spread = np.zeros(o32.shape, np.float32)
+    for i in range(4):
+        ks = jax.random.split(jax.random.fold_in(seed(), i), len(f32))
+        moved = {name: a * (1 + 2.0 ** -8 * jax.random.normal(kk, a.shape)) if kw[name].dtype == dtype else a
+                 for (name, a), kk in zip(f32.items(), ks)}
+        spread = np.maximum(spread, np.abs(np.asarray(_step("reference", moved, act)[0]) - np.asarray(o32)))
+    # 4x that, the output's own bf16 rounding and 1e-3: every element of 60 random runs and of the three worst of
+    # 300 was inside; a wrong activation or rolled heads put ~90 of the 96 outputs outside
+    bound = 4 * spread + 2.0 ** -7 * np.abs(np.asarray(o32)) + 1e-3
+    err = np.abs(np.asarray(o, np.float32) - np.asarray(o32))
+    assert (err <= bound).all(), f"{int((err > bound).sum())} outputs past their bound, worst {(err - bound).max()}"
     assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
 
 
