@@ -10,6 +10,8 @@ Setup once (Triton stays out of the project's environment):
 Run:
     python scripts/sass_count.py nvfp4 1                 # the served tiles at one token
     python scripts/sass_count.py nvfp4 5 x2d=1,e2m1=asmq # DecodeTiles fields replaced (`tiles_override` syntax)
+    python scripts/sass_count.py fp8 5 mma=bf16 --gemv 16384x2560   # a GEMV: the tiles M runs (`tiles_for`),
+                                                         # Tiles fields replaced; a K loop's body counted apart
 """
 
 from __future__ import annotations
@@ -42,20 +44,33 @@ W = quant.abstract_weight
 _COMPILE = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
-opts = {"num_warps": int(sys.argv[2]), "num_stages": 1}
+opts = {"num_warps": int(sys.argv[2]), "num_stages": int(sys.argv[4])}
 k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32), options=opts)
 open(sys.argv[3], "wb").write(k.asm["cubin"])
 """
 
 
-def triton_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, str]]:
-    """(name, num_warps, Triton IR text) of each launch of `moe_decode` at the released shapes."""
+def triton_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
+    """(name, num_warps, num_stages, Triton IR text) of each launch of `moe_decode` at the released shapes."""
     n_exp, top_k, d, inter = 512, 10, 2560, 640
     fn = functools.partial(decode_pallas.moe_decode, tiles=tiles)
-    lowered = jax.jit(fn).trace(
+    return _launches(jax.jit(fn).trace(
         S((m, d), BF16), S((m, top_k), BF16), S((m, top_k), jnp.int32), W((n_exp, 2 * inter, d), fmt),
         W((n_exp, d, inter), fmt), S((m, inter), BF16), S((m, inter), BF16), S((m, 1), BF16),
-        W((d, inter), fmt)).lower(lowering_platforms=("cuda",))
+        W((d, inter), fmt)).lower(lowering_platforms=("cuda",)))
+
+
+def gemv_kernels(fmt: str, m: int, n: int, k: int, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.gemv.pallas.gemv` on a [N, K] weight of `fmt` (raw arrays) at M tokens."""
+    from fnx.pallas.gemv import pallas as gp
+    raw = {"bf16": [S((n, k), BF16)],
+           "fp8": [S((n, k), jnp.float8_e4m3fn), S((-(-n // 128), -(-k // 128)), jnp.float32)],
+           "nvfp4": [S((n, k // 2), jnp.uint8), S((n, k // 16), jnp.float8_e4m3fn), S((n,), jnp.float32)]}[fmt]
+    fn = functools.partial(gp.gemv, fmt=fmt, tiles=tiles)
+    return _launches(jax.jit(fn).trace(S((m, k), BF16), *raw).lower(lowering_platforms=("cuda",)))
+
+
+def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
     def walk(op):
@@ -68,8 +83,9 @@ def triton_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, str]]:
                         ctx = ir.Context()
                         jax_triton.dialect.register_dialect(ctx)
                         module = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes, context=ctx)
+                        stages = ir.IntegerAttr(cfg["num_stages"]).value if "num_stages" in cfg else 1
                         out.append((ir.StringAttr(cfg["name"]).value, ir.IntegerAttr(cfg["num_warps"]).value,
-                                    module.operation.get_asm(enable_debug_info=False)))
+                                    stages, module.operation.get_asm(enable_debug_info=False)))
                     walk(o.operation)
     walk(lowered.compiler_ir().operation)
     return out
@@ -79,22 +95,38 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("fmt", choices=sorted(FMT))
     ap.add_argument("m", type=int)
-    ap.add_argument("fields", nargs="?", default="", help="DecodeTiles fields to replace: name=value,...")
+    ap.add_argument("fields", nargs="?", default="", help="DecodeTiles (or with --gemv, Tiles) fields to replace: "
+                                                           "name=value,...")
+    ap.add_argument("--gemv", default=None, metavar="NxK", help="count a GEMV kernel of this weight shape instead")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
-    tiles = decode_pallas.default_tiles(2560, 640, 640, FMT[args.fmt], args.m)
-    tiles = dataclasses.replace(tiles, **decode_pallas.tiles_override(args.fields, "fields"))
+    if args.gemv:
+        from fnx.pallas import dispatch
+        from fnx.pallas.gemv import api
+        from fnx.pallas.gemv import pallas as gp
+        n, k = (int(v) for v in args.gemv.lower().split("x"))
+        tiles = api.tiles_for(args.fmt, n, k, args.m)
+        if tiles is None:
+            raise SystemExit(f"no GEMV tiles for {args.fmt} N={n} K={k}")
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, gp.Tiles, "fields",
+                                                                         ("dec", "mode", "mma")))
+        launches = gemv_kernels(args.fmt, args.m, n, k, tiles)
+    else:
+        tiles = decode_pallas.default_tiles(2560, 640, 640, FMT[args.fmt], args.m)
+        tiles = dataclasses.replace(tiles, **decode_pallas.tiles_override(args.fields, "fields"))
+        launches = triton_kernels(args.fmt, args.m, tiles)
     bin_dir = subprocess.run([args.python, "-c", "import os, triton; print(os.path.join(os.path.dirname("
                               "triton.__file__), 'backends', 'nvidia', 'bin'))"],
                              capture_output=True, text=True, check=True).stdout.strip()
     print(tiles)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, warps, text in triton_kernels(args.fmt, args.m, tiles):
+        for name, warps, stages, text in launches:
             src, cubin = os.path.join(tmp, f"{name}.ttir"), os.path.join(tmp, f"{name}.cubin")
             with open(src, "w") as f:
                 f.write(text)
-            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin], check=True)
+            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin, str(stages)], check=True)
             sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
                                   text=True, check=True).stdout
             res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,
@@ -108,6 +140,23 @@ def main() -> None:
             kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))
             print(f"{name}: {len(ops)} instructions, {regs.group(1) if regs else '?'} registers, {warps} warps; "
                   f"{kinds}")
+            for start, end, body in loop_bodies(sass):
+                kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(body).most_common(12))
+                print(f"  loop /*{start:04x}*/-/*{end:04x}*/: {len(body)} instructions per trip; {kinds}")
+
+
+def loop_bodies(sass: str) -> list[tuple[int, int, list[str]]]:
+    """(first, last address, opcodes) of each backward branch's body in a cuobjdump SASS listing: a loop's
+    instructions per trip (the static count of a kernel with a loop is not what it executes)."""
+    ins = [(int(a, 16), op) for a, op in
+           re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)]
+    out = []
+    for addr, target in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?(?:\.L_x_\d+|0x)?"
+                                   r"([0-9a-f]+)", sass, re.M):
+        a, t = int(addr, 16), int(target, 16)
+        if t < a:
+            out.append((t, a, [op for x, op in ins if t <= x <= a]))
+    return out
 
 
 if __name__ == "__main__":

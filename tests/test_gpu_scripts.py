@@ -317,3 +317,20 @@ def test_probe_ncu_runs_its_cases_and_refuses_unknown_ones(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["probe_ncu", "--cases", "attn_fp8"])
     with pytest.raises(SystemExit, match="unknown case 'attn_fp8'"):
         probe_ncu.main()
+
+
+def test_sass_count_finds_loop_bodies():
+    """scripts/sass_count.py counts a loop's instructions per trip from cuobjdump's listing: the body of each
+    backward branch (a predicated one too), not the end-of-kernel self-branch."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_count
+    listing = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        "        /*0010*/                   LDG.E R2, desc[UR6][R4.64] ;",
+        "        /*0020*/                   HMMA.16816.F32 R8, R12, R16, R8 ;",
+        "        /*0030*/                   IMAD R3, R2, 0x2, R3 ;",
+        "        /*0040*/               @P0 BRA 0x20 ;",
+        "        /*0050*/                   EXIT ;",
+        "        /*0060*/                   BRA 0x60;"])
+    (start, end, body), = sass_count.loop_bodies(listing)
+    assert (start, end) == (0x20, 0x40) and body == ["HMMA", "IMAD", "BRA"]
