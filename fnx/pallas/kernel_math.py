@@ -288,3 +288,88 @@ def take_window(buf, start: int, size: int):
     if start == 0 and size == buf.shape[-1]:
         return buf
     return buf[..., start:start + size]
+
+
+# e2m1 "mma" (the MoE gate/up kernel at one token): one inline-PTX block per 4 packed gate bytes and the 4 up bytes
+# at the same columns (Triton's `pack` = 4), each lane's own codes as the A fragment of `mma.sync.m16n8k16` (gate
+# in rows g, up in rows g + 8; g = lane / 4) and its own activations as column n = g of B. D[g][g] and D[g+8][g]
+# then hold the sums over the four lanes of quad g of their own weights times their own activations, whatever
+# columns they hold, provided a quad's lanes hold one row (Triton's blocked layouts put >= 4 lanes on a row of a
+# [rows, cw/2] byte tile with cw/2 >= 64). The lane t = g / 2 keeps them (c0 / c1, c2 / c3 by g's parity); every
+# other output is 0. Codes are placed as fp16 bits (value * 2^-14, two codes of bytes j and j + 2 per half2, so one
+# shift serves both), times their group scale in fp16 (exact: e2m1 x e4m3 * 2^-14 needs at most 5 significant bits
+# and stays >= 2^-24); fp32 accumulation in the tensor core.
+def _e2m1_mma_place(dst: str, word: str, mag: str, sign: str) -> str:
+    """PTX placing two codes of `word` as the fp16 bits s << 15 | eem << 9 in dst's halves: `mag` / `sign` shift
+    the word so the codes' eem bits land on 9-11 / 25-27 and their sign bits on 15 / 31."""
+    return f"{mag.format(t='t1', w=word)}; and.b32 t1, t1, 0x0E000E00; {sign.format(t='t2', w=word)}; " \
+           f"and.b32 t2, t2, 0x80008000; or.b32 {dst}, t1, t2;"
+
+
+_MMA_PLACE = (("shl.b32 {t}, {w}, 9", "shl.b32 {t}, {w}, 12"),    # low nibbles of bytes 0 and 2
+              ("shl.b32 {t}, {w}, 5", "shl.b32 {t}, {w}, 8"),     # high nibbles of bytes 0 and 2
+              ("shl.b32 {t}, {w}, 1", "shl.b32 {t}, {w}, 4"),     # low nibbles of bytes 1 and 3
+              ("shr.b32 {t}, {w}, 3", "mov.b32 {t}, {w}"))        # high nibbles of bytes 1 and 3
+E2M1_MMA_ASM = "\n".join([
+    "{",
+    ".reg .b32 t1, t2, g0, g1, g2, g3, u0, u1, u2, u3, sa, sb, xa, xb, xc, xd, ln, lg, lt;",
+    ".reg .f32 d0, d1, d2, d3, e0, e1;",
+    ".reg .pred pd, po;",
+    *[_e2m1_mma_place(f"g{i}", "$4", *p) for i, p in enumerate(_MMA_PLACE)],
+    *[_e2m1_mma_place(f"u{i}", "$5", *p) for i, p in enumerate(_MMA_PLACE)],
+    # group scales {s(byte 0), s(byte 2)} and {s(byte 1), s(byte 3)} (each input word holds its byte's scale twice)
+    "prmt.b32 sa, $6, $8, 0x5410; prmt.b32 sb, $7, $9, 0x5410;",
+    "mul.rn.f16x2 g0, g0, sa; mul.rn.f16x2 g1, g1, sa; mul.rn.f16x2 g2, g2, sb; mul.rn.f16x2 g3, g3, sb;",
+    "prmt.b32 sa, $10, $12, 0x5410; prmt.b32 sb, $11, $13, 0x5410;",
+    "mul.rn.f16x2 u0, u0, sa; mul.rn.f16x2 u1, u1, sa; mul.rn.f16x2 u2, u2, sb; mul.rn.f16x2 u3, u3, sb;",
+    # the activations of the same columns: byte j's pair {x'[2j], x'[2j+1]} regrouped as the codes are
+    "prmt.b32 xa, $14, $16, 0x5410; prmt.b32 xb, $14, $16, 0x7632;",
+    "prmt.b32 xc, $15, $17, 0x5410; prmt.b32 xd, $15, $17, 0x7632;",
+    "mov.f32 d0, 0f00000000; mov.f32 d1, 0f00000000; mov.f32 d2, 0f00000000; mov.f32 d3, 0f00000000;",
+    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {g0, u0, g1, u1}, {xa, xb}, "
+    "{d0, d1, d2, d3};",
+    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {g2, u2, g3, u3}, {xc, xd}, "
+    "{d0, d1, d2, d3};",
+    # the diagonal: lane (g, t) holds D[g][2t], D[g][2t+1] (c0, c1) and rows g + 8 (c2, c3)
+    "mov.u32 ln, %laneid; shr.u32 lg, ln, 2; and.b32 lt, ln, 3; shr.u32 t1, lg, 1; and.b32 t2, lg, 1;",
+    "setp.eq.u32 pd, t1, lt; setp.eq.u32 po, t2, 1;",
+    "selp.f32 e0, d1, d0, po; selp.f32 e1, d3, d2, po;",
+    "selp.f32 $0, e0, 0f00000000, pd; selp.f32 $1, e1, 0f00000000, pd;",
+    "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;",
+    "}"])
+
+
+def f16_pairs(v):
+    """fp32 values (fp16-representable) -> uint32 words holding each value's fp16 bits in both halves."""
+    b = lax.bitcast_convert_type(v.astype(jnp.float16), jnp.uint16).astype(jnp.uint32)
+    return b | (b << 16)
+
+
+def e2m1_mma_gate_up(pg, pu, sg, su, x, asm: bool = False):
+    """Terms of one chunk of a one-token gate/up product on NVFP4 codes: pg, pu [rows, cw/2] uint8 packed codes
+    (gate and up rows at the same columns, low nibble = even column), sg, su [rows, cw/2] their group scales per
+    byte (`f16_pairs` words; as fp16, exact), x the activations prescaled into fp16's range (`hfma_prescale`):
+    with asm, `hfma_pairs` of the even and odd columns [cw/2] uint32 (`E2M1_MMA_ASM`, a GPU only); otherwise
+    (even, odd) [cw/2] fp32 holding fp16 values (the same products in jnp, summed in another order).
+    Returns [rows, cw/2] fp32 whose elements 4i (gate) and 4i + 1 (up), summed over a row, are sum_c code_c *
+    2^-14 * scale_c * x'_c; the other elements are 0."""
+    rows, half = pg.shape
+    if asm:
+        from jax.experimental.pallas import triton as plt
+        return plt.elementwise_inline_asm(
+            E2M1_MMA_ASM, args=[pg.astype(jnp.uint8), pu.astype(jnp.uint8), sg, su, jnp.broadcast_to(x, pg.shape)],
+            constraints=",".join(["=f"] * 4 + ["r"] * 14), pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(pg.shape, F32)])[0]
+    f16 = jnp.float16
+    even, odd = (v.astype(F32)[None, :] for v in x)
+
+    def terms(p, s):
+        sc = lax.bitcast_convert_type((s & 0xFFFF).astype(jnp.uint16), f16).astype(F32)
+        pi = p.astype(jnp.int32)
+        lo = e2m1_f16(pi & 0xF).astype(F32) * sc           # exact in fp16, and so in fp32
+        hi = e2m1_f16(pi >> 4).astype(F32) * sc
+        return jnp.sum((lo * even + hi * odd).reshape(rows, half // 4, 4), axis=2)   # [rows, cw/8]
+
+    pos = lax.broadcasted_iota(jnp.int32, (rows, half // 4, 4), 2)
+    out = jnp.where(pos == 0, terms(pg, sg)[:, :, None], jnp.where(pos == 1, terms(pu, su)[:, :, None], 0.0))
+    return out.reshape(rows, half)

@@ -452,6 +452,36 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, acc=0))
 
 
+@pytest.mark.parametrize("m,shared_fmt,group", [(1, "nvfp4", 0), (5, "nvfp4", 1), _ext(1, "fp8", 1)])
+def test_decode_mma_one_token(m, shared_fmt, group):
+    """e2m1 "mma" (kernel 1 at one token per slot: M = 1 or flat five tokens): each chunk's gate and up codes times
+    their group scales (exact in fp16) against the prescaled activations, summed in fp32 (in the interpreter, the
+    jnp form of the tensor-core block; kernel 2 decodes with "f16" there, "asm" compiled). Within the reference's
+    bound and within a few bf16 ulps of the fp32 path (the activations' fp16 rounding), and activations 4096 times
+    larger stay within the reference's bound. Refused with several tokens per slot, without acc, with x2d."""
+    args = _decode_args("nvfp4", m, 120 + group, shared_fmt=shared_fmt)
+    base = dataclasses.replace(DT, group=group, acc=1, wround=0, flat=int(m > 1))
+    tiles = dataclasses.replace(base, e2m1="mma")
+    run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
+    got = run(tiles, *args)
+    _close(got, reference.decode(*args))
+    f32 = np.asarray(run(dataclasses.replace(base, e2m1="f16", gsum=0), *args), np.float32)
+    g = np.asarray(got, np.float32)
+    ulp = np.abs(f32) * 2.0 ** -7 + np.abs(f32).max() * 2.0 ** -10
+    assert np.all(np.abs(g - f32) <= 4 * ulp), np.max(np.abs(g - f32) / ulp)
+    assert np.mean(g == f32) > 0.5, np.mean(g == f32)        # fp16 activations, fp32 sums: mostly the same bits
+    big = (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), *args[1:]
+    got_big = np.asarray(run(tiles, *big), np.float32)
+    assert np.all(np.isfinite(got_big))
+    _close(got_big, reference.decode(*big))
+    for bad in (dataclasses.replace(tiles, acc=0), dataclasses.replace(tiles, x2d=1)):
+        with pytest.raises(NotImplementedError, match="e2m1 'mma'"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=bad)
+    if m > 1:
+        with pytest.raises(NotImplementedError, match="e2m1 'mma'"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, flat=0))
+
+
 def test_e2m1_f16_codes():
     """Every E2M1 code through fp16 bits, times 2^14, is its value (the subnormal codes 0.5 and -0.5 included)."""
     codes = jnp.arange(16, dtype=jnp.uint32)
@@ -966,6 +996,7 @@ def test_decode_lowers_for_cuda(which):
                                                             e2m1="hfmab")),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, persist=1056,
                                                             persist2=1056)),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, e2m1="mma")),
                            ("fp8", m, dataclasses.replace(decode_pallas.MEASURED["fp8_block"], flat=1, group=2,
                                                           persist2=528)),
                            ("nvfp4", 1, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], persist=528))):

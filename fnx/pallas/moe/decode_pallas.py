@@ -67,8 +67,9 @@ F32 = jnp.float32
 MAX_TOKENS = 8          # the CUDA-core multiply does M x the arithmetic per weight byte: small M only
 UNROLL_SLOTS = 16       # kernel 2 unrolls its slot loop up to here (M = 1: the K slots), else a fori_loop
 FORMATS = ("dense", "fp8_block", "nvfp4")
-E2M1_DECODES = ("int", "f16", "asm", "asmq", "asmi", "hfma", "hfmab")
+E2M1_DECODES = ("int", "f16", "asm", "asmq", "asmi", "hfma", "hfmab", "mma")
 _HFMA = ("hfma", "hfma_jnp", "hfmab", "hfmab_jnp")     # "_jnp": the interpreter's form of the PTX block
+_MMA = ("mma", "mma_jnp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +101,10 @@ class DecodeTiles:
                          # of two per row into fp16's range first; the interpreter runs the same fp16 arithmetic.
                          # "hfmab": the same byte by byte (elementwise: no assumption on Triton's register layout;
                          # each byte's two products summed in fp16, a group's 8 bytes in fp32)
+                         # "mma" (kernel 1 at one token, acc 1, wround 0): the gate and up codes of the same columns
+                         # as the A fragment of one tensor-core MMA per lane, its activations as B, the diagonal
+                         # kept (`kernel_math.E2M1_MMA_ASM`; no FMA and no conversion per weight); kernel 2 decodes
+                         # with "asm". Not yet run on a GPU: the interpreter runs the same products in jnp
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
                          # 1: one XLA fusion computes them for every slot first and the programs load them;
@@ -361,7 +366,8 @@ def _hfma(e2m1, fmt) -> bool:
 
 def _decode_only(e2m1):
     """The code decode of e2m1 where a kernel needs the codes themselves (the shared expert's terms)."""
-    return {"hfma": "asm", "hfmab": "asm", "hfma_jnp": "f16", "hfmab_jnp": "f16"}.get(e2m1, e2m1)
+    return {"hfma": "asm", "hfmab": "asm", "hfma_jnp": "f16", "hfmab_jnp": "f16", "mma": "asm",
+            "mma_jnp": "f16"}.get(e2m1, e2m1)
 
 
 def _hx_prescale(ref, lead, n, cw):
@@ -624,6 +630,10 @@ def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, b
     deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
     cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
     rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
+    if fmt == "nvfp4" and e2m1 in _MMA:
+        _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, d=d, cw=cw, bn=bn, dt=dt, asm=e2m1 == "mma",
+                               rs=(rs_g, rs_u), act_pair=act_pair)
+        return
     tg = tu = None
     hf = _hfma(e2m1, fmt)
     if hf:                  # the activations in fp16's range: x * 2^s, the sums times 2^-s
@@ -639,6 +649,28 @@ def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, b
     if hf:
         sg_, su_ = sg_ * down, su_ * down
     a = _silu_mul(rnd(_rows(sg_, rs_g), dt), rnd(_rows(su_, rs_u), dt), dt)
+    _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
+
+
+def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, asm, rs, act_pair):
+    """`_one_token_gate_up` with e2m1 "mma": each chunk's gate and up codes, times their group scales, against the
+    activations scaled by a power of two into fp16's range (`kernel_math.e2m1_mma_gate_up`: tensor-core MMAs with
+    asm, the same products in jnp otherwise); the terms summed per row once, times 2^-s, 2^14 and the rows' global
+    scales."""
+    up, down = _hx_prescale(x_ref, (xr,), d, cw)
+    spread = lambda sc: jnp.broadcast_to(kernel_math.f16_pairs(sc.astype(F32))[:, :, None],   # noqa: E731
+                                         (bn, cw // 16, 8)).reshape(bn, cw // 2)
+    tot = None
+    for c in range(d // cw):
+        xv = _hx(x_ref, (xr,), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")
+        t = kernel_math.e2m1_mma_gate_up(raw_g[c][0], raw_u[c][0], spread(raw_g[c][1]), spread(raw_u[c][1]), xv,
+                                         asm=asm)
+        tot = t if tot is None else tot + t
+    t4 = jnp.sum(tot.reshape(bn, cw // 8, 4), axis=1)        # [bn, 4]: gate, up, 0, 0
+    pos = lax.broadcasted_iota(jnp.int32, (bn, 4), 1)
+    back = down * kernel_math.E2M1_F16_SCALE
+    sg_, su_ = (jnp.sum(jnp.where(pos == i, t4, 0.0), axis=1) * back for i in (0, 1))
+    a = _silu_mul(rnd(_rows(sg_, rs[0]), dt), rnd(_rows(su_, rs[1]), dt), dt)
     _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
 
 
@@ -997,6 +1029,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
     if t.x2d not in (0, 1) or (t.x2d and (t.e2m1 in _HFMA or t.dot or t.tok)):
         return f"tiles {t}: x2d must be 0 or 1, and x2d 1 (activation tiles) takes no e2m1 'hfma'/'hfmab', dot or tok"
     one_token = m == 1 or t.flat
+    if t.e2m1 == "mma" and (not one_token or not t.acc or t.wround or t.tok or t.dot or t.x2d or t.cw < 128):
+        return f"tiles {t}: e2m1 'mma' multiplies one token's gate and up codes on the tensor cores: it needs M = 1 " \
+               f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0 and cw >= 128"
     if t.e2m1 in ("hfma", "hfmab") and (not one_token or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, gsum 1, wround 0 and tok 0"
@@ -1153,8 +1188,9 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     dt = x.dtype
     if interpret and tiles.e2m1 in ("asm", "asmq", "asmi"):     # the interpreter runs no PTX: the same values
         tiles = dataclasses.replace(tiles, e2m1="f16")
-    if interpret and tiles.e2m1 in ("hfma", "hfmab"):    # the PTX block's fp16 arithmetic in jnp
+    if interpret and tiles.e2m1 in ("hfma", "hfmab", "mma"):    # the PTX block's arithmetic in jnp
         tiles = dataclasses.replace(tiles, e2m1=tiles.e2m1 + "_jnp")
+    e2m1_down = _decode_only(tiles.e2m1) if tiles.e2m1 in _MMA else tiles.e2m1    # "mma": kernel 1 only
     (sg, og), (su, ou), (ss, os_) = (kernel_math.window_operand(a, n, (m,), "moe_decode")
                                      for a, n in ((s_gate, inter_s), (s_up, inter_s), (s_sig, 1)))
     n_slots = m * k
@@ -1200,7 +1236,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     if tiles.tok:
         return stacked.call(
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
-                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=tiles.e2m1,
+                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, e2m1=e2m1_down,
                               offs=(og, ou, os_), wround=bool(tiles.wround), gsum=bool(tiles.gsum)),
             (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
             out_shape=jax.ShapeDtypeStruct((m, d), dt), grid=(d // tiles.bn2, m),
@@ -1215,7 +1251,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         n_prog2 = min(tiles.persist2, n_groups * (d // tiles.bn2))
         y = stacked.call(
             functools.partial(_down_persist_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, d=d,
-                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
+                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=e2m1_down,
                               offs=(og, ou, os_), wround=bool(tiles.wround), gsum=bool(tiles.gsum), x2d=x2d,
                               n_shared=n_shared, n_prog=n_prog2),
             (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *w2, *w3),
@@ -1225,7 +1261,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     else:
         y = stacked.call(
             functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=km, k=k, n_slots=n_slots, sp=sp,
-                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=tiles.e2m1,
+                              inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=e2m1_down,
                               offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                               wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
                               tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot,
