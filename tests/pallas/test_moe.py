@@ -541,6 +541,140 @@ def test_e2m1_shift_only_ptx_places_the_codes(block):
             np.testing.assert_array_equal(out[f"${b}"].view(np.uint32), want.view(np.uint32))
 
 
+def _f16(u):
+    return (u & 0xFFFF).astype(np.uint16).view(np.float16)
+
+
+def _halves(w):
+    """uint32 words -> (low, high) fp16 halves."""
+    return _f16(w), _f16(w >> 16)
+
+
+def _word(lo, hi):
+    return lo.astype(np.float16).view(np.uint16).astype(np.uint32) | \
+        (hi.astype(np.float16).view(np.uint16).astype(np.uint32) << 16)
+
+
+def _mma_m16n8k16(a, b, c):
+    """`mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32` over one warp: a 4, b 2, c 4 lists of [32] arrays (the
+    lanes' fragment registers, as the PTX ISA lays them out: groupID = lane / 4, t = lane % 4); returns d."""
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for reg, (dr, dk) in zip(a, ((0, 0), (8, 0), (0, 8), (8, 8))):
+        lo, hi = _halves(reg)
+        A[g + dr, 2 * t + dk], A[g + dr, 2 * t + dk + 1] = lo, hi
+    for reg, dk in zip(b, (0, 8)):
+        lo, hi = _halves(reg)
+        B[2 * t + dk, g], B[2 * t + dk + 1, g] = lo, hi
+    C = np.zeros((16, 8))
+    for reg, (dr, dc) in zip(c, ((0, 0), (0, 1), (8, 0), (8, 1))):
+        C[g + dr, 2 * t + dc] = reg
+    D = (A @ B + C).astype(np.float32)      # fp16 products are exact in fp64; one rounding to fp32 (within the test)
+    return [D[g + dr, 2 * t + dc] for dr, dc in ((0, 0), (0, 1), (8, 0), (8, 1))]
+
+
+def _run_warp_ptx(asm, regs):
+    """The PTX of e2m1 "mma" (`kernel_math.E2M1_MMA_ASM`) run on one warp: regs maps operand names to [32] arrays
+    (uint32 words or fp32), one value per lane; integer ops, prmt, mul.rn.f16x2, the MMA, %laneid, setp / selp."""
+    regs = dict(regs)
+    body = "\n".join(ln for ln in asm.splitlines() if not ln.startswith((".reg", "{", "}")))
+    for stmt in filter(None, (st.strip() for st in body.replace("\n", " ").split(";"))):
+        op, rest = stmt.split(" ", 1)
+        args = [a.strip() for a in re.sub(r"[{}]", "", rest).split(",")]
+
+        def val(a):
+            if a in regs:
+                return regs[a]
+            if a.startswith("0f"):
+                return np.full(32, np.uint32(int(a[2:], 16)).view(np.float32))
+            return np.full(32, np.uint32(int(a, 0)))
+        if op in ("shl.b32", "shr.b32", "shr.u32"):
+            sh = np.uint32(int(args[2]))
+            regs[args[0]] = (val(args[1]) << sh) if op == "shl.b32" else (val(args[1]) >> sh)
+        elif op == "and.b32":
+            regs[args[0]] = val(args[1]) & val(args[2])
+        elif op == "or.b32":
+            regs[args[0]] = val(args[1]) | val(args[2])
+        elif op in ("mov.b32", "mov.f32"):
+            regs[args[0]] = val(args[1]).copy()
+        elif op == "mov.u32" and args[1] == "%laneid":
+            regs[args[0]] = np.arange(32, dtype=np.uint32)
+        elif op == "prmt.b32":      # default mode: output byte i = byte (sel >> 4i) & 7 of {b, a}
+            src = np.stack([val(args[1]), val(args[2])], axis=1).view(np.uint8).reshape(32, 8)
+            sel = int(args[3], 0)
+            out = np.stack([src[:, (sel >> (4 * i)) & 7] for i in range(4)], axis=1)
+            assert all(not (sel >> (4 * i)) & 8 for i in range(4))
+            regs[args[0]] = np.ascontiguousarray(out).view(np.uint32).reshape(32)
+        elif op == "mul.rn.f16x2":
+            (al, ah), (bl, bh) = _halves(val(args[1])), _halves(val(args[2]))
+            regs[args[0]] = _word(al * bl, ah * bh)
+        elif op.startswith("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"):
+            d = _mma_m16n8k16([val(a) for a in args[4:8]], [val(a) for a in args[8:10]],
+                              [val(a) for a in args[10:14]])
+            for name, v in zip(args[:4], d):
+                regs[name] = v
+        elif op == "setp.eq.u32":
+            regs[args[0]] = val(args[1]) == val(args[2])
+        elif op == "selp.f32":
+            regs[args[0]] = np.where(regs[args[3]], val(args[1]), val(args[2])).astype(np.float32)
+        else:
+            raise AssertionError(f"PTX op {op} is outside the emulated subset")
+    return regs
+
+
+@pytest.mark.parametrize("rows_per_warp", [1, 2, 8])
+def test_e2m1_mma_ptx_keeps_each_quads_row_sums(rows_per_warp):
+    """e2m1 "mma" (`kernel_math.E2M1_MMA_ASM`) emulated on one warp, each lane holding 4 packed gate bytes, the up
+    bytes of the same columns, their group scales and activation pairs, the lanes of a quad on one row (1, 2 or 8
+    rows per warp): the diagonal lane of each quad returns its quad's gate and up sums (code * 2^-14 * scale * x'
+    over the quad's 32 columns) in outputs 0 and 1, every other output is 0, and per row the outputs add up to
+    `e2m1_mma_gate_up`'s jnp sums of the same bytes. Every code value occurs."""
+    rng = np.random.default_rng(11 + rows_per_warp)
+    gate = rng.integers(0, 256, (32, 4), dtype=np.uint8)
+    gate[0] = [0x10, 0x32, 0x54, 0x76]
+    gate[1] = [0x98, 0xBA, 0xDC, 0xFE]                      # all 16 codes in both nibbles
+    up = rng.integers(0, 256, (32, 4), dtype=np.uint8)
+    sg, su = (np.asarray(jnp.asarray(rng.uniform(2 ** -9, 448, (32, 4)), jnp.float8_e4m3fn).astype(jnp.float32))
+              for _ in range(2))
+    x = (rng.standard_normal((32, 8)) * 2.0 ** 13).astype(np.float16).astype(np.float32)   # prescaled x'
+    pairs = lambda v: np.asarray(kernel_math.f16_pairs(jnp.asarray(v)))  # noqa: E731
+    xw = np.asarray(kernel_math.hfma_pairs(jnp.asarray(x[:, 0::2]), jnp.asarray(x[:, 1::2])))   # [32, 4] words
+    regs = {"$4": np.ascontiguousarray(gate).view(np.uint32).reshape(32),
+            "$5": np.ascontiguousarray(up).view(np.uint32).reshape(32)}
+    for i in range(4):
+        regs[f"${6 + i}"], regs[f"${10 + i}"], regs[f"${14 + i}"] = pairs(sg[:, i]), pairs(su[:, i]), xw[:, i]
+    out = _run_warp_ptx(kernel_math.E2M1_MMA_ASM, regs)
+    lane = np.arange(32)
+    diag = (lane % 4) == (lane // 4) // 2
+    # each lane's own products, exact (codes * scales are exact in fp16)
+    code = lambda b: np.asarray(kernel_math.e2m1_f16(jnp.asarray(b)).astype(jnp.float32))  # noqa: E731
+
+    def own(p, s):
+        return sum(s[:, i] * (code(p[:, i] & 0xF) * x[:, 2 * i] + code(p[:, i] >> 4) * x[:, 2 * i + 1])
+                   for i in range(4))
+
+    for o, p, s in ((0, gate, sg), (1, up, su)):
+        quad = own(p.astype(np.int32), s).reshape(8, 4).sum(1)
+        got = out[f"${o}"]
+        np.testing.assert_allclose(got[diag], quad, rtol=1e-6, atol=1e-6 * np.abs(quad).max())
+        assert np.all(got[~diag] == 0)
+    assert np.all(out["$2"] == 0) and np.all(out["$3"] == 0)
+    # per row (rows_per_warp rows of 32 / rows_per_warp lanes each), against the jnp twin over the same bytes
+    per = 32 // rows_per_warp
+    pg, pu = gate.reshape(rows_per_warp, per * 4), up.reshape(rows_per_warp, per * 4)
+    spread = lambda s: jnp.asarray(pairs(s.reshape(rows_per_warp, per * 4)))  # noqa: E731
+    for r in range(rows_per_warp):      # the twin takes one activation vector for all its rows: row by row
+        lanes = slice(r * per, (r + 1) * per)
+        for o in (0, 1):
+            want = np.asarray(kernel_math.e2m1_mma_gate_up(
+                jnp.asarray(pg[r:r + 1]), jnp.asarray(pu[r:r + 1]), spread(sg)[r:r + 1], spread(su)[r:r + 1],
+                tuple(jnp.asarray(x.reshape(32, 4, 2)[lanes, :, h].reshape(per * 4)) for h in (0, 1))))[0]
+            np.testing.assert_allclose(out[f"${o}"][lanes].sum(), want[o::4].sum(), rtol=1e-5,
+                                       atol=1e-6 * np.abs(want).max())
+            assert np.all(want[2::4] == 0) and np.all(want[3::4] == 0)
+
+
 @pytest.mark.parametrize("impl", [KERNEL, "reference"])
 def test_decode_reads_windows_of_wider_products(impl):
     """The shared expert's gate, up and gate logit given as windows (buffer, start) into products with other
