@@ -199,6 +199,13 @@ def hfma_prescale(mx):
     return up, down
 
 
+def group_bytes(sc, group: int = 16):
+    """Per-group NVFP4 values [rows, cw/group] spread to the packed bytes [rows, cw/2] (each byte's two codes share
+    its group: group/2 bytes per group), by a broadcast and a reshape."""
+    rows, ng = sc.shape
+    return jnp.broadcast_to(sc[:, :, None], (rows, ng, group // 2)).reshape(rows, ng * (group // 2))
+
+
 def hfma_pairs(lo, hi):
     """x' at columns 8w + q and 8w + q + 4 (each [cw/2], element 4w + q), as fp16 -> uint32 half2 words
     {lo, hi} (lo in the low half), the activation operand of `e2m1_hfma_group_sums` with asm."""

@@ -139,8 +139,7 @@ def _nvfp4_scales(sc_ref, row0, kb, t: Tiles, f):
     tile's shape, then f (the other decodes: no reshape in registers)."""
     half, ng = t.bk // 2, t.bk // 16
     if t.dec == "f32":
-        sc = f(sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)])
-        return jnp.broadcast_to(sc[:, :, None], (t.bn, ng, 8)).reshape(t.bn, half)
+        return kernel_math.group_bytes(f(sc_ref[pl.ds(row0, t.bn), pl.ds(kb * ng, ng)]))
     rows = lax.broadcasted_iota(jnp.int32, (t.bn, half), 0) + row0
     cols = lax.broadcasted_iota(jnp.int32, (t.bn, half), 1) // 8 + kb * ng
     return f(sc_ref[rows, cols])

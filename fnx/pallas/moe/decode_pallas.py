@@ -269,7 +269,7 @@ def _deq(fmt, raw, rows, cw, dt, e2m1="int", wround=True, gsum=False):
             codes = (code(p & 0xF), code(p >> 4))
         if gsum and not wround:
             return _Grouped(codes, sc)
-        sc = jnp.broadcast_to(sc[:, :, None], (rows, cw // group, group // 2)).reshape(rows, cw // 2)
+        sc = kernel_math.group_bytes(sc, group)
         if not wround:
             return tuple(c * sc for c in codes)
         s2 = s2[:, None]
@@ -627,13 +627,13 @@ def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, b
     products kept as tiles over the chunks and each row summed once (`DecodeTiles.acc` 1); act[s, 0, rg:rg+bn] =
     silu(g) * u rounded as the reference."""
     nk = d // cw
-    deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
-    cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
     rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
     if fmt == "nvfp4" and e2m1 in _MMA:
         _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, d=d, cw=cw, bn=bn, dt=dt, asm=e2m1 == "mma",
                                rs=(rs_g, rs_u), act_pair=act_pair)
         return
+    deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
+    cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
     tg = tu = None
     hf = _hfma(e2m1, fmt)
     if hf:                  # the activations in fp16's range: x * 2^s, the sums times 2^-s
@@ -658,8 +658,7 @@ def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn
     asm, the same products in jnp otherwise); the terms summed per row once, times 2^-s, 2^14 and the rows' global
     scales."""
     up, down = _hx_prescale(x_ref, (xr,), d, cw)
-    spread = lambda sc: jnp.broadcast_to(kernel_math.f16_pairs(sc.astype(F32))[:, :, None],   # noqa: E731
-                                         (bn, cw // 16, 8)).reshape(bn, cw // 2)
+    spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
     tot = None
     for c in range(d // cw):
         xv = _hx(x_ref, (xr,), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")
