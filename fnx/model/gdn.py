@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
-from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step
+from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window
 from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after  # noqa: F401  (PLE uses the conv)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
@@ -116,26 +116,27 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
                                             p["norm"], rec_state, n_valid, key_heads=hk, eps=cfg.rms_norm_eps,
                                             act=cfg.output_gate_type, inplace=True)
         return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}
+    if snapshots:
+        # verify: the conv, gates, recurrence and norm as one op ("gdn_window": one kernel on a GPU, reading the
+        # fused products in place; its reference is the ops below). The state before the call stays for rollback,
+        # which replays the kept prefix from it (`rec_after`, `window_after` on the parts it returns).
+        rec0 = rec_state
+        o, conv_state, rec_state, parts = gdn_window(*((w.buf, w.start) for w in wins), conv_state, p["conv1d"],
+                                                     p["A_log"], p["dt_bias"], p["norm"], rec_state, n_valid,
+                                                     key_heads=hk, eps=cfg.rms_norm_eps, act=cfg.output_gate_type)
+        return (linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state,
+                dict(parts, rec0=rec0))
     qkv, z, b, a = (w.get() for w in wins)
     z = z.reshape(bsz, length, hv, dv)
     q, k, v, g, beta, conv_state, conv_x = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"],
                                                           p["dt_bias"], n_valid, key_heads=hk, key_head_dim=dk,
                                                           value_heads=hv)
-    aux = {}
-    if snapshots:
-        # verify: fnx.pallas.gdn (op "gdn_decode"): q, k stay [B, L, Hk, dk], normed and scaled there, and the
-        # output norm rides along (the kernel may fuse it)
-        rec0 = rec_state
-        o, rec_state = gdn_recurrent(q, k, v, g, beta, rec_state, scale=dk ** -0.5, qk_l2norm=True,
-                                     out_dtype=x.dtype, norm=(z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type))
-        aux = {"conv_x": conv_x, "rec0": rec0, "k": k, "v": v, "g": g, "beta": beta}
-    else:
-        if hv != hk:
-            q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
-        q, k, v = (t.astype(F32) for t in (q, k, v))
-        q, k = l2norm(q), l2norm(k)
-        # impl None, as gdn_step and gdn_recurrent above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
-        # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
-        o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
-        o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
-    return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, aux
+    if hv != hk:
+        q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
+    q, k, v = (t.astype(F32) for t in (q, k, v))
+    q, k = l2norm(q), l2norm(k)
+    # impl None, as gdn_step and gdn_window above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
+    # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
+    o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
+    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
+    return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}

@@ -502,3 +502,195 @@ def test_chunk_scan_lowers_for_cuda_released_shapes(precision):
     assert text.count("gdn_chunk_scan") >= 1 and "__gpu$xla.gpu.triton" in text
     with pytest.raises(ValueError, match="precision 'fp64'"):
         jax.jit(functools.partial(kernel.chunk_scan, tiles=kernel.ScanTiles(precision="fp64"))).trace(*sds)
+
+
+# ---- gdn_window: a verify window's GDN core in one kernel (op "gdn_window") -----------------------------------------
+
+def window_inputs(key, bsz=3, length=5, hk=2, hv=4, dk=16, dv=8, taps=4, dtype=jnp.float32, n_valid=(5, 0, 3)):
+    """A verify window's GDN core inputs (`step_inputs` with T tokens); slot 1 padding, slot 2 a partial window."""
+    ks = jax.random.split(key, 10)
+    c = 2 * hk * dk + hv * dv
+    nrm = lambda i, shape, s=1.0: (s * jax.random.normal(ks[i], shape)).astype(dtype)  # noqa: E731
+    return dict(qkv=nrm(0, (bsz, length, c)), z=nrm(1, (bsz, length, hv, dv)), b=nrm(2, (bsz, length, hv)),
+                a=nrm(3, (bsz, length, hv)), conv_state=nrm(4, (bsz, taps - 1, c)), conv_w=nrm(5, (c, taps), 0.5),
+                a_log=nrm(6, (hv,), 0.5), dt_bias=nrm(7, (hv,)), norm_w=(1.0 + nrm(8, (dv,), 0.1)).astype(dtype),
+                rec=0.1 * jax.random.normal(ks[9], (bsz, hv, dk, dv)),
+                n_valid=jnp.asarray(n_valid[:bsz], jnp.int32))
+
+
+def _window(impl, kw, act="sigmoid", tiles=None):
+    return jax.jit(lambda d: api.gdn_window(**d, impl=impl, key_heads=2, eps=1e-6, act=act,
+                                            tiles=tiles if impl != "reference" else None))(kw)
+
+
+def _f32(a):
+    return np.asarray(a, np.float32)
+
+
+@pytest.mark.parametrize("act,bv,length", [("sigmoid", None, 5), ("silu", 8, 5), ("sigmoid", 2, 3),
+                                           ("silu", 4, 8)])
+def test_window_equals_the_model_ops(act, bv, length):
+    """fp32: the kernel against the model's verify ops (conv_and_gates, the recurrence, the norm): o to 1e-5,
+    the recurrent state, k, v, g and beta to 1e-6 (float error: XLA fuses the silu and the gates its own way); the
+    conv state and xcat are the same bits (rows moved, not computed). bv: columns per program (dv = 8: whole heads fuse the norm, fewer put it
+    after the kernel); windows of 3 to 8 tokens, a padding slot and a partial one."""
+    from fnx.pallas.gdn.pallas import WindowTiles
+    kw = window_inputs(seed(), length=length, n_valid=(length, 0, length - 2))
+    o_r, c_r, s_r, p_r = _window("reference", kw, act)
+    o, c, s, parts = _window(KERNEL, kw, act, None if bv is None else WindowTiles(block_v=bv))
+    assert o.shape == o_r.shape and s.dtype == jnp.float32
+    np.testing.assert_allclose(_f32(o), _f32(o_r), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(s), np.asarray(s_r), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(_f32(c), _f32(c_r))
+    assert set(parts) == set(p_r) == {"conv_x", "k", "v", "g", "beta"}
+    for name in p_r:
+        assert parts[name].shape == p_r[name].shape and parts[name].dtype == p_r[name].dtype, name
+        np.testing.assert_allclose(_f32(parts[name]), _f32(p_r[name]), rtol=1e-6, atol=1e-6, err_msg=name)
+    np.testing.assert_array_equal(_f32(parts["conv_x"]), _f32(p_r["conv_x"]))
+
+
+def test_window_bf16_rounds_like_the_model():
+    """bf16: the kernel rounds the conv, silu and sigmoid where the model's ops round; XLA:CPU keeps excess
+    precision in places, so o is held to the fp32 computation within 4x its own spread under 2^-8 input
+    perturbations (as the step kernel's test), k and v within two bf16 roundings (the conv's, the silu's) of the
+    reference, the moved rows
+    (the conv state, xcat) exactly."""
+    dtype = jnp.bfloat16
+    kw = window_inputs(seed(), dtype=dtype)
+    o, c, s, parts = _window(KERNEL, kw)
+    o_r, c_r, s_r, p_r = _window("reference", kw)
+    np.testing.assert_array_equal(_f32(c), _f32(c_r))
+    np.testing.assert_array_equal(_f32(parts["conv_x"]), _f32(p_r["conv_x"]))
+    for name in ("k", "v"):
+        np.testing.assert_allclose(_f32(parts[name]), _f32(p_r[name]), rtol=2 ** -6, atol=1e-6, err_msg=name)
+    f32 = {name: a.astype(jnp.float32) if a.dtype == dtype else a for name, a in kw.items()}
+    o32, _, s32, _ = _window("reference", f32)
+    spread = np.zeros(o32.shape, np.float32)
+    for i in range(4):
+        ks = jax.random.split(jax.random.fold_in(seed(), i), len(f32))
+        moved = {name: a * (1 + 2.0 ** -8 * jax.random.normal(kk, a.shape)) if kw[name].dtype == dtype else a
+                 for (name, a), kk in zip(f32.items(), ks)}
+        spread = np.maximum(spread, np.abs(np.asarray(_window("reference", moved)[0]) - np.asarray(o32)))
+    bound = 4 * spread + 2.0 ** -7 * np.abs(np.asarray(o32)) + 1e-3
+    err = np.abs(_f32(o) - np.asarray(o32))
+    assert (err <= bound).all(), f"{int((err > bound).sum())} outputs past their bound, worst {(err - bound).max()}"
+    assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
+
+
+def test_window_reads_fused_products_in_place_and_keeps_the_input_state():
+    """qkv and z as windows of one product, b and a of another (the fused projections' layout): the same bits as
+    the plain arrays; the input recurrent state is left as it was (rollback replays from it)."""
+    kw = window_inputs(seed())
+    bsz, length, c = kw["qkv"].shape
+    pad = jnp.full((bsz, length, 3), 7.0, jnp.float32)
+    big = jnp.concatenate([pad, kw["qkv"], kw["z"].reshape(bsz, length, -1), pad], axis=2)
+    ba = jnp.concatenate([kw["b"], pad, kw["a"]], axis=2)
+    hv = kw["b"].shape[2]
+    want = _window(KERNEL, kw)
+    rec_before = np.asarray(kw["rec"]).copy()
+    rest = {k: v for k, v in kw.items() if k not in ("qkv", "z", "b", "a")}
+    got = jax.jit(lambda bufs, d: api.gdn_window(
+        qkv=(bufs[0], 3), z=(bufs[0], 3 + c), b=(bufs[1], 0), a=(bufs[1], hv + 3), **d, impl=KERNEL, key_heads=2,
+        eps=1e-6, act="sigmoid"))((big, ba), rest)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(kw["rec"]), rec_before)
+    with pytest.raises(ValueError, match="outside"):
+        api.gdn_window(**dict(kw, a=(ba, hv + 4)), impl=KERNEL, key_heads=2, eps=1e-6, act="sigmoid")
+
+
+def test_window_rollback_equals_a_shorter_window():
+    """What the model's rollback computes from the kernel's parts (`rec_after` from the input state, the conv rows
+    by `window_after`) after keeping n tokens equals the states of a window whose n_valid is n, for every n of
+    the window (0 .. T), and a padding slot leaves both states exactly."""
+    from fnx.model.gdn import rec_after
+    kw = window_inputs(seed(), n_valid=(5, 0, 5))
+    _, _, _, parts = _window(KERNEL, kw)
+    hist = kw["conv_state"].shape[1]
+    for n in range(6):
+        n_keep = jnp.asarray([n, 0, 5 - n], jnp.int32)
+        rec = jax.jit(rec_after)(dict(parts, rec0=kw["rec"]), n_keep)
+        conv = reference.window_after(parts["conv_x"], n_keep, hist)
+        _, c_n, s_n, _ = _window(KERNEL, dict(kw, n_valid=n_keep))
+        np.testing.assert_allclose(np.asarray(rec), np.asarray(s_n), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(conv), np.asarray(c_n))
+    _, c0, s0, p0 = _window(KERNEL, dict(kw, n_valid=jnp.zeros((3,), jnp.int32)))
+    np.testing.assert_array_equal(np.asarray(c0), np.asarray(kw["conv_state"]))
+    np.testing.assert_array_equal(np.asarray(s0), np.asarray(kw["rec"]))
+    assert not np.asarray(p0["g"]).any() and not np.asarray(p0["beta"]).any()
+
+
+def test_window_bad_inputs_are_clear_errors():
+    kw = window_inputs(jax.random.key(0))
+    call = lambda **over: api.gdn_window(**dict(kw, **over), impl="reference", key_heads=2, eps=1e-6,  # noqa
+                                         act="sigmoid")
+    with pytest.raises(ValueError, match="z"):
+        call(z=kw["z"][:, :2])
+    with pytest.raises(ValueError, match="conv_state"):
+        call(conv_state=kw["conv_state"][:, :2])
+    with pytest.raises(ValueError, match="fp32"):
+        call(rec=kw["rec"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"\[B, T, C\]"):
+        call(qkv=kw["qkv"][0])
+    with pytest.raises(NotImplementedError, match="power-of-two"):
+        api.gdn_window(**window_inputs(jax.random.key(0), dk=24), impl=KERNEL, key_heads=2, eps=1e-6,
+                       act="sigmoid")
+
+
+@pytest.mark.parametrize("bsz,length,bv", [(1, 5, 32), (1, 5, 128), (4, 8, 128)])
+def test_window_lowers_for_cuda(bsz, length, bv):
+    """gdn_window's Triton lowering at the released GDN widths (16 key / 48 value heads of 128, conv of 4 taps)."""
+    from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn.pallas import WindowTiles
+    hk, hv, d, taps = 16, 48, 128, 4
+    c = 2 * hk * d + hv * d
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    args = (sds((bsz, length, c), bf), sds((bsz, length, hv, d), bf), sds((bsz, length, hv), bf),
+            sds((bsz, length, hv), bf), sds((bsz, taps - 1, c), bf), sds((c, taps), bf), sds((hv,), jnp.float32),
+            sds((hv,), bf), sds((d,), bf), sds((bsz, hv, d, d), jnp.float32), sds((bsz,), jnp.int32))
+    f = lambda *a: kernel.gdn_window(*a, key_heads=hk, eps=1e-6, act="sigmoid",  # noqa: E731
+                                     tiles=WindowTiles(block_v=bv))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "gdn_window" in text
+
+
+def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_path):
+    """tiny-b (dk 16 != dv 8, 4 value heads on 2 key heads), fp32: a prompt, then a five-token verify window
+    (`snapshots=True`) and `rollback` to 2 and 5 kept tokens, with every GDN layer's window through the
+    gdn_window kernel, against the reference ops: the logits and the rolled-back states agree (float error;
+    measured ~1e-7)."""
+    import fnx
+    from fnx.model.transformer import rollback, step
+    from fnx.ple import initial_context, ngram_ids
+    from tests.conftest import load_script
+    d = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path / "tiny-b", "tiny-b", seed=1)
+    model = fnx.load(d, dtype=jnp.float32)
+    cfg = model.cfg
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 200, (2, 7)).astype(np.int32)
+    window = jnp.asarray(rng.integers(0, 200, (2, 5)), jnp.int32)
+    st = fnx.new_state(model, 2, 32)
+    _, st = fnx.extend(model, st, prompt)
+    ctx = initial_context(2, model.ngram)
+    ids = ngram_ids(ctx, np.concatenate([prompt, np.asarray(window)], axis=1), model.ngram)[0][:, -5:]
+    ids = jnp.asarray(ids, jnp.int32) if cfg.ple_layer_ids else None
+    n_keep = jnp.asarray([2, 5], jnp.int32)
+
+    def run():
+        jax.clear_caches()
+        lg, full, _, aux = jax.jit(lambda s: step(model.params, s, window, ids, cfg=cfg, snapshots=True,
+                                                  n_valid=jnp.asarray([5, 5], jnp.int32)))(st)
+        return lg, jax.jit(lambda f, a: rollback(cfg, f, a, n_keep))(full, aux)
+
+    want_lg, want_st = run()
+    monkeypatch.setenv("FNX_KERNELS", f"gdn_window={KERNEL}")
+    got_lg, got_st = run()
+    monkeypatch.delenv("FNX_KERNELS")
+    jax.clear_caches()
+    scale = float(np.abs(np.asarray(want_lg)).max())
+    err = float(np.abs(np.asarray(got_lg) - np.asarray(want_lg)).max()) / scale
+    print(f"tiny-b verify window, gdn_window kernel vs reference ops: {err:.1e}")
+    assert err < 1e-5
+    for a, b in zip(jax.tree.leaves(got_st), jax.tree.leaves(want_st), strict=True):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-5)

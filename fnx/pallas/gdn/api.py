@@ -151,6 +151,76 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
                            interpret=dispatch.interpret_flag(backend))
 
 
+WINDOW_OP = "gdn_window"
+
+
+def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
+               key_heads: int, eps: float, act: str, tiles=None):
+    """A verify window (T tokens per sequence, the first n_valid [B] of them real) through a GDN layer's core:
+    `gdn_step` for T tokens, plus what rollback replays from. Shapes as `gdn_step` with T for 1: qkv [B, T, C],
+    z [B, T, HV, dv], b, a [B, T, HV] (or windows (buffer [B, T, W], start) into the fused products, read in place
+    by the kernel). Returns (o [B, T, HV, dv] normed, conv_state after n_valid, rec after n_valid, parts) with
+    parts = {"conv_x" [B, K-1+T, C], "k" [B, T, HK, dk], "v" [B, T, HV, dv] (conv and silu, before the l2 norm),
+    "g", "beta" [B, T, HV] fp32 (0 past n_valid)}: `fnx.model.gdn.rec_after` and `window_after` take them.
+    `rec` is not overwritten (the replay starts from it).
+    Op "gdn_window": one kernel for the conv, the gates, the recurrence and (whole heads per program) the norm; its
+    reference is the model's ops (`reference.conv_and_gates`, then `gdn_recurrent`, dispatched as "gdn_decode")."""
+    if conv_w.ndim != 2 or a_log.ndim != 1 or norm_w.ndim != 1 or rec.ndim != 4:
+        raise ValueError(f"gdn_window: conv_w {tuple(conv_w.shape)} must be [C, K], a_log {tuple(a_log.shape)} "
+                         f"[HV], norm_w {tuple(norm_w.shape)} [dv], rec {tuple(rec.shape)} [B, HV, dk, dv]")
+    bsz = rec.shape[0]
+    conv_dim, taps = conv_w.shape
+    hv, dv = a_log.shape[0], norm_w.shape[0]
+    q_arr = qkv[0] if isinstance(qkv, tuple) else qkv
+    if q_arr.ndim != 3 or q_arr.shape[0] != bsz:
+        raise ValueError(f"gdn_window: qkv {tuple(q_arr.shape)} must be [B, T, C] with B = {bsz}")
+    length = q_arr.shape[1]
+    if not isinstance(qkv, tuple) and qkv.shape[2] != conv_dim:
+        raise ValueError(f"gdn_window: qkv {tuple(qkv.shape)} must be [B, T, C] = {(bsz, length, conv_dim)}")
+    if not isinstance(z, tuple) and tuple(z.shape) != (bsz, length, hv, dv):
+        raise ValueError(f"gdn_window: z {tuple(z.shape)} must be [B, T, HV, dv] = {(bsz, length, hv, dv)}")
+    if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
+        raise ValueError(f"gdn_window: C={conv_dim} is not 2 * {key_heads} key heads * dk + HV={hv} * dv={dv} "
+                         f"(HV a multiple of the key heads)")
+    dk = (conv_dim - hv * dv) // (2 * key_heads)
+    for name, arr in (("b", b), ("a", a)):
+        if not isinstance(arr, tuple) and tuple(arr.shape) != (bsz, length, hv):
+            raise ValueError(f"gdn_window: {name} {tuple(arr.shape)} must be {(bsz, length, hv)}")
+    ops = [window_operand(o, n, (bsz, length), f"gdn_window {name}") for o, n, name in
+           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
+    want = {"conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "dt_bias": (dt_bias, (hv,)),
+            "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
+    for name, (arr, shape) in want.items():
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"gdn_window: {name} {tuple(arr.shape)} must be {shape}")
+    if taps < 2:
+        raise ValueError(f"gdn_window: the conv needs at least 2 taps, conv_w is {tuple(conv_w.shape)}")
+    if rec.dtype != F32:
+        raise ValueError(f"gdn_window: the recurrent state must be fp32, got {rec.dtype}")
+    if act not in ("sigmoid", "silu"):
+        raise ValueError(f"gdn_window: act must be 'sigmoid' or 'silu', got {act!r}")
+    why = None
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
+    backend = dispatch.resolve(WINDOW_OP, impl, not_applicable=why)
+    if backend == "reference":
+        from fnx.pallas.stacked import materialize       # layers of stacks: the reference slices them
+        conv_w, a_log, dt_bias, norm_w = (materialize(x) for x in (conv_w, a_log, dt_bias, norm_w))
+        qkv, z, b, a = (take_window(buf, s, n) for (buf, s), n in zip(ops, (conv_dim, hv * dv, hv, hv)))
+        q, k, v, g, beta, conv_state, conv_x = reference.conv_and_gates(
+            qkv, b, a, conv_state, conv_w, a_log, dt_bias, n_valid, key_heads=key_heads, key_head_dim=dk,
+            value_heads=hv)
+        o, rec = gdn_recurrent(q, k, v, g, beta, rec, scale=dk ** -0.5, qk_l2norm=True, out_dtype=qkv.dtype,
+                               norm=(z.reshape(bsz, length, hv, dv), norm_w, eps, act))
+        return o, conv_state, rec, {"conv_x": conv_x, "k": k, "v": v, "g": g, "beta": beta}
+    from fnx.pallas.gdn import pallas as kernel
+    if tiles is not None and (not _is_pow2(tiles.block_v) or dv % tiles.block_v):
+        raise ValueError(f"gdn_window: block_v={tiles.block_v} must be a power of two dividing dv={dv}")
+    return kernel.gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
+                             key_heads=key_heads, eps=eps, act=act, tiles=tiles,
+                             interpret=dispatch.interpret_flag(backend))
+
+
 OP_PREFILL = "gdn_prefill"
 CHUNK_SCAN_MAX_DK = 256         # the kernel holds a [dk, BV] fp32 state tile and [C, dk] chunk tiles in registers
 

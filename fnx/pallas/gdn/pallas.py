@@ -279,6 +279,162 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     return o.reshape(bsz, 1, hv, dv), conv.reshape(conv_state.shape), rec
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# gdn_window: a verify window's GDN core in one kernel (op "gdn_window"): gdn_step for T tokens. The window's conv
+# inputs are the conv state's K-1 rows and the T new rows (xcat); token t's conv reads rows t .. t + K-1. Besides o
+# and the states after n_valid, the kernel writes what rollback replays from (`fnx.model.gdn.rec_after`,
+# `window_after`): xcat, the conv outputs k [B, T, HK, dk] and v [B, T, HV, dv] (after silu, before the l2 norm),
+# g and beta [B, T, HV] fp32, so none of them is an XLA op of its own. Each element of xcat, the new window and k
+# is written by one program (the q / k channels by program j = 0 of a key head group's first value head, as in
+# gdn_step); g and beta by every column tile of a head, the same values.
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowTiles:
+    block_v: int = 32       # BV (a power of two dividing dv); BV = dv fuses the gated norm
+    num_warps: int = 4
+
+
+def default_window_tiles(batch: int, hv: int, dv: int) -> WindowTiles:
+    """Untuned, as `default_tiles` with a norm: whole heads (the norm in the kernel) once B * HV fills the 132
+    SMs, else BV = 32 (4 programs per head at dv = 128; the norm after the kernel)."""
+    if batch * hv >= 132:
+        return WindowTiles(block_v=dv, num_warps=8)
+    return WindowTiles(block_v=min(32, dv))
+
+
+def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
+                   o_ref, sout_ref, cout_ref, cx_ref, k_ref, v_ref, g_ref, beta_ref, *, length, conv_dim, taps, hk,
+                   hv, dk, dv, bv, rep, eps, act, dt, win):
+    (wq, sq), (wz, sz), (wb, sb), (wa, sa) = win
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    s = s_ref[0, 0, :, :]                                   # [dk, BV] fp32: the state load is issued first
+    hist = taps - 1
+    span = hist + length
+    nv = jnp.minimum(jnp.maximum(nv_ref[0], 0), length)     # window_after's dynamic_slice clamps its start
+
+    def rows_of(off, n):
+        ch = off + jnp.arange(n, dtype=jnp.int32)
+        rows = [pltriton.load(conv_ref.at[(bi * hist + r) * conv_dim + ch]).astype(dt) for r in range(hist)]
+        rows += [pltriton.load(qkv_ref.at[(bi * length + t) * wq + sq + ch]) for t in range(length)]
+        return ch, rows
+
+    def conv(ch, rows):
+        """silu(conv) per token (rounded like the model's causal_conv and silu)."""
+        w = [pltriton.load(cw_ref.at[ch * taps + i]).astype(F32) for i in range(taps)]
+        out = []
+        for t in range(length):
+            acc = jnp.zeros(ch.shape, F32)
+            for i in range(taps):
+                acc = acc + rows[t + i].astype(F32) * w[i]
+            y = rnd(acc, dt)
+            out.append(rnd(y * rnd(jax.nn.sigmoid(y), dt), dt))
+        return out
+
+    def store_rows(ch, rows):
+        """xcat, and the window after nv tokens: rows nv .. nv + K-2 of xcat."""
+        for r in range(span):
+            pltriton.store(cx_ref.at[(bi * span + r) * conv_dim + ch], rows[r])
+        for r in range(hist):
+            new = rows[r]
+            for n in range(1, length + 1):
+                new = jnp.where(nv == n, rows[n + r], new)
+            pltriton.store(cout_ref.at[(bi * hist + r) * conv_dim + ch], new)
+
+    qch, qrows = rows_of(kh * dk, dk)
+    kch, krows = rows_of(hk * dk + kh * dk, dk)
+    vch, vrows = rows_of(2 * hk * dk + h * dv + j * bv, bv)
+    qs, ks, vs = conv(qch, qrows), conv(kch, krows), conv(vch, vrows)
+    store_rows(vch, vrows)
+    dj = jnp.arange(dk, dtype=jnp.int32)
+    vj = jnp.arange(bv, dtype=jnp.int32)
+    for t in range(length):
+        pltriton.store(v_ref.at[((bi * length + t) * hv + h) * dv + j * bv + vj], vs[t].astype(v_ref.dtype))
+
+    @pl.when((h % rep == 0) & (j == 0))
+    def _():
+        store_rows(qch, qrows)
+        store_rows(kch, krows)
+        for t_ in range(length):
+            pltriton.store(k_ref.at[((bi * length + t_) * hk + kh) * dk + dj], ks[t_].astype(k_ref.dtype))
+
+    a_log = -jnp.exp(alog_ref[0].astype(F32))
+    dtb = dtb_ref[0].astype(F32)
+    for t in range(length):
+        valid = t < nv
+        beta = rnd(jax.nn.sigmoid(b_ref[(bi * length + t) * wb + sb + h].astype(F32)), dt)
+        g = a_log * softplus(a_ref[(bi * length + t) * wa + sa + h].astype(F32) + dtb)
+        g = jnp.where(valid, g, 0.0)
+        beta = jnp.where(valid, beta, 0.0)
+        g_ref[0, t, 0] = g
+        beta_ref[0, t, 0] = beta
+        q, k = qs[t], ks[t]
+        q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (dk ** -0.5)
+        k = k * lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
+        s = s * jnp.exp(g)
+        kv = jnp.sum(s * k[:, None], axis=0)                # [BV]
+        s = s + k[:, None] * ((vs[t] - kv) * beta)[None, :]
+        o = jnp.sum(s * q[:, None], axis=0)
+        if bv == dv:
+            zv = pltriton.load(z_ref.at[(bi * length + t) * wz + sz + h * dv + j * bv + vj])
+            o_ref[0, t, 0, :] = _gated_norm(o, zv, nw_ref[:], eps, act, dt)
+        else:
+            o_ref[0, t, 0, :] = o.astype(dt)
+    sout_ref[0, 0, :, :] = s
+
+
+def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, *, key_heads: int,
+               eps: float, act: str, tiles: WindowTiles | None = None, interpret: bool = False):
+    """See `fnx.pallas.gdn.api.gdn_window` (shapes are checked there). qkv, z, b and a: arrays or windows (buffer
+    [B, T, W], start column), read in place. The new recurrent state is a new buffer: rollback replays from `rec`.
+    Returns (o [B, T, HV, dv], conv_state after n_valid, rec after n_valid, {"conv_x", "k", "v", "g", "beta"})."""
+    bsz = rec.shape[0]
+    conv_dim, taps = conv_w.shape
+    hv, dv = a_log.shape[0], norm_w.shape[0]
+    dk = (conv_dim - hv * dv) // (2 * key_heads)
+    length = (qkv[0] if isinstance(qkv, tuple) else qkv).shape[1]
+    ops = [window_operand(o, n, (bsz, length), f"gdn_window {name}") for o, n, name in
+           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
+    dt = ops[0][0].dtype
+    t = tiles or default_window_tiles(bsz, hv, dv)
+    bv = t.block_v
+    hist = taps - 1
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    flat = lambda x: x.reshape(-1)  # noqa: E731
+    per_head = pl.BlockSpec((1, length, 1), lambda i, h, j: (i, 0, h))
+    in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,)), whole, whole, whole, whole, whole,
+                pl.BlockSpec((1,), lambda i, h, j: (h,)), pl.BlockSpec((1,), lambda i, h, j: (h,)),
+                whole, pl.BlockSpec((bv,), lambda i, h, j: (j,)),
+                pl.BlockSpec((1, 1, dk, bv), lambda i, h, j: (i, h, 0, j))]
+    out_specs = [pl.BlockSpec((1, length, 1, bv), lambda i, h, j: (i, 0, h, j)),
+                 pl.BlockSpec((1, 1, dk, bv), lambda i, h, j: (i, h, 0, j)), whole, whole, whole, whole,
+                 per_head, per_head]
+    out_shape = [jax.ShapeDtypeStruct((bsz, length, hv, dv), dt), jax.ShapeDtypeStruct(rec.shape, F32),
+                 jax.ShapeDtypeStruct((conv_state.size,), dt),        # in qkv's dtype, as the model's xcat
+                 jax.ShapeDtypeStruct((bsz * (hist + length) * conv_dim,), dt),
+                 jax.ShapeDtypeStruct((bsz * length * key_heads * dk,), dt),
+                 jax.ShapeDtypeStruct((bsz * length * hv * dv,), dt),
+                 jax.ShapeDtypeStruct((bsz, length, hv), F32), jax.ShapeDtypeStruct((bsz, length, hv), F32)]
+    params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps, num_stages=1)}
+    kernel = functools.partial(_window_kernel, length=length, conv_dim=conv_dim, taps=taps, hk=key_heads, hv=hv,
+                               dk=dk, dv=dv, bv=bv, rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
+                               win=tuple((buf.shape[2], start) for buf, start in ops))
+    (qb, _), (zb, zs), (bb, _), (ab, _) = ops
+    o, rec, conv, cx, k, v, g, beta = stacked.call(
+        kernel, (n_valid.astype(jnp.int32), flat(qb), flat(conv_state), stacked.flatten(conv_w), flat(bb), flat(ab),
+                 a_log, dt_bias, flat(zb), norm_w, rec),
+        grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="gdn_window", **params,
+    )   # conv_w, a_log, dt_bias and norm_w may be layers of stacks (fnx.pallas.stacked): read in place
+    if bv != dv:                                            # the norm over whole heads, after the kernel
+        zw = take_window(zb, zs, hv * dv).reshape(bsz, length, hv, dv)
+        o = rms_norm_gated(o, zw, stacked.materialize(norm_w), eps, act)
+    parts = {"conv_x": cx.reshape(bsz, hist + length, conv_dim), "k": k.reshape(bsz, length, key_heads, dk),
+             "v": v.reshape(bsz, length, hv, dv), "g": g, "beta": beta}
+    return o, conv.reshape(conv_state.shape), rec, parts
+
+
 # ---- prefill: the chunks' sequential pass (op "gdn_prefill") ------------------------------------------------------
 #
 # Grid (B, H, dv / BV): program (b, h, j) keeps columns [j BV, (j+1) BV) of head h's fp32 state in registers and
