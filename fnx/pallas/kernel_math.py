@@ -213,6 +213,12 @@ def hfma_pairs(lo, hi):
     return b(lo) | (b(hi) << 16)
 
 
+def unpack_f16_pairs(pr):
+    """`hfma_pairs`' words [n] uint32 -> (lo, hi) [n] fp32 holding their fp16 values."""
+    half = lambda v: lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.float16).astype(F32)  # noqa: E731
+    return half(pr & 0xFFFF), half(pr >> 16)
+
+
 def hfma_pair_columns(n_bytes: int):
     """The column of x' each element of `hfma_pairs`' lo operand reads (hi: + 4), for a chunk of n_bytes packed
     bytes: element 4w + q -> column 8w + q."""

@@ -482,6 +482,36 @@ def test_decode_mma_one_token(m, shared_fmt, group):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, flat=0))
 
 
+@pytest.mark.parametrize("m,bn", [(1, 4), (5, 8)])
+def test_decode_mma_precomputed_activations(m, bn):
+    """`DecodeTiles.xpre`: e2m1 "mma" with the activations' fp16 pairs and each token's 2^-s computed once before
+    the launch (`mma_activations`) gives the same bits as the programs computing them each, also for activations
+    4096 times larger and a token of zeros; `mma_activations` holds x' = x * 2^s rounded to fp16 and 2^-s. Refused
+    without e2m1 "mma" or with resident programs."""
+    args = list(_decode_args("nvfp4", m, 140 + m, shared_fmt="nvfp4"))
+    base = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=int(m > 1), e2m1="mma", bn=bn)
+    run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
+    for x in (args[0], (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), args[0].at[-1].set(0)):
+        a = (x, *args[1:])
+        want = np.asarray(run(base, *a), np.float32)
+        got = np.asarray(run(dataclasses.replace(base, xpre=1), *a), np.float32)
+        np.testing.assert_array_equal(got, want)
+    x = args[0]
+    packed = np.asarray(decode_pallas.mma_activations(x))
+    assert packed.shape == (m, x.shape[1] // 2 + 1) and packed.dtype == np.uint32
+    down = packed[:, -1].view(np.float32)
+    lo = (packed[:, :-1] & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float32)
+    hi = (packed[:, :-1] >> 16).astype(np.uint16).view(np.float16).astype(np.float32)
+    xs = np.asarray(x, np.float32)
+    np.testing.assert_array_equal(lo, (xs[:, 0::2] / down[:, None]).astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(hi, (xs[:, 1::2] / down[:, None]).astype(np.float16).astype(np.float32))
+    top = np.abs(xs).max(axis=1) / down                          # the row max lands in [2^14, 2^15)
+    assert np.all((top >= 2.0 ** 14) & (top < 2.0 ** 15)), top
+    for bad in (dataclasses.replace(base, e2m1="asm", xpre=1), dataclasses.replace(base, xpre=1, persist=64)):
+        with pytest.raises(NotImplementedError, match="xpre"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=bad)
+
+
 def test_e2m1_f16_codes():
     """Every E2M1 code through fp16 bits, times 2^14, is its value (the subnormal codes 0.5 and -0.5 included)."""
     codes = jnp.arange(16, dtype=jnp.uint32)
