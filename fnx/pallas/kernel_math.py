@@ -325,9 +325,7 @@ _MMA_PLACE = (("shl.b32 {t}, {w}, 9", "shl.b32 {t}, {w}, 12"),    # low nibbles 
               ("shr.b32 {t}, {w}, 3", "mov.b32 {t}, {w}"))        # high nibbles of bytes 1 and 3
 E2M1_MMA_ASM = "\n".join([
     "{",
-    ".reg .b32 t1, t2, g0, g1, g2, g3, u0, u1, u2, u3, sa, sb, xa, xb, xc, xd, ln, lg, lt;",
-    ".reg .f32 d0, d1, d2, d3, e0, e1;",
-    ".reg .pred pd, po;",
+    ".reg .b32 t1, t2, g0, g1, g2, g3, u0, u1, u2, u3, sa, sb, xa, xb, xc, xd;",
     *[_e2m1_mma_place(f"g{i}", "$4", *p) for i, p in enumerate(_MMA_PLACE)],
     *[_e2m1_mma_place(f"u{i}", "$5", *p) for i, p in enumerate(_MMA_PLACE)],
     # group scales {s(byte 0), s(byte 2)} and {s(byte 1), s(byte 3)} (each input word holds its byte's scale twice)
@@ -338,15 +336,23 @@ E2M1_MMA_ASM = "\n".join([
     # the activations of the same columns: byte j's pair {x'[2j], x'[2j+1]} regrouped as the codes are
     "prmt.b32 xa, $14, $16, 0x5410; prmt.b32 xb, $14, $16, 0x7632;",
     "prmt.b32 xc, $15, $17, 0x5410; prmt.b32 xd, $15, $17, 0x7632;",
-    "mov.f32 d0, 0f00000000; mov.f32 d1, 0f00000000; mov.f32 d2, 0f00000000; mov.f32 d3, 0f00000000;",
-    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {g0, u0, g1, u1}, {xa, xb}, "
-    "{d0, d1, d2, d3};",
-    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {d0, d1, d2, d3}, {g2, u2, g3, u3}, {xc, xd}, "
-    "{d0, d1, d2, d3};",
-    # the diagonal: lane (g, t) holds D[g][2t], D[g][2t+1] (c0, c1) and rows g + 8 (c2, c3)
+    # the lane's D fragment accumulates across blocks and chunks ($18-$21 in, $0-$3 out); its off-diagonal entries
+    # are sums that `E2M1_MMA_DIAG_ASM` drops once, after the last chunk
+    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {g0, u0, g1, u1}, {xa, xb}, "
+    "{$18, $19, $20, $21};",
+    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {g2, u2, g3, u3}, {xc, xd}, "
+    "{$0, $1, $2, $3};",
+    "}"])
+# The diagonal of a lane's accumulated D fragment: lane (g, t) holds D[g][2t], D[g][2t+1] (c0, c1) and rows g + 8
+# (c2, c3); the lane with t = g / 2 keeps D[g][g] (gate) and D[g+8][g] (up) in outputs 0 and 1, every other output 0.
+E2M1_MMA_DIAG_ASM = "\n".join([
+    "{",
+    ".reg .b32 t1, t2, ln, lg, lt;",
+    ".reg .f32 e0, e1;",
+    ".reg .pred pd, po;",
     "mov.u32 ln, %laneid; shr.u32 lg, ln, 2; and.b32 lt, ln, 3; shr.u32 t1, lg, 1; and.b32 t2, lg, 1;",
     "setp.eq.u32 pd, t1, lt; setp.eq.u32 po, t2, 1;",
-    "selp.f32 e0, d1, d0, po; selp.f32 e1, d3, d2, po;",
+    "selp.f32 e0, $5, $4, po; selp.f32 e1, $7, $6, po;",
     "selp.f32 $0, e0, 0f00000000, pd; selp.f32 $1, e1, 0f00000000, pd;",
     "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;",
     "}"])
@@ -358,20 +364,22 @@ def f16_pairs(v):
     return b | (b << 16)
 
 
-def e2m1_mma_gate_up(pg, pu, sg, su, x, asm: bool = False):
-    """Terms of one chunk of a one-token gate/up product on NVFP4 codes: pg, pu [rows, cw/2] uint8 packed codes
-    (gate and up rows at the same columns, low nibble = even column), sg, su [rows, cw/2] their group scales per
-    byte (`f16_pairs` words; as fp16, exact), x the activations prescaled into fp16's range (`hfma_prescale`):
-    with asm, `hfma_pairs` of the even and odd columns [cw/2] uint32 (`E2M1_MMA_ASM`, a GPU only); otherwise
-    (even, odd) [cw/2] fp32 holding fp16 values (the same products in jnp, summed in another order).
-    Returns [rows, cw/2] fp32 whose elements 4i (gate) and 4i + 1 (up), summed over a row, are sum_c code_c *
-    2^-14 * scale_c * x'_c; the other elements are 0."""
+def e2m1_mma_gate_up(pg, pu, sg, su, x, acc, asm: bool = False):
+    """One chunk of a one-token gate/up product on NVFP4 codes, added to acc [rows, cw/2] fp32: pg, pu [rows, cw/2]
+    uint8 packed codes (gate and up rows at the same columns, low nibble = even column), sg, su [rows, cw/2] their
+    group scales per byte (`f16_pairs` words; as fp16, exact), x the activations prescaled into fp16's range
+    (`hfma_prescale`): with asm, `hfma_pairs` of the even and odd columns [cw/2] uint32 (`E2M1_MMA_ASM`, a GPU
+    only: each lane's D fragments, accumulated); otherwise (even, odd) [cw/2] fp32 holding fp16 values (the same
+    products in jnp, summed in another order). After the last chunk `e2m1_mma_diag` leaves [rows, cw/2] whose
+    elements 4i (gate) and 4i + 1 (up), summed over a row, are sum_c code_c * 2^-14 * scale_c * x'_c; the others
+    are 0."""
     rows, half = pg.shape
     if asm:
         from jax.experimental.pallas import triton as plt
         return plt.elementwise_inline_asm(
-            E2M1_MMA_ASM, args=[pg.astype(jnp.uint8), pu.astype(jnp.uint8), sg, su, jnp.broadcast_to(x, pg.shape)],
-            constraints=",".join(["=f"] * 4 + ["r"] * 14), pack=4,
+            E2M1_MMA_ASM, args=[pg.astype(jnp.uint8), pu.astype(jnp.uint8), sg, su, jnp.broadcast_to(x, pg.shape),
+                                acc],
+            constraints=",".join(["=f"] * 4 + ["r"] * 14 + ["f"] * 4), pack=4,
             result_shape_dtypes=[jax.ShapeDtypeStruct(pg.shape, F32)])[0]
     f16 = jnp.float16
     even, odd = (v.astype(F32)[None, :] for v in x)
@@ -385,4 +393,14 @@ def e2m1_mma_gate_up(pg, pu, sg, su, x, asm: bool = False):
 
     pos = lax.broadcasted_iota(jnp.int32, (rows, half // 4, 4), 2)
     out = jnp.where(pos == 0, terms(pg, sg)[:, :, None], jnp.where(pos == 1, terms(pu, su)[:, :, None], 0.0))
-    return out.reshape(rows, half)
+    return acc + out.reshape(rows, half)
+
+
+def e2m1_mma_diag(acc, asm: bool = False):
+    """The accumulated D fragments of `e2m1_mma_gate_up` -> each quad's gate and up sums on its diagonal lane, 0
+    elsewhere (`E2M1_MMA_DIAG_ASM`, once per program); the jnp form's accumulator already is that."""
+    if not asm:
+        return acc
+    from jax.experimental.pallas import triton as plt
+    return plt.elementwise_inline_asm(E2M1_MMA_DIAG_ASM, args=[acc], constraints=",".join(["=f"] * 4 + ["f"] * 4),
+                                      pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(acc.shape, F32)])[0]

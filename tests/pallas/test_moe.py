@@ -605,8 +605,9 @@ def _mma_m16n8k16(a, b, c):
 
 
 def _run_warp_ptx(asm, regs):
-    """The PTX of e2m1 "mma" (`kernel_math.E2M1_MMA_ASM`) run on one warp: regs maps operand names to [32] arrays
-    (uint32 words or fp32), one value per lane; integer ops, prmt, mul.rn.f16x2, the MMA, %laneid, setp / selp."""
+    """The PTX of e2m1 "mma" (`kernel_math.E2M1_MMA_ASM`, `E2M1_MMA_DIAG_ASM`) run on one warp: regs maps operand
+    names to [32] arrays (uint32 words or fp32), one value per lane; integer ops, prmt, mul.rn.f16x2, the MMA,
+    %laneid, setp / selp."""
     regs = dict(regs)
     body = "\n".join(ln for ln in asm.splitlines() if not ln.startswith((".reg", "{", "}")))
     for stmt in filter(None, (st.strip() for st in body.replace("\n", " ").split(";"))):
@@ -655,54 +656,66 @@ def _run_warp_ptx(asm, regs):
 
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 8])
 def test_e2m1_mma_ptx_keeps_each_quads_row_sums(rows_per_warp):
-    """e2m1 "mma" (`kernel_math.E2M1_MMA_ASM`) emulated on one warp, each lane holding 4 packed gate bytes, the up
-    bytes of the same columns, their group scales and activation pairs, the lanes of a quad on one row (1, 2 or 8
-    rows per warp): the diagonal lane of each quad returns its quad's gate and up sums (code * 2^-14 * scale * x'
-    over the quad's 32 columns) in outputs 0 and 1, every other output is 0, and per row the outputs add up to
-    `e2m1_mma_gate_up`'s jnp sums of the same bytes. Every code value occurs."""
+    """e2m1 "mma" emulated on one warp (`kernel_math.E2M1_MMA_ASM` twice, the second block accumulating onto the
+    first's D fragments, then `E2M1_MMA_DIAG_ASM`), each lane holding 4 packed gate bytes per block, the up bytes of
+    the same columns, their group scales and activation pairs, the lanes of a quad on one row (1, 2 or 8 rows per
+    warp): the diagonal lane of each quad returns its quad's gate and up sums over both blocks (code * 2^-14 *
+    scale * x' over the quad's 2 x 32 columns) in outputs 0 and 1, every other output is 0, and per row the outputs
+    add up to `e2m1_mma_gate_up`'s jnp sums of the same bytes. Every code value occurs."""
     rng = np.random.default_rng(11 + rows_per_warp)
-    gate = rng.integers(0, 256, (32, 4), dtype=np.uint8)
-    gate[0] = [0x10, 0x32, 0x54, 0x76]
-    gate[1] = [0x98, 0xBA, 0xDC, 0xFE]                      # all 16 codes in both nibbles
-    up = rng.integers(0, 256, (32, 4), dtype=np.uint8)
-    sg, su = (np.asarray(jnp.asarray(rng.uniform(2 ** -9, 448, (32, 4)), jnp.float8_e4m3fn).astype(jnp.float32))
-              for _ in range(2))
-    x = (rng.standard_normal((32, 8)) * 2.0 ** 13).astype(np.float16).astype(np.float32)   # prescaled x'
     pairs = lambda v: np.asarray(kernel_math.f16_pairs(jnp.asarray(v)))  # noqa: E731
-    xw = np.asarray(kernel_math.hfma_pairs(jnp.asarray(x[:, 0::2]), jnp.asarray(x[:, 1::2])))   # [32, 4] words
-    regs = {"$4": np.ascontiguousarray(gate).view(np.uint32).reshape(32),
-            "$5": np.ascontiguousarray(up).view(np.uint32).reshape(32)}
-    for i in range(4):
-        regs[f"${6 + i}"], regs[f"${10 + i}"], regs[f"${14 + i}"] = pairs(sg[:, i]), pairs(su[:, i]), xw[:, i]
-    out = _run_warp_ptx(kernel_math.E2M1_MMA_ASM, regs)
-    lane = np.arange(32)
-    diag = (lane % 4) == (lane // 4) // 2
-    # each lane's own products, exact (codes * scales are exact in fp16)
     code = lambda b: np.asarray(kernel_math.e2m1_f16(jnp.asarray(b)).astype(jnp.float32))  # noqa: E731
 
-    def own(p, s):
+    def own(p, s, x):   # each lane's own products, exact (codes * scales are exact in fp16)
         return sum(s[:, i] * (code(p[:, i] & 0xF) * x[:, 2 * i] + code(p[:, i] >> 4) * x[:, 2 * i + 1])
                    for i in range(4))
 
-    for o, p, s in ((0, gate, sg), (1, up, su)):
-        quad = own(p.astype(np.int32), s).reshape(8, 4).sum(1)
+    blocks = []
+    for b in range(2):
+        gate = rng.integers(0, 256, (32, 4), dtype=np.uint8)
+        if b == 0:
+            gate[0] = [0x10, 0x32, 0x54, 0x76]
+            gate[1] = [0x98, 0xBA, 0xDC, 0xFE]                  # all 16 codes in both nibbles
+        up = rng.integers(0, 256, (32, 4), dtype=np.uint8)
+        sg, su = (np.asarray(jnp.asarray(rng.uniform(2 ** -9, 448, (32, 4)), jnp.float8_e4m3fn).astype(jnp.float32))
+                  for _ in range(2))
+        x = (rng.standard_normal((32, 8)) * 2.0 ** 13).astype(np.float16).astype(np.float32)   # prescaled x'
+        blocks.append((gate, up, sg, su, x))
+    acc = {f"${18 + i}": np.zeros(32, np.float32) for i in range(4)}
+    for gate, up, sg, su, x in blocks:
+        xw = np.asarray(kernel_math.hfma_pairs(jnp.asarray(x[:, 0::2]), jnp.asarray(x[:, 1::2])))   # [32, 4] words
+        regs = {"$4": np.ascontiguousarray(gate).view(np.uint32).reshape(32),
+                "$5": np.ascontiguousarray(up).view(np.uint32).reshape(32), **acc}
+        for i in range(4):
+            regs[f"${6 + i}"], regs[f"${10 + i}"], regs[f"${14 + i}"] = pairs(sg[:, i]), pairs(su[:, i]), xw[:, i]
+        d = _run_warp_ptx(kernel_math.E2M1_MMA_ASM, regs)
+        acc = {f"${18 + i}": d[f"${i}"] for i in range(4)}
+    out = _run_warp_ptx(kernel_math.E2M1_MMA_DIAG_ASM, {f"${4 + i}": acc[f"${18 + i}"] for i in range(4)})
+    lane = np.arange(32)
+    diag = (lane % 4) == (lane // 4) // 2
+    for o, (pi, si) in ((0, (0, 2)), (1, (1, 3))):
+        quad = sum(own(bl[pi].astype(np.int32), bl[si], bl[4]) for bl in blocks).reshape(8, 4).sum(1)
         got = out[f"${o}"]
         np.testing.assert_allclose(got[diag], quad, rtol=1e-6, atol=1e-6 * np.abs(quad).max())
         assert np.all(got[~diag] == 0)
     assert np.all(out["$2"] == 0) and np.all(out["$3"] == 0)
+    assert not np.all(acc["$18"][~diag] == 0)        # the accumulated off-diagonal sums are what the select drops
     # per row (rows_per_warp rows of 32 / rows_per_warp lanes each), against the jnp twin over the same bytes
     per = 32 // rows_per_warp
-    pg, pu = gate.reshape(rows_per_warp, per * 4), up.reshape(rows_per_warp, per * 4)
     spread = lambda s: jnp.asarray(pairs(s.reshape(rows_per_warp, per * 4)))  # noqa: E731
     for r in range(rows_per_warp):      # the twin takes one activation vector for all its rows: row by row
         lanes = slice(r * per, (r + 1) * per)
-        for o in (0, 1):
-            want = np.asarray(kernel_math.e2m1_mma_gate_up(
+        want = jnp.zeros((1, per * 4), jnp.float32)
+        for gate, up, sg, su, x in blocks:
+            pg, pu = gate.reshape(rows_per_warp, per * 4), up.reshape(rows_per_warp, per * 4)
+            want = kernel_math.e2m1_mma_gate_up(
                 jnp.asarray(pg[r:r + 1]), jnp.asarray(pu[r:r + 1]), spread(sg)[r:r + 1], spread(su)[r:r + 1],
-                tuple(jnp.asarray(x.reshape(32, 4, 2)[lanes, :, h].reshape(per * 4)) for h in (0, 1))))[0]
+                tuple(jnp.asarray(x.reshape(32, 4, 2)[lanes, :, h].reshape(per * 4)) for h in (0, 1)), want)
+        want = np.asarray(kernel_math.e2m1_mma_diag(want))[0]
+        for o in (0, 1):
             np.testing.assert_allclose(out[f"${o}"][lanes].sum(), want[o::4].sum(), rtol=1e-5,
                                        atol=1e-6 * np.abs(want).max())
-            assert np.all(want[2::4] == 0) and np.all(want[3::4] == 0)
+        assert np.all(want[2::4] == 0) and np.all(want[3::4] == 0)
 
 
 @pytest.mark.parametrize("impl", [KERNEL, "reference"])

@@ -686,12 +686,11 @@ def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn
         up, down = _hx_prescale(x_ref, (xr,), d, cw)
         xv_of = lambda c: _hx(x_ref, (xr,), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")  # noqa: E731
     spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
-    tot = None
+    tot = jnp.zeros((bn, cw // 2), F32)
     for c in range(d // cw):
-        xv = xv_of(c)
-        t = kernel_math.e2m1_mma_gate_up(raw_g[c][0], raw_u[c][0], spread(raw_g[c][1]), spread(raw_u[c][1]), xv,
-                                         asm=asm)
-        tot = t if tot is None else tot + t
+        tot = kernel_math.e2m1_mma_gate_up(raw_g[c][0], raw_u[c][0], spread(raw_g[c][1]), spread(raw_u[c][1]),
+                                           xv_of(c), tot, asm=asm)
+    tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
     t4 = jnp.sum(tot.reshape(bn, cw // 8, 4), axis=1)        # [bn, 4]: gate, up, 0, 0
     pos = lax.broadcasted_iota(jnp.int32, (bn, 4), 1)
     back = down * kernel_math.E2M1_F16_SCALE
