@@ -89,9 +89,11 @@ def rec_after(aux: dict, n_keep: jax.Array) -> jax.Array:
     repeat the verify call's arithmetic exactly and a no-op token leaves the state bit for bit, so this equals
     the state a token-by-token run would hold after n_keep tokens."""
     k = aux["k"]
-    # the mask in the kernel (n_keep), the state alone (want_o=False: no q . S reduction or o store per token)
+    # the mask in the kernel (n_keep), the state alone (want_o=False: no q . S reduction or o store per token),
+    # written over rec0's buffer (inplace: rec0 is dead after the replay; the verify program donates the state, so
+    # the result lands in the state's own buffer instead of a new one copied back)
     _, rec = gdn_recurrent(k, k, aux["v"], aux["g"], aux["beta"], aux["rec0"], scale=k.shape[-1] ** -0.5,
-                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep, want_o=False)
+                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep, want_o=False, inplace=True)
     return rec
 
 

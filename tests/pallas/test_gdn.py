@@ -658,8 +658,8 @@ def test_window_lowers_for_cuda(bsz, length, bv):
 def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_path):
     """tiny-b (dk 16 != dv 8, 4 value heads on 2 key heads), fp32: a prompt, then a five-token verify window
     (`snapshots=True`) and `rollback` to 2 and 5 kept tokens, with every GDN layer's window through the
-    gdn_window kernel, against the reference ops: the logits and the rolled-back states agree (float error;
-    measured ~1e-7)."""
+    gdn_window kernel and the rollback's replay through the recurrence kernel (in place over the input state),
+    against the reference ops: the logits and the rolled-back states agree (float error; measured ~1e-7)."""
     import fnx
     from fnx.model.transformer import rollback, step
     from fnx.ple import initial_context, ngram_ids
@@ -684,7 +684,7 @@ def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_pa
         return lg, jax.jit(lambda f, a: rollback(cfg, f, a, n_keep))(full, aux)
 
     want_lg, want_st = run()
-    monkeypatch.setenv("FNX_KERNELS", f"gdn_window={KERNEL}")
+    monkeypatch.setenv("FNX_KERNELS", f"gdn_window={KERNEL},gdn_decode={KERNEL}")
     got_lg, got_st = run()
     monkeypatch.delenv("FNX_KERNELS")
     jax.clear_caches()
