@@ -90,6 +90,47 @@ ONE_TOKEN_REASON = ("one token: the recurrence kernel gave no gain in the whole 
 STEP_OP = "gdn_step"
 
 
+def _core_operands(what, length, qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid,
+                   key_heads, act):
+    """The shape checks `gdn_step` and `gdn_window` share (T = length tokens per sequence): clear errors for what
+    does not fit. Returns (B, C, K, HV, dv, dk, the (buffer, start) operands of qkv, z, b and a, why the kernel
+    cannot run or None)."""
+    if conv_w.ndim != 2 or a_log.ndim != 1 or norm_w.ndim != 1 or rec.ndim != 4:
+        raise ValueError(f"{what}: conv_w {tuple(conv_w.shape)} must be [C, K], a_log {tuple(a_log.shape)} [HV], "
+                         f"norm_w {tuple(norm_w.shape)} [dv], rec {tuple(rec.shape)} [B, HV, dk, dv]")
+    bsz = rec.shape[0]
+    conv_dim, taps = conv_w.shape
+    hv, dv = a_log.shape[0], norm_w.shape[0]
+    if not isinstance(qkv, tuple) and tuple(qkv.shape) != (bsz, length, conv_dim):
+        raise ValueError(f"{what}: qkv {tuple(qkv.shape)} must be [B, T, C] = {(bsz, length, conv_dim)}")
+    if not isinstance(z, tuple) and tuple(z.shape) != (bsz, length, hv, dv):
+        raise ValueError(f"{what}: z {tuple(z.shape)} must be [B, T, HV, dv] = {(bsz, length, hv, dv)}")
+    if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
+        raise ValueError(f"{what}: C={conv_dim} is not 2 * {key_heads} key heads * dk + HV={hv} * dv={dv} "
+                         f"(HV a multiple of the key heads)")
+    dk = (conv_dim - hv * dv) // (2 * key_heads)
+    for name, arr in (("b", b), ("a", a)):
+        if not isinstance(arr, tuple) and tuple(arr.shape) != (bsz, length, hv):
+            raise ValueError(f"{what}: {name} {tuple(arr.shape)} must be {(bsz, length, hv)}")
+    ops = [window_operand(o, n, (bsz, length), f"{what} {name}") for o, n, name in
+           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
+    want = {"conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "dt_bias": (dt_bias, (hv,)),
+            "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
+    for name, (arr, shape) in want.items():
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"{what}: {name} {tuple(arr.shape)} must be {shape}")
+    if taps < 2:
+        raise ValueError(f"{what}: the conv needs at least 2 taps, conv_w is {tuple(conv_w.shape)}")
+    if rec.dtype != F32:
+        raise ValueError(f"{what}: the recurrent state must be fp32, got {rec.dtype}")
+    if act not in ("sigmoid", "silu"):
+        raise ValueError(f"{what}: act must be 'sigmoid' or 'silu', got {act!r}")
+    why = None
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
+    return bsz, conv_dim, taps, hv, dv, dk, ops, why
+
+
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
              key_heads: int, eps: float, act: str, inplace: bool = False, tiles=None):
     """One decode token per sequence through a GDN layer's core: causal conv update + silu, the beta / decay gates,
@@ -103,39 +144,12 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     dispatched as "gdn_decode". tiles: `pallas.StepTiles` (BV columns of a head per program; BV < dv puts the
     norm after the kernel). The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
     agree to float error and bf16 runs to a rounding step where XLA keeps excess precision."""
-    if conv_w.ndim != 2 or a_log.ndim != 1 or norm_w.ndim != 1 or rec.ndim != 4:
-        raise ValueError(f"gdn_step: conv_w {tuple(conv_w.shape)} must be [C, K], a_log {tuple(a_log.shape)} [HV], "
-                         f"norm_w {tuple(norm_w.shape)} [dv], rec {tuple(rec.shape)} [B, HV, dk, dv]")
-    bsz = rec.shape[0]
-    conv_dim, taps = conv_w.shape
-    hv, dv = a_log.shape[0], norm_w.shape[0]
-    if not isinstance(qkv, tuple) and (qkv.ndim != 3 or tuple(qkv.shape) != (bsz, 1, conv_dim)):
-        raise ValueError(f"gdn_step: one token per sequence: qkv {qkv.shape} must be [B, 1, C] = {(bsz, 1, conv_dim)}")
-    if not isinstance(z, tuple) and tuple(z.shape) != (bsz, 1, hv, dv):
-        raise ValueError(f"gdn_step: z {z.shape} must be [B, 1, HV, dv] = {(bsz, 1, hv, dv)}")
-    if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
-        raise ValueError(f"gdn_step: C={conv_dim} is not 2 * {key_heads} key heads * dk + HV={hv} * dv={dv} "
-                         f"(HV a multiple of the key heads)")
-    dk = (conv_dim - hv * dv) // (2 * key_heads)
-    for name, arr in (("b", b), ("a", a)):
-        if not isinstance(arr, tuple) and tuple(arr.shape) != (bsz, 1, hv):
-            raise ValueError(f"gdn_step: {name} {tuple(arr.shape)} must be {(bsz, 1, hv)}")
-    ops = [window_operand(o, n, (bsz, 1), f"gdn_step {name}") for o, n, name in
-           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
-    want = {"conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "dt_bias": (dt_bias, (hv,)),
-            "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
-    for name, (arr, shape) in want.items():
-        if tuple(arr.shape) != shape:
-            raise ValueError(f"gdn_step: {name} {tuple(arr.shape)} must be {shape}")
-    if taps < 2:
-        raise ValueError(f"gdn_step: the conv needs at least 2 taps, conv_w is {tuple(conv_w.shape)}")
-    if rec.dtype != F32:
-        raise ValueError(f"gdn_step: the recurrent state must be fp32, got {rec.dtype}")
-    if act not in ("sigmoid", "silu"):
-        raise ValueError(f"gdn_step: act must be 'sigmoid' or 'silu', got {act!r}")
-    why = None
-    if not (_is_pow2(dk) and _is_pow2(dv)):
-        why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
+    if not isinstance(qkv, tuple) and rec.ndim == 4 and conv_w.ndim == 2:
+        want_q = (rec.shape[0], 1, conv_w.shape[0])
+        if qkv.ndim != 3 or tuple(qkv.shape) != want_q:
+            raise ValueError(f"gdn_step: one token per sequence: qkv {qkv.shape} must be [B, 1, C] = {want_q}")
+    bsz, conv_dim, _, hv, dv, _, ops, why = _core_operands("gdn_step", 1, qkv, z, b, a, conv_state, conv_w, a_log,
+                                                           dt_bias, norm_w, rec, n_valid, key_heads, act)
     backend = dispatch.resolve(STEP_OP, impl, not_applicable=why)
     if backend == "reference":
         from fnx.pallas.stacked import materialize       # layers of stacks: the reference slices them
@@ -165,43 +179,13 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
     `rec` is not overwritten (the replay starts from it).
     Op "gdn_window": one kernel for the conv, the gates, the recurrence and (whole heads per program) the norm; its
     reference is the model's ops (`reference.conv_and_gates`, then `gdn_recurrent`, dispatched as "gdn_decode")."""
-    if conv_w.ndim != 2 or a_log.ndim != 1 or norm_w.ndim != 1 or rec.ndim != 4:
-        raise ValueError(f"gdn_window: conv_w {tuple(conv_w.shape)} must be [C, K], a_log {tuple(a_log.shape)} "
-                         f"[HV], norm_w {tuple(norm_w.shape)} [dv], rec {tuple(rec.shape)} [B, HV, dk, dv]")
-    bsz = rec.shape[0]
-    conv_dim, taps = conv_w.shape
-    hv, dv = a_log.shape[0], norm_w.shape[0]
     q_arr = qkv[0] if isinstance(qkv, tuple) else qkv
-    if q_arr.ndim != 3 or q_arr.shape[0] != bsz:
-        raise ValueError(f"gdn_window: qkv {tuple(q_arr.shape)} must be [B, T, C] with B = {bsz}")
+    if q_arr.ndim != 3 or rec.ndim != 4 or q_arr.shape[0] != rec.shape[0]:
+        raise ValueError(f"gdn_window: qkv {tuple(q_arr.shape)} must be [B, T, C] with B = rec's batch "
+                         f"(rec {tuple(rec.shape)})")
     length = q_arr.shape[1]
-    if not isinstance(qkv, tuple) and qkv.shape[2] != conv_dim:
-        raise ValueError(f"gdn_window: qkv {tuple(qkv.shape)} must be [B, T, C] = {(bsz, length, conv_dim)}")
-    if not isinstance(z, tuple) and tuple(z.shape) != (bsz, length, hv, dv):
-        raise ValueError(f"gdn_window: z {tuple(z.shape)} must be [B, T, HV, dv] = {(bsz, length, hv, dv)}")
-    if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
-        raise ValueError(f"gdn_window: C={conv_dim} is not 2 * {key_heads} key heads * dk + HV={hv} * dv={dv} "
-                         f"(HV a multiple of the key heads)")
-    dk = (conv_dim - hv * dv) // (2 * key_heads)
-    for name, arr in (("b", b), ("a", a)):
-        if not isinstance(arr, tuple) and tuple(arr.shape) != (bsz, length, hv):
-            raise ValueError(f"gdn_window: {name} {tuple(arr.shape)} must be {(bsz, length, hv)}")
-    ops = [window_operand(o, n, (bsz, length), f"gdn_window {name}") for o, n, name in
-           ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
-    want = {"conv_state": (conv_state, (bsz, max(taps - 1, 0), conv_dim)), "dt_bias": (dt_bias, (hv,)),
-            "rec": (rec, (bsz, hv, dk, dv)), "n_valid": (n_valid, (bsz,))}
-    for name, (arr, shape) in want.items():
-        if tuple(arr.shape) != shape:
-            raise ValueError(f"gdn_window: {name} {tuple(arr.shape)} must be {shape}")
-    if taps < 2:
-        raise ValueError(f"gdn_window: the conv needs at least 2 taps, conv_w is {tuple(conv_w.shape)}")
-    if rec.dtype != F32:
-        raise ValueError(f"gdn_window: the recurrent state must be fp32, got {rec.dtype}")
-    if act not in ("sigmoid", "silu"):
-        raise ValueError(f"gdn_window: act must be 'sigmoid' or 'silu', got {act!r}")
-    why = None
-    if not (_is_pow2(dk) and _is_pow2(dv)):
-        why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
+    bsz, conv_dim, _, hv, dv, dk, ops, why = _core_operands("gdn_window", length, qkv, z, b, a, conv_state, conv_w,
+                                                            a_log, dt_bias, norm_w, rec, n_valid, key_heads, act)
     backend = dispatch.resolve(WINDOW_OP, impl, not_applicable=why)
     if backend == "reference":
         from fnx.pallas.stacked import materialize       # layers of stacks: the reference slices them
