@@ -694,3 +694,23 @@ def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_pa
     assert err < 1e-5
     for a, b in zip(jax.tree.leaves(got_st), jax.tree.leaves(want_st), strict=True):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-5, atol=1e-5)
+
+
+def test_window_tiles_knob(monkeypatch):
+    """`FNX_GDN_WINDOW_TILES` replaces fields of the window kernel's default tiles when a program is traced (whole
+    heads at B = 1: the norm in the kernel, the same values); a malformed or impossible spec is a clear error."""
+    from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn.pallas import WindowTiles
+    assert kernel.default_window_tiles(1, 48, 128) == WindowTiles(block_v=32, num_warps=4)
+    monkeypatch.setenv("FNX_GDN_WINDOW_TILES", "block_v=128,num_warps=8")
+    assert kernel.default_window_tiles(1, 48, 128) == WindowTiles(block_v=128, num_warps=8)
+    kw = window_inputs(seed())
+    monkeypatch.setenv("FNX_GDN_WINDOW_TILES", "block_v=8")              # dv = 8: whole heads, norm in the kernel
+    whole = _window(KERNEL, kw)
+    monkeypatch.setenv("FNX_GDN_WINDOW_TILES", "block_v=2")
+    split = _window(KERNEL, kw)
+    np.testing.assert_allclose(_f32(whole[0]), _f32(split[0]), rtol=1e-5, atol=1e-5)
+    for spec, msg in (("block_v=3", "power of two"), ("bv=8", "not field=value"), ("num_warps=x", "integer")):
+        monkeypatch.setenv("FNX_GDN_WINDOW_TILES", spec)
+        with pytest.raises(ValueError, match=msg):
+            kernel.default_window_tiles(1, 4, 8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -295,12 +296,23 @@ class WindowTiles:
     num_warps: int = 4
 
 
+WINDOW_TILES_ENV = "FNX_GDN_WINDOW_TILES"
+
+
 def default_window_tiles(batch: int, hv: int, dv: int) -> WindowTiles:
     """Untuned, as `default_tiles` with a norm: whole heads (the norm in the kernel) once B * HV fills the 132
-    SMs, else BV = 32 (4 programs per head at dv = 128; the norm after the kernel)."""
-    if batch * hv >= 132:
-        return WindowTiles(block_v=dv, num_warps=8)
-    return WindowTiles(block_v=min(32, dv))
+    SMs, else BV = 32 (4 programs per head at dv = 128; the norm after the kernel). `FNX_GDN_WINDOW_TILES`
+    ("block_v=128,num_warps=8", read when a program is traced) replaces fields: a benchmark knob (e.g. whole
+    heads at B = 1, the norm's XLA fusions gone, 48 programs instead of 192)."""
+    t = WindowTiles(block_v=dv, num_warps=8) if batch * hv >= 132 else WindowTiles(block_v=min(32, dv))
+    spec = os.environ.get(WINDOW_TILES_ENV)
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, WindowTiles, WINDOW_TILES_ENV))
+        if t.block_v < 1 or t.block_v & (t.block_v - 1) or dv % t.block_v or t.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{WINDOW_TILES_ENV}={spec!r}: block_v must be a power of two dividing dv = {dv} and "
+                             f"num_warps one of 1, 2, 4, 8, 16 (got {t})")
+    return t
 
 
 def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
