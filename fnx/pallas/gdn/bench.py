@@ -95,6 +95,48 @@ def step_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
+def window_floor_bytes(bsz: int, length: int) -> int:
+    """gdn_window: the state read and written, the conv window read and written, xcat written, the conv weights,
+    qkv, z and o (bf16), b and a, and the rollback parts k, v (bf16), g and beta (fp32)."""
+    hist = TAPS - 1
+    return (2 * bsz * HV * DK * DV * 4 + bsz * (2 * hist + hist + length) * CONV * 2 + CONV * TAPS * 2
+            + bsz * length * (CONV * 2 + 2 * HV * DV * 2 + 2 * HV * 2 + (HK * DK + HV * DV) * 2 + 2 * HV * 4))
+
+
+def _window_args(key, bsz, length):
+    ks = jax.random.split(key, 10)
+    bf = jnp.bfloat16
+    n = lambda i, shape, s=1.0: (s * jax.random.normal(ks[i], shape)).astype(bf)  # noqa: E731
+    return (n(0, (bsz, length, CONV)), n(1, (bsz, length, HV, DV)), n(2, (bsz, length, HV)),
+            n(3, (bsz, length, HV)), n(4, (bsz, TAPS - 1, CONV)), n(5, (CONV, TAPS), 0.5),
+            n(6, (HV,), 0.5).astype(jnp.float32), n(7, (HV,)), (1.0 + n(8, (DV,), 0.1)).astype(bf),
+            0.1 * jax.random.normal(ks[9], (bsz, HV, DK, DV)), jnp.full((bsz,), length, jnp.int32))
+
+
+def window_cases(quick: bool) -> list[BenchCase]:
+    """gdn_window (a verify window: conv + gates + recurrence + norm, and the rollback parts) against the model's
+    XLA ops (`reference.conv_and_gates`, then the recurrence), T = 5 at B = 1 and 8: BV 32 / 64 with the norm after
+    the kernel, whole heads (the norm inside) at 4 and 8 warps."""
+    from fnx.pallas.gdn.pallas import WindowTiles
+    out = []
+    length = 5
+    for bsz in ((1,) if quick else (1, 8)):
+        per_set = window_floor_bytes(bsz, length)
+        sets = [_window_args(jax.random.key(i), bsz, length) for i in range(n_sets(per_set))]
+        shape = f"B={bsz} T={length} HK={HK} HV={HV} dk={DK} dv={DV} conv={TAPS}"
+        fn = lambda impl, t: (lambda *a: api.gdn_window(*a, impl=impl, key_heads=HK, eps=1e-6,  # noqa: E731
+                                                        act="sigmoid", tiles=t))
+        out.append(BenchCase(kernel="gdn_window", shape=shape, impl="reference", fn=fn("reference", None),
+                             arg_sets=sets, bytes=per_set, extra={"B": bsz, "T": length}))
+        tiles = [WindowTiles(32, 4)] if quick else [WindowTiles(32, 4), WindowTiles(64, 4), WindowTiles(DV, 4),
+                                                    WindowTiles(DV, 8), WindowTiles(16, 4)]
+        for t in tiles:
+            out.append(BenchCase(kernel="gdn_window", shape=shape, impl="pallas", fn=fn("pallas", t),
+                                 arg_sets=sets, bytes=per_set,
+                                 extra={"B": bsz, "T": length, "block_v": t.block_v, "num_warps": t.num_warps}))
+    return out
+
+
 def prefill_floor_bytes(bsz: int, tokens: int, hv=HV, dk=DK, dv=DV, c=CHUNK) -> int:
     """The chunk pass's fp32 operands read once (new values, k_cumdecay, q, k, the intra-chunk products, the chunk
     decays), its outputs written once, the state read and written."""
@@ -143,7 +185,7 @@ def prefill_cases(quick: bool) -> list[BenchCase]:
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    out = step_cases(quick) + prefill_cases(quick)
+    out = step_cases(quick) + window_cases(quick) + prefill_cases(quick)
     batches = (1,) if quick else (1, 8, 32)
     for bsz in batches:
         for length in (1, 5):
