@@ -483,19 +483,18 @@ def test_decode_mma_one_token(m, shared_fmt, group):
 
 
 @pytest.mark.parametrize("m,bn", [(1, 4), (5, 8)])
-def test_decode_mma_precomputed_activations(m, bn):
-    """`DecodeTiles.xpre`: e2m1 "mma" with the activations' fp16 pairs and each token's 2^-s computed once before
-    the launch (`mma_activations`) gives the same bits as the programs computing them each, also for activations
-    4096 times larger and a token of zeros; `mma_activations` holds x' = x * 2^s rounded to fp16 and 2^-s. Refused
-    without e2m1 "mma" or with resident programs."""
+def test_decode_mma_activations(m, bn):
+    """e2m1 "mma"'s activation operand (`mma_activations`, computed once per launch): x' = x * 2^s rounded to fp16 in
+    pairs, the row max in [2^14, 2^15), and 2^-s in the last column; through the kernel the layer stays within the
+    reference's bound for activations 4096 times larger and a token of zeros, at 4 and 8 rows per program."""
     args = list(_decode_args("nvfp4", m, 140 + m, shared_fmt="nvfp4"))
-    base = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=int(m > 1), e2m1="mma", bn=bn)
+    tiles = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=int(m > 1), e2m1="mma", bn=bn)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
-    for x in (args[0], (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), args[0].at[-1].set(0)):
+    for x in ((args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), args[0].at[-1].set(0)):
         a = (x, *args[1:])
-        want = np.asarray(run(base, *a), np.float32)
-        got = np.asarray(run(dataclasses.replace(base, xpre=1), *a), np.float32)
-        np.testing.assert_array_equal(got, want)
+        got = np.asarray(run(tiles, *a), np.float32)
+        assert np.all(np.isfinite(got))
+        _close(got, reference.decode(*a))
     x = args[0]
     packed = np.asarray(decode_pallas.mma_activations(x))
     assert packed.shape == (m, x.shape[1] // 2 + 1) and packed.dtype == np.uint32
@@ -507,9 +506,6 @@ def test_decode_mma_precomputed_activations(m, bn):
     np.testing.assert_array_equal(hi, (xs[:, 1::2] / down[:, None]).astype(np.float16).astype(np.float32))
     top = np.abs(xs).max(axis=1) / down                          # the row max lands in [2^14, 2^15)
     assert np.all((top >= 2.0 ** 14) & (top < 2.0 ** 15)), top
-    for bad in (dataclasses.replace(base, e2m1="asm", xpre=1), dataclasses.replace(base, xpre=1, persist=64)):
-        with pytest.raises(NotImplementedError, match="xpre"):
-            decode_pallas.moe_decode(*args, interpret=True, tiles=bad)
 
 
 def test_e2m1_f16_codes():

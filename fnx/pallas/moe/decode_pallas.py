@@ -102,10 +102,13 @@ class DecodeTiles:
                          # "hfmab": the same byte by byte (elementwise: no assumption on Triton's register layout;
                          # each byte's two products summed in fp16, a group's 8 bytes in fp32)
                          # "mma" (kernel 1 at one token, acc 1, wround 0): the gate and up codes of the same columns
-                         # as the A fragment of one tensor-core MMA per lane, its activations as B, the diagonal
-                         # kept (`kernel_math.E2M1_MMA_ASM`; no FMA and no conversion per weight); kernel 2 decodes
-                         # with "asm"; the interpreter runs the same products in jnp. Measured on the H200: 32% fewer
-                         # instructions, 127 registers, half the occupancy, slower (moe README); off
+                         # as the A fragment of one tensor-core MMA per lane, its activations as B, the lanes' D
+                         # fragments accumulated and the diagonal kept once (`kernel_math.E2M1_MMA_ASM`,
+                         # `E2M1_MMA_DIAG_ASM`; no FMA and no conversion per weight); the activations' fp16 pairs
+                         # and each token's 2^-s computed once before the launch (`mma_activations`); kernel 2
+                         # decodes with "asm"; the interpreter runs the same products in jnp. Its first form
+                         # (prescale per program, a select per block) measured on the H200: 32% fewer instructions,
+                         # 127 registers, half the occupancy, slower (moe README); off
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
                          # 1: one XLA fusion computes them for every slot first and the programs load them;
@@ -172,11 +175,6 @@ class DecodeTiles:
     persist2: int = 0    # kernel 2 (down) likewise (`_down_persist_kernel`): resident programs walking the (slot group,
                          # column tile) tasks with the next task's down-row loads issued first, then the shared-expert
                          # tasks. One token per slot, a group g > 0, meta 0, tok 0, dot 0. The same values
-    xpre: int = 0        # e2m1 "mma": 1 = the activations' fp16 pairs x' = x * 2^s and each token's 2^-s computed
-                         # once before the launch (`mma_activations`, one XLA fusion) instead of in every gate/up
-                         # program (a row max, the scaling, the fp16 conversion and packing: ~1.2 instructions per
-                         # weight and the registers they hold); the kernel loads the pairs as they are. The same
-                         # values. Needs e2m1 "mma" and persist 0
 
 
 def _pow2(n: int) -> int:
@@ -377,9 +375,9 @@ def _decode_only(e2m1):
 
 
 def mma_activations(x):
-    """x [M, D] -> uint32 [M, D/2 + 1] (`DecodeTiles.xpre`): per row the fp16 pairs {x'[2p], x'[2p + 1]} of
+    """x [M, D] -> uint32 [M, D/2 + 1] (e2m1 "mma"'s activation operand): per row the fp16 pairs {x'[2p], x'[2p + 1]} of
     x' = x * 2^s (`kernel_math.hfma_prescale` of the row's max |x|, as `_hx_prescale` finds it in a program) and in
-    the last column the fp32 bits of 2^-s: what e2m1 "mma"'s programs compute from x each, computed once."""
+    the last column the fp32 bits of 2^-s: computed once per launch instead of in each program."""
     xf = x.astype(F32)
     up, down = kernel_math.hfma_prescale(jnp.max(jnp.abs(xf), axis=1))
     x16 = (xf * up[:, None]).astype(jnp.float16).astype(F32)
@@ -535,7 +533,7 @@ def _token_row(tile, i):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, act_pair=0, xpre=False):
+                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, act_pair=0):
     # x2d: x's pieces as [bn, .] tiles (`DecodeTiles.x2d`; NVFP4: x arrives paired); act_pair > 0: the activation rows
     # stored paired in chunks of act_pair columns (the down kernel's NVFP4 x2d layout)
     if meta == 1:
@@ -595,7 +593,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
         raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
             _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xrow(0), s, rg, d=d, cw=cw, bn=bn, dt=dt,
-                               e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair, xpre=xpre)
+                               e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair)
             return
         deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
         cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
@@ -639,7 +637,7 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
 
 
 def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, e2m1, wround, gsum, x2d,
-                       act_pair, xpre=False):
+                       act_pair):
     """One slot's gate and up rows [rg, rg+bn) for its one token (x row xr) from their loaded chunks (`_raw`), the
     products kept as tiles over the chunks and each row summed once (`DecodeTiles.acc` 1); act[s, 0, rg:rg+bn] =
     silu(g) * u rounded as the reference."""
@@ -647,7 +645,7 @@ def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, b
     rs_g, rs_u = _row_scale(fmt, raw_g[0], wround), _row_scale(fmt, raw_u[0], wround)
     if fmt == "nvfp4" and e2m1 in _MMA:
         _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, d=d, cw=cw, bn=bn, dt=dt, asm=e2m1 == "mma",
-                               rs=(rs_g, rs_u), act_pair=act_pair, xpre=xpre)
+                               rs=(rs_g, rs_u), act_pair=act_pair)
         return
     deq = functools.partial(_deq, fmt, rows=bn, cw=cw, dt=dt, e2m1=e2m1, wround=wround, gsum=gsum)
     cs = [(_col_scale(fmt, raw_g[c], cw, wround), _col_scale(fmt, raw_u[c], cw, wround)) for c in range(nk)]
@@ -669,22 +667,18 @@ def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, b
     _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
 
 
-def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, asm, rs, act_pair,
-                           xpre=False):
+def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, asm, rs, act_pair):
     """`_one_token_gate_up` with e2m1 "mma": each chunk's gate and up codes, times their group scales, against the
     activations scaled by a power of two into fp16's range (`kernel_math.e2m1_mma_gate_up`: tensor-core MMAs with
     asm, the same products in jnp otherwise); the terms summed per row once, times 2^-s, 2^14 and the rows' global
-    scales. xpre: x_ref holds `mma_activations`' pairs and 2^-s (uint32 [M, D/2 + 1]), loaded as they are."""
-    if xpre:
-        xi = jnp.int32(xr) if isinstance(xr, int) else xr
-        down = lax.bitcast_convert_type(x_ref[xi, d // 2], F32)
+    scales. x_ref holds `mma_activations`' pairs and 2^-s (uint32 [M, D/2 + 1]), loaded as they are."""
+    xi = jnp.int32(xr) if isinstance(xr, int) else xr
+    down = lax.bitcast_convert_type(x_ref[xi, d // 2], F32)
 
-        def xv_of(c):
-            pr = x_ref[xi, pl.ds(c * cw // 2, cw // 2)]
-            return pr if asm else kernel_math.unpack_f16_pairs(pr)
-    else:
-        up, down = _hx_prescale(x_ref, (xr,), d, cw)
-        xv_of = lambda c: _hx(x_ref, (xr,), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")  # noqa: E731
+    def xv_of(c):
+        pr = x_ref[xi, pl.ds(c * cw // 2, cw // 2)]
+        return pr if asm else kernel_math.unpack_f16_pairs(pr)
+
     spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
     tot = jnp.zeros((bn, cw // 2), F32)
     for c in range(d // cw):
@@ -1057,8 +1051,6 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
     if t.e2m1 == "mma" and (not one_token or not t.acc or t.wround or t.tok or t.dot or t.x2d or t.cw < 128):
         return f"tiles {t}: e2m1 'mma' multiplies one token's gate and up codes on the tensor cores: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0 and cw >= 128"
-    if t.xpre not in (0, 1) or (t.xpre and (t.e2m1 != "mma" or t.persist)):
-        return f"tiles {t}: xpre 1 precomputes e2m1 'mma''s activation pairs: it needs e2m1 'mma' and persist 0"
     if t.e2m1 in ("hfma", "hfmab") and (not one_token or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, gsum 1, wround 0 and tok 0"
@@ -1232,7 +1224,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     meta = slot_meta(ids, w, dt) if tiles.meta == 1 else ()
     x2d = bool(tiles.x2d)
     x_in = pair_columns(x, tiles.cw) if x2d and fmt1 == "nvfp4" else x     # NVFP4 x2d: each chunk's halves contiguous
-    if tiles.xpre:          # e2m1 "mma": the fp16 activation pairs and each token's 2^-s, once for every program
+    if tiles.e2m1 in _MMA:  # e2m1 "mma": the fp16 activation pairs and each token's 2^-s, once for every program
         x_in = mma_activations(x)
     act_pair = tiles.cw2 if x2d and fmt2 == "nvfp4" else 0
     act_shape = jax.ShapeDtypeStruct((n_slots, km, inter), dt)
@@ -1253,7 +1245,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                               bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                               meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
                               tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot,
-                              flat_slots=flat, x2d=x2d, act_pair=act_pair, xpre=bool(tiles.xpre)),
+                              flat_slots=flat, x2d=x2d, act_pair=act_pair),
             (flat_ids, x_in, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
             out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
             grid=(n_slots, inter // tiles.bn),
