@@ -61,16 +61,6 @@ def step_floor_bytes(bsz: int) -> int:
             + 2 * bsz * HV * DV * 2 + 2 * bsz * HV * 2)
 
 
-def _step_args(key, bsz):
-    ks = jax.random.split(key, 10)
-    bf = jnp.bfloat16
-    n = lambda i, shape, s=1.0: (s * jax.random.normal(ks[i], shape)).astype(bf)  # noqa: E731
-    return (n(0, (bsz, 1, CONV)), n(1, (bsz, 1, HV, DV)), n(2, (bsz, 1, HV)), n(3, (bsz, 1, HV)),
-            n(4, (bsz, TAPS - 1, CONV)), n(5, (CONV, TAPS), 0.5), n(6, (HV,), 0.5).astype(jnp.float32),
-            n(7, (HV,)), (1.0 + n(8, (DV,), 0.1)).astype(bf), 0.1 * jax.random.normal(ks[9], (bsz, HV, DK, DV)),
-            jnp.ones((bsz,), jnp.int32))
-
-
 def _step_fn(impl, tiles):
     def fn(*a):
         return api.gdn_step(*a, impl=impl, key_heads=HK, eps=1e-6, act="sigmoid", tiles=tiles)
@@ -82,7 +72,7 @@ def step_cases(quick: bool) -> list[BenchCase]:
     out = []
     for bsz in ((1,) if quick else (1, 8)):
         per_set = step_floor_bytes(bsz)
-        sets = [_step_args(jax.random.key(i), bsz) for i in range(n_sets(per_set))]
+        sets = [_window_args(jax.random.key(i), bsz, 1) for i in range(n_sets(per_set))]
         shape = f"B={bsz} HK={HK} HV={HV} dk={DK} dv={DV} conv={TAPS}"
         tiles = [StepTiles(DV, 8)] if quick else [StepTiles(DV, 4), StepTiles(DV, 8), StepTiles(DV, 16),
                                                    StepTiles(64, 4), StepTiles(32, 4), StepTiles(32, 2)]

@@ -33,6 +33,8 @@ def weight_bytes(raw: dict) -> int:
 
 @functools.lru_cache(maxsize=1)   # the tuner times many tilings of one shape: build its weight sets once
 def weight_sets(fmt: str, n: int, k: int, quick: bool) -> tuple:
+    """The distinct weight sets a case rotates through (enough to exceed the L2), kept for the next call with the
+    same shape (the tuner builds one case per tile candidate)."""
     key = jax.random.PRNGKey(n * 7 + k)
     one = make_weight(fmt, n, k, key)
     count = 2 if quick else n_sets(weight_bytes(one))
