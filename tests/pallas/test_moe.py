@@ -452,6 +452,23 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, acc=0))
 
 
+def test_default_tiles_take_mma_where_it_fits(monkeypatch):
+    """Five NVFP4 tokens default to e2m1 "mma" at 8 rows per program (measured faster on the H200); one token keeps
+    "asm". Test-sized dims the mma layout cannot tile get the one-token decode from the defaults, but an "mma" asked
+    for through FNX_MOE_TOKENS_TILES is kept (the kernel's check refuses it with the reason:
+    `test_decode_mma_activations`)."""
+    monkeypatch.delenv(decode_pallas.TOKENS_TILES_ENV, raising=False)
+    big = decode_pallas.default_tiles(2560, 640, 640, "nvfp4", 5)
+    assert (big.e2m1, big.bn, big.cw, big.flat) == ("mma", 8, 512, 1)
+    assert decode_pallas.default_tiles(2560, 640, 640, "nvfp4", 1).e2m1 == "asm"
+    assert decode_pallas.default_tiles(2560, 640, 640, "fp8_block", 5).e2m1 != "mma"
+    small = decode_pallas.default_tiles(64, 32, 32, "nvfp4", 5)
+    assert small.e2m1 == "asm" and small.cw == 64
+    monkeypatch.setenv(decode_pallas.TOKENS_TILES_ENV, "e2m1=mma")
+    asked = decode_pallas.default_tiles(64, 32, 32, "nvfp4", 5)
+    assert asked.e2m1 == "mma" and not decode_pallas._mma_fits(asked)
+
+
 @pytest.mark.parametrize("m,shared_fmt,group", [(1, "nvfp4", 0), (5, "nvfp4", 1), _ext(1, "fp8", 1)])
 def test_decode_mma_one_token(m, shared_fmt, group):
     """e2m1 "mma" (kernel 1 at one token per slot: M = 1 or flat five tokens): each chunk's gate and up codes times
@@ -482,13 +499,16 @@ def test_decode_mma_one_token(m, shared_fmt, group):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, flat=0))
 
 
-@pytest.mark.parametrize("m,bn", [(1, 4), (5, 8)])
-def test_decode_mma_activations(m, bn):
+@pytest.mark.parametrize("m,bn,cw", [(1, 4, 256), (5, 8, 128)])
+def test_decode_mma_activations(m, bn, cw):
     """e2m1 "mma"'s activation operand (`mma_activations`, computed once per launch): x' = x * 2^s rounded to fp16 in
     pairs, the row max in [2^14, 2^15), and 2^-s in the last column; through the kernel the layer stays within the
-    reference's bound for activations 4096 times larger and a token of zeros, at 4 and 8 rows per program."""
+    reference's bound for activations 4096 times larger and a token of zeros, at 4 and 8 rows per program. Tiles
+    whose code tile has fewer than 4 bytes per lane (bn * cw < 256 * num_warps: NaN on the H200) are refused."""
     args = list(_decode_args("nvfp4", m, 140 + m, shared_fmt="nvfp4"))
-    tiles = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=int(m > 1), e2m1="mma", bn=bn)
+    tiles = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=int(m > 1), e2m1="mma", bn=bn, cw=cw)
+    with pytest.raises(NotImplementedError, match="4 consecutive code bytes per lane"):
+        decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, cw=128, bn=4))
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     for x in ((args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), args[0].at[-1].set(0)):
         a = (x, *args[1:])

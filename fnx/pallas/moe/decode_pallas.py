@@ -1048,9 +1048,10 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
     if t.x2d not in (0, 1) or (t.x2d and (t.e2m1 in _HFMA or t.dot or t.tok)):
         return f"tiles {t}: x2d must be 0 or 1, and x2d 1 (activation tiles) takes no e2m1 'hfma'/'hfmab', dot or tok"
     one_token = m == 1 or t.flat
-    if t.e2m1 == "mma" and (not one_token or not t.acc or t.wround or t.tok or t.dot or t.x2d or t.cw < 128):
+    if t.e2m1 == "mma" and (not one_token or not t.acc or t.wround or t.tok or t.dot or t.x2d or not _mma_fits(t)):
         return f"tiles {t}: e2m1 'mma' multiplies one token's gate and up codes on the tensor cores: it needs M = 1 " \
-               f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0 and cw >= 128"
+               f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0, cw >= 128 and bn * cw >= 256 * " \
+               f"num_warps (4 consecutive code bytes per lane; got bn {t.bn}, cw {t.cw}, num_warps {t.num_warps})"
     if t.e2m1 in ("hfma", "hfmab") and (not one_token or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, gsum 1, wround 0 and tok 0"
@@ -1133,12 +1134,25 @@ MEASURED = {"fp8_block": DecodeTiles(bn=4, cw=512, bn2=8, cw2=128, group=1, num_
 # (the decode's shifts as integer multiplies, on the FMA pipe: -5% SASS in a stock Triton, ptxas refactors part of
 # it back into LEA / SHF) took 117.2 us per five-token NVFP4 layer in the harness against 125.5 / 117.6 / 105.9 for
 # the default bracketing it (d14da57): inside the spread, stays off.
-MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_warps2=1),
+# The thirty-second session (4615334): e2m1 "mma" with its activations precomputed once per launch took five flat
+# NVFP4 tokens from 117.3 / 118.5 us (the default bracketing it) to 97.96 at 8 rows per program (102.8 at 4), and in
+# the 4-layer MTP round at 8K the verify program's gate/up kernels from 195.7 to 141.8 us per call (the draft's 84.8
+# -> 68.6). At one token it lost (53.8 against 51.7 us): M = 1 keeps "asm".
+MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_warps2=1, e2m1="mma", bn=8),
                    "fp8_block": dataclasses.replace(MEASURED["fp8_block"], flat=1, group=2),
                    "dense": dataclasses.replace(MEASURED["dense"], flat=1, bn=4, num_warps2=1)}
 
 
 TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
+
+
+def _mma_fits(t) -> bool:
+    """Whether e2m1 "mma"'s operand layout holds for the tiles: its MMA block takes each lane's packed codes as 4
+    consecutive bytes of one row (a quad's lanes on that row), which Triton's layout gives when a program's
+    [bn, cw/2] code tile has at least 4 bytes per lane (bn * cw >= 256 * num_warps) and cw >= 128. Smaller tiles
+    spread fewer bytes per lane and the fragments mix rows: the thirty-second H200 session measured NaN at
+    bn 4, cw 128 on 4 warps (one token), the same layer finite at bn 8 (the interpreter's jnp form cannot see it)."""
+    return t.cw >= 128 and t.bn * t.cw >= 256 * t.num_warps
 
 
 def tiles_override(spec: str, what: str = TOKENS_TILES_ENV) -> dict:
@@ -1151,6 +1165,7 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: i
     """The measured tiles for the expert format and `m` tokens, shrunk until they divide the (test-sized) dims.
     Several tokens: `FNX_MOE_TOKENS_TILES` (read when a program is traced) replaces fields of the defaults."""
     t = MEASURED.get(fmt, MEASURED["fp8_block"])     # a format outside FORMATS: `check` says why not
+    over = {}
     if m > 1:
         over = tiles_override(os.environ[TOKENS_TILES_ENV]) if os.environ.get(TOKENS_TILES_ENV) else {}
         base = MEASURED_TOKENS.get(fmt, t)
@@ -1169,7 +1184,12 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: i
     bn2 = min(t.bn2, _pow2(d))
     while d % bn2:
         bn2 //= 2
-    return dataclasses.replace(t, bn=bn, cw=cw, bn2=bn2, cw2=cw2)
+    t = dataclasses.replace(t, bn=bn, cw=cw, bn2=bn2, cw2=cw2)
+    if t.e2m1 == "mma" and not _mma_fits(t) and not (m > 1 and "e2m1" in over):
+        # test-sized dims: the defaults' "mma" needs tiles these dims cannot hold; the one-token decode instead
+        # (an "mma" asked for by FNX_MOE_TOKENS_TILES is kept, and `check` says why it cannot run)
+        t = dataclasses.replace(t, e2m1=MEASURED.get(fmt, MEASURED["fp8_block"]).e2m1)
+    return t
 
 
 def slot_meta(ids, w, dt):
