@@ -452,6 +452,35 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, acc=0))
 
 
+@pytest.mark.parametrize("m,group,bn2,nw2", [(1, 1, 64, 4), (5, 1, 8, 1), (5, 2, 16, 2)])
+def test_decode_down_mma(m, group, bn2, nw2):
+    """mma2 1 (kernel 2 on NVFP4 down rows with e2m1 "mma": a column tile's two row halves as one MMA's two row
+    groups, the activation row prescaled in the program): within the reference's bound and within a few bf16 ulps
+    of the fp32 path, for one token and flat five tokens (with kernel 1's "mma" too), activations 4096 times larger
+    and a token of zeros; refused where it does not apply."""
+    args = _decode_args("nvfp4", m, 160 + m, shared_fmt="nvfp4")
+    base = dataclasses.replace(DT, group=group, acc=1, wround=0, flat=int(m > 1), bn2=bn2, cw2=128, num_warps2=nw2)
+    tiles = dataclasses.replace(base, mma2=1, e2m1="mma" if m > 1 else "asm", bn=8, cw=256)
+    run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
+    got = np.asarray(run(tiles, *args), np.float32)
+    _close(got, reference.decode(*args))
+    f32 = np.asarray(run(dataclasses.replace(base, e2m1="f16", gsum=0), *args), np.float32)
+    ulp = np.abs(f32) * 2.0 ** -7 + np.abs(f32).max() * 2.0 ** -10
+    assert np.all(np.abs(got - f32) <= 4 * ulp), np.max(np.abs(got - f32) / ulp)
+    for x in ((args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), args[0].at[-1].set(0)):
+        a = (x, *args[1:])
+        out = np.asarray(run(tiles, *a), np.float32)
+        assert np.all(np.isfinite(out))
+        _close(out, reference.decode(*a))
+    for bad in (dict(wround=1), dict(cw2=64), dict(bn2=4, num_warps2=4), dict(hoist=1)) + ((dict(group=0),) if m == 1
+                                                                                          else ()):
+        with pytest.raises(NotImplementedError, match="mma2 1"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, e2m1="asm", **bad))
+    fp8 = _decode_args("fp8", m, 160 + m)
+    with pytest.raises(NotImplementedError, match="NVFP4 down weights"):
+        decode_pallas.moe_decode(*fp8, interpret=True, tiles=dataclasses.replace(tiles, e2m1="asm"))
+
+
 def test_default_tiles_take_mma_where_it_fits(monkeypatch):
     """Five NVFP4 tokens default to e2m1 "mma" at 8 rows per program (measured faster on the H200); one token keeps
     "asm". Test-sized dims the mma layout cannot tile get the one-token decode from the defaults, but an "mma" asked
@@ -1190,6 +1219,9 @@ def test_decode_lowers_for_cuda(which):
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, persist=1056,
                                                             persist2=1056)),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, e2m1="mma")),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED_TOKENS["nvfp4"], mma2=1)),
+                           ("nvfp4", 1, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, mma2=1,
+                                                            num_warps2=1)),
                            ("fp8", m, dataclasses.replace(decode_pallas.MEASURED["fp8_block"], flat=1, group=2,
                                                           persist2=528)),
                            ("nvfp4", 1, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], persist=528))):

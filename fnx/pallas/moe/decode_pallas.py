@@ -175,6 +175,13 @@ class DecodeTiles:
     persist2: int = 0    # kernel 2 (down) likewise (`_down_persist_kernel`): resident programs walking the (slot group,
                          # column tile) tasks with the next task's down-row loads issued first, then the shared-expert
                          # tasks. One token per slot, a group g > 0, meta 0, tok 0, dot 0. The same values
+    mma2: int = 0        # kernel 2 (down) on NVFP4 with e2m1 "mma" (1): each program's bn2 rows as two halves at the
+                         # same columns, the A fragment's two row groups of one MMA per lane (as kernel 1's gate and
+                         # up rows), the slot's activation row scaled by a power of two into fp16's range in the
+                         # program (`_hx_prescale`) and loaded as fp16 pairs per chunk (`_one_token_down_mma`).
+                         # One token per slot (M = 1 or flat 1), a group g > 0, wround 0, meta 0, tok 0, dot 0,
+                         # x2d 0, hoist 0, persist2 0, and each half's code tile at least 4 bytes per lane:
+                         # (bn2 / 2) * cw2 >= 256 * num_warps2, cw2 >= 128. The interpreter runs the jnp products
 
 
 def _pow2(n: int) -> int:
@@ -787,6 +794,27 @@ def _one_token_down_term(fmt, raw, act_ref, s, coef, *, bn, cw, inter, dt, e2m1,
     return rnd(rnd(_rows(acc, _row_scale(fmt, raw[0], wround)), dt) * coef, dt)
 
 
+def _one_token_down_mma(raw_a, raw_b, act_ref, s, coef, *, h, cw, inter, dt, asm):
+    """`_one_token_down_term` with e2m1 "mma" (`DecodeTiles.mma2`) for the down rows of raw_a and raw_b (`_raw`'s
+    chunks of two h-row halves of one column tile, NVFP4): both halves against slot s's activation row at the same
+    columns, as one MMA's two row groups (`kernel_math.e2m1_mma_gate_up`: raw_a in the gate rows, raw_b in the up
+    rows); the row scaled into fp16's range by 2^s here (`_hx_prescale`) and loaded as fp16 pairs per chunk.
+    Returns each half's round(round(act[s, 0] @ down.T) * coef), [h] fp32 holding dt values."""
+    up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
+    spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
+    tot = jnp.zeros((h, cw // 2), F32)
+    for c in range(inter // cw):
+        xv = _hx(act_ref, (s, 0), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")
+        tot = kernel_math.e2m1_mma_gate_up(raw_a[c][0], raw_b[c][0], spread(raw_a[c][1]), spread(raw_b[c][1]), xv,
+                                           tot, asm=asm)
+    tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
+    t4 = jnp.sum(tot.reshape(h, cw // 8, 4), axis=1)        # [h, 4]: half a, half b, 0, 0
+    pos = lax.broadcasted_iota(jnp.int32, (h, 4), 1)
+    back = down * kernel_math.E2M1_F16_SCALE
+    return tuple(rnd(rnd(_rows(jnp.sum(jnp.where(pos == i, t4, 0.0), axis=1) * back, _row_scale("nvfp4", r[0], False)),
+                         dt) * coef, dt) for i, r in ((0, raw_a), (1, raw_b)))
+
+
 def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, d,
                          inter, inter_s, bn, cw, group, e2m1, offs, wround, gsum, x2d, n_shared, n_prog):
     """Kernel 2 as `n_prog` resident programs (`DecodeTiles.persist2`), one token per slot (M = 1 or flat slots),
@@ -826,7 +854,7 @@ def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *re
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False):
+                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, mma2=False, mma_asm=True):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -951,6 +979,19 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
 
     @pl.when(gi < n_groups)
     def _():
+        if mma2:    # e2m1 "mma" (`check`: one token per slot): the tile's two row halves in one MMA per lane
+            h = bn // 2
+            halves = [jnp.zeros((h,), F32)] * 2
+            for t in range(group):
+                s = gi * group + t
+                e = ids_ref[s]
+                raws = [[_raw(fmt, dn_refs, (e,), c0 + u * h, h, c * cw, cw) for c in range(nk)] for u in (0, 1)]
+                terms = _one_token_down_mma(*raws, act_ref, s, rw_ref[s].astype(F32), h=h, cw=cw, inter=inter,
+                                            dt=dt, asm=mma_asm)
+                halves = [a + b for a, b in zip(halves, terms)]
+            for u in (0, 1):
+                y_ref[gi, 0, pl.ds(c0 + u * h, h)] = halves[u]
+            return
         accs = zeros
         slots = [gi * group + t for t in range(group)]
         loaded = [slot_loads(s) for s in slots] if hoist else [None] * group
@@ -1052,6 +1093,13 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
         return f"tiles {t}: e2m1 'mma' multiplies one token's gate and up codes on the tensor cores: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0, cw >= 128 and bn * cw >= 256 * " \
                f"num_warps (4 consecutive code bytes per lane; got bn {t.bn}, cw {t.cw}, num_warps {t.num_warps})"
+    if t.mma2 not in (0, 1) or (t.mma2 and (
+            fmts["down_proj"] != "nvfp4" or not one_token or not t.group or t.wround or t.meta or t.tok or t.dot
+            or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or t.cw2 < 128 or (t.bn2 // 2) * t.cw2 < 256 * t.num_warps2)):
+        return f"tiles {t}: mma2 1 (kernel 2 on the tensor cores, e2m1 'mma') needs NVFP4 down weights (got " \
+               f"{fmts['down_proj']}), M = 1 or flat 1 (got M = {m}), a group > 0, wround 0, meta 0, tok 0, dot 0, " \
+               f"x2d 0, hoist 0, persist2 0, cw2 >= 128 and (bn2 / 2) * cw2 >= 256 * num_warps2 (4 consecutive " \
+               f"code bytes per lane)"
     if t.e2m1 in ("hfma", "hfmab") and (not one_token or not t.acc or not t.gsum or t.wround or t.tok):
         return f"tiles {t}: e2m1 '{t.e2m1}' multiplies one token's activations inside the code decode: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, gsum 1, wround 0 and tok 0"
@@ -1306,7 +1354,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                               offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                               wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
                               tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot,
-                              flat_slots=flat, x2d=x2d),
+                              flat_slots=flat, x2d=x2d, mma2=bool(tiles.mma2), mma_asm=not interpret),
             (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
             out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
             grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
