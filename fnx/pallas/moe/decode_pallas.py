@@ -108,7 +108,9 @@ class DecodeTiles:
                          # and each token's 2^-s computed once before the launch (`mma_activations`); kernel 2
                          # decodes with "asm"; the interpreter runs the same products in jnp. Its first form
                          # (prescale per program, a select per block) measured on the H200: 32% fewer instructions,
-                         # 127 registers, half the occupancy, slower (moe README); off
+                         # 127 registers, half the occupancy, slower (moe README); this form (precomputed pairs,
+                         # accumulated fragments) at 8 rows is the five-token NVFP4 default (`MEASURED_TOKENS`).
+                         # Its tiles must give each lane 4 consecutive code bytes of one row (`_mma_fits`)
     meta: int = 0        # 0: each program finds from the slot ids whether its slot owns its expert, which tokens
                          # chose it and their routing weights (a few reductions over the M*K ids per program);
                          # 1: one XLA fusion computes them for every slot first and the programs load them;
