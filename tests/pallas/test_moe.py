@@ -452,15 +452,16 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, acc=0))
 
 
-@pytest.mark.parametrize("m,group,bn2,nw2", [(1, 1, 64, 4), (5, 1, 8, 1), (5, 2, 16, 2)])
-def test_decode_down_mma(m, group, bn2, nw2):
-    """mma2 1 (kernel 2 on NVFP4 down rows with e2m1 "mma": a column tile's two row halves as one MMA's two row
-    groups, the activation row prescaled in the program): within the reference's bound and within a few bf16 ulps
-    of the fp32 path, for one token and flat five tokens (with kernel 1's "mma" too), activations 4096 times larger
-    and a token of zeros; refused where it does not apply."""
+@pytest.mark.parametrize("m,group,bn2,nw2,mode", [(1, 1, 64, 4, 1), (5, 1, 8, 1, 1), (5, 2, 16, 2, 1),
+                                                   (1, 1, 8, 1, 2), (5, 1, 8, 1, 2)])
+def test_decode_down_mma(m, group, bn2, nw2, mode):
+    """mma2 (kernel 2 on NVFP4 down rows with e2m1 "mma": a column tile's two row halves as one MMA's two row
+    groups; 1: the activation row prescaled in the program, 2: precomputed between the launches): within the
+    reference's bound and within a few bf16 ulps of the fp32 path, for one token and flat five tokens (with kernel
+    1's "mma" too), activations 4096 times larger and a token of zeros; refused where it does not apply."""
     args = _decode_args("nvfp4", m, 160 + m, shared_fmt="nvfp4")
     base = dataclasses.replace(DT, group=group, acc=1, wround=0, flat=int(m > 1), bn2=bn2, cw2=128, num_warps2=nw2)
-    tiles = dataclasses.replace(base, mma2=1, e2m1="mma" if m > 1 else "asm", bn=8, cw=256)
+    tiles = dataclasses.replace(base, mma2=mode, e2m1="mma" if m > 1 else "asm", bn=8, cw=256)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = np.asarray(run(tiles, *args), np.float32)
     _close(got, reference.decode(*args))
@@ -474,7 +475,7 @@ def test_decode_down_mma(m, group, bn2, nw2):
         _close(out, reference.decode(*a))
     for bad in (dict(wround=1), dict(cw2=64), dict(bn2=4, num_warps2=4), dict(hoist=1)) + ((dict(group=0),) if m == 1
                                                                                           else ()):
-        with pytest.raises(NotImplementedError, match="mma2 1"):
+        with pytest.raises(NotImplementedError, match="mma2 1 / 2"):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, e2m1="asm", **bad))
     fp8 = _decode_args("fp8", m, 160 + m)
     with pytest.raises(NotImplementedError, match="NVFP4 down weights"):
@@ -1220,6 +1221,7 @@ def test_decode_lowers_for_cuda(which):
                                                             persist2=1056)),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, e2m1="mma")),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED_TOKENS["nvfp4"], mma2=1)),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED_TOKENS["nvfp4"], mma2=2)),
                            ("nvfp4", 1, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, mma2=1,
                                                             num_warps2=1)),
                            ("fp8", m, dataclasses.replace(decode_pallas.MEASURED["fp8_block"], flat=1, group=2,

@@ -183,7 +183,10 @@ class DecodeTiles:
                          # program (`_hx_prescale`) and loaded as fp16 pairs per chunk (`_one_token_down_mma`).
                          # One token per slot (M = 1 or flat 1), a group g > 0, wround 0, meta 0, tok 0, dot 0,
                          # x2d 0, hoist 0, persist2 0, and each half's code tile at least 4 bytes per lane:
-                         # (bn2 / 2) * cw2 >= 256 * num_warps2, cw2 >= 128. The interpreter runs the jnp products
+                         # (bn2 / 2) * cw2 >= 256 * num_warps2, cw2 >= 128. The interpreter runs the jnp products.
+                         # Measured level on the H200 (thirty-second session, moe README): off. 2: the same with
+                         # kernel 1's output turned into fp16 pairs and each slot's 2^-s by one XLA fusion between
+                         # the launches (`mma_activations`), as kernel 1's "mma" takes x: no prescale per program
 
 
 def _pow2(n: int) -> int:
@@ -796,17 +799,26 @@ def _one_token_down_term(fmt, raw, act_ref, s, coef, *, bn, cw, inter, dt, e2m1,
     return rnd(rnd(_rows(acc, _row_scale(fmt, raw[0], wround)), dt) * coef, dt)
 
 
-def _one_token_down_mma(raw_a, raw_b, act_ref, s, coef, *, h, cw, inter, dt, asm):
+def _one_token_down_mma(raw_a, raw_b, act_ref, s, coef, *, h, cw, inter, dt, asm, pre=False):
     """`_one_token_down_term` with e2m1 "mma" (`DecodeTiles.mma2`) for the down rows of raw_a and raw_b (`_raw`'s
     chunks of two h-row halves of one column tile, NVFP4): both halves against slot s's activation row at the same
     columns, as one MMA's two row groups (`kernel_math.e2m1_mma_gate_up`: raw_a in the gate rows, raw_b in the up
-    rows); the row scaled into fp16's range by 2^s here (`_hx_prescale`) and loaded as fp16 pairs per chunk.
+    rows); the row scaled into fp16's range by 2^s here (`_hx_prescale`) and loaded as fp16 pairs per chunk, or
+    with `pre` act_ref holding `mma_activations` of the rows (uint32 [slots, I/2 + 1]: the pairs and 2^-s).
     Returns each half's round(round(act[s, 0] @ down.T) * coef), [h] fp32 holding dt values."""
-    up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
+    if pre:
+        si = jnp.int32(s) if isinstance(s, int) else s
+        down = lax.bitcast_convert_type(act_ref[si, inter // 2], F32)
+    else:
+        up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
     spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
     tot = jnp.zeros((h, cw // 2), F32)
     for c in range(inter // cw):
-        xv = _hx(act_ref, (s, 0), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")
+        if pre:
+            pr = act_ref[si, pl.ds(c * cw // 2, cw // 2)]
+            xv = pr if asm else kernel_math.unpack_f16_pairs(pr)
+        else:
+            xv = _hx(act_ref, (s, 0), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")
         tot = kernel_math.e2m1_mma_gate_up(raw_a[c][0], raw_b[c][0], spread(raw_a[c][1]), spread(raw_b[c][1]), xv,
                                            tot, asm=asm)
     tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
@@ -856,7 +868,7 @@ def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *re
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, mma2=False, mma_asm=True):
+                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, mma2=0, mma_asm=True):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
@@ -989,7 +1001,7 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
                 e = ids_ref[s]
                 raws = [[_raw(fmt, dn_refs, (e,), c0 + u * h, h, c * cw, cw) for c in range(nk)] for u in (0, 1)]
                 terms = _one_token_down_mma(*raws, act_ref, s, rw_ref[s].astype(F32), h=h, cw=cw, inter=inter,
-                                            dt=dt, asm=mma_asm)
+                                            dt=dt, asm=mma_asm, pre=mma2 == 2)
                 halves = [a + b for a, b in zip(halves, terms)]
             for u in (0, 1):
                 y_ref[gi, 0, pl.ds(c0 + u * h, h)] = halves[u]
@@ -1095,10 +1107,10 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
         return f"tiles {t}: e2m1 'mma' multiplies one token's gate and up codes on the tensor cores: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0, cw >= 128 and bn * cw >= 256 * " \
                f"num_warps (4 consecutive code bytes per lane; got bn {t.bn}, cw {t.cw}, num_warps {t.num_warps})"
-    if t.mma2 not in (0, 1) or (t.mma2 and (
+    if t.mma2 not in (0, 1, 2) or (t.mma2 and (
             fmts["down_proj"] != "nvfp4" or not one_token or not t.group or t.wround or t.meta or t.tok or t.dot
             or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or t.cw2 < 128 or (t.bn2 // 2) * t.cw2 < 256 * t.num_warps2)):
-        return f"tiles {t}: mma2 1 (kernel 2 on the tensor cores, e2m1 'mma') needs NVFP4 down weights (got " \
+        return f"tiles {t}: mma2 1 / 2 (kernel 2 on the tensor cores, e2m1 'mma') needs NVFP4 down weights (got " \
                f"{fmts['down_proj']}), M = 1 or flat 1 (got M = {m}), a group > 0, wround 0, meta 0, tok 0, dot 0, " \
                f"x2d 0, hoist 0, persist2 0, cw2 >= 128 and (bn2 / 2) * cw2 >= 256 * num_warps2 (4 consecutive " \
                f"code bytes per lane)"
@@ -1324,6 +1336,8 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         )
     if tiles.meta == 2:
         act, *meta = act
+    if tiles.mma2 == 2:     # kernel 2's "mma" operand: kernel 1's rows as fp16 pairs and each slot's 2^-s, once
+        act = mma_activations(act.reshape(n_slots, inter))
     if tiles.tok:
         return stacked.call(
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
@@ -1356,7 +1370,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                               offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                               wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
                               tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot,
-                              flat_slots=flat, x2d=x2d, mma2=bool(tiles.mma2), mma_asm=not interpret),
+                              flat_slots=flat, x2d=x2d, mma2=tiles.mma2, mma_asm=not interpret),
             (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
             out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
             grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
