@@ -679,28 +679,41 @@ def _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xr, s, rg, *, d, cw, b
     _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
 
 
+def _mma_operand(ref, row, n, cw, asm):
+    """Row `row` of `mma_activations`' output in ref (uint32 [rows, n/2 + 1]): (its 2^-s, c -> chunk c's fp16 pairs
+    as loaded (asm) or as (even, odd) values for the jnp products)."""
+    ri = jnp.int32(row) if isinstance(row, int) else row
+
+    def xv_of(c):
+        pr = ref[ri, pl.ds(c * cw // 2, cw // 2)]
+        return pr if asm else kernel_math.unpack_f16_pairs(pr)
+    return lax.bitcast_convert_type(ref[ri, n // 2], F32), xv_of
+
+
+def _mma_row_sums(raw_a, raw_b, xv_of, *, rows, cw, nk, down, asm):
+    """The row sums of two NVFP4 tiles at the same columns (`_raw`'s nk chunks of `rows` rows each) against one
+    activation row, through e2m1 "mma" (`kernel_math.e2m1_mma_gate_up`: raw_a in the MMA's first row group, raw_b in
+    its second): xv_of(c) the chunk's prescaled fp16 pairs (asm) or (even, odd) values; down the row's 2^-s.
+    Returns (a, b) [rows] fp32, each sum_c code_c * scale_c * x_c (the rows' global scales not applied)."""
+    spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
+    tot = jnp.zeros((rows, cw // 2), F32)
+    for c in range(nk):
+        tot = kernel_math.e2m1_mma_gate_up(raw_a[c][0], raw_b[c][0], spread(raw_a[c][1]), spread(raw_b[c][1]),
+                                           xv_of(c), tot, asm=asm)
+    tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
+    t4 = jnp.sum(tot.reshape(rows, cw // 8, 4), axis=1)      # [rows, 4]: a, b, 0, 0
+    pos = lax.broadcasted_iota(jnp.int32, (rows, 4), 1)
+    back = down * kernel_math.E2M1_F16_SCALE
+    return tuple(jnp.sum(jnp.where(pos == i, t4, 0.0), axis=1) * back for i in (0, 1))
+
+
 def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, asm, rs, act_pair):
     """`_one_token_gate_up` with e2m1 "mma": each chunk's gate and up codes, times their group scales, against the
     activations scaled by a power of two into fp16's range (`kernel_math.e2m1_mma_gate_up`: tensor-core MMAs with
     asm, the same products in jnp otherwise); the terms summed per row once, times 2^-s, 2^14 and the rows' global
     scales. x_ref holds `mma_activations`' pairs and 2^-s (uint32 [M, D/2 + 1]), loaded as they are."""
-    xi = jnp.int32(xr) if isinstance(xr, int) else xr
-    down = lax.bitcast_convert_type(x_ref[xi, d // 2], F32)
-
-    def xv_of(c):
-        pr = x_ref[xi, pl.ds(c * cw // 2, cw // 2)]
-        return pr if asm else kernel_math.unpack_f16_pairs(pr)
-
-    spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
-    tot = jnp.zeros((bn, cw // 2), F32)
-    for c in range(d // cw):
-        tot = kernel_math.e2m1_mma_gate_up(raw_g[c][0], raw_u[c][0], spread(raw_g[c][1]), spread(raw_u[c][1]),
-                                           xv_of(c), tot, asm=asm)
-    tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
-    t4 = jnp.sum(tot.reshape(bn, cw // 8, 4), axis=1)        # [bn, 4]: gate, up, 0, 0
-    pos = lax.broadcasted_iota(jnp.int32, (bn, 4), 1)
-    back = down * kernel_math.E2M1_F16_SCALE
-    sg_, su_ = (jnp.sum(jnp.where(pos == i, t4, 0.0), axis=1) * back for i in (0, 1))
+    down, xv_of = _mma_operand(x_ref, xr, d, cw, asm)
+    sg_, su_ = _mma_row_sums(raw_g, raw_u, xv_of, rows=bn, cw=cw, nk=d // cw, down=down, asm=asm)
     a = _silu_mul(rnd(_rows(sg_, rs[0]), dt), rnd(_rows(su_, rs[1]), dt), dt)
     _store_act(act_ref, s, 0, rg, a.astype(dt), act_pair)
 
@@ -807,26 +820,13 @@ def _one_token_down_mma(raw_a, raw_b, act_ref, s, coef, *, h, cw, inter, dt, asm
     with `pre` act_ref holding `mma_activations` of the rows (uint32 [slots, I/2 + 1]: the pairs and 2^-s).
     Returns each half's round(round(act[s, 0] @ down.T) * coef), [h] fp32 holding dt values."""
     if pre:
-        si = jnp.int32(s) if isinstance(s, int) else s
-        down = lax.bitcast_convert_type(act_ref[si, inter // 2], F32)
+        down, xv_of = _mma_operand(act_ref, s, inter, cw, asm)
     else:
         up, down = _hx_prescale(act_ref, (s, 0), inter, cw)
-    spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
-    tot = jnp.zeros((h, cw // 2), F32)
-    for c in range(inter // cw):
-        if pre:
-            pr = act_ref[si, pl.ds(c * cw // 2, cw // 2)]
-            xv = pr if asm else kernel_math.unpack_f16_pairs(pr)
-        else:
-            xv = _hx(act_ref, (s, 0), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")
-        tot = kernel_math.e2m1_mma_gate_up(raw_a[c][0], raw_b[c][0], spread(raw_a[c][1]), spread(raw_b[c][1]), xv,
-                                           tot, asm=asm)
-    tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
-    t4 = jnp.sum(tot.reshape(h, cw // 8, 4), axis=1)        # [h, 4]: half a, half b, 0, 0
-    pos = lax.broadcasted_iota(jnp.int32, (h, 4), 1)
-    back = down * kernel_math.E2M1_F16_SCALE
-    return tuple(rnd(rnd(_rows(jnp.sum(jnp.where(pos == i, t4, 0.0), axis=1) * back, _row_scale("nvfp4", r[0], False)),
-                         dt) * coef, dt) for i, r in ((0, raw_a), (1, raw_b)))
+        xv_of = lambda c: _hx(act_ref, (s, 0), c * cw, cw, up, "hfmab" if asm else "hfmab_jnp")  # noqa: E731
+    sums = _mma_row_sums(raw_a, raw_b, xv_of, rows=h, cw=cw, nk=inter // cw, down=down, asm=asm)
+    return tuple(rnd(rnd(_rows(v, _row_scale("nvfp4", r[0], False)), dt) * coef, dt)
+                 for v, r in zip(sums, (raw_a, raw_b)))
 
 
 def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, d,
@@ -1109,7 +1109,8 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
                f"num_warps (4 consecutive code bytes per lane; got bn {t.bn}, cw {t.cw}, num_warps {t.num_warps})"
     if t.mma2 not in (0, 1, 2) or (t.mma2 and (
             fmts["down_proj"] != "nvfp4" or not one_token or not t.group or t.wround or t.meta or t.tok or t.dot
-            or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or t.cw2 < 128 or (t.bn2 // 2) * t.cw2 < 256 * t.num_warps2)):
+            or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or t.cw2 < 128
+            or (t.bn2 // 2) * t.cw2 < 256 * t.num_warps2)):
         return f"tiles {t}: mma2 1 / 2 (kernel 2 on the tensor cores, e2m1 'mma') needs NVFP4 down weights (got " \
                f"{fmts['down_proj']}), M = 1 or flat 1 (got M = {m}), a group > 0, wround 0, meta 0, tok 0, dot 0, " \
                f"x2d 0, hoist 0, persist2 0, cw2 >= 128 and (bn2 / 2) * cw2 >= 256 * num_warps2 (4 consecutive " \
