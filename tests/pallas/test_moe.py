@@ -482,6 +482,22 @@ def test_decode_down_mma(m, group, bn2, nw2, mode):
         decode_pallas.moe_decode(*fp8, interpret=True, tiles=dataclasses.replace(tiles, e2m1="asm"))
 
 
+@pytest.mark.parametrize("m", [1, 5])
+def test_decode_mma_loads_ahead_same_bits(m, ahead=1):
+    """ahead k (kernel 1's "mma" chunk loads issued k chunks ahead of the one computed, not all first; here 1 of D =
+    256's two chunks): the same bits as every load first; refused without e2m1 "mma" or with resident programs."""
+    args = _decode_args("nvfp4", m, 180 + m, shared_fmt="nvfp4")
+    tiles = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=int(m > 1), e2m1="mma", bn=8, cw=128)
+    run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
+    want = np.asarray(run(tiles, *args), np.float32)
+    got = np.asarray(run(dataclasses.replace(tiles, ahead=ahead), *args), np.float32)
+    np.testing.assert_array_equal(got, want)
+    _close(got, reference.decode(*args))
+    for bad in (dict(e2m1="asm"), dict(persist=64)):
+        with pytest.raises(NotImplementedError, match="ahead"):
+            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, ahead=ahead, **bad))
+
+
 def test_default_tiles_take_mma_where_it_fits(monkeypatch):
     """Five NVFP4 tokens default to e2m1 "mma" at 8 rows per program (measured faster on the H200); one token keeps
     "asm". Test-sized dims the mma layout cannot tile get the one-token decode from the defaults, but an "mma" asked
@@ -1222,6 +1238,7 @@ def test_decode_lowers_for_cuda(which):
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, e2m1="mma")),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED_TOKENS["nvfp4"], mma2=1)),
                            ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED_TOKENS["nvfp4"], mma2=2)),
+                           ("nvfp4", m, dataclasses.replace(decode_pallas.MEASURED_TOKENS["nvfp4"], ahead=1)),
                            ("nvfp4", 1, dataclasses.replace(decode_pallas.MEASURED["nvfp4"], flat=1, mma2=1,
                                                             num_warps2=1)),
                            ("fp8", m, dataclasses.replace(decode_pallas.MEASURED["fp8_block"], flat=1, group=2,

@@ -187,6 +187,10 @@ class DecodeTiles:
                          # Measured level on the H200 (thirty-second session, moe README): off. 2: the same with
                          # kernel 1's output turned into fp16 pairs and each slot's 2^-s by one XLA fusion between
                          # the launches (`mma_activations`), as kernel 1's "mma" takes x: no prescale per program
+    ahead: int = 0       # kernel 1 with e2m1 "mma": 0 = every chunk's weight loads issued before any arithmetic (all
+                         # of a program's code bytes live in registers at once); k > 0 = the loads of chunk c + k
+                         # issued when chunk c is computed (at most k + 1 chunks live: fewer registers per program,
+                         # more programs per SM; the same values)
 
 
 def _pow2(n: int) -> int:
@@ -223,6 +227,27 @@ def _raw(fmt, refs, lead, r0, rows, c0, cw, mask=None):
 def _e2m1_f16(c):
     """E2M1 codes -> value * 2^-14 in fp32, through fp16 bits (`kernel_math.e2m1_f16`; the conversion is exact)."""
     return kernel_math.e2m1_f16(c).astype(F32)
+
+
+class _Chunks:
+    """A program's weight chunks (`_raw` loads of chunk c = load(c)), issued in order: all n at once (ahead 0), or
+    each chunk's when the chunk `ahead` before it is first used (`DecodeTiles.ahead`). Indexing returns the loads."""
+
+    def __init__(self, load, n: int, ahead: int = 0):
+        self._load, self._n, self._ahead, self._got = load, n, ahead, []
+        if not ahead:
+            self._issue(n - 1)
+
+    def _issue(self, last: int):
+        while len(self._got) <= min(last, self._n - 1):
+            self._got.append(self._load(len(self._got)))
+
+    def __getitem__(self, c: int):
+        self._issue(c + self._ahead)
+        return self._got[c]
+
+    def __len__(self) -> int:
+        return self._n
 
 
 class _Grouped:
@@ -545,7 +570,7 @@ def _token_row(tile, i):
 
 
 def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn, cw, acc_tiles, e2m1, meta, wround,
-                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, act_pair=0):
+                    gsum=False, tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, act_pair=0, ahead=0):
     # x2d: x's pieces as [bn, .] tiles (`DecodeTiles.x2d`; NVFP4: x arrives paired); act_pair > 0: the activation rows
     # stored paired in chunks of act_pair columns (the down kernel's NVFP4 x2d layout)
     if meta == 1:
@@ -601,8 +626,8 @@ def _gate_up_kernel(ids_ref, x_ref, *rest, fmt, m, k, n_slots, sp, inter, d, bn,
             for i in range(m):      # tokens not routed here store their values too, never read by the down kernel
                 act_ref[s, i, pl.ds(rg, bn)] = _token_row(a, i).astype(dt)
             return
-        raw_g = [_raw(fmt, w_refs, (e,), rg, bn, c * cw, cw) for c in range(nk)]
-        raw_u = [_raw(fmt, w_refs, (e,), ru, bn, c * cw, cw) for c in range(nk)]
+        raw_g = _Chunks(lambda c: _raw(fmt, w_refs, (e,), rg, bn, c * cw, cw), nk, ahead)
+        raw_u = _Chunks(lambda c: _raw(fmt, w_refs, (e,), ru, bn, c * cw, cw), nk, ahead)
         if m == 1 and acc_tiles:    # products kept as tiles over the chunks, one row reduction at the end
             _one_token_gate_up(x_ref, act_ref, fmt, raw_g, raw_u, xrow(0), s, rg, d=d, cw=cw, bn=bn, dt=dt,
                                e2m1=e2m1, wround=wround, gsum=gsum, x2d=x2d, act_pair=act_pair)
@@ -1107,6 +1132,9 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
         return f"tiles {t}: e2m1 'mma' multiplies one token's gate and up codes on the tensor cores: it needs M = 1 " \
                f"or flat 1 (got M = {m}), acc 1, wround 0, tok 0, dot 0, x2d 0, cw >= 128 and bn * cw >= 256 * " \
                f"num_warps (4 consecutive code bytes per lane; got bn {t.bn}, cw {t.cw}, num_warps {t.num_warps})"
+    if t.ahead < 0 or (t.ahead and (t.e2m1 != "mma" or t.persist)):
+        return f"tiles {t}: ahead {t.ahead} (chunk loads issued k chunks ahead) is a knob of kernel 1's e2m1 'mma' " \
+               "grid (persist 0); 0 issues every chunk's loads first"
     if t.mma2 not in (0, 1, 2) or (t.mma2 and (
             fmts["down_proj"] != "nvfp4" or not one_token or not t.group or t.wround or t.meta or t.tok or t.dot
             or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or t.cw2 < 128
@@ -1328,7 +1356,7 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
                               bn=tiles.bn, cw=tiles.cw, acc_tiles=bool(tiles.acc), e2m1=tiles.e2m1,
                               meta=tiles.meta, wround=bool(tiles.wround), gsum=bool(tiles.gsum),
                               tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 2), dot=tiles.dot,
-                              flat_slots=flat, x2d=x2d, act_pair=act_pair),
+                              flat_slots=flat, x2d=x2d, act_pair=act_pair, ahead=tiles.ahead),
             (flat_ids, x_in, *meta[:2], *((rw,) if tiles.meta == 2 else ()), *w1),
             out_shape=(act_shape, *meta_shapes) if tiles.meta == 2 else act_shape,
             grid=(n_slots, inter // tiles.bn),
