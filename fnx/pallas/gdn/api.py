@@ -102,7 +102,9 @@ def _core_operands(what, length, qkv, z, b, a, conv_state, conv_w, a_log, dt_bia
     conv_dim, taps = conv_w.shape
     hv, dv = a_log.shape[0], norm_w.shape[0]
     if not isinstance(qkv, tuple) and tuple(qkv.shape) != (bsz, length, conv_dim):
-        raise ValueError(f"{what}: qkv {tuple(qkv.shape)} must be [B, T, C] = {(bsz, length, conv_dim)}")
+        tokens = "one token" if length == 1 else f"{length} tokens"
+        raise ValueError(f"{what}: {tokens} per sequence: qkv {tuple(qkv.shape)} must be [B, T, C] = "
+                         f"{(bsz, length, conv_dim)}")
     if not isinstance(z, tuple) and tuple(z.shape) != (bsz, length, hv, dv):
         raise ValueError(f"{what}: z {tuple(z.shape)} must be [B, T, HV, dv] = {(bsz, length, hv, dv)}")
     if hv % key_heads or (conv_dim - hv * dv) <= 0 or (conv_dim - hv * dv) % (2 * key_heads):
@@ -144,10 +146,6 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     dispatched as "gdn_decode". tiles: `pallas.StepTiles` (BV columns of a head per program; BV < dv puts the
     norm after the kernel). The kernel rounds where the model rounds (conv, silu, sigmoid, norm), so fp32 runs
     agree to float error and bf16 runs to a rounding step where XLA keeps excess precision."""
-    if not isinstance(qkv, tuple) and rec.ndim == 4 and conv_w.ndim == 2:
-        want_q = (rec.shape[0], 1, conv_w.shape[0])
-        if qkv.ndim != 3 or tuple(qkv.shape) != want_q:
-            raise ValueError(f"gdn_step: one token per sequence: qkv {qkv.shape} must be [B, 1, C] = {want_q}")
     bsz, conv_dim, _, hv, dv, _, ops, why = _core_operands("gdn_step", 1, qkv, z, b, a, conv_state, conv_w, a_log,
                                                            dt_bias, norm_w, rec, n_valid, key_heads, act)
     backend = dispatch.resolve(STEP_OP, impl, not_applicable=why)
