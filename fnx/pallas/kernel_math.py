@@ -364,14 +364,15 @@ def f16_pairs(v):
     return b | (b << 16)
 
 
-def e2m1_mma_gate_up(pg, pu, sg, su, x, acc, asm: bool = False):
-    """One chunk of a one-token gate/up product on NVFP4 codes, added to acc [rows, cw/2] fp32: pg, pu [rows, cw/2]
-    uint8 packed codes (gate and up rows at the same columns, low nibble = even column), sg, su [rows, cw/2] their
+def e2m1_mma_row_pair(pg, pu, sg, su, x, acc, asm: bool = False):
+    """One chunk of two NVFP4 row sets' products with one activation row, added to acc [rows, cw/2] fp32 (the MoE
+    decode's gate and up rows in kernel 1, a column tile's two row halves in kernel 2): pg, pu [rows, cw/2]
+    uint8 packed codes (both sets at the same columns, low nibble = even column), sg, su [rows, cw/2] their
     group scales per byte (`f16_pairs` words; as fp16, exact), x the activations prescaled into fp16's range
     (`hfma_prescale`): with asm, `hfma_pairs` of the even and odd columns [cw/2] uint32 (`E2M1_MMA_ASM`, a GPU
     only: each lane's D fragments, accumulated); otherwise (even, odd) [cw/2] fp32 holding fp16 values (the same
     products in jnp, summed in another order). After the last chunk `e2m1_mma_diag` leaves [rows, cw/2] whose
-    elements 4i (gate) and 4i + 1 (up), summed over a row, are sum_c code_c * 2^-14 * scale_c * x'_c; the others
+    elements 4i (pg's rows) and 4i + 1 (pu's), summed over a row, are sum_c code_c * 2^-14 * scale_c * x'_c; the others
     are 0."""
     rows, half = pg.shape
     if asm:
@@ -397,7 +398,7 @@ def e2m1_mma_gate_up(pg, pu, sg, su, x, acc, asm: bool = False):
 
 
 def e2m1_mma_diag(acc, asm: bool = False):
-    """The accumulated D fragments of `e2m1_mma_gate_up` -> each quad's gate and up sums on its diagonal lane, 0
+    """The accumulated D fragments of `e2m1_mma_row_pair` -> each quad's gate and up sums on its diagonal lane, 0
     elsewhere (`E2M1_MMA_DIAG_ASM`, once per program); the jnp form's accumulator already is that."""
     if not asm:
         return acc

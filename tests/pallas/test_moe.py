@@ -723,7 +723,7 @@ def test_e2m1_mma_ptx_keeps_each_quads_row_sums(rows_per_warp):
     the same columns, their group scales and activation pairs, the lanes of a quad on one row (1, 2 or 8 rows per
     warp): the diagonal lane of each quad returns its quad's gate and up sums over both blocks (code * 2^-14 *
     scale * x' over the quad's 2 x 32 columns) in outputs 0 and 1, every other output is 0, and per row the outputs
-    add up to `e2m1_mma_gate_up`'s jnp sums of the same bytes. Every code value occurs."""
+    add up to `e2m1_mma_row_pair`'s jnp sums of the same bytes. Every code value occurs."""
     rng = np.random.default_rng(11 + rows_per_warp)
     pairs = lambda v: np.asarray(kernel_math.f16_pairs(jnp.asarray(v)))  # noqa: E731
     code = lambda b: np.asarray(kernel_math.e2m1_f16(jnp.asarray(b)).astype(jnp.float32))  # noqa: E731
@@ -770,7 +770,7 @@ def test_e2m1_mma_ptx_keeps_each_quads_row_sums(rows_per_warp):
         want = jnp.zeros((1, per * 4), jnp.float32)
         for gate, up, sg, su, x in blocks:
             pg, pu = gate.reshape(rows_per_warp, per * 4), up.reshape(rows_per_warp, per * 4)
-            want = kernel_math.e2m1_mma_gate_up(
+            want = kernel_math.e2m1_mma_row_pair(
                 jnp.asarray(pg[r:r + 1]), jnp.asarray(pu[r:r + 1]), spread(sg)[r:r + 1], spread(su)[r:r + 1],
                 tuple(jnp.asarray(x.reshape(32, 4, 2)[lanes, :, h].reshape(per * 4)) for h in (0, 1)), want)
         want = np.asarray(kernel_math.e2m1_mma_diag(want))[0]

@@ -717,13 +717,13 @@ def _mma_operand(ref, row, n, cw, asm):
 
 def _mma_row_sums(raw_a, raw_b, xv_of, *, rows, cw, nk, down, asm):
     """The row sums of two NVFP4 tiles at the same columns (`_raw`'s nk chunks of `rows` rows each) against one
-    activation row, through e2m1 "mma" (`kernel_math.e2m1_mma_gate_up`: raw_a in the MMA's first row group, raw_b in
+    activation row, through e2m1 "mma" (`kernel_math.e2m1_mma_row_pair`: raw_a in the MMA's first row group, raw_b in
     its second): xv_of(c) the chunk's prescaled fp16 pairs (asm) or (even, odd) values; down the row's 2^-s.
     Returns (a, b) [rows] fp32, each sum_c code_c * scale_c * x_c (the rows' global scales not applied)."""
     spread = lambda sc: kernel_math.group_bytes(kernel_math.f16_pairs(sc.astype(F32)))   # noqa: E731
     tot = jnp.zeros((rows, cw // 2), F32)
     for c in range(nk):
-        tot = kernel_math.e2m1_mma_gate_up(raw_a[c][0], raw_b[c][0], spread(raw_a[c][1]), spread(raw_b[c][1]),
+        tot = kernel_math.e2m1_mma_row_pair(raw_a[c][0], raw_b[c][0], spread(raw_a[c][1]), spread(raw_b[c][1]),
                                            xv_of(c), tot, asm=asm)
     tot = kernel_math.e2m1_mma_diag(tot, asm=asm)
     t4 = jnp.sum(tot.reshape(rows, cw // 8, 4), axis=1)      # [rows, 4]: a, b, 0, 0
@@ -734,7 +734,7 @@ def _mma_row_sums(raw_a, raw_b, xv_of, *, rows, cw, nk, down, asm):
 
 def _one_token_gate_up_mma(x_ref, act_ref, raw_g, raw_u, xr, s, rg, *, d, cw, bn, dt, asm, rs, act_pair):
     """`_one_token_gate_up` with e2m1 "mma": each chunk's gate and up codes, times their group scales, against the
-    activations scaled by a power of two into fp16's range (`kernel_math.e2m1_mma_gate_up`: tensor-core MMAs with
+    activations scaled by a power of two into fp16's range (`kernel_math.e2m1_mma_row_pair`: tensor-core MMAs with
     asm, the same products in jnp otherwise); the terms summed per row once, times 2^-s, 2^14 and the rows' global
     scales. x_ref holds `mma_activations`' pairs and 2^-s (uint32 [M, D/2 + 1]), loaded as they are."""
     down, xv_of = _mma_operand(x_ref, xr, d, cw, asm)
@@ -840,7 +840,7 @@ def _one_token_down_term(fmt, raw, act_ref, s, coef, *, bn, cw, inter, dt, e2m1,
 def _one_token_down_mma(raw_a, raw_b, act_ref, s, coef, *, h, cw, inter, dt, asm, pre=False):
     """`_one_token_down_term` with e2m1 "mma" (`DecodeTiles.mma2`) for the down rows of raw_a and raw_b (`_raw`'s
     chunks of two h-row halves of one column tile, NVFP4): both halves against slot s's activation row at the same
-    columns, as one MMA's two row groups (`kernel_math.e2m1_mma_gate_up`: raw_a in the gate rows, raw_b in the up
+    columns, as one MMA's two row groups (`kernel_math.e2m1_mma_row_pair`: raw_a in the gate rows, raw_b in the up
     rows); the row scaled into fp16's range by 2^s here (`_hx_prescale`) and loaded as fp16 pairs per chunk, or
     with `pre` act_ref holding `mma_activations` of the rows (uint32 [slots, I/2 + 1]: the pairs and 2^-s).
     Returns each half's round(round(act[s, 0] @ down.T) * coef), [h] fp32 holding dt values."""
