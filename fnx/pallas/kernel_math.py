@@ -372,8 +372,8 @@ def e2m1_mma_row_pair(pg, pu, sg, su, x, acc, asm: bool = False):
     (`hfma_prescale`): with asm, `hfma_pairs` of the even and odd columns [cw/2] uint32 (`E2M1_MMA_ASM`, a GPU
     only: each lane's D fragments, accumulated); otherwise (even, odd) [cw/2] fp32 holding fp16 values (the same
     products in jnp, summed in another order). After the last chunk `e2m1_mma_diag` leaves [rows, cw/2] whose
-    elements 4i (pg's rows) and 4i + 1 (pu's), summed over a row, are sum_c code_c * 2^-14 * scale_c * x'_c; the others
-    are 0."""
+    elements 4i (pg's rows) and 4i + 1 (pu's), summed over a row, are sum_c code_c * 2^-14 * scale_c * x'_c; the
+    others are 0."""
     rows, half = pg.shape
     if asm:
         from jax.experimental.pallas import triton as plt
