@@ -498,6 +498,18 @@ def test_decode_mma_loads_ahead_same_bits(m, ahead=1):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, ahead=ahead, **bad))
 
 
+@pytest.mark.parametrize("ahead,want", [(0, [0, 1, 2, 3, 4]), (1, [0, 1]), (2, [0, 1, 2])])
+def test_chunks_issue_their_loads_ahead(ahead, want):
+    """`_Chunks` (DecodeTiles.ahead): every load at construction with ahead 0; else chunk c + ahead's load is issued
+    when chunk c is first used, in order, each once (the D = 256 kernel test above has only two chunks)."""
+    issued = []
+    chunks = decode_pallas._Chunks(lambda c: issued.append(c) or ("loads", c), 5, ahead)
+    assert chunks[0] == ("loads", 0) and issued == want
+    assert [chunks[c][1] for c in range(5)] == list(range(5)) and issued == list(range(5)) and len(chunks) == 5
+    with pytest.raises(IndexError):
+        chunks[5]
+
+
 def test_default_tiles_take_mma_where_it_fits(monkeypatch):
     """Five NVFP4 tokens default to e2m1 "mma" at 8 rows per program (measured faster on the H200); one token keeps
     "asm". Test-sized dims the mma layout cannot tile get the one-token decode from the defaults, but an "mma" asked
