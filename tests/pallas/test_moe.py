@@ -438,9 +438,12 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
     f32 = np.asarray(run(dataclasses.replace(tiles, e2m1="f16"), *args), np.float32)
     g = np.asarray(got, np.float32)
     # fp16 partial sums round at 2^-11: a gate / up sum may then round to the other bf16 neighbour, and the down
-    # product carries that flip, so outputs differ by a few bf16 ulps of the layer's output scale
+    # product carries that flip, so outputs differ by a few bf16 ulps of the layer's output scale. The flips are
+    # random, so the bound is statistical: over 60 seeds the worst output was 4.1 ulps (once; 3.7 otherwise), at
+    # most 2% of the outputs past 2 ulps. A wrong scale, sign or slot is tens of ulps on most outputs.
     ulp = np.abs(f32) * 2.0 ** -7 + np.abs(f32).max() * 2.0 ** -10
-    assert np.all(np.abs(g - f32) <= 4 * ulp), np.max(np.abs(g - f32) / ulp)
+    err = np.abs(g - f32) / ulp
+    assert np.max(err) <= 8 and np.mean(err > 2) <= 0.05, (np.max(err), np.mean(err > 2))
     assert np.mean(np.abs(g - f32) <= np.abs(f32) * 2.0 ** -7) > 0.5      # most within one ulp of their own
     big = (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), *args[1:]
     got_big = np.asarray(run(tiles, *big), np.float32)
