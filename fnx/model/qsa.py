@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnx.model.fuse import linear_windows
-from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm, scale
+from fnx.model.ops import F32, HIGHEST, apply_rope, linear, rms_norm, rope_tables, scale
 from fnx.pallas.qsa import api as qsa_api
+from fnx.pallas.qsa import prep as prep_kernel
 
 
 def _scatter_time(cache: jax.Array, new: jax.Array, positions: jax.Array, axis: int) -> jax.Array:
@@ -117,38 +118,74 @@ def _kv_whole(y, hkv: int):
     return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, PartitionSpec()))
 
 
-def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
-              n_valid: jax.Array, impl: str | None = None):
-    """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
-    tokens (K/V and blocks written for padding lie past the valid length and are overwritten later).
-    Calls of L <= 8 tokens (decode, MTP verify) whose `impl` (fnx.pallas.dispatch) resolves to a kernel gather the
-    selected tokens (fnx.pallas.qsa.api; "auto" takes it for KV capacities from qsa_api.KERNEL_MIN_CAPACITY up);
-    otherwise the masked dense attention below, which is the reference.
-    Returns (y [B, L, D], new state, aux {"idx_buf"} for rollback)."""
-    bsz, length, _ = x.shape
+def prep_norms(p: dict) -> tuple:
+    """The four RMSNorm weights of a QSA layer's prep: indexer q, indexer k, q, k."""
+    return p["indexer"]["q_layernorm"], p["indexer"]["k_layernorm"], p["q_norm"], p["k_norm"]
+
+
+def block_rope_tables(pos0: jax.Array, length: int, cfg, dtype):
+    """cos / sin [B, nbuf / cr, rot] at the first positions of the blocks a call of `length` tokens from pos0 touches
+    (`indexer_blocks`' block_ids * cr), as the model's rope_fn computes them."""
+    cr = cfg.indexer_compress_ratio
+    nbuf = cr * (-(-(2 * cr + length) // cr))
+    block_ids = (pos0 // cr)[:, None] + jnp.arange(nbuf // cr, dtype=jnp.int32)
+    return rope_tables(block_ids * cr, cfg.rotary_dim, cfg.rope_theta, dtype)
+
+
+def prep(p: dict, prods: list, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
+         n_valid: jax.Array):
+    """A QSA layer's work between its projections and the block choice (the reference of the `qsa_prep` kernel,
+    fnx.pallas.qsa.prep): prods the outputs of index_qk_proj, q_proj, k_proj, v_proj [B, L, n]. The queries and
+    indexer queries normed and RoPE'd, the new K/V rows and touched blocks written into the state, the new ring.
+    Returns (q [B, L, H, hd], q_idx [B, L, hi, di], new state, buf [B, nbuf, di] for rollback)."""
+    qk, qg, kp, vp = prods
+    bsz, length = qk.shape[:2]
     h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     hi, di = cfg.indexer_n_heads, cfg.indexer_head_dim
     positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
-    capacity = st["k"].shape[2]
-
     ix = p["indexer"]
-    wins = linear_windows(x, p, ("indexer/index_qk_proj", "q_proj", "k_proj", "v_proj"))   # fused or not
-    qk, qg, kp, vp = (w.get() for w in wins)
     q_idx = rms_norm(qk[..., : hi * di].reshape(bsz, length, hi, di), ix["q_layernorm"], cfg.rms_norm_eps)
     q_idx = apply_rope(q_idx, cos, sin)
     kraw = qk[..., hi * di:]
     block_ids, pooled, buf = indexer_blocks(ix, kraw, st["idx_ring"], pos0, rope_fn, cfg)
     ring = ring_after(buf, pos0, n_valid, cfg.indexer_compress_ratio)
     blocks = _scatter_time(st["idx_blocks"], pooled, block_ids, axis=1)
-
-    qg = qg.reshape(bsz, length, h, 2 * hd)
-    q, gate = qg[..., :hd], qg[..., hd:].reshape(bsz, length, h * hd)
+    q = qg.reshape(bsz, length, h, 2 * hd)[..., :hd]
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(_kv_whole(kp, hkv).reshape(bsz, length, hkv, hd), p["k_norm"], cfg.rms_norm_eps)
     v = _kv_whole(vp, hkv).reshape(bsz, length, hkv, hd)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kc = _scatter_time(st["k"], jnp.swapaxes(k, 1, 2), positions, axis=2)
     vc = _scatter_time(st["v"], jnp.swapaxes(v, 1, 2), positions, axis=2)
+    return q, q_idx, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, buf
+
+
+def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
+              n_valid: jax.Array, impl: str | None = None):
+    """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
+    tokens (K/V and blocks written for padding lie past the valid length and are overwritten later).
+    The norms, RoPE and state writes run as `prep` (jnp, the reference) or, for calls of L <= 8 tokens whose
+    op "qsa_prep" resolves to a kernel, as one launch (fnx.pallas.qsa.prep).
+    Calls of L <= 8 tokens (decode, MTP verify) whose `impl` (fnx.pallas.dispatch) resolves to a kernel gather the
+    selected tokens (fnx.pallas.qsa.api; "auto" takes it for KV capacities from qsa_api.KERNEL_MIN_CAPACITY up);
+    otherwise the masked dense attention below, which is the reference.
+    Returns (y [B, L, D], new state, aux {"idx_buf"} for rollback)."""
+    bsz, length, _ = x.shape
+    h, hkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
+    capacity = st["k"].shape[2]
+
+    wins = linear_windows(x, p, ("indexer/index_qk_proj", "q_proj", "k_proj", "v_proj"))   # fused or not
+    why = prep_kernel.why_not(hd, cfg.indexer_head_dim, cos.shape[-1], length, cfg.indexer_compress_ratio)
+    which = qsa_api.prep_backend(impl, why)
+    if which == "reference":
+        q, q_idx, new_st, buf = prep(p, [w.get() for w in wins], st, pos0, cos, sin, rope_fn, cfg, n_valid)
+    else:
+        bcos, bsin = block_rope_tables(pos0, length, cfg, cos.dtype)
+        q, q_idx, new_st, buf = qsa_api.qsa_prep(
+            *[(w.buf, w.start) for w in wins], prep_norms(p), cos, sin, bcos, bsin, pos0, n_valid, st, cfg, which)
+    gate = wins[1].get().reshape(bsz, length, h, 2 * hd)[..., hd:].reshape(bsz, length, h * hd)
+    kc, vc, blocks = new_st["k"], new_st["v"], new_st["idx_blocks"]
 
     dt = x.dtype
     why = None if length <= qsa_api.MAX_DECODE_TOKENS else \
@@ -170,4 +207,4 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
                        preferred_element_type=F32).astype(dt)
         o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
     y = linear(o, p["o_proj"])
-    return y, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, {"idx_buf": buf}
+    return y, new_st, {"idx_buf": buf}

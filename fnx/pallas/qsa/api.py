@@ -109,3 +109,24 @@ def qsa_block_topk(scores: jax.Array, k: int, impl: str | None = None) -> jax.Ar
     if which == "reference":
         return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
     return kernel.qsa_block_topk(scores, k, interpret=dispatch.interpret_flag(which))
+
+
+PREP_OP = "qsa_prep"
+
+
+def prep_backend(impl: str | None = None, not_applicable: str | None = None) -> str:
+    """The backend of a QSA layer's prep (fnx.model.qsa.prep: norms, RoPE, the state's writes) for this call:
+    "reference" (the model's jnp) or a Pallas backend (fnx.pallas.qsa.prep, one launch); not_applicable: why the
+    kernel does not serve the call's shapes (`prep.why_not`)."""
+    return dispatch.resolve(PREP_OP, impl, not_applicable=not_applicable)
+
+
+def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, cfg, backend: str):
+    """`fnx.pallas.qsa.prep.qsa_prep` for a model config, on a Pallas backend from `prep_backend`: the projections
+    as (buffer, start) windows of their products, read in place."""
+    from fnx.pallas.qsa import prep
+    return prep.qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state,
+                         heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                         idx_heads=cfg.indexer_n_heads, idx_dim=cfg.indexer_head_dim,
+                         cr=cfg.indexer_compress_ratio, eps=cfg.rms_norm_eps,
+                         interpret=dispatch.interpret_flag(backend))

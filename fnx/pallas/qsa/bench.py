@@ -8,7 +8,14 @@ query row draws its own blocks here, so at T = 5 the floor is ~5x the T = 1 floo
 blocks, which only helps the kernel (L2 reuse).
 
 Also "qsa_index_scores" (the indexer scoring before top-k): bytes floor = the pooled block keys (NB x 128 x 2 B)
-+ q + the fp32 scores written (L x NB x 4 B); FLOPs = 2 x L x 4 x 128 x NB."""
++ q + the fp32 scores written (L x NB x 4 B); FLOPs = 2 x L x 4 x 128 x NB.
+
+And "qsa_prep" (the norms, RoPE and state writes between the projections and the block choice): "pallas" (one
+launch, fnx.pallas.qsa.prep) against "reference" (the model's jnp, fnx.model.qsa.prep: a dozen XLA kernels). Its
+bytes (the projections read, q, q_idx, the new K/V rows, blocks and ring written: ~60 KB a token) take ~0.02 us
+at 4.3 TB/s, so the launches are its cost. A 256-token cache: neither path's time depends on the capacity, and the
+benchmark's program does not donate its arguments, so each application copies the state it updates first (in
+the model the state is donated)."""
 
 from __future__ import annotations
 
@@ -90,7 +97,7 @@ def cases(quick: bool) -> list[BenchCase]:
                 kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
                 arg_sets=dense_sets, bytes=nbytes, flops=flops,
                 extra=dict(extra, note="model reference path: reads the whole cache")))
-    out += score_cases(quick)
+    out += score_cases(quick) + prep_cases(quick)
     return out
 
 
@@ -113,4 +120,49 @@ def score_cases(quick: bool) -> list[BenchCase]:
                     kernel="qsa_index_scores", shape=f"B=1 T={length} ctx={ctx} blocks={nb}", impl=impl,
                     fn=lambda q, b, p, _impl=impl: api.qsa_index_scores(q, b, p, CR, impl=_impl),
                     arg_sets=arg_sets, bytes=nbytes, flops=2 * length * HI * DI * nb, extra={"ctx": ctx, "T": length}))
+    return out
+
+
+def prep_cases(quick: bool) -> list[BenchCase]:
+    from fnx.config import ModelConfig
+    from fnx.model import qsa
+    from fnx.model.transformer import make_meta
+    from fnx.pallas.qsa import prep
+    cfg = ModelConfig()
+    cap, bf = 256, jnp.bfloat16
+    sizes = (HI * DI + DI, 2 * HQ * HD, HKV * HD, HKV * HD)
+    starts = [int(s) for s in np.cumsum((0,) + sizes[:-1])]
+    out = []
+    for length in (1, 5):
+        nbuf = prep.nbuf_rows(length, CR)
+        nbytes = 2 * length * (sum(sizes) + HQ * HD + HI * DI + 2 * HKV * HD) + 2 * (nbuf + 2 * CR) * DI \
+            + 2 * (nbuf // CR) * DI
+        key = jax.random.PRNGKey(11 + length)
+        arg_sets = []
+        for i in range(2 if quick else 8):
+            ks = jax.random.split(jax.random.fold_in(key, i), 6)
+            prod = jax.random.normal(ks[0], (1, length, sum(sizes)), bf)
+            st = {"k": jax.random.normal(ks[1], (1, HKV, cap, HD), bf),
+                  "v": jax.random.normal(ks[2], (1, HKV, cap, HD), bf),
+                  "idx_blocks": jax.random.normal(ks[3], (1, cap // CR, DI), bf),
+                  "idx_ring": jax.random.normal(ks[4], (1, CR, DI), bf)}
+            norms = tuple(0.1 * jax.random.normal(k, (n,), bf) for k, n in zip(jax.random.split(ks[5], 4),
+                                                                                (DI, DI, HD, HD)))
+            arg_sets.append((prod, norms, st, jnp.asarray([cap // 2 + 3 * i + 1], jnp.int32)))
+
+        def run(prod, norms, st, pos0, _impl, _length=length):
+            meta = make_meta(cfg, pos0, _length, bf)
+            p = {"indexer": {"q_layernorm": norms[0], "k_layernorm": norms[1]}, "q_norm": norms[2],
+                 "k_norm": norms[3]}
+            if _impl == "reference":
+                prods = [prod[..., s:s + n] for s, n in zip(starts, sizes)]
+                return qsa.prep(p, prods, st, pos0, meta["cos"], meta["sin"], meta["rope_fn"], cfg, meta["n_valid"])
+            bcos, bsin = qsa.block_rope_tables(pos0, _length, cfg, bf)
+            return api.qsa_prep(*[(prod, s) for s in starts], norms, meta["cos"], meta["sin"], bcos, bsin, pos0,
+                                meta["n_valid"], st, cfg, _impl)
+        for impl in ("pallas", "reference"):
+            out.append(BenchCase(
+                kernel="qsa_prep", shape=f"B=1 T={length} cap={cap}", impl=impl,
+                fn=lambda *a, _impl=impl, _run=run: _run(*a, _impl), arg_sets=arg_sets, bytes=nbytes,
+                extra={"T": length, "note": "launch-bound: the bytes are ~60 KB a token"}))
     return out
