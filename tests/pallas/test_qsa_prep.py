@@ -204,3 +204,28 @@ def test_prep_lowers_for_cuda_released_shapes(length):
         s["prod"], s["cos"], s["bcos"], s["pos"], s["k"], s["k"], s["blk"], s["ring"], s["nd"], s["ni"]
     ).lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text.lower() and "qsa_prep" in text
+
+
+def test_prep_reads_stacked_norms_in_place():
+    """With stacked params (`fnx.pallas.stacked.LayerRef`, the layout fnx.serve runs on a GPU) the kernel takes
+    the norms' stacks themselves, not a slice (each slice feeding a custom call is a copy kernel of its own), and
+    gives the same bits as with plain arrays."""
+    from fnx.pallas.stacked import LayerRef
+    cfg = _cfg()
+    p, wins, st, pos0, meta = _case(cfg, jnp.bfloat16, 1, 5, (30,), (5,), cap=64, seed=11)
+    norms = qsa.prep_norms(p)
+    stacks = [jnp.stack([n * 0.5, n, n * 2.0]) for n in norms]
+    refs = tuple(LayerRef(s, 1) for s in stacks)
+    bcos, bsin = qsa.block_rope_tables(pos0, 5, cfg, jnp.bfloat16)
+    run = lambda ns, st: api.qsa_prep(*wins, ns, meta["cos"], meta["sin"], bcos, bsin, pos0, meta["n_valid"], st,
+                                      cfg, KERNEL)
+    jaxpr = jax.make_jaxpr(lambda *s: run(tuple(LayerRef(a, 1) for a in s), st))(*stacks).jaxpr
+    calls = [e for e in jaxpr.eqns if "pallas_call" in str(e.primitive)]
+    assert len(calls) == 1
+    shapes = [tuple(v.aval.shape) for v in calls[0].invars]
+    assert all(tuple(s.shape) in shapes for s in stacks), shapes
+    assert not any(str(e.primitive) in ("slice", "dynamic_slice", "squeeze") for e in jaxpr.eqns), jaxpr
+    got = jax.jit(lambda st: run(refs, st))(st)
+    want = jax.jit(lambda st: run(norms, st))(st)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -303,7 +303,7 @@ def test_whole_step_reads_every_stack_in_place(tokens, monkeypatch):
     read, sliced, calls = _kernel_reads(jaxpr, stacks)
     assert not sliced, sliced
     assert len(read) > 0.75 * len(stacks), (len(read), len(stacks))     # the rest: norms and gates, XLA's
-    for kernel in ("fnx_gemv_fp8", "moe_decode_gate_up", "moe_decode_down", "qsa_decode_attention"):
+    for kernel in ("fnx_gemv_fp8", "moe_decode_gate_up", "moe_decode_down", "qsa_decode_attention", "qsa_prep"):
         assert calls.get(kernel), calls
     assert any(k.startswith("hc_down1_fp8" if tokens == 1 else "hc_down_few_fp8") for k in calls), calls
     # 12 layers: 324 argument arrays stacked against 478 unrolled (48 layers: 324 against 1,864)

@@ -152,6 +152,7 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     for the tokens; bcos, bsin [B, nbuf / cr, rot] for the touched blocks' first positions ((pos0 // cr + m) * cr).
     pos0, n_valid [B]. state: {"k", "v" [B, Hkv, T, hd], "idx_blocks" [B, T / cr, di], "idx_ring" [B, cr, di]}.
     Returns (q [B, L, H, hd], q_idx [B, L, hi, di], new state, buf [B, nbuf, di])."""
+    from fnx.pallas import stacked
     from fnx.pallas.kernel_math import window_operand
     kc, vc, blocks, ring = state["k"], state["v"], state["idx_blocks"], state["idx_ring"]
     bsz, hkv, cap, hd = kc.shape
@@ -176,9 +177,10 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     if cos.dtype != dt or bcos.dtype != dt:
         raise ValueError(f"qsa_prep: RoPE tables in {cos.dtype} / {bcos.dtype}, projections in {dt}")
     flat = lambda a: a.reshape(-1)
-    args = [w[0] for w in wins] + [flat(n) for n in norms] + [flat(cos), flat(sin), flat(bcos), flat(bsin),
-                                                              pos0.astype(jnp.int32), n_valid.astype(jnp.int32),
-                                                              flat(ring), flat(kc), flat(vc), flat(blocks)]
+    # the norms may be layers of stacked params (`stacked.LayerRef`): read in place, as the other kernels do
+    args = [w[0] for w in wins] + [stacked.flatten(n) for n in norms]
+    args += [flat(cos), flat(sin), flat(bcos), flat(bsin), pos0.astype(jnp.int32), n_valid.astype(jnp.int32),
+             flat(ring), flat(kc), flat(vc), flat(blocks)]
     nbt = blocks.shape[1]
     out_shape = [jax.ShapeDtypeStruct((bsz * length * h * hd,), dt),
                  jax.ShapeDtypeStruct((bsz * length * hi * di,), dt),
@@ -193,10 +195,10 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
         _kernel, length=length, h=h, hkv=hkv, hd=hd, hi=hi, di=di, rot=rot, cr=cr, cap=cap, nbt=nbt, nbuf=nbuf,
         eps=float(eps), dt=dt, qk_w=wins[0][1], qk_s=wins[0][2], qg_w=wins[1][1], qg_s=wins[1][2],
         kp_w=wins[2][1], kp_s=wins[2][2], vp_w=wins[3][1], vp_s=wins[3][2])
-    q, qi, buf, ring_new, kc2, vc2, blk2 = pl.pallas_call(
-        kern, grid=(bsz, h + hkv + 1), in_specs=[whole] * n_in, out_specs=[whole] * len(out_shape),
+    q, qi, buf, ring_new, kc2, vc2, blk2 = stacked.call(
+        kern, args, grid=(bsz, h + hkv + 1), in_specs=[whole] * n_in, out_specs=[whole] * len(out_shape),
         out_shape=out_shape, input_output_aliases={n_in - 3: 4, n_in - 2: 5, n_in - 1: 6},
-        interpret=interpret, name="qsa_prep", **params)(*args)
+        interpret=interpret, name="qsa_prep", **params)
     st = {"k": kc2.reshape(kc.shape), "v": vc2.reshape(vc.shape), "idx_blocks": blk2.reshape(blocks.shape),
           "idx_ring": ring_new.reshape(ring.shape)}
     return (q.reshape(bsz, length, h, hd), qi.reshape(bsz, length, hi, di), st, buf.reshape(bsz, nbuf, di))
