@@ -38,7 +38,7 @@ def indexer_blocks(p: dict, kraw: jax.Array, ring: jax.Array, pos0: jax.Array, r
     keys, aligned so that row j is token (pos0 // cr) * cr + j)."""
     cr = cfg.indexer_compress_ratio
     bsz, length, di = kraw.shape
-    nbuf = cr * (-(-(2 * cr + length) // cr))
+    nbuf = prep_kernel.nbuf_rows(length, cr)
     buf = jnp.zeros((bsz, nbuf, di), kraw.dtype).at[:, :cr].set(ring)
     buf = jax.vmap(lambda bb, kk, off: lax.dynamic_update_slice(bb, kk, (off, 0)))(buf, kraw, pos0 % cr)
     first_block = pos0 // cr
@@ -127,7 +127,7 @@ def block_rope_tables(pos0: jax.Array, length: int, cfg, dtype):
     """cos / sin [B, nbuf / cr, rot] at the first positions of the blocks a call of `length` tokens from pos0 touches
     (`indexer_blocks`' block_ids * cr), as the model's rope_fn computes them."""
     cr = cfg.indexer_compress_ratio
-    nbuf = cr * (-(-(2 * cr + length) // cr))
+    nbuf = prep_kernel.nbuf_rows(length, cr)
     block_ids = (pos0 // cr)[:, None] + jnp.arange(nbuf // cr, dtype=jnp.int32)
     return rope_tables(block_ids * cr, cfg.rotary_dim, cfg.rope_theta, dtype)
 

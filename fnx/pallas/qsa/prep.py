@@ -23,12 +23,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas.qsa.api import MAX_DECODE_TOKENS as MAX_TOKENS     # decode and the MTP verify window
+
 F32 = jnp.float32
-MAX_TOKENS = 8        # decode and the MTP verify window (the model's qsa_api.MAX_DECODE_TOKENS)
 
 
 def nbuf_rows(length: int, cr: int) -> int:
-    """Rows of the indexer's raw-key buffer for a call of `length` tokens (fnx.model.qsa.indexer_blocks)."""
+    """Rows of the indexer's raw-key buffer for a call of `length` tokens (fnx.model.qsa.indexer_blocks): the ring
+    and the new keys at pos0 % cr fit whatever the phase, in whole blocks."""
     return cr * (-(-(2 * cr + length) // cr))
 
 
