@@ -140,8 +140,8 @@ def test_qsa_layer_runs_the_prep_kernel_when_named(monkeypatch):
         x = jax.random.normal(next(ks), (1, length, d)).astype(dt)
         pos0 = jnp.array([50], jnp.int32)
         meta = make_meta(cfg, pos0, length, dt)
-        run = lambda: qsa.qsa_layer(p, x, st, pos0, meta["cos"], meta["sin"], meta["rope_fn"], cfg,
-                                    meta["n_valid"])
+        run = lambda: jax.jit(lambda x, st: qsa.qsa_layer(p, x, st, pos0, meta["cos"], meta["sin"],
+                                                          meta["rope_fn"], cfg, meta["n_valid"]))(x, st)
         y0, s0, a0 = run()
         calls.clear()
         monkeypatch.setenv("FNX_KERNELS", f"qsa_prep={KERNEL}")
