@@ -660,29 +660,8 @@ def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_pa
     (`snapshots=True`) and `rollback` to 2 and 5 kept tokens, with every GDN layer's window through the
     gdn_window kernel and the rollback's replay through the recurrence kernel (in place over the input state),
     against the reference ops: the logits and the rolled-back states agree (float error; measured ~1e-7)."""
-    import fnx
-    from fnx.model.transformer import rollback, step
-    from fnx.ple import initial_context, ngram_ids
-    from tests.conftest import load_script
-    d = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path / "tiny-b", "tiny-b", seed=1)
-    model = fnx.load(d, dtype=jnp.float32)
-    cfg = model.cfg
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 200, (2, 7)).astype(np.int32)
-    window = jnp.asarray(rng.integers(0, 200, (2, 5)), jnp.int32)
-    st = fnx.new_state(model, 2, 32)
-    _, st = fnx.extend(model, st, prompt)
-    ctx = initial_context(2, model.ngram)
-    ids = ngram_ids(ctx, np.concatenate([prompt, np.asarray(window)], axis=1), model.ngram)[0][:, -5:]
-    ids = jnp.asarray(ids, jnp.int32) if cfg.ple_layer_ids else None
-    n_keep = jnp.asarray([2, 5], jnp.int32)
-
-    def run():
-        jax.clear_caches()
-        lg, full, _, aux = jax.jit(lambda s: step(model.params, s, window, ids, cfg=cfg, snapshots=True,
-                                                  n_valid=jnp.asarray([5, 5], jnp.int32)))(st)
-        return lg, jax.jit(lambda f, a: rollback(cfg, f, a, n_keep))(full, aux)
-
+    from tests.pallas.verify_round import tiny_verify_round
+    run = tiny_verify_round(tmp_path, seed=1, rng_seed=0, prompt_len=7, n_valid=[5, 5], n_keep=[2, 5])
     want_lg, want_st = run()
     monkeypatch.setenv("FNX_KERNELS", f"gdn_window={KERNEL},gdn_decode={KERNEL}")
     got_lg, got_st = run()

@@ -234,32 +234,11 @@ def test_model_verify_and_rollback_through_the_prep_kernel(monkeypatch, tmp_path
     """tiny-b in fp32: a prompt, then a five-token verify window (`snapshots=True`, one row with 4 valid tokens)
     and `rollback` to 2 and 5 kept tokens, with every QSA layer's prep through the kernel, against the model's jnp:
     the logits and every state leaf agree within the norms' reordered sums (measured ~1e-7 of their scale)."""
-    import fnx
-    from fnx.model.transformer import rollback, step
-    from fnx.ple import initial_context, ngram_ids
-    from tests.conftest import load_script
-    d = load_script("make_tiny_checkpoint").write_checkpoint(tmp_path / "tiny-b", "tiny-b", seed=2)
-    model = fnx.load(d, dtype=jnp.float32)
-    cfg = model.cfg
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(0, 200, (2, 9)).astype(np.int32)
-    window = jnp.asarray(rng.integers(0, 200, (2, 5)), jnp.int32)
-    st = fnx.new_state(model, 2, 32)
-    _, st = fnx.extend(model, st, prompt)
-    ctx = initial_context(2, model.ngram)
-    ids = ngram_ids(ctx, np.concatenate([prompt, np.asarray(window)], axis=1), model.ngram)[0][:, -5:]
-    ids = jnp.asarray(ids, jnp.int32) if cfg.ple_layer_ids else None
-    n_keep = jnp.asarray([2, 5], jnp.int32)
+    from tests.pallas.verify_round import tiny_verify_round
+    run = tiny_verify_round(tmp_path, seed=2, rng_seed=1, prompt_len=9, n_valid=[5, 4], n_keep=[2, 5])
     calls = []
     real = prep.qsa_prep
     monkeypatch.setattr(prep, "qsa_prep", lambda *a, **k: calls.append(1) or real(*a, **k))
-
-    def run():
-        jax.clear_caches()
-        lg, full, _, aux = jax.jit(lambda s: step(model.params, s, window, ids, cfg=cfg, snapshots=True,
-                                                  n_valid=jnp.asarray([5, 4], jnp.int32)))(st)
-        return lg, jax.jit(lambda f, a: rollback(cfg, f, a, n_keep))(full, aux)
-
     want_lg, want_st = run()
     assert not calls
     monkeypatch.setenv("FNX_KERNELS", f"qsa_prep={KERNEL}")
