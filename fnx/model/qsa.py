@@ -184,7 +184,6 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         bcos, bsin = block_rope_tables(pos0, length, cfg, cos.dtype)
         q, q_idx, new_st, buf = qsa_api.qsa_prep(
             *[(w.buf, w.start) for w in wins], prep_norms(p), cos, sin, bcos, bsin, pos0, n_valid, st, cfg, which)
-    gate = wins[1].get().reshape(bsz, length, h, 2 * hd)[..., hd:].reshape(bsz, length, h * hd)
     kc, vc, blocks = new_st["k"], new_st["v"], new_st["idx_blocks"]
 
     dt = x.dtype
@@ -205,6 +204,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         probs = jax.nn.softmax(s, axis=-1).astype(dt)
         o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
                        preferred_element_type=F32).astype(dt)
+        gate = wins[1].get().reshape(bsz, length, h, 2 * hd)[..., hd:].reshape(bsz, length, h * hd)
         o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
     y = linear(o, p["o_proj"])
     return y, new_st, {"idx_buf": buf}

@@ -1137,8 +1137,7 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
                "grid (persist 0); 0 issues every chunk's loads first"
     if t.mma2 not in (0, 1, 2) or (t.mma2 and (
             fmts["down_proj"] != "nvfp4" or not one_token or not t.group or t.wround or t.meta or t.tok or t.dot
-            or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or t.cw2 < 128
-            or (t.bn2 // 2) * t.cw2 < 256 * t.num_warps2)):
+            or t.x2d or t.hoist or t.persist2 or t.bn2 < 2 or not _mma_fits(t, t.bn2 // 2, t.cw2, t.num_warps2))):
         return f"tiles {t}: mma2 1 / 2 (kernel 2 on the tensor cores, e2m1 'mma') needs NVFP4 down weights (got " \
                f"{fmts['down_proj']}), M = 1 or flat 1 (got M = {m}), a group > 0, wround 0, meta 0, tok 0, dot 0, " \
                f"x2d 0, hoist 0, persist2 0, cw2 >= 128 and (bn2 / 2) * cw2 >= 256 * num_warps2 (4 consecutive " \
@@ -1237,13 +1236,16 @@ MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_w
 TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
 
 
-def _mma_fits(t) -> bool:
-    """Whether e2m1 "mma"'s operand layout holds for the tiles: its MMA block takes each lane's packed codes as 4
-    consecutive bytes of one row (a quad's lanes on that row), which Triton's layout gives when a program's
-    [bn, cw/2] code tile has at least 4 bytes per lane (bn * cw >= 256 * num_warps) and cw >= 128. Smaller tiles
-    spread fewer bytes per lane and the fragments mix rows: the thirty-second H200 session measured NaN at
-    bn 4, cw 128 on 4 warps (one token), the same layer finite at bn 8 (the interpreter's jnp form cannot see it)."""
-    return t.cw >= 128 and t.bn * t.cw >= 256 * t.num_warps
+def _mma_fits(t, rows: int | None = None, cw: int | None = None, num_warps: int | None = None) -> bool:
+    """Whether e2m1 "mma"'s operand layout holds for a code tile of `rows` x `cw` columns on `num_warps` (default:
+    kernel 1's bn, cw, num_warps of tiles t): its MMA block takes each lane's packed codes as 4 consecutive bytes of
+    one row (a quad's lanes on that row), which Triton's layout gives when the [rows, cw/2] code tile has at least 4
+    bytes per lane (rows * cw >= 256 * num_warps) and cw >= 128. Smaller tiles spread fewer bytes per lane and the
+    fragments mix rows: the thirty-second H200 session measured NaN at bn 4, cw 128 on 4 warps (one token), the
+    same layer finite at bn 8 (the interpreter's jnp form cannot see it)."""
+    rows, cw, num_warps = (t.bn if rows is None else rows, t.cw if cw is None else cw,
+                           t.num_warps if num_warps is None else num_warps)
+    return cw >= 128 and rows * cw >= 256 * num_warps
 
 
 def tiles_override(spec: str, what: str = TOKENS_TILES_ENV) -> dict:
