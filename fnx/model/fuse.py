@@ -172,17 +172,17 @@ def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -
             prods.append(((n,), (None,), _get(p, n)))
     if len(prods) == 2 and linear is None:
         # two products of x (e.g. an FP8 one and a narrow bf16 one): one launch where a kernel pairs them
+        # (each as a window (buffer, start): the several-token pair computes both as columns of one buffer)
         from fnx.model.ops import linear_pair
-        ys = linear_pair(x, prods[0][2], prods[1][2])
+        ys = linear_pair(x, prods[0][2], prods[1][2], windows=True)
     else:
         if linear is None:
             from fnx.model.ops import linear
-        ys = [linear(x, w) for _, _, w in prods]
+        ys = [(linear(x, w), 0) for _, _, w in prods]
     out: dict[str, Window] = {}
-    for (members, sizes, _), y in zip(prods, ys):
-        start = 0
+    for (members, sizes, w), (y, start) in zip(prods, ys):
         for n, size in zip(members, sizes):
-            size = y.shape[-1] if size is None else size
+            size = w.shape[-2] if size is None else size     # a weight [..., out, in]
             out[n] = Window(y, start, size)
             start += size
     return tuple(out[n] for n in names)

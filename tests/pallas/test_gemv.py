@@ -580,6 +580,127 @@ def test_fused_projections_take_the_pair_kernel(monkeypatch):
                                    atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
 
 
+# ---- gemv_pair_many: the pair at several tokens, the narrow rows inside the FP8 kernel's split-K grid -------------
+
+def _pair_many_case(m, n1, n2, k, seed):
+    key = jax.random.PRNGKey(seed)
+    w1, extra, _ = _weights("fp8", n1, k, key)
+    w2, _, _ = _weights("bf16", n2, k, jax.random.fold_in(key, 1))
+    x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), F32).astype(jnp.bfloat16)
+    return x, w1, extra["scale"], w2
+
+
+@pytest.mark.parametrize("m,n2,tiles", [
+    (5, 96, gp.Tiles(64, 128, 2)),                       # the GDN pair's shape class (b + a: 96 rows), split 2
+    (5, 513, gp.Tiles(32, 128, 8, mma="f16")),           # the MoE pair's: 513 rows, one 128-column chunk per slice
+    (3, 13, gp.Tiles(64, 256, 2)),                       # fewer rows than one narrow program
+    (8, 640, gp.Tiles(64, 128, 1)),                      # the QSA pair's indexer rows, unsplit (bf16 written)
+    (2, 40, gp.Tiles(32, 128, 1, mode="dot")),           # whole-K tensor-core tiles
+    (5, 40, gp.Tiles(32, 128, 4, mode="dot", mma="f16")),   # whole-K tiles with split-K
+    (17, 96, gp.Tiles(64, 128, 2)),                      # 32 padded token rows
+    (1, 96, gp.Tiles(64, 128, 2)),
+])
+def test_pair_many_equals_the_two_products(m, n2, tiles):
+    """One product [M, N1 + N2p]: its FP8 columns have the bits of `gemv` with the same tiles (the same kernel body,
+    the same split sum), its narrow columns the fp32 reference's values within one output rounding."""
+    k, n1 = 1024, 256
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    x, w1, s1, w2 = _pair_many_case(m, n1, n2, k, seed)
+    buf = gp.gemv_pair_many(x, w1, s1, w2, tiles=tiles, interpret=INTERPRET)
+    assert buf.shape == (m, n1 + -(-n2 // 16) * 16) and buf.dtype == jnp.bfloat16
+    want1 = gp.gemv(x, w1, s1, fmt="fp8", tiles=tiles, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(buf[:, :n1], F32), np.asarray(want1, F32))
+    y2 = np.asarray(buf[:, n1:n1 + n2], F32)
+    ref2 = np.asarray(reference.linear_f32(x, w2.astype(F32)))
+    err = np.abs(y2 - ref2).max() / np.abs(ref2).max()
+    assert np.all(np.isfinite(y2)) and err <= TOL, (err, f"seed {seed}")
+    # against XLA's bf16 product (what runs apart): one rounding of each output at most
+    xla = np.asarray(ops.linear(x, w2), F32)
+    assert np.all(np.abs(y2 - xla) <= 2 ** -7 * np.abs(xla) + 1e-6 * np.abs(xla).max()), f"seed {seed}"
+
+
+def test_pair_many_refuses_what_it_does_not_serve():
+    x, w1, s1, w2 = _pair_many_case(5, 256, 96, 1024, 0)
+    with pytest.raises(ValueError, match="tensor-core"):
+        gp.gemv_pair_many(x, w1, s1, w2, tiles=gp.Tiles(16, 512, 1, num_stages=1, mode="fma"), interpret=True)
+    with pytest.raises(ValueError, match="narrow"):
+        gp.gemv_pair_many(x, w1, s1, w2.astype(F32), tiles=gp.Tiles(64, 128, 2), interpret=True)
+    with pytest.raises(ValueError, match="narrow"):          # more rows than the few narrow programs are for
+        gp.gemv_pair_many(x, w1, s1, jnp.zeros((2048, 1024), jnp.bfloat16), tiles=gp.Tiles(64, 128, 2),
+                          interpret=True)
+    with pytest.raises(ValueError, match="tokens"):
+        gp.gemv_pair_many(jnp.zeros((33, 1024), jnp.bfloat16), w1, s1, w2, tiles=gp.Tiles(64, 128, 2),
+                          interpret=True)
+    assert gp.pair_many_side(96, 2560, 2) == 256 and gp.pair_many_side(513, 2560, 20) == 128
+    assert gp.pair_many_side(96, 2560, 1) == 512             # an unsplit K of 2,560: five chunks
+    assert gp.pair_many_side(96, 6144, 1) is None            # 6,144 columns a slice: too many loads in flight
+
+
+def test_pair_many_dispatch_and_model_wiring(monkeypatch):
+    """At five tokens with tensor-core FP8 tiles `ops.linear_pair` is op "gemv_pair_many": one launch when FNX_KERNELS
+    names it, both products as windows of its one buffer; the products apart on the reference (and under "auto"
+    until the kernel's compiled tests pass); the one-token op is not asked."""
+    from fnx.model import fuse
+    k = 1024
+    key = jax.random.PRNGKey(11)
+    q = quant.quantize_fp8_block(jax.random.normal(key, (256, k), F32) * k ** -0.5)
+    wb = (jax.random.normal(jax.random.fold_in(key, 1), (96, k), F32) * k ** -0.5).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (1, 5, k), F32).astype(jnp.bfloat16)
+    want = (ops.linear(x, q), ops.linear(x, wb))
+    assert api.pair_op(x.shape, q.w.shape) == "gemv_pair_many" and api.pair_op((1, 1, k), q.w.shape) == "gemv_pair"
+    assert "gemv_pair_many" in dispatch.KNOWN_OPS and "gemv_pair_many" not in dispatch.VERIFIED_ON_GPU
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many={KERNEL}")
+    for order in ((q, wb), (wb, q)):
+        jaxpr = jax.make_jaxpr(lambda x: ops.linear_pair(x, *order))(x)
+        calls = [e for e in jaxpr.jaxpr.eqns if "pallas_call" in str(e)]
+        assert len(calls) == 1 and "fnx_gemv_pair_many" in str(jaxpr), order
+        got = ops.linear_pair(x, *order)
+        got = got if order[0] is q else got[::-1]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            np.testing.assert_allclose(np.asarray(g, F32), np.asarray(w, F32), rtol=2e-2,
+                                       atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
+    (b1, s1), (b2, s2) = ops.linear_pair(x, q, wb, windows=True)
+    assert b1 is b2 and (s1, s2) == (0, 256) and b1.shape[:2] == (1, 5)
+    # the fused GDN projections (qkv + z FP8, b + a bf16): every window into the one buffer
+    rnd = lambda i, n: jax.random.normal(jax.random.fold_in(key, 20 + i), (n, k), F32) * k ** -0.5  # noqa: E731
+    p = {"in_proj_qkv": quant.quantize_fp8_block(rnd(0, 256)), "in_proj_z": quant.quantize_fp8_block(rnd(1, 128)),
+         "in_proj_b": rnd(2, 4).astype(jnp.bfloat16), "in_proj_a": rnd(3, 4).astype(jnp.bfloat16)}
+    names = fuse.GROUPS["linear_attn"]
+    pf = fuse.fuse_sublayer(p, names)
+    wins = fuse.linear_windows(x, pf, names)
+    assert len({id(w.buf) for w in wins}) == 1 and [w.start for w in wins] == [0, 256, 384, 388]
+    for win, n in zip(wins, names):
+        g, w = win.get(), ops.linear(x, p[n])
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g, F32), np.asarray(w, F32), rtol=2e-2,
+                                   atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
+    with pytest.raises(dispatch.NotApplicable, match="narrow"):
+        api.linear_pair(x, q.w, q.scale_inv, jnp.zeros((2048, k), jnp.bfloat16), impl=KERNEL)
+    monkeypatch.setenv("FNX_KERNELS", "gemv_pair_many=reference")
+    for g, w in zip(ops.linear_pair(x, q, wb), want):
+        np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
+    monkeypatch.delenv("FNX_KERNELS")
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: ops.linear_pair(x, q, wb))(x))   # auto: apart
+
+
+def test_pair_many_lowers_for_cuda_at_released_shapes():
+    """The three several-token pairs of the served model at five tokens (the GDN qkv + z with b + a, the QSA
+    q / k / v with the indexer's projection, the MoE's shared gate / up with the router and shared gate logit),
+    with the H200 table's tiles and with the heuristic's."""
+    k = 2560
+    table = api._tuned("nvidia_h200")
+    for n1, n2 in ((16384, 96), (13312, 640), (1280, 513)):
+        tuned = gp.Tiles(**table[f"fp8:{n1}:{k}:8"])
+        for t in (api._many_mma(tuned, "fp8", n1, k, 5), api.tiles_for("fp8", n1, k, 5)):
+            assert t.mode == "loop" and gp.pair_many_side(n2, k, t.split) is not None, t
+            args = (jax.ShapeDtypeStruct((5, k), jnp.bfloat16), jax.ShapeDtypeStruct((n1, k), jnp.float8_e4m3fn),
+                    jax.ShapeDtypeStruct((n1 // 128, k // 128), F32), jax.ShapeDtypeStruct((n2, k), jnp.bfloat16))
+            text = jax.jit(lambda *a: gp.gemv_pair_many(*a, tiles=t)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "fnx_gemv_pair_many_fp8_loop" in text
+
+
 @pytest.mark.parametrize("fmt,tiles", [("fp8", gp.Tiles(16, 512, 1, mode="fma")), ("fp8", gp.Tiles(16, 128, 1, mode="dot")),
                                        ("fp8", gp.Tiles(64, 128, 2)), ("nvfp4", gp.Tiles(64, 128, 2)),
                                        ("bf16", gp.Tiles(16, 128, 1, mode="dot"))])

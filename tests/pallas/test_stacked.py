@@ -151,6 +151,27 @@ def test_pair_reads_layers_of_the_stacks_in_place():
         assert ok, eqns
 
 
+def test_pair_many_reads_layers_of_the_stacks_in_place():
+    """The several-token pair (five tokens, split-K tiles) on layer views: the same bits as on per-layer arrays,
+    and no slice of a stack before the launch."""
+    k, n1, n2 = 1024, 256, 96
+    key = jax.random.PRNGKey(6)
+    per1, (w1s, s1s, _) = _layers("fp8", n1, k, key)
+    per2, (w2s, _, _) = _layers("bf16", n2, k, jax.random.fold_in(key, 7))
+    x = jax.random.normal(jax.random.fold_in(key, 8), (5, k), F32).astype(jnp.bfloat16)
+    t = gp.Tiles(64, 128, 2)
+    for i in range(L):
+        want = gp.gemv_pair_many(x, per1[i][0], per1[i][1], per2[i][0], tiles=t, interpret=INTERPRET)
+
+        def run(x, w1s, s1s, w2s):
+            return gp.gemv_pair_many(x, stacked.LayerRef(w1s, i), stacked.LayerRef(s1s, i),
+                                     stacked.LayerRef(w2s, i), tiles=t, interpret=INTERPRET)
+        got = jax.jit(run)(x, w1s, s1s, w2s)
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+        ok, eqns = _no_slices(run, x, w1s, s1s, w2s)
+        assert ok, eqns
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
 def test_stacked_gemv_lowers_for_cuda_at_released_shapes(fmt):
     """The GDN out_proj (2560 x 6144) of 36 stacked layers, layer 17, at one token: one Triton call on the

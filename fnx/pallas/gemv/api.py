@@ -290,17 +290,76 @@ def pair_tiles(t: gp.Tiles) -> gp.Tiles:
     return t if t.mode == "loop" or t.split == 1 else dataclasses.replace(t, split=1)
 
 
-def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *, impl: str | None = None):
+PAIR_MANY_OP = "gemv_pair_many"
+
+
+def _tokens(x_shape) -> int:
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    return m
+
+
+def pair_op(x_shape, w1_shape) -> str:
+    """Which pair op a call is for: "gemv_pair_many" for 2+ tokens whose FP8 tiles run on the tensor cores ("loop"
+    or "dot": the several-token tiles), "gemv_pair" otherwise (one token; CUDA-core "fma" tiles)."""
+    m = _tokens(x_shape)
+    if m < 2 or len(w1_shape) != 2 or m > MAX_M:
+        return PAIR_OP
+    t = tiles_for("fp8", w1_shape[0], x_shape[-1], m)
+    return PAIR_MANY_OP if t is not None and t.mode != "fma" else PAIR_OP
+
+
+def pair_many_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
+    """None when `gemv_pair_many` (the several-token pair) serves this call, else why not."""
+    if len(w1_shape) != 2 or len(w2_shape) != 2:
+        return "weights with leading axes"
+    if dispatch.active_mesh() is not None:
+        return "params on a mesh (each product runs its own per-shard kernel)"
+    why = kernel_applies(x_shape, x_dtype, "fp8", w1_shape)
+    if why:
+        return f"the FP8 product: {why}"
+    m = _tokens(x_shape)
+    t = tiles_for("fp8", w1_shape[0], x_shape[-1], m)
+    if m < 2 or t.mode == "fma":
+        return f"{m} token(s) with CUDA-core tiles {t}: the one-token pair's case ('gemv_pair')"
+    if jnp.dtype(w2_dtype) != jnp.bfloat16:
+        return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
+    if w2_shape[1] != x_shape[-1] or gp.pair_many_side(w2_shape[0], x_shape[-1], t.split) is None:
+        return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows, each K slice "
+                f"(K={x_shape[-1]} / split {t.split}) in at most 8 power-of-two chunks")
+    return None
+
+
+def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *, impl: str | None = None,
+                windows: bool = False):
     """(x @ dequant(W1).T, x @ W2.T) for an FP8 W1 [N1, K] (128x128 block scales) and a narrow bf16 W2 [N2, K]:
-    at decode shapes one launch (`pallas.gemv_pair`: the FP8 whole-K kernel's programs, then a few programs for
-    the narrow rows); otherwise, and on the "reference" backend, the two products apart, each through `linear`'s
-    own dispatch (the current kernels or XLA). Op "gemv_pair"."""
-    why = pair_applies(x.shape, x.dtype, w1.shape, w2.shape, w2.dtype)
-    backend = dispatch.resolve(PAIR_OP, impl, not_applicable=why)
+    at decode shapes one launch; otherwise, and on the "reference" backend, the two products apart, each through
+    `linear`'s own dispatch (the current kernels or XLA). One token (op "gemv_pair"): `pallas.gemv_pair`, the FP8
+    whole-K kernel's programs, then a few programs for the narrow rows. Several tokens with tensor-core tiles (op
+    "gemv_pair_many"): `pallas.gemv_pair_many`, the narrow rows inside the FP8 kernel's own (split-K) grid, both
+    products columns of one buffer. With `windows` each product comes as (buffer, start column) (a window of that
+    one buffer: no slice between the kernel and the kernels that read the products in place)."""
+    op = pair_op(x.shape, w1.shape)
+    if op == PAIR_MANY_OP:
+        why = pair_many_applies(x.shape, x.dtype, w1.shape, w2.shape, w2.dtype)
+    else:
+        why = pair_applies(x.shape, x.dtype, w1.shape, w2.shape, w2.dtype)
+    backend = dispatch.resolve(op, impl, not_applicable=why)
     if backend == "reference":
-        return linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
+        ys = linear(x, w1, fmt="fp8", scale=scale1), linear(x, w2, fmt="bf16")
+        return tuple((y, 0) for y in ys) if windows else ys
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
+    interpret = dispatch.interpret_flag(backend)
+    if op == PAIR_MANY_OP:
+        n1 = w1.shape[0]
+        buf = gp.gemv_pair_many(x2, w1, scale1, w2, tiles=tiles_for("fp8", n1, k, x2.shape[0]),
+                                interpret=interpret).reshape(*lead, -1)
+        if windows:
+            return (buf, 0), (buf, n1)
+        return buf[..., :n1], buf[..., n1:n1 + w2.shape[0]]
     t = pair_tiles(tiles_for("fp8", w1.shape[0], k, x2.shape[0]))
-    y1, y2 = gp.gemv_pair(x2, w1, scale1, w2, tiles=t, interpret=dispatch.interpret_flag(backend))
-    return y1.reshape(*lead, -1), y2.reshape(*lead, -1)
+    y1, y2 = gp.gemv_pair(x2, w1, scale1, w2, tiles=t, interpret=interpret)
+    ys = y1.reshape(*lead, -1), y2.reshape(*lead, -1)
+    return tuple((y, 0) for y in ys) if windows else ys

@@ -77,30 +77,35 @@ def cases(quick: bool = False, fmts=("bf16", "fp8", "nvfp4"), ms=(1, 8), impls=(
                         extra["tiles"] = [t.bn, t.bk, t.split, t.num_warps, t.num_stages, t.mode]
                     out.append(BenchCase(f"gemv_{fmt}", f"M={m} N={n} K={k}", impl, fn,
                                          [(x, s) for s in sets], per + 2 * m * (k + n), 2 * m * n * k, extra))
-    if tiles is None and only is None and "fp8" in fmts and 1 in ms:
-        out += pair_cases(quick, impls)
+    if tiles is None and only is None and "fp8" in fmts:
+        out += pair_cases(quick, impls, (1, 5))     # the decode step's and the MTP verify window's token counts
     return out
 
 
-def pair_cases(quick: bool, impls) -> list[BenchCase]:
-    """`gemv_pair` at one token over `shapes.PAIRS` (quick: small stand-ins): "pallas" the one-launch pair,
-    "reference" the two products apart through their own dispatch (today's FP8 kernel and XLA's bf16 dot)."""
+def pair_cases(quick: bool, impls, ms=(1,)) -> list[BenchCase]:
+    """The pairs over `shapes.PAIRS` (quick: small stand-ins) at one token (`gemv_pair`) and at five (the MTP verify
+    window, `gemv_pair_many`): "pallas" the one-launch pair, "reference" the two products apart through their own
+    dispatch (today's FP8 kernel and XLA's bf16 dot, with its split-K sum)."""
     out = []
     pairs = [("pair.test", 256, 40, 2048)] if quick else shapes.PAIRS
     for name, n1, n2, k in pairs:
         key = jax.random.PRNGKey(n1 * 7 + n2)
         sets = [(make_weight("fp8", n1, k, jax.random.fold_in(key, i)), make_weight("bf16", n2, k,
                  jax.random.fold_in(key, 100 + i))) for i in range(2 if quick else n_sets(n1 * k + 2 * n2 * k))]
-        x = jax.random.normal(key, (1, k), F32).astype(jnp.bfloat16)
-        nbytes = n1 * k + 4 * (-(-n1 // 128)) * (k // 128) + 2 * n2 * k + 2 * (k + n1 + n2)
-        for impl in impls:
-            if impl != "reference" and api.pair_applies(x.shape, x.dtype, (n1, k), (n2, k), jnp.bfloat16):
-                continue
+        for m in ms:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), F32).astype(jnp.bfloat16)
+            op = api.pair_op(x.shape, (n1, k))
+            nbytes = n1 * k + 4 * (-(-n1 // 128)) * (k // 128) + 2 * n2 * k + 2 * m * (k + n1 + n2)
+            for impl in impls:
+                applies = api.pair_many_applies if op == api.PAIR_MANY_OP else api.pair_applies
+                if impl != "reference" and applies(x.shape, x.dtype, (n1, k), (n2, k), jnp.bfloat16):
+                    continue
 
-            def fn(x, w, impl=impl):
-                a, b = w
-                return api.linear_pair(x, a["w"], a["scale"], b["w"], impl=impl)
+                def fn(x, w, impl=impl):
+                    a, b = w
+                    return api.linear_pair(x, a["w"], a["scale"], b["w"], impl=impl)
 
-            out.append(BenchCase("gemv_pair", f"M=1 N1={n1} N2={n2} K={k}", impl, fn, [(x, w) for w in sets],
-                                 nbytes, 2 * (n1 + n2) * k, {"layer": name, "M": 1, "N1": n1, "N2": n2, "K": k}))
+                extra = {"layer": name, "M": m, "N1": n1, "N2": n2, "K": k}
+                out.append(BenchCase(op, f"M={m} N1={n1} N2={n2} K={k}", impl, fn, [(x, w) for w in sets],
+                                     nbytes, 2 * m * (n1 + n2) * k, extra))
     return out

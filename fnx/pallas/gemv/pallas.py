@@ -179,14 +179,16 @@ def _xrows(x_ref, mp: int, c0, width: int):
     return x_ref[rows, cols]
 
 
-def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool, mp: int):
+def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool, mp: int, n=None, s=None):
     outs = rest[-2:] if argmax else rest[-1:]
     rest = rest[:len(rest) - len(outs)]
     if fmt == "fp8":
         (s_ref,) = rest
     elif fmt == "nvfp4":
         x2_ref, sc_ref, g_ref = rest
-    n, s = pl.program_id(0), pl.program_id(1)
+    # n, s given: a caller that read the program ids outside a branch (gemv_pair_many)
+    n = pl.program_id(0) if n is None else n
+    s = pl.program_id(1) if s is None else s
     steps = k // t.bk // t.split
     row0 = n * t.bn
 
@@ -238,7 +240,8 @@ def _chunk_width(fmt: str, t: Tiles) -> int:
     return 128 if fmt == "fp8" and t.mode == "dot" and t.bk > 128 else t.bk
 
 
-def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None):
+def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None,
+                 ks=None):
     """One program: `t.rows` row tiles of BN output rows, each over the whole K axis. A tile's K/BK chunk loads are
     unrolled and all issued before its arithmetic (a looped program waits one DRAM latency per step); with
     several row tiles the next tile's loads are issued before the current tile's arithmetic. FP8: a tile's rows
@@ -248,7 +251,8 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
     outs = rest[-2:] if argmax else rest[-1:]
     s_ref = rest[0] if fmt == "fp8" else None
     prog = pl.program_id(0) if n is None else n   # given: a caller that read it outside a branch (gemv_pair)
-    ks = pl.program_id(1) if t.split > 1 else 0   # the K slice (split-K over whole-K programs)
+    if ks is None:
+        ks = pl.program_id(1) if t.split > 1 else 0   # the K slice (split-K over whole-K programs)
     mp = _padded_m(m, t.mode)
     cw = _chunk_width(fmt, t)
     nk = k // t.split // cw
@@ -489,3 +493,100 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
         name=f"fnx_gemv_pair_fp8_{t.mode}",
     )
     return y1[0, :m], y2.reshape(m, n2)
+
+
+# ---- the pair at several tokens (an MTP verify window) ------------------------------------------------------------
+#
+# At M > 1 the FP8 products' tuned tiles run on the tensor cores and mostly loop over K with split-K (grid (N1 / BN,
+# S), fp32 partials summed by one XLA fusion), which `gemv_pair`'s one-axis grid cannot hold; apart, the narrow
+# product is an XLA split-K product plus its own sum (two launches of ~2-3.5 us per layer at five tokens, H200).
+# `gemv_pair_many` puts the narrow rows into the FP8 kernel's own grid: the first ceil(N2 / 16) program rows each
+# multiply 16 rows of the bf16 weight by the tokens on the tensor cores ([16, cw] x [cw, 16] per chunk, all of their
+# K slice's chunks loaded first), over the same K slice s as the FP8 programs beside them, into the same output:
+# columns [N1, N1 + N2) of one product [S, Mp, N1 + N2p] (N2p: N2 rounded up to 16; the columns past N2 are never
+# read). So the FP8 product's split sum (one XLA fusion) sums both, and the two products reach their consumers as
+# windows of one buffer (the kernels read them in place).
+
+PAIR_MANY_BN2 = 16          # narrow rows per program: the MMA's columns (tl.dot's minimum)
+PAIR_MANY_MAX_M = 32
+
+
+def pair_many_side(n2: int, k: int, split: int) -> int | None:
+    """The narrow product's chunk width in the several-token pair (each program: 16 rows of one K slice of
+    K / split columns, all chunks loaded first; at most 8 chunks and 4,096 columns per slice), or None when none
+    fits."""
+    if split < 1 or k % split or n2 > PAIR_SIDE_MAX_N or n2 < 1:
+        return None
+    ks = k // split
+    if ks > 4096:
+        return None
+    cw = next((c for c in (512, 256, 128, 64, 32, 16) if ks % c == 0 and ks // c <= 8), None)
+    return cw
+
+
+def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, out_ref, *, t: Tiles, k: int, m: int, mp: int, n1: int,
+                      n2: int, n2_prog: int, cw2: int, out_dtype):
+    pid = pl.program_id(0)          # the program ids are read here, outside the branches
+    s = pl.program_id(1) if t.mode == "loop" or t.split > 1 else 0
+
+    @pl.when(pid >= n2_prog)
+    def _():
+        if t.mode == "loop":
+            _kernel(x_ref, w1_ref, s1_ref, out_ref, fmt="fp8", t=t, k=k, out_dtype=out_dtype, argmax=False, mp=mp,
+                    n=pid - n2_prog, s=s)
+        else:
+            _wide_kernel(x_ref, w1_ref, s1_ref, out_ref, fmt="fp8", t=t, k=k, m=m, out_dtype=out_dtype,
+                         argmax=False, n=pid - n2_prog, ks=s)
+
+    @pl.when(pid < n2_prog)
+    def _():
+        bn2 = PAIR_MANY_BN2
+        ks = k // t.split
+        k0 = s * ks
+        # rows past N2 repeat row N2 - 1 (in bounds, no masked loads): their columns are padding, never read
+        rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (bn2, cw2), 0) + pid * bn2, n2 - 1)
+        cols = lax.broadcasted_iota(jnp.int32, (bn2, cw2), 1) + k0
+        ws = [w2_ref[rows, cols + j * cw2] for j in range(ks // cw2)]           # weights first: [16, CW2] bf16
+        acc = jnp.zeros((mp, bn2), F32)
+        for j, w in enumerate(ws):
+            acc = acc + _mm(_xrows(x_ref, mp, k0 + j * cw2, cw2), w, 0)
+        out_ref[s, :, pl.ds(n1 + pid * bn2, bn2)] = acc.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
+    """x @ [dequant(W1); W2].T in one launch for 2..32 tokens: x [M, K], W1 float8_e4m3fn [N1, K] with its 128x128
+    block scales under tensor-core tiles ("loop" or "dot", any split), W2 bf16 [N2, K] with N2 <= PAIR_SIDE_MAX_N.
+    Returns one product [M, N1 + N2p] in x.dtype: columns [0, N1) the FP8 product, [N1, N1 + N2) the narrow one
+    (N2p = N2 rounded up to 16; the rest padding)."""
+    m, k = x.shape
+    n1, n2 = w1.shape[0], w2.shape[0]
+    t = tiles
+    why = check_tiles("fp8", n1, k, t)
+    if why or t.mode == "fma":
+        raise ValueError(f"gemv_pair_many: the FP8 product N={n1} K={k} needs tensor-core tiles ('loop' or "
+                         f"'dot'): {why or t}")
+    if not 1 <= m <= PAIR_MANY_MAX_M:
+        raise ValueError(f"gemv_pair_many serves 1..{PAIR_MANY_MAX_M} tokens, not {m}")
+    cw2 = pair_many_side(n2, k, t.split)
+    if cw2 is None or w2.shape[1] != k or w2.dtype != BF16 or w1.shape[1] != k:
+        raise ValueError(f"gemv_pair_many: the narrow product must be bf16 [N2 <= {PAIR_SIDE_MAX_N}, K={k}] with "
+                         f"K / split={t.split} in at most 8 power-of-two chunks; got {w2.dtype} {tuple(w2.shape)}")
+    mp = _padded_m(m, t.mode)
+    n2_prog = -(-n2 // PAIR_MANY_BN2)   # first in the grid: they start with the first wave
+    width = n1 + n2_prog * PAIR_MANY_BN2
+    out_dtype = x.dtype if t.split == 1 else F32
+    two_axes = t.mode == "loop" or t.split > 1
+    out = stacked.call(
+        functools.partial(_pair_many_kernel, t=t, k=k, m=m, mp=mp, n1=n1, n2=n2, n2_prog=n2_prog, cw2=cw2,
+                          out_dtype=out_dtype),
+        (x.astype(BF16), w1, stacked.astype(scale1, F32), w2),
+        out_shape=jax.ShapeDtypeStruct((t.split, mp, width), out_dtype),
+        grid=(n2_prog + n1 // (t.bn * t.rows),) + ((t.split,) if two_axes else ()),
+        compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret,
+        name=f"fnx_gemv_pair_many_fp8_{t.mode}",
+    )
+    if t.split == 1:
+        return out[0, :m]
+    return jnp.sum(out[:, :m], axis=0).astype(x.dtype)

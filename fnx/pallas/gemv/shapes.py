@@ -26,10 +26,12 @@ FUSED = [
     ("fused.ple_kv", 12800, 2560),
 ]
 
-# a layer's FP8 product and its narrow bf16 one, run together by `gemv_pair` at one token: (name, N1, N2, K)
+# a layer's FP8 product and its narrow bf16 one, run together by `gemv_pair` at one token and by `gemv_pair_many` at
+# several: (name, N1, N2, K)
 PAIRS = [
     ("pair.gdn_qkvz+ba", 16384, 96, 2560),
     ("pair.shared_gate_up+router", 1280, 513, 2560),
+    ("pair.qsa_qkv+indexer", 13312, 640, 2560),
 ]
 
 # small shapes of every class the kernels distinguish (wide, narrow N = 48, K not a multiple of 128, split-K)
