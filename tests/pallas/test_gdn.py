@@ -316,6 +316,64 @@ def test_model_decode_feeds_the_fused_products_to_the_step_kernel_unsliced():
     assert not [v for e in calls for v in e.invars if id(v) in sliced]
 
 
+def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
+    """The verify window of a GDN layer with FP8 qkv + z and bf16 b / a (the online-FP8 layout) in bf16: with the
+    several-token pair on, the four input products come from one launch as windows of one buffer, that buffer
+    reaches the window kernel unsliced, and the layer's outputs and states match the products apart."""
+    from types import SimpleNamespace
+
+    from fnx.model import fuse, gdn, quant
+    from fnx.pallas import dispatch
+    hk, hv, dk, dv, d, length = 2, 4, 64, 32, 256, 5        # qkv 384 and z 128 rows: whole FP8 blocks
+    cfg = SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                          linear_value_head_dim=dv, rms_norm_eps=1e-6, output_gate_type="sigmoid")
+    kw = step_inputs(seed(), bsz=2, hk=hk, hv=hv, dk=dk, dv=dv, n_valid=(5, 3), dtype=jnp.bfloat16)
+    c = kw["qkv"].shape[2]
+    ks = jax.random.split(jax.random.key(7), 5)
+    w = lambda k, n, m=d: jax.random.normal(k, (n, m)) * m ** -0.5  # noqa: E731
+    p = {"in_proj_qkv": quant.quantize_fp8_block(w(ks[0], c)), "in_proj_z": quant.quantize_fp8_block(w(ks[1], hv * dv)),
+         "in_proj_b": w(ks[2], hv).astype(jnp.bfloat16), "in_proj_a": w(ks[3], hv).astype(jnp.bfloat16),
+         "conv1d": kw["conv_w"], "A_log": kw["a_log"], "dt_bias": kw["dt_bias"], "norm": kw["norm_w"],
+         "out_proj": w(ks[4], d, hv * dv).astype(jnp.bfloat16)}
+    pf = fuse.fuse_sublayer(p, fuse.GROUPS["linear_attn"])
+    assert sum(k.startswith(fuse.PREFIX) for k in pf) == 2
+    x = jax.random.normal(jax.random.key(8), (2, length, d)).astype(jnp.bfloat16)
+    nv = jnp.asarray([5, 3], jnp.int32)
+    run = jax.jit(lambda q: gdn.gdn_layer(q, x, kw["conv_state"], kw["rec"], cfg, nv, snapshots=True)[:3])
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many={KERNEL},gdn_window={KERNEL},gemv_fp8={KERNEL}")
+    jax.clear_caches()
+    eqns = jax.make_jaxpr(lambda q: gdn.gdn_layer(q, x, kw["conv_state"], kw["rec"], cfg, nv,
+                                                  snapshots=True)[0])(pf).jaxpr.eqns
+
+    def kernels(eqs):
+        for e in eqs:
+            if e.primitive.name == "pallas_call":
+                yield str(e.params.get("name", ""))
+            for sub in ("jaxpr", "call_jaxpr"):
+                if sub in e.params:
+                    yield from kernels(getattr(e.params[sub], "jaxpr", e.params[sub]).eqns)
+    names = list(kernels(eqns))
+    assert names.count("fnx_gemv_pair_many_fp8_loop") == 1 and "fnx_gemv_fp8" not in names, names
+    # the window kernel's qkv / z / b / a operands: the pair's one (summed) product, through reshapes only
+    made = {v: e for e in eqns for v in e.outvars}
+    window = [e for e in eqns if e.primitive.name == "pallas_call" and "gdn_window" in str(e.params.get("name"))]
+    sources = set()
+    for v in window[0].invars:
+        e = made.get(v)
+        while e is not None and e.primitive.name == "reshape":
+            e = made.get(e.invars[0])
+        if e is not None and "fnx_gemv_pair_many_fp8_loop" in list(kernels([e])):
+            sources.add(id(e))
+    assert len(sources) == 1, names
+    got = run(pf)
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many=reference,gdn_window={KERNEL},gemv_fp8={KERNEL}")
+    jax.clear_caches()
+    want = run(pf)
+    for g, wnt in zip(got, want):
+        g, wnt = np.asarray(g, np.float32), np.asarray(wnt, np.float32)
+        assert np.abs(g - wnt).max() <= 3e-2 * np.abs(wnt).max(), np.abs(g - wnt).max() / np.abs(wnt).max()
+
+
 def test_step_padding_slot_leaves_both_states_exactly():
     kw = step_inputs(seed(), n_valid=(0, 0, 1))
     _, c, s = _step(KERNEL, kw)
