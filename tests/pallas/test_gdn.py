@@ -323,7 +323,6 @@ def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
     from types import SimpleNamespace
 
     from fnx.model import fuse, gdn, quant
-    from fnx.pallas import dispatch
     hk, hv, dk, dv, d, length = 2, 4, 64, 32, 256, 5        # qkv 384 and z 128 rows: whole FP8 blocks
     cfg = SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
                           linear_value_head_dim=dv, rms_norm_eps=1e-6, output_gate_type="sigmoid")
