@@ -83,18 +83,22 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | 
     return jnp.moveaxis(o, 1, 2), state
 
 
-def rec_after(aux: dict, n_keep: jax.Array) -> jax.Array:
+def rec_after(aux: dict, n_keep: jax.Array, conv_width: int | None = None):
     """The recurrent state after the first n_keep [B] tokens of a `snapshots` call: the window re-run from its
     input state with the tokens past n_keep made no-ops (g = 0: no decay, beta = 0: no write). The kept tokens
     repeat the verify call's arithmetic exactly and a no-op token leaves the state bit for bit, so this equals
-    the state a token-by-token run would hold after n_keep tokens."""
+    the state a token-by-token run would hold after n_keep tokens. With `conv_width` W (aux holds "conv_x"):
+    (rec, conv state after n_keep [B, W, C]), the conv rows copied by the replay's own programs where op
+    "gdn_replay_conv" is on (else `window_after`)."""
     k = aux["k"]
     # the mask in the kernel (n_keep), the state alone (want_o=False: no q . S reduction or o store per token),
     # written over rec0's buffer (inplace: rec0 is dead after the replay; the verify program donates the state, so
     # the result lands in the state's own buffer instead of a new one copied back)
-    _, rec = gdn_recurrent(k, k, aux["v"], aux["g"], aux["beta"], aux["rec0"], scale=k.shape[-1] ** -0.5,
-                           qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep, want_o=False, inplace=True)
-    return rec
+    conv = None if conv_width is None else (aux["conv_x"], conv_width)
+    res = gdn_recurrent(k, k, aux["v"], aux["g"], aux["beta"], aux["rec0"], scale=k.shape[-1] ** -0.5,
+                        qk_l2norm=True, out_dtype=aux["v"].dtype, n_keep=n_keep, want_o=False, inplace=True,
+                        conv=conv)
+    return res[1] if conv is None else (res[1], res[-1])
 
 
 def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array, cfg, n_valid: jax.Array,

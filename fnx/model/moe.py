@@ -167,11 +167,15 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         backend = _decode_backend(p, xt, top_k, None if impl == "decode" else "pallas_interpret")
         if backend != "reference":
             lw, gw, uw, sw = wins
-            w, idx = moe_kernels.route(lw.buf, top_k, norm_topk_prob, xt.dtype, impl=backend,
-                                       cols=(lw.start, lw.size))
+            # where the decode kernels take their activations as fp16 pairs (e2m1 "mma"), the router makes them
+            # (its programs write them where op "moe_route_acts" is on; else one XLA fusion, as before)
+            takes = moe_kernels.decode_takes_activations(xt, top_k, ex["gate_up_proj"], ex["down_proj"],
+                                                         p["shared_expert"]["down_proj"])
+            w, idx, *acts = moe_kernels.route(lw.buf, top_k, norm_topk_prob, xt.dtype, impl=backend,
+                                              cols=(lw.start, lw.size), acts_of=xt if takes else None)
             y = moe_kernels.decode(xt, w, idx, ex["gate_up_proj"], ex["down_proj"], (gw.buf, gw.start),
                                    (uw.buf, uw.start), (sw.buf, sw.start), p["shared_expert"]["down_proj"],
-                                   impl=backend)
+                                   impl=backend, x_acts=acts[0] if acts else None)
             return y.reshape(shape), lw.get().reshape(*shape[:-1], -1), idx.reshape(*shape[:-1], top_k)
         impl = "gather"
     logits, s_gate, s_up, s_sig = (w_.get() for w_ in wins)

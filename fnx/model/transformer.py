@@ -462,13 +462,11 @@ def rollback(cfg: ModelConfig, state: dict, aux: dict, n_keep: jax.Array) -> dic
     def fix(st, ax, scanned):
         st = dict(st)
         if "rec" in st:
-            rec_aux = {key: ax[key] for key in ("rec0", "k", "v", "g", "beta")}
-            if scanned:
-                st["rec"] = jax.vmap(lambda a: gdn.rec_after(a, n_keep))(rec_aux)
-                st["conv"] = jax.vmap(lambda cx: gdn.window_after(cx, n_keep, st["conv"].shape[-2]))(ax["conv_x"])
-            else:
-                st["rec"] = gdn.rec_after(rec_aux, n_keep)
-                st["conv"] = gdn.window_after(ax["conv_x"], n_keep, st["conv"].shape[-2])
+            # the replay of the kept tokens, and the conv state after them (copied by the replay's kernel where
+            # op "gdn_replay_conv" is on, else a gather of its own)
+            rec_aux = {key: ax[key] for key in ("rec0", "k", "v", "g", "beta", "conv_x")}
+            after = lambda a: gdn.rec_after(a, n_keep, st["conv"].shape[-2])  # noqa: E731
+            st["rec"], st["conv"] = jax.vmap(after)(rec_aux) if scanned else after(rec_aux)
         if "idx_ring" in st:
             f = lambda buf: qsa.ring_after(buf, pos0, n_keep, cr)  # noqa: E731
             st["idx_ring"] = jax.vmap(f)(ax["idx_buf"]) if scanned else f(ax["idx_buf"])

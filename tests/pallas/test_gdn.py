@@ -178,6 +178,7 @@ def test_non_power_of_two_heads():
                                                          (1, 1, "norm", 16, 48, 128, 128),
                                                          (8, 5, True, 16, 48, 128, 128),
                                                          (1, 5, "n_keep", 16, 48, 128, 128),
+                                                         (4, 5, "conv", 16, 48, 128, 128),
                                                          (2, 5, True, 2, 6, 8, 8)])    # tiny-d's heads
 def test_lowers_for_cuda(bsz, length, keep, hk, hv, dk, dv):
     """The Pallas -> Triton lowering (compute capability 9.0) at the released heads (16 key / 48 value of 128)."""
@@ -195,6 +196,10 @@ def test_lowers_for_cuda(bsz, length, keep, hk, hv, dk, dv):
         args += (sds((bsz,), jnp.int32),)
         f = lambda *a: kernel.gdn_recurrent(*a[:6], out_dtype=jnp.bfloat16, n_keep=a[6], want_o=False,  # noqa
                                             **KW)
+    elif keep == "conv":    # the replay copying the conv state after the kept tokens (conv_dim 10240, 3 taps back)
+        args += (sds((bsz,), jnp.int32), sds((bsz, 3 + length, 2 * hk * dk + hv * dv), jnp.bfloat16))
+        f = lambda *a: kernel.gdn_recurrent(*a[:6], out_dtype=jnp.bfloat16, n_keep=a[6], want_o=False,  # noqa
+                                            inplace=True, conv=(a[7], 3), **KW)
     else:
         f = lambda *a: kernel.gdn_recurrent(*a, keep, steps_with_initial=keep, inplace=not keep,  # noqa: E731
                                             out_dtype=jnp.bfloat16, scale=dk ** -0.5, qk_l2norm=True)
@@ -677,6 +682,37 @@ def test_window_rollback_equals_a_shorter_window():
     assert not np.asarray(p0["g"]).any() and not np.asarray(p0["beta"]).any()
 
 
+def test_replay_copies_the_conv_rows_after_the_kept_tokens(monkeypatch):
+    """Op "gdn_replay_conv": the rollback replay's programs also copy the conv state after n_keep (the rows
+    [n_keep, n_keep + W) of the window's conv input), with the bits of `window_after`, for every n_keep of the
+    window and a padding slot; the replayed state is the one without the copy. Under "auto" the copy stays the
+    separate gather until the kernel's compiled tests pass."""
+    from fnx.model.gdn import rec_after
+    from fnx.pallas import dispatch
+    kw = window_inputs(seed(), n_valid=(5, 0, 5))
+    _, _, _, parts = _window(KERNEL, kw)
+    hist = kw["conv_state"].shape[1]
+    aux = dict(parts, rec0=kw["rec"])
+    assert "gdn_replay_conv" in dispatch.KNOWN_OPS and "gdn_replay_conv" not in dispatch.VERIFIED_ON_GPU
+    monkeypatch.setenv("FNX_KERNELS", f"gdn_decode={KERNEL},gdn_replay_conv={KERNEL}")
+    jax.clear_caches()
+    fold = jax.jit(lambda a, n: rec_after(a, n, hist))
+    text = str(jax.make_jaxpr(lambda a, n: rec_after(a, n, hist))(aux, jnp.zeros((3,), jnp.int32)))
+    assert "gather" not in text and "dynamic_slice" not in text          # the copy is in the kernel
+    for n in range(6):
+        n_keep = jnp.asarray([n, 0, 5 - n], jnp.int32)
+        rec, conv = fold(aux, n_keep)
+        np.testing.assert_array_equal(np.asarray(conv), np.asarray(reference.window_after(parts["conv_x"], n_keep,
+                                                                                        hist)))
+        np.testing.assert_array_equal(np.asarray(rec), np.asarray(jax.jit(rec_after)(aux, n_keep)))
+    monkeypatch.setenv("FNX_KERNELS", f"gdn_decode={KERNEL},gdn_replay_conv=reference")
+    jax.clear_caches()
+    assert "gather" in str(jax.make_jaxpr(lambda a, n: rec_after(a, n, hist))(aux, jnp.zeros((3,), jnp.int32)))
+    with pytest.raises(ValueError, match="conv"):
+        api.gdn_recurrent(parts["k"], parts["k"], parts["v"], parts["g"], parts["beta"], kw["rec"], impl=KERNEL,
+                          conv=(parts["conv_x"], hist))                  # the copy needs n_keep
+
+
 def test_window_bad_inputs_are_clear_errors():
     kw = window_inputs(jax.random.key(0))
     call = lambda **over: api.gdn_window(**dict(kw, **over), impl="reference", key_heads=2, eps=1e-6,  # noqa
@@ -720,7 +756,8 @@ def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_pa
     from tests.pallas.verify_round import tiny_verify_round
     run = tiny_verify_round(tmp_path, seed=1, rng_seed=0, prompt_len=7, n_valid=[5, 5], n_keep=[2, 5])
     want_lg, want_st = run()
-    monkeypatch.setenv("FNX_KERNELS", f"gdn_window={KERNEL},gdn_decode={KERNEL}")
+    # the conv state after the kept tokens copied by the replay kernel (op gdn_replay_conv) too
+    monkeypatch.setenv("FNX_KERNELS", f"gdn_window={KERNEL},gdn_decode={KERNEL},gdn_replay_conv={KERNEL}")
     got_lg, got_st = run()
     monkeypatch.delenv("FNX_KERNELS")
     jax.clear_caches()

@@ -264,6 +264,11 @@ def test_lowers_for_cuda():
         lowered = jax.jit(layer).trace(spec((n_exp, 2 * inter, d), fmt), spec((n_exp, d, inter), fmt),
                                        S((m, d), BF16), S((m, n_exp), BF16)).lower(lowering_platforms=("cuda",))
         assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3, fmt
+    # the router writing the decode kernels' e2m1 "mma" activations too, its logits read in place in the fused
+    # product (the shared expert's gate / up, 1,280 columns, first)
+    acts = jax.jit(lambda lg, x: routing_pallas.route(lg, top_k, True, cols=(1280, n_exp), acts_of=x)).trace(
+        S((m, 1280 + 528), BF16), S((m, d), BF16)).lower(lowering_platforms=("cuda",))
+    assert acts.as_text().count("__gpu$xla.gpu.triton") == 1
 
 
 # ---- the fused decode layer (decode_pallas: experts + combine + shared expert in two launches) --------------------
@@ -587,6 +592,67 @@ def test_decode_mma_activations(m, bn, cw):
     np.testing.assert_array_equal(hi, (xs[:, 1::2] / down[:, None]).astype(np.float16).astype(np.float32))
     top = np.abs(xs).max(axis=1) / down                          # the row max lands in [2^14, 2^15)
     assert np.all((top >= 2.0 ** 14) & (top < 2.0 ** 15)), top
+
+
+@pytest.mark.parametrize("m,d", [(5, 2560), (1, 256), (3, 96)])
+def test_route_writes_the_mma_activations(m, d):
+    """`route(..., acts_of=x)`: the router's programs (one token each) also write `mma_activations(x)` with its bits
+    (large values, a tiny one, a row of zeros), and the routing is the one without it."""
+    from fnx.pallas.moe import routing_pallas
+    x = (jax.random.normal(_key(70 + m), (m, d), jnp.float32) * 300.0).astype(BF16).at[0, 5].set(1e-4)
+    x = x.at[m - 1].set(0) if m > 1 else x
+    logits = jax.random.normal(_key(71), (m, E), jnp.float32)
+    w, ids, acts = routing_pallas.route(logits, K, True, interpret=INTERPRET, acts_of=x)
+    w0, ids0 = routing_pallas.route(logits, K, True, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(acts), np.asarray(decode_pallas.mma_activations(x)))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids0))
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(w0))
+    with pytest.raises(ValueError, match="block_m"):
+        routing_pallas.route(logits, K, True, interpret=True, acts_of=x, block_m=2) if m > 1 else \
+            routing_pallas.route(logits, K, True, interpret=True, acts_of=x[:, :40])
+
+
+def test_route_acts_dispatch_and_the_decode_taking_them(monkeypatch):
+    """Op "moe_route_acts": the activations from the router kernel (named) or from the XLA fusion (the reference,
+    and "auto" until the compiled tests pass) are the same bits, and the decode kernels given them (e2m1 "mma", five
+    flat tokens) return the bits they return computing them; the model's block passes the router's to the decode
+    launch (no fusion of its own between the two)."""
+    args = list(_decode_args("nvfp4", 5, 145, shared_fmt="nvfp4"))
+    x = args[0]
+    tiles = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=1, e2m1="mma", bn=8, cw=128)
+    logits = jax.random.normal(_key(72), (5, E), jnp.float32).astype(BF16)
+    assert "moe_route_acts" in dispatch.KNOWN_OPS and "moe_route_acts" not in dispatch.VERIFIED_ON_GPU
+    assert api.decode_takes_activations(x, K, *args[3:5], args[8], tiles=tiles)
+    assert not api.decode_takes_activations(x, K, *args[3:5], args[8], tiles=dataclasses.replace(tiles, e2m1="f16"))
+    monkeypatch.setenv("FNX_KERNELS", f"moe_route={KERNEL},moe_route_acts={KERNEL}")
+    w, ids, acts = api.route(logits, K, True, BF16, acts_of=x)
+    jaxpr = str(jax.make_jaxpr(lambda lg, x: api.route(lg, K, True, BF16, acts_of=x))(logits, x))
+    assert "concatenate" not in jaxpr and jaxpr.count("pallas_call") == 1
+    monkeypatch.setenv("FNX_KERNELS", f"moe_route={KERNEL},moe_route_acts=reference")
+    w2, ids2, acts2 = api.route(logits, K, True, BF16, acts_of=x)
+    np.testing.assert_array_equal(np.asarray(acts), np.asarray(acts2))
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids2))
+    monkeypatch.delenv("FNX_KERNELS")
+    args[1], args[2] = w, ids
+    run = jax.jit(lambda acts, *a: api.decode(*a, impl=KERNEL, tiles=tiles, x_acts=acts))
+    got = run(acts, *args)
+    want = jax.jit(lambda *a: api.decode(*a, impl=KERNEL, tiles=tiles))(*args)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    with pytest.raises(ValueError, match="x_acts"):
+        api.decode(*args, impl=KERNEL, tiles=tiles, x_acts=acts[:, :-1])
+    # the model's block at five tokens with those tiles: the router's activations reach the gate / up kernel
+    monkeypatch.setenv(decode_pallas.TOKENS_TILES_ENV, "group=1,acc=1,wround=0,flat=1,e2m1=mma,bn=8,cw=128")
+    monkeypatch.setenv("FNX_KERNELS", f"moe_route_acts={KERNEL}")
+    p, xb = _block_params(*_weights("nvfp4", 146), _key(147), (1, 5, D))
+    impl = "decode" if KERNEL == "pallas" else "decode_interpret"
+    block = lambda q, x: moe.moe_block(q, x, K, True, impl=impl)[0]    # noqa: E731
+    text = str(jax.make_jaxpr(block)(p, xb))
+    assert "moe_route" in text and "concatenate" not in text, "the activations' XLA fusion is still there"
+    y = jax.jit(block)(p, xb)
+    monkeypatch.setenv("FNX_KERNELS", "moe_route_acts=reference")
+    jax.clear_caches()
+    assert "concatenate" in str(jax.make_jaxpr(block)(p, xb))
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(jax.jit(block)(p, xb)).view(np.uint16))
 
 
 def test_e2m1_f16_codes():

@@ -17,9 +17,13 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+REPLAY_CONV_OP = "gdn_replay_conv"
+
+
 def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str | None = None, *,
                   scale: float | None = None, qk_l2norm: bool = False, steps_with_initial: bool = False,
-                  out_dtype=F32, inplace: bool = False, tiles=None, norm=None, n_keep=None, want_o: bool = True):
+                  out_dtype=F32, inplace: bool = False, tiles=None, norm=None, n_keep=None, want_o: bool = True,
+                  conv=None):
     """Run T tokens of the gated delta rule on an fp32 state, token by token.
 
     q, k [B, T, HK, dk] (any float dtype); v [B, T, HV, dv]; g (log decay), beta [B, T, HV] fp32;
@@ -38,6 +42,10 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
     the kernel: no select kernels in front of it), as the rollback's replay of a verify window needs.
     want_o False: the state alone (the replay discards o): the kernel skips each token's q . S reduction and o's
     store, and None is returned in o's place (not with norm).
+    conv: None or (conv_x [B, W + T, C], W) with n_keep (the rollback's replay): the conv state after the kept
+    tokens, rows [n_keep, n_keep + W) of conv_x, is returned last [B, W, C]. Op "gdn_replay_conv" (with the kernel
+    here on a Pallas backend) has the replay's programs copy it; otherwise it is `reference.window_after`, an XLA
+    gather of its own.
     impl: None/"auto", "reference", "pallas", "pallas_interpret" (fnx.pallas.dispatch)."""
     bsz, length, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -58,11 +66,21 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
         raise ValueError("gdn_recurrent: a gated norm applies to o, which want_o=False does not compute")
     if n_keep is not None and tuple(n_keep.shape) != (bsz,):
         raise ValueError(f"gdn_recurrent: n_keep {tuple(n_keep.shape)} must be [B] = {(bsz,)}")
+    if conv is not None and (n_keep is None or keep_steps or len(conv) != 2 or conv[0].ndim != 3
+                             or conv[0].shape[:2] != (bsz, conv[1] + length)):
+        raise ValueError("gdn_recurrent: conv must be (conv_x [B, W + T, C], W) for the rollback's replay (n_keep "
+                         f"given, no per-step states); got {None if conv is None else tuple(conv[0].shape)}")
     why = None                                        # the Triton lowering's tensors are powers of two
     if not (_is_pow2(dk) and _is_pow2(dv)):
         why = f"the kernel needs power-of-two head dims (dk={dk}, dv={dv})"
     backend = dispatch.resolve(OP, impl, not_applicable=why,
                                prefer_reference=ONE_TOKEN_REASON if length == 1 else None)
+    fold = None
+    if conv is not None:    # the conv copy in the replay's programs, or the reference's gather after the kernel
+        conv_backend = dispatch.resolve(REPLAY_CONV_OP, None, not_applicable=(
+            f"the replay runs the reference (op {OP})" if backend == "reference" else None))
+        fold = conv if conv_backend != "reference" else None
+    after = () if conv is None or fold is not None else (reference.window_after(conv[0], n_keep, conv[1]),)
     if backend == "reference":
         if n_keep is not None:
             keep = (jnp.arange(length)[None, :] < n_keep[:, None])[..., None]          # [B, T, 1]
@@ -70,14 +88,14 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, impl: str |
         res = reference.gdn_recurrent(q, k, v, g, beta, state, keep_steps, scale=scale, qk_l2norm=qk_l2norm,
                                       steps_with_initial=steps_with_initial, out_dtype=out_dtype,
                                       norm=norm)
-        return res if want_o else (None,) + tuple(res[1:])
+        return (res if want_o else (None,) + tuple(res[1:])) + after
     from fnx.pallas.gdn import pallas as kernel
     if tiles is not None and (not _is_pow2(tiles.block_v) or dv % tiles.block_v):
         raise ValueError(f"gdn_recurrent: block_v={tiles.block_v} must be a power of two dividing dv={dv}")
     return kernel.gdn_recurrent(q, k, v, g.astype(F32), beta.astype(F32), state, keep_steps, scale=scale,
                                 qk_l2norm=qk_l2norm, steps_with_initial=steps_with_initial, out_dtype=out_dtype,
                                 inplace=inplace, tiles=tiles, interpret=dispatch.interpret_flag(backend),
-                                norm=norm, n_keep=n_keep, want_o=want_o)
+                                norm=norm, n_keep=n_keep, want_o=want_o, conv=fold) + after
 
 
 # "auto" and the recurrence kernel, by measurement on the H200: for one token it gave no gain in the whole step

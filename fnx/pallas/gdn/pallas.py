@@ -52,16 +52,21 @@ def _gated_norm(o, z, w, eps, act, dt):
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps, with_initial, qk_l2norm,
-            scale, unroll, norm, masked, want_o=True):
+            scale, unroll, norm, masked, want_o=True, conv=None):
     if norm is not None:
         z_ref, w_ref, refs = refs[0], refs[1], refs[2:]
     nk = None
     if masked:                                              # tokens t >= n_keep[b]: g = 0, beta = 0 (no-ops)
         nk, refs = refs[0][0], refs[1:]
+    cx_ref = None
+    if conv is not None:                                    # the conv window's rows after n_keep (`_copy_conv`)
+        cx_ref, refs = refs[0], refs[1:]
     if not want_o:                                          # the state alone: no q . S reduction, no o store
         refs = (None,) + tuple(refs)
     o_ref, sout_ref = refs[0], refs[1]
     steps_ref = refs[2] if keep_steps else None
+    if cx_ref is not None:
+        _copy_conv(cx_ref, refs[-1], nk, conv)
     off = 1 if with_initial else 0
     s = s_ref[0, 0, :, :]                                   # [dk, BV] fp32
     if keep_steps and with_initial:
@@ -102,16 +107,34 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, *refs, length, keep_steps,
     sout_ref[0, 0, :, :] = s
 
 
+def _copy_conv(cx_ref, out_ref, nk, conv):
+    """Rollback's conv state, copied by the replay's programs: rows [n_keep, n_keep + W) of the window's conv input
+    conv_x [B, W + T, C] (flat refs) into the state [B, W, C]. Program (b, h, j) of the grid (B, HV, dv / BV) copies
+    columns [p CW, (p + 1) CW) of each row, p = h * (dv / BV) + j (the columns past C masked)."""
+    width, span, chans, cw = conv
+    b = pl.program_id(0)
+    p = pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)
+    cols = p * cw + jnp.arange(cw, dtype=jnp.int32)
+    ok = cols < chans
+    for r in range(width):
+        src = (b * span + nk + r) * chans + cols
+        row = pltriton.load(cx_ref.at[src], mask=ok, other=0.0)
+        pltriton.store(out_ref.at[(b * width + r) * chans + cols], row, mask=ok)
+
+
 def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: float | None = None,
                   qk_l2norm: bool = False, steps_with_initial: bool = False, out_dtype=F32, inplace: bool = False,
                   tiles: Tiles | None = None, interpret: bool = False, norm=None, n_keep=None,
-                  want_o: bool = True):
+                  want_o: bool = True, conv=None):
     """See `fnx.pallas.gdn.api.gdn_recurrent`; shapes are checked there. norm: None or (z [B, T, HV, dv],
     weight [dv], eps, act): the gated RMSNorm on o, in-kernel when tiles.fuse_norm (needs BV = dv). n_keep: None
     or [B] int32: tokens t >= n_keep[b] made no-ops in the kernel. want_o False: o is neither computed nor
-    written (None is returned in its place)."""
+    written (None is returned in its place). conv: None or (conv_x [B, W + T, C], W) with n_keep: the programs also
+    copy rows [n_keep, n_keep + W) of conv_x (the conv state after the kept tokens), returned last [B, W, C]."""
     if not want_o and norm is not None:
         raise ValueError("gdn_recurrent: a gated norm applies to o, which want_o=False does not compute")
+    if conv is not None and (n_keep is None or keep_steps):
+        raise ValueError("gdn_recurrent: the conv copy is the rollback replay's (n_keep given, no per-step states)")
     bsz, length, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     rep = hv // hk
@@ -147,16 +170,33 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
     if n_keep is not None:
         in_specs.append(pl.BlockSpec((1,), lambda b, h, j: (b,)))
         operands.append(n_keep.astype(jnp.int32))
+    conv_meta = None
+    if conv is not None:
+        conv_x, width = conv
+        cb, span, chans = conv_x.shape
+        if cb != bsz or span != width + length:
+            raise ValueError(f"gdn_recurrent: conv_x {tuple(conv_x.shape)} must be [B={bsz}, W + T={width + length}, "
+                             "C]")
+        programs = hv * (dv // bv)
+        cw = max(16, 1 << (-(-chans // programs) - 1).bit_length())     # columns per program, a power of two
+        conv_meta = (width, span, chans, cw)
+        in_specs.append(pl.BlockSpec((conv_x.size,), lambda b, h, j: (0,)))
+        operands.append(conv_x.reshape(-1))
+        out_specs.append(pl.BlockSpec((bsz * width * chans,), lambda b, h, j: (0,)))
+        out_shape.append(jax.ShapeDtypeStruct((bsz * width * chans,), conv_x.dtype))
     kernel = functools.partial(_kernel, length=length, keep_steps=keep_steps, with_initial=steps_with_initial,
                                qk_l2norm=qk_l2norm, scale=scale, unroll=t.unroll,
                                norm=None if norm is None else (float(norm[2]), norm[3]), masked=n_keep is not None,
-                               want_o=want_o)
+                               want_o=want_o, conv=conv_meta)
     res = stacked.call(     # the norm weight may be a layer of a stack (fnx.pallas.stacked): read in place
         kernel, operands, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases=({5: 1 if want_o else 0} if inplace else {}),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret, name="gdn_recurrent",
     )
+    res = list(res)
+    if conv is not None:
+        res[-1] = res[-1].reshape(bsz, conv[1], -1)
     return tuple(res) if want_o else (None,) + tuple(res)
 
 

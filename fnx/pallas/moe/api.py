@@ -21,23 +21,49 @@ MAX_DECODE_TOKENS = experts_pallas.MAX_TOKENS
 MAX_FUSED_TOKENS = decode_pallas.MAX_TOKENS
 
 
+ROUTE_ACTS_OP = "moe_route_acts"
+
+
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl: str | None = None,
-          cols: tuple[int, int] | None = None):
+          cols: tuple[int, int] | None = None, acts_of: jax.Array | None = None):
     """Router logits [T, E] -> (weights [T, K] `dtype` (default logits.dtype), expert ids [T, K] int32):
     fp32 softmax, top-k with ties to the lowest id, optional renormalisation. `cols` (start, E): the logits are
-    those columns of a wider product [T, W] (the kernel reads them in place; the reference slices)."""
+    those columns of a wider product [T, W] (the kernel reads them in place; the reference slices).
+    acts_of: x [T, D] (the MoE's input): also returns, third, `decode_pallas.mma_activations(x)` (the decode
+    kernels' e2m1 "mma" operand). Op "moe_route_acts" (with the router kernel on a Pallas backend) has the router's
+    programs write it; otherwise it is an XLA fusion of its own, as when the decode launch computes it."""
     t, e = logits.shape[0], (cols[1] if cols is not None else logits.shape[1])
     why = None
     if t > routing_pallas.MAX_TOKENS or e > routing_pallas.MAX_EXPERTS:
         why = f"the Pallas router takes T <= {routing_pallas.MAX_TOKENS} and E <= {routing_pallas.MAX_EXPERTS}; " \
               f"got T={t}, E={e}"
     backend = dispatch.resolve("moe_route", impl, not_applicable=why)
+    fold = False
+    if acts_of is not None:
+        if acts_of.ndim != 2 or acts_of.shape[0] != t:
+            raise ValueError(f"route: acts_of {tuple(acts_of.shape)} must be [T={t}, D]")
+        d = acts_of.shape[1]
+        not_here = (f"the router runs the reference (op moe_route)" if backend == "reference" else
+                    f"D={d} is not a multiple of 32" if routing_pallas.acts_chunk(d) is None else None)
+        fold = dispatch.resolve(ROUTE_ACTS_OP, None, not_applicable=not_here) != "reference"
+    after = () if acts_of is None or fold else (decode_pallas.mma_activations(acts_of),)
     if backend == "reference":
         if cols is not None:
             logits = kernel_math.take_window(logits, cols[0], cols[1])
-        return reference.route(logits, top_k, norm_topk_prob, dtype)
+        return reference.route(logits, top_k, norm_topk_prob, dtype) + after
     return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
-                                cols=None if cols is None else tuple(cols))
+                                cols=None if cols is None else tuple(cols),
+                                acts_of=acts_of if fold else None) + after
+
+
+def decode_takes_activations(x, top_k: int, gate_up, down, shared_down,
+                             tiles: decode_pallas.DecodeTiles | None = None) -> bool:
+    """Whether the decode kernels for this call take their activations as `mma_activations` (e2m1 "mma"), which
+    `route(..., acts_of=x)` can make."""
+    m, d = x.shape
+    t = tiles or decode_pallas.default_tiles(d, down.shape[-1], shared_down.shape[-1],
+                                             reference.weight_format(gate_up), m)
+    return t.e2m1 in decode_pallas.MMA_DECODES
 
 
 def experts(gate_up, down, x: jax.Array, idx: jax.Array, impl: str | None = None,
@@ -102,12 +128,14 @@ def decode_backend(x, top_k: int, gate_up, down, shared_down, impl: str | None =
 
 
 def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str | None = None,
-           tiles: decode_pallas.DecodeTiles | None = None) -> jax.Array:
+           tiles: decode_pallas.DecodeTiles | None = None, x_acts: jax.Array | None = None) -> jax.Array:
     """The MoE block after its router, op "moe_decode": x [M, D], routing weights w [M, K] and ids [M, K], the
     shared expert's gate / up projections [M, I_s] and gate logit [M, 1], expert weights gate_up [E, 2I, D] and
     down [E, D, I], shared_down [D, I_s] -> [M, D] (x.dtype). Pallas: two launches (fnx.pallas.moe.decode_pallas:
     M <= 8 tokens; bf16 / fp32, FP8-block or NVFP4 weights); reference: reference.decode. Each of s_gate, s_up,
-    s_sig may be a window (buffer [M, W], start column) into a wider product, which the kernel reads in place."""
+    s_sig may be a window (buffer [M, W], start column) into a wider product, which the kernel reads in place.
+    x_acts: `decode_pallas.mma_activations(x)` made already (by the router: `route(..., acts_of=x)`), used where
+    the kernels take it (e2m1 "mma") instead of computing it again."""
     backend = decode_backend(x, ids.shape[1], gate_up, down, shared_down, impl, tiles)
     if backend == "reference":
         i_s = shared_down.shape[-1]
@@ -116,7 +144,7 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
         gate_up, down, shared_down = stacked.materialize_tree((gate_up, down, shared_down))
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
-                                    interpret=dispatch.interpret_flag(backend), tiles=tiles)
+                                    interpret=dispatch.interpret_flag(backend), tiles=tiles, x_acts=x_acts)
 
 
 # Expert formats whose prefill blocks run the Pallas kernels under "auto", by measurement on the H200 (released

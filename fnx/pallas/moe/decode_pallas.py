@@ -70,6 +70,7 @@ FORMATS = ("dense", "fp8_block", "nvfp4")
 E2M1_DECODES = ("int", "f16", "asm", "asmq", "asmi", "hfma", "hfmab", "mma")
 _HFMA = ("hfma", "hfma_jnp", "hfmab", "hfmab_jnp")     # "_jnp": the interpreter's form of the PTX block
 _MMA = ("mma", "mma_jnp")
+MMA_DECODES = _MMA      # the decodes whose kernel 1 takes `mma_activations(x)` as its activation operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1306,10 +1307,11 @@ def window_array(a, size: int, m: int) -> jax.Array:
 
 
 def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, interpret: bool = False,
-               tiles: DecodeTiles | None = None) -> jax.Array:
+               tiles: DecodeTiles | None = None, x_acts=None) -> jax.Array:
     """x [M, D]; w [M, K] (x.dtype), ids [M, K] int32; s_gate, s_up [M, I_s], s_sig [M, 1] (x.dtype), each an
     array or a window (buffer [M, W], start column) read in place; gate_up [E, 2I, D], down [E, D, I], shared_down
-    [D, I_s] -> the MoE block's output [M, D] (x.dtype)."""
+    [D, I_s] -> the MoE block's output [M, D] (x.dtype). x_acts: `mma_activations(x)` made already (the router's
+    programs can write it), taken by e2m1 "mma" instead of its own XLA fusion; other decodes ignore it."""
     m, d = x.shape
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
@@ -1338,7 +1340,9 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     x2d = bool(tiles.x2d)
     x_in = pair_columns(x, tiles.cw) if x2d and fmt1 == "nvfp4" else x     # NVFP4 x2d: each chunk's halves contiguous
     if tiles.e2m1 in _MMA:  # e2m1 "mma": the fp16 activation pairs and each token's 2^-s, once for every program
-        x_in = mma_activations(x)
+        if x_acts is not None and x_acts.shape != (m, d // 2 + 1):
+            raise ValueError(f"moe_decode: x_acts {tuple(x_acts.shape)} must be mma_activations(x) [{m}, {d // 2 + 1}]")
+        x_in = mma_activations(x) if x_acts is None else x_acts
     act_pair = tiles.cw2 if x2d and fmt2 == "nvfp4" else 0
     act_shape = jax.ShapeDtypeStruct((n_slots, km, inter), dt)
     meta_shapes = (jax.ShapeDtypeStruct((n_slots,), jnp.int32), jax.ShapeDtypeStruct((n_slots * m,), jnp.int32),

@@ -10,8 +10,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from fnx.pallas import kernel_math
 
 F32 = jnp.float32
 MAX_TOKENS = 64
@@ -27,8 +30,33 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _route_kernel(logits_ref, w_ref, ids_ref, *, m, e, c0, k, norm, bm, be, bk):
+def _acts_row(x_ref, acts_ref, r, d: int, cw: int):
+    """Row r of `decode_pallas.mma_activations(x)` (the MoE's e2m1 "mma" activation operand): x' = x * 2^s
+    (`kernel_math.hfma_prescale` of the row's max |x|) as fp16 pairs {x'[2p], x'[2p + 1]} in uint32 words, and the
+    fp32 bits of 2^-s in the last column. x read in chunks of cw columns (even and odd ones as two strided loads)."""
+    mx = None
+    for c in range(d // cw):
+        t = jnp.max(jnp.abs(x_ref[r, pl.ds(c * cw, cw)].astype(F32)))
+        mx = t if mx is None else jnp.maximum(mx, t)
+    up, down = kernel_math.hfma_prescale(mx)
+    to16 = lambda v: (v.astype(F32) * up).astype(jnp.float16).astype(F32)  # noqa: E731
+    for c in range(d // cw):
+        even, odd = (to16(x_ref[r, pl.ds(c * cw + h, cw // 2, stride=2)]) for h in (0, 1))
+        acts_ref[r, pl.ds(c * cw // 2, cw // 2)] = kernel_math.hfma_pairs(even, odd)
+    # the scale's word: a 16-wide store masked to its one column (the row's last)
+    col = d // 2 + jnp.arange(16, dtype=jnp.int32)
+    word = jnp.full((16,), lax.bitcast_convert_type(down, jnp.uint32), jnp.uint32)
+    plgpu.store(acts_ref.at[r, col], word, mask=col == d // 2)
+
+
+def _route_kernel(logits_ref, *refs, m, e, c0, k, norm, bm, be, bk, acts=None):
+    if acts is not None:
+        x_ref, w_ref, ids_ref, acts_ref = refs
+    else:
+        w_ref, ids_ref = refs
     r0 = pl.program_id(0) * bm
+    if acts is not None:        # one row per program (bm = 1): the activation operand of the row's token
+        _acts_row(x_ref, acts_ref, r0, *acts)
     rows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, be), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (bm, be), 1)
     valid = (rows < m) & (cols < e)
@@ -57,13 +85,21 @@ def _route_kernel(logits_ref, w_ref, ids_ref, *, m, e, c0, k, norm, bm, be, bk):
     plgpu.store(ids_ref.at[pl.ds(r0, bm), pl.ds(0, bk)], id_out, mask=out_mask)
 
 
+def acts_chunk(d: int) -> int | None:
+    """The columns per chunk the router's programs read a token's activations in (`_acts_row`): the largest power
+    of two up to 512 dividing D (at least 32), or None."""
+    return next((c for c in (512, 256, 128, 64, 32) if d % c == 0), None)
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "dtype", "interpret", "block_m",
                                              "num_warps", "cols"))
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, interpret: bool = False,
-          block_m: int = BLOCK_M, num_warps: int = 4, cols: tuple[int, int] | None = None):
+          block_m: int = BLOCK_M, num_warps: int = 4, cols: tuple[int, int] | None = None, acts_of=None):
     """logits [M, E] -> (weights [M, K] `dtype`, ids [M, K] int32), as reference.route; programs of `block_m`
     rows (a power of two), one launch. `cols` (start, E): the logits are those columns of a wider product
-    [M, W], read in place."""
+    [M, W], read in place. `acts_of`: x [M, D] (one row per program): the programs also write
+    `decode_pallas.mma_activations(x)` [M, D / 2 + 1] uint32 (the decode kernels' e2m1 "mma" operand), returned
+    third, in place of an XLA fusion of its own."""
     m, w_cols = logits.shape
     c0, e = cols if cols is not None else (0, w_cols)
     if c0 < 0 or e <= 0 or c0 + e > w_cols:
@@ -73,12 +109,22 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, inter
                                   f"experts and top_k <= E; got M={m}, E={e}, top_k={top_k}; use the reference")
     dtype = jnp.dtype(dtype or logits.dtype)
     bm, be, bk = min(_pow2(m), _pow2(block_m)), _pow2(e), _pow2(top_k)
-    kernel = functools.partial(_route_kernel, m=m, e=e, c0=c0, k=top_k, norm=norm_topk_prob, bm=bm, be=be, bk=bk)
+    out_shape = [jax.ShapeDtypeStruct((m, top_k), dtype), jax.ShapeDtypeStruct((m, top_k), jnp.int32)]
+    acts, args = None, (logits,)
+    if acts_of is not None:
+        d = acts_of.shape[-1]
+        if acts_of.shape != (m, d) or bm != 1 or acts_chunk(d) is None:
+            raise ValueError(f"route: acts_of {tuple(acts_of.shape)} must be [M={m}, D] with D a multiple of 32, one "
+                             f"row per program (block_m 1, got {block_m})")
+        acts, args = (d, acts_chunk(d)), (logits, acts_of)
+        out_shape.append(jax.ShapeDtypeStruct((m, d // 2 + 1), jnp.uint32))
+    kernel = functools.partial(_route_kernel, m=m, e=e, c0=c0, k=top_k, norm=norm_topk_prob, bm=bm, be=be, bk=bk,
+                               acts=acts)
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((m, top_k), dtype), jax.ShapeDtypeStruct((m, top_k), jnp.int32)),
+        out_shape=tuple(out_shape),
         grid=(pl.cdiv(m, bm),),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="moe_route",
-    )(logits)
+    )(*args)
