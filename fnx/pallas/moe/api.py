@@ -43,7 +43,7 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl:
         if acts_of.ndim != 2 or acts_of.shape[0] != t:
             raise ValueError(f"route: acts_of {tuple(acts_of.shape)} must be [T={t}, D]")
         d = acts_of.shape[1]
-        not_here = (f"the router runs the reference (op moe_route)" if backend == "reference" else
+        not_here = ("the router runs the reference (op moe_route)" if backend == "reference" else
                     f"D={d} is not a multiple of 32" if routing_pallas.acts_chunk(d) is None else None)
         fold = dispatch.resolve(ROUTE_ACTS_OP, None, not_applicable=not_here) != "reference"
     after = () if acts_of is None or fold else (decode_pallas.mma_activations(acts_of),)
