@@ -12,6 +12,7 @@ Run:
     python scripts/sass_count.py nvfp4 5 x2d=1,e2m1=asmq # DecodeTiles fields replaced (`tiles_override` syntax)
     python scripts/sass_count.py fp8 5 mma=bf16 --gemv 16384x2560   # a GEMV: the tiles M runs (`tiles_for`),
                                                          # Tiles fields replaced; a K loop's body counted apart
+    python scripts/sass_count.py fp8 5 --gemv 16384x2560 --pair 96   # the several-token pair (gemv_pair_many)
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def gemv_kernels(fmt: str, m: int, n: int, k: int, tiles) -> list[tuple[str, int
     return _launches(jax.jit(fn).trace(S((m, k), BF16), *raw).lower(lowering_platforms=("cuda",)))
 
 
+def pair_kernels(m: int, n1: int, n2: int, k: int, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.gemv.pallas.gemv_pair_many` (an FP8 [N1, K] product and a bf16 [N2, K] one)."""
+    from fnx.pallas.gemv import pallas as gp
+    raw = [S((n1, k), jnp.float8_e4m3fn), S((-(-n1 // 128), -(-k // 128)), jnp.float32), S((n2, k), BF16)]
+    fn = functools.partial(gp.gemv_pair_many, tiles=tiles)
+    return _launches(jax.jit(fn).trace(S((m, k), BF16), *raw).lower(lowering_platforms=("cuda",)))
+
+
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
@@ -98,6 +107,8 @@ def main() -> None:
     ap.add_argument("fields", nargs="?", default="", help="DecodeTiles (or with --gemv, Tiles) fields to replace: "
                                                            "name=value,...")
     ap.add_argument("--gemv", default=None, metavar="NxK", help="count a GEMV kernel of this weight shape instead")
+    ap.add_argument("--pair", default=None, type=int, metavar="N2",
+                    help="with --gemv (fp8): the several-token pair with a bf16 product of N2 rows instead")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -112,7 +123,8 @@ def main() -> None:
         if args.fields:
             tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, gp.Tiles, "fields",
                                                                          ("dec", "mode", "mma")))
-        launches = gemv_kernels(args.fmt, args.m, n, k, tiles)
+        launches = (gemv_kernels(args.fmt, args.m, n, k, tiles) if args.pair is None
+                    else pair_kernels(args.m, n, args.pair, k, tiles))
     else:
         tiles = decode_pallas.default_tiles(2560, 640, 640, FMT[args.fmt], args.m)
         tiles = dataclasses.replace(tiles, **decode_pallas.tiles_override(args.fields, "fields"))

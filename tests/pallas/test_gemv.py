@@ -632,8 +632,8 @@ def test_pair_many_refuses_what_it_does_not_serve():
         gp.gemv_pair_many(jnp.zeros((33, 1024), jnp.bfloat16), w1, s1, w2, tiles=gp.Tiles(64, 128, 2),
                           interpret=True)
     assert gp.pair_many_side(96, 2560, 2) == 256 and gp.pair_many_side(513, 2560, 20) == 128
-    assert gp.pair_many_side(96, 2560, 1) == 512             # an unsplit K of 2,560: five chunks
-    assert gp.pair_many_side(96, 6144, 1) is None            # 6,144 columns a slice: too many loads in flight
+    assert gp.pair_many_side(96, 2560, 1) == 256             # an unsplit K of 2,560: ten chunks
+    assert gp.pair_many_side(96, 24, 1) is None              # no power-of-two chunk of 16+ columns divides K
 
 
 def test_pair_many_dispatch_and_model_wiring(monkeypatch):

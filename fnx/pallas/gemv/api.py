@@ -327,7 +327,7 @@ def pair_many_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | N
         return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
     if w2_shape[1] != x_shape[-1] or gp.pair_many_side(w2_shape[0], x_shape[-1], t.split) is None:
         return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows, each K slice "
-                f"(K={x_shape[-1]} / split {t.split}) in at most 8 power-of-two chunks")
+                f"(K={x_shape[-1]} / split {t.split}) in at most 64 power-of-two chunks")
     return None
 
 

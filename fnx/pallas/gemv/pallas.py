@@ -501,27 +501,23 @@ def gemv_pair(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
 # S), fp32 partials summed by one XLA fusion), which `gemv_pair`'s one-axis grid cannot hold; apart, the narrow
 # product is an XLA split-K product plus its own sum (two launches of ~2-3.5 us per layer at five tokens, H200).
 # `gemv_pair_many` puts the narrow rows into the FP8 kernel's own grid: the first ceil(N2 / 16) program rows each
-# multiply 16 rows of the bf16 weight by the tokens on the tensor cores ([16, cw] x [cw, 16] per chunk, all of their
-# K slice's chunks loaded first), over the same K slice s as the FP8 programs beside them, into the same output:
+# multiply 16 rows of the bf16 weight by the tokens in fp32 (a loop over their K slice's chunks), over the same K
+# slice s as the FP8 programs beside them, into the same output:
 # columns [N1, N1 + N2) of one product [S, Mp, N1 + N2p] (N2p: N2 rounded up to 16; the columns past N2 are never
 # read). So the FP8 product's split sum (one XLA fusion) sums both, and the two products reach their consumers as
 # windows of one buffer (the kernels read them in place).
 
-PAIR_MANY_BN2 = 16          # narrow rows per program: the MMA's columns (tl.dot's minimum)
+PAIR_MANY_BN2 = 16          # narrow rows per program
 PAIR_MANY_MAX_M = 32
 
 
 def pair_many_side(n2: int, k: int, split: int) -> int | None:
     """The narrow product's chunk width in the several-token pair (each program: 16 rows of one K slice of
-    K / split columns, all chunks loaded first; at most 8 chunks and 4,096 columns per slice), or None when none
-    fits."""
+    K / split columns, walked in chunks of up to 256 columns, at most 64 of them), or None when none fits."""
     if split < 1 or k % split or n2 > PAIR_SIDE_MAX_N or n2 < 1:
         return None
     ks = k // split
-    if ks > 4096:
-        return None
-    cw = next((c for c in (512, 256, 128, 64, 32, 16) if ks % c == 0 and ks // c <= 8), None)
-    return cw
+    return next((c for c in (256, 128, 64, 32, 16) if ks % c == 0 and ks // c <= 64), None)
 
 
 def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, out_ref, *, t: Tiles, k: int, m: int, mp: int, n1: int,
@@ -546,10 +542,19 @@ def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, out_ref, *, t: Tiles, k: in
         # rows past N2 repeat row N2 - 1 (in bounds, no masked loads): their columns are padding, never read
         rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (bn2, cw2), 0) + pid * bn2, n2 - 1)
         cols = lax.broadcasted_iota(jnp.int32, (bn2, cw2), 1) + k0
-        ws = [w2_ref[rows, cols + j * cw2] for j in range(ks // cw2)]           # weights first: [16, CW2] bf16
-        acc = jnp.zeros((mp, bn2), F32)
-        for j, w in enumerate(ws):
-            acc = acc + _mm(_xrows(x_ref, mp, k0 + j * cw2, cw2), w, 0)
+
+        trow = lax.broadcasted_iota(jnp.int32, (mp, bn2), 0)
+
+        # a loop over the chunks, each token's products in fp32 on the CUDA cores: the branch then needs no more
+        # registers than the FP8 programs beside it (124 at the GDN pair's tiles, stock Triton 3.5 for sm_90; the
+        # same loop on MMAs took 132, a whole slice's loads issued first more: one program fewer per SM for all)
+        def chunk(j, acc):
+            w = w2_ref[rows, cols + j * cw2].astype(F32)                          # [16, CW2]
+            for i in range(m):
+                xv = x_ref[i, pl.ds(k0 + j * cw2, cw2)].astype(F32)
+                acc = acc + jnp.where(trow == i, jnp.sum(w * xv[None, :], axis=1)[None, :], 0.0)
+            return acc
+        acc = lax.fori_loop(0, ks // cw2, chunk, jnp.zeros((mp, bn2), F32))
         out_ref[s, :, pl.ds(n1 + pid * bn2, bn2)] = acc.astype(out_dtype)
 
 
@@ -571,7 +576,7 @@ def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
     cw2 = pair_many_side(n2, k, t.split)
     if cw2 is None or w2.shape[1] != k or w2.dtype != BF16 or w1.shape[1] != k:
         raise ValueError(f"gemv_pair_many: the narrow product must be bf16 [N2 <= {PAIR_SIDE_MAX_N}, K={k}] with "
-                         f"K / split={t.split} in at most 8 power-of-two chunks; got {w2.dtype} {tuple(w2.shape)}")
+                         f"K / split={t.split} in at most 64 power-of-two chunks; got {w2.dtype} {tuple(w2.shape)}")
     mp = _padded_m(m, t.mode)
     n2_prog = -(-n2 // PAIR_MANY_BN2)   # first in the grid: they start with the first wave
     width = n1 + n2_prog * PAIR_MANY_BN2
