@@ -187,12 +187,17 @@ case "$part" in
   roundtable)   # every kernel of the step and of the MTP round's draft and verify programs, matched to their HLO
                 # (op_name, fused opcodes): 4 layers, FP8 dense + NVFP4 experts, fused projections, at ROUND_CTX
                 # (8192: issue 8's round target); where the round's "other XLA" and cuBLAS time comes from (a library
-                # kernel carries its instruction in the table's hlo_op). ROUND_ARGS default: the served heads
+                # kernel carries its instruction in the table's hlo_op). ROUND_ARGS default: the served heads.
+                # ROUND_BASE=<committed prefix>: a per-program diff against those tables (scripts/kernel_table_diff.py)
     timeout ${ROUND_S:-200} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse --context ${ROUND_CTX:-8192} \
       --kernel-table --reps 5 --calls 3 --chains 2 --label roundtable --out "$OUT/probe" \
       ${ROUND_ARGS:---fp8-head --draft-vocab 32768 --draft-fp8} > "$OUT/roundtable.log" 2>&1
     grep -E '"part": "(kernel table|draft|verify|decode)"' "$OUT/roundtable.log" | cut -c1-260
     grep -E '^ +[0-9.]+ us' "$OUT/roundtable.log" | head -70
+    # ROUND_BASE: a committed table prefix (e.g. 4615334): what moved against it, per program
+    if [ -n "${ROUND_BASE:-}" ]; then
+      python scripts/kernel_table_diff.py "$ROUND_BASE" "$OUT/probe" --probe --top 25 2>&1 | tee "$OUT/roundtable_diff.log"
+    fi
     rm -rf "$OUT"/probe/trace_* "$OUT"/probe/decode_hlo* ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift

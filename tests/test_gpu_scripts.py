@@ -334,3 +334,28 @@ def test_sass_count_finds_loop_bodies():
         "        /*0060*/                   BRA 0x60;"])
     (start, end, body), = sass_count.loop_bodies(listing)
     assert (start, end) == (0x20, 0x40) and body == ["HMMA", "IMAD", "BRA"]
+
+
+def test_kernel_table_diff_matches_rows_across_compiles(tmp_path):
+    """scripts/kernel_table_diff.py on two committed verify tables (54c3f01 -> 4615334: e2m1 "mma" in the gate / up
+    kernels, the replay in place): the totals the BENCHMARKS section quotes, the gate / up kernel's 54 us, the
+    replay's copies gone and the activations' fusion new (fusion names differ between the two compiles: rows match
+    by HLO op and shape); and a probe_launch.py output folder against a committed prefix."""
+    import shutil
+    stdout = _run(["scripts/kernel_table_diff.py", "54c3f01", "4615334", "--programs", "verify"], tmp_path)
+    assert "== verify: 173 -> 178 launches, 972.4 -> 926.9 us (-45.6)" in stdout
+    lines = stdout.splitlines()
+    assert any("-53.97 us" in ln and ln.rstrip().endswith("moe_decode_gate_up") for ln in lines), stdout
+    assert any("gone" in ln and "memcpy128" in ln for ln in lines), stdout
+    assert any("new" in ln and "moe/concatenate u32[5,1281]" in ln for ln in lines), stdout
+    tables = ROOT / "benchmarks" / "results" / "kernel_tables"
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    for prog, name in (("step", "kernel_table_roundtable_4l.jsonl"),
+                       ("draft", "kernel_table_draft_roundtable_4l.jsonl"),
+                       ("verify", "kernel_table_verify_roundtable_4l.jsonl")):
+        shutil.copy(next(tables.glob(f"4615334_round_{prog}_*.jsonl")), probe / name)
+    out = _run(["scripts/kernel_table_diff.py", "54c3f01", str(probe), "--probe", "--json"], tmp_path)
+    recs = [json.loads(line) for line in out.splitlines()]
+    assert [r["program"] for r in recs] == ["step", "draft", "verify"]
+    assert recs[2]["total"]["us"] == [972.44, 926.86] and recs[2]["new"] == "kernel_table_verify_roundtable_4l.jsonl"

@@ -580,6 +580,50 @@ def test_fused_projections_take_the_pair_kernel(monkeypatch):
                                    atol=2e-2 * float(jnp.abs(w.astype(F32)).max()))
 
 
+def _sliced(jaxpr, targets) -> bool:
+    """Whether a slice op takes one of `targets` (vars of `jaxpr`, followed through reshapes, converts and into
+    nested jaxprs) as its operand."""
+    targets = set(targets)
+    for e in jaxpr.eqns:
+        ins = [v for v in e.invars if not hasattr(v, "val")]          # variables (a Literal holds a value)
+        if e.primitive.name in ("slice", "dynamic_slice") and ins and ins[0] in targets:
+            return True
+        if e.primitive.name in ("reshape", "convert_element_type") and ins and ins[0] in targets:
+            targets.update(e.outvars)
+        for sub in ("jaxpr", "call_jaxpr"):
+            if sub in e.params:
+                inner = getattr(e.params[sub], "jaxpr", e.params[sub])
+                if _sliced(inner, [iv for iv, ov in zip(inner.invars, e.invars) if not hasattr(ov, "val")
+                                   and ov in targets]):
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("fmt,tiles", [("fp8", gp.Tiles(64, 32, 2)), ("bf16", gp.Tiles(32, 64, 1, mode="dot")),
+                                       ("fp8", gp.Tiles(16, 64, 1, num_stages=1, mode="fma"))])
+def test_x_wider_than_k_reads_its_first_columns_in_place(fmt, tiles):
+    """`k` / `x_cols`: the input is the first K columns of a wider x (a window of a buffer another op wrote: the
+    few-token HC boundary's u beside inj's logits): the bits of the product of the slice, and no slice op before
+    the launch; NVFP4 (x split into even / odd columns outside) and a K past x are refused."""
+    n, k, m = 128, 320, 5
+    w, extra, _ = _weights(fmt, n, k, jax.random.PRNGKey(9))
+    xw = jax.random.normal(jax.random.PRNGKey(10), (m, k + 4), F32).astype(jnp.bfloat16)
+    got = gp.gemv(xw, w, extra.get("scale"), fmt=fmt, tiles=tiles, interpret=INTERPRET, k=k)
+    want = gp.gemv(xw[:, :k], w, extra.get("scale"), fmt=fmt, tiles=tiles, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+    jx = jax.make_jaxpr(lambda x: api.linear(x, w, fmt=fmt, impl=KERNEL, x_cols=k, **extra))(xw).jaxpr
+    assert "pallas_call" in str(jx) and not _sliced(jx, jx.invars)
+    jx = jax.make_jaxpr(lambda x: api.linear(x[:, :k], w, fmt=fmt, impl=KERNEL, **extra))(xw).jaxpr
+    assert _sliced(jx, jx.invars)                                      # (the check sees a slice where there is one)
+    ref = api.linear(xw, w, fmt=fmt, impl="reference", x_cols=k, **extra)
+    np.testing.assert_array_equal(np.asarray(ref, F32), np.asarray(api.linear(xw[:, :k], w, fmt=fmt,
+                                                                              impl="reference", **extra), F32))
+    with pytest.raises(ValueError, match="x_cols"):
+        api.linear(xw, w, fmt=fmt, x_cols=k + 5, **extra)
+    with pytest.raises(ValueError, match="k="):
+        gp.gemv(xw, w, extra.get("scale"), fmt=fmt, tiles=tiles, interpret=True, k=k + 5)
+
+
 # ---- gemv_pair_many: the pair at several tokens, the narrow rows inside the FP8 kernel's split-K grid -------------
 
 def _pair_many_case(m, n1, n2, k, seed):

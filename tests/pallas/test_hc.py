@@ -239,7 +239,10 @@ BF, F32_ = jnp.bfloat16, jnp.float32
                                                                (2, F32_, False, True, True, "mma", "xla"),
                                                                (8, BF, False, False, False, "gemv", "pallas"),
                                                                (8, BF, False, False, False, "gemv", "xla"),
-                                                               (3, F32_, True, True, False, "mma", "pallas")])
+                                                               (3, F32_, True, True, False, "mma", "pallas"),
+                                                               (5, BF, True, True, True, "gemv", "xla1"),
+                                                               (2, F32_, True, True, True, "gemv", "xla1"),
+                                                               (8, BF, False, False, False, "gemv", "xla1")])
 def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, up, glue):
     """The few-token MMA design (`few.hc_boundary_few`, what op "hc_boundary_few" runs without Tiles1): the norm
     (glue "pallas": the pre kernel with the combine; "xla": the reference's jnp), the down kernel, the mid (the
@@ -260,7 +263,8 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
         ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     wi = p.get("block_inject_weight")
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
-    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up, pre=glue, mid=glue, mid_bc=16 if m == 2 else 32)
+    tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up, pre="xla" if glue == "xla1" else glue, mid=glue,
+                         mid_bc=16 if m == 2 else 32)
     got = jax.jit(lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,
                                                   impl=KERNEL, tiles=tiles, **kw))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
@@ -270,6 +274,46 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
         else:
             _close(g, w, tol, what)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+
+
+def test_few_token_mid_in_one_pass_gives_the_same_values_and_feeds_the_gemv_unsliced(monkeypatch):
+    """mid "xla1": the splits' sum, / S, then silu on u's columns and inj's sigmoid on the rest as one elementwise
+    pass (a single consumer of the sum), u's columns read by the up GEMV in place: the same x and inj as "xla", and
+    no slice of that buffer before the GEMV launch."""
+    from fnx.pallas.gemv import api as gemv_api
+    from fnx.pallas.hc import few
+    h, y, inj, p = _inputs((1, 5), 4, 320, 64, BF, 11, True)       # r = 64: GEMV tiles divide K
+    q = _fp8(p)
+    wd, wu = q["input_mix_weight_down"].w, q["input_mix_weight_up"].w
+    kw = {"w_down_scale": q["input_mix_weight_down"].scale_inv, "w_up_scale": q["input_mix_weight_up"].scale_inv}
+    wi = p.get("block_inject_weight")
+    assert gemv_api.kernel_applies((5, 64), BF, "fp8", (1280, 64)) is None
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_fp8={KERNEL}")
+
+    def run(mid):
+        t = few.TilesFew(bn=16, chunks=2, bk=64, mid=mid)
+        f = lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,  # noqa: E731
+                                            impl=KERNEL, tiles=t, **kw)
+        return jax.jit(f)(h, y, inj), jax.make_jaxpr(f)(h, y, inj)
+    (got, jx1), (want, _) = run("xla1"), run("xla")
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+    def slices_into_gemv(jaxpr):
+        made = {}
+        for e in jaxpr.eqns:
+            for v in e.outvars:
+                made[v] = e
+            for sub in ("jaxpr", "call_jaxpr"):
+                if sub in e.params and "fnx_gemv" in str(e.params[sub]):
+                    return [made[v].primitive.name for v in e.invars if v in made
+                            and made[v].primitive.name in ("slice", "dynamic_slice")]
+            if sub := [x for x in ("jaxpr", "call_jaxpr") if x in e.params]:
+                inner = slices_into_gemv(getattr(e.params[sub[0]], "jaxpr", e.params[sub[0]]))
+                if inner is not None:
+                    return inner
+        return None
+    assert slices_into_gemv(jx1.jaxpr) == []
 
 
 def test_few_token_tiles_env_replaces_the_defaults(monkeypatch):
@@ -296,6 +340,7 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
     for bad, why in ((few.TilesFew(bn=8), "bn=8"), (few.TilesFew(chunks=3), "chunks=3"),
                      (few.TilesFew(bd=24, up="mma"), "bd=24"), (few.TilesFew(up="xla"), "up='xla'"),
                      (few.TilesFew(pre="cuda"), "pre='cuda'"), (few.TilesFew(mid="jnp"), "mid='jnp'"),
+                     (few.TilesFew(mid="xla1", up="mma"), "mid='xla1'"), (few.TilesFew(pre="xla1"), "pre='xla1'"),
                      (few.TilesFew(mid_bc=48), "mid_bc=48")):
         with pytest.raises(ValueError, match=why):
             few.hc_boundary_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True, tiles=bad)

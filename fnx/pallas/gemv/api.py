@@ -189,26 +189,34 @@ def kernel_applies(x_shape, x_dtype, fmt: str, w_shape, block=(128, 128), group:
 
 
 def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2=None, block=(128, 128),
-           group: int = 16, impl: str | None = None) -> jax.Array:
+           group: int = 16, impl: str | None = None, x_cols: int | None = None) -> jax.Array:
     """y = x @ W.T for x [..., K] and W [N, K] in `fmt`; y [..., N] in x.dtype.
 
     "reference" rounds the fp32 dequantized weight to x.dtype, then an fp32-accumulated dot (the model's
     arithmetic); the kernel applies block scales to fp32 partial dots instead (one bf16 rounding of the
-    weights apart; see reference.py)."""
-    why = kernel_applies(x.shape, x.dtype, fmt, w.shape, block, group, w_dtype=w.dtype)
+    weights apart; see reference.py). x_cols K (bf16 / FP8): x is [..., W >= K] and the input is its first K
+    columns, which the kernel reads in place (the reference slices)."""
+    if x_cols is not None and (fmt == "nvfp4" or not 0 < x_cols <= x.shape[-1]):
+        raise ValueError(f"linear: x_cols={x_cols} of x {tuple(x.shape)} (bf16 / FP8 weights)")
+    xk = x.shape if x_cols is None else (*x.shape[:-1], x_cols)
+    why = kernel_applies(xk, x.dtype, fmt, w.shape, block, group, w_dtype=w.dtype)
+    if why is None and x_cols is not None and dispatch.active_mesh() is not None:
+        why = "a window of x on a mesh (the per-shard kernel takes whole rows)"
     backend = dispatch.resolve(f"gemv_{fmt}", impl, not_applicable=why)
     if backend == "reference":
         w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
+        x = x if x_cols is None else x[..., :x_cols]
         return reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    lead, k = x.shape[:-1], xk[-1]
+    x2 = x.reshape(-1, x.shape[-1])
     if dispatch.active_mesh() is not None:      # params on a mesh: the kernel per shard (gemv/mesh.py)
         from fnx.pallas.gemv import mesh as gm
         w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         aux = (scale,) if fmt == "fp8" else (scale, scale_2) if fmt == "nvfp4" else ()
         return gm.partitioned(fmt, dispatch.interpret_flag(backend))(x2, w, *aux).reshape(*lead, -1)
     t = tiles_for(fmt, w.shape[0], k, x2.shape[0])
-    y = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend))
+    y = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend),
+                k=None if x_cols is None else k)
     return y.reshape(*lead, -1)
 
 

@@ -365,12 +365,18 @@ def _check_wide(fmt: str, n: int, k: int, t: Tiles) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tiles", "interpret", "argmax"))
+@functools.partial(jax.jit, static_argnames=("fmt", "tiles", "interpret", "argmax", "k"))
 def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: bool = False,
-         argmax: bool = False):
+         argmax: bool = False, k: int | None = None):
     """x [M, K] bf16/f32 with M <= 32; w per `fmt`; returns y [M, N] in x.dtype, or with `argmax` the greedy
-    ids [M] int32 of the fp32 logits (never written out: each program keeps its tile's best column)."""
-    m, k = x.shape
+    ids [M] int32 of the fp32 logits (never written out: each program keeps its tile's best column).
+    k: the product's K when x is wider (bf16 / FP8 weights): x [M, W >= k], its first k columns read in place (a
+    window of a wider buffer, with no slice kernel before the launch)."""
+    m, wx = x.shape
+    if k is None:
+        k = wx
+    elif not 0 < k <= wx or fmt == "nvfp4":
+        raise ValueError(f"gemv: k={k} columns of x [{m}, {wx}] (bf16 / FP8 weights; NVFP4 splits x's columns)")
     n = w.shape[0]
     t = tiles
     why = check_tiles(fmt, n, k, t)

@@ -66,7 +66,10 @@ class TilesFew:
     pre: str = "xla"        # the combine and the grouped norm: "pallas" one kernel (`hc_pre_few`), "xla" the
                             # reference's jnp (two XLA fusions on the H200: the combine, then the norm)
     mid: str = "xla"        # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
-                            # the reference's jnp (a reduce fusion and a silu fusion)
+                            # the reference's jnp (a reduce fusion and a silu fusion), "xla1" the same ops as one
+                            # elementwise pass over the whole sum (silu on u's columns, inj's sigmoid on the rest: a
+                            # single consumer XLA can fuse into the reduce), the up GEMV reading u's columns of it
+                            # in place (no slice kernel; up "gemv" only)
     mid_bc: int = 8         # mid kernel: columns of [Wdown; Winj]'s output per program (a power of two, 8..128);
                             # grid (M, ceil((r + S) / mid_bc)); 8, 16, 32, 128 measured 2.8, 2.8, 2.9, 3.9 us
     num_warps: int = 4
@@ -87,9 +90,10 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
         return f"up={t.up!r}: 'gemv' or 'mma'"
     if not (pow2(t.mid_bc) and 8 <= t.mid_bc <= 128):
         return f"mid_bc={t.mid_bc}: a power of two in 8..128"
-    for name in ("pre", "mid"):
-        if getattr(t, name) not in ("pallas", "xla"):
-            return f"{name}={getattr(t, name)!r}: 'pallas' or 'xla'"
+    if t.pre not in ("pallas", "xla"):
+        return f"pre={t.pre!r}: 'pallas' or 'xla'"
+    if t.mid not in ("pallas", "xla", "xla1") or (t.mid == "xla1" and t.up != "gemv"):
+        return f"mid={t.mid!r}: 'pallas', 'xla' or 'xla1' (with up 'gemv')"
     if t.up == "mma" and (not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd or r < 16 or r % 16):
         return f"up 'mma': bd={t.bd} a power of two in 16..128 dividing D={d}, r={r} a multiple of 16"
     return None
@@ -319,13 +323,20 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         )
         u = res[0].reshape(m, r)
         inj = res[1].reshape(*lead, s) if has_inj else None
+    elif t.mid == "xla1":   # the same ops, one elementwise pass over the sum: u's columns and inj's in one buffer
+        a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                   # [M, r (+ S)]
+        v = reference._div(a, s)
+        col = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1)
+        u = jnp.where(col < r, jax.nn.silu(v), 2 * jax.nn.sigmoid(v)) if has_inj else jax.nn.silu(v)
+        inj = u[:, r:].reshape(*lead, s) if has_inj else None
     else:   # the reference's own ops (XLA): the splits' sum rounded as the product's output, / S, silu; inj
         a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                   # [M, r (+ S)]
         u = jax.nn.silu(reference._div(a[:, :r], s))
         inj = (2 * jax.nn.sigmoid(reference._div(a[:, r:], s))).reshape(*lead, s) if has_inj else None
     if t.up == "gemv":      # the gates through the GEMV kernels, the mix as the reference's
         from fnx.pallas.gemv import api as gemv
-        gate = jax.nn.sigmoid(gemv.linear(u, w_up, fmt="fp8" if fp8 else "bf16", scale=w_up_scale))
+        gate = jax.nn.sigmoid(gemv.linear(u, w_up, fmt="fp8" if fp8 else "bf16", scale=w_up_scale,
+                                          x_cols=r if t.mid == "xla1" else None))
         hn4 = hn.reshape(m, s, d)
         x = jnp.mean(gate.reshape(m, s, d) * hn4, axis=-2)
     else:
