@@ -293,12 +293,58 @@ def test_block_topk_kernel_is_the_top_k_set(nb, k):
         kernel.qsa_block_topk(jnp.asarray(s), 0, interpret=True)
 
 
+@pytest.mark.parametrize("nb,k,seg", [(100, 16, 32), (2122, 64, 512), (70, 16, 16), (257, 32, 64), (33, 1, 16)])
+def test_block_topk_long_rows_in_segments(nb, k, seg):
+    """Rows longer than one program holds (here `seg` blocks; in the model TOPK_MAX_BLOCKS, 128K and 256K context)
+    in two launches: each segment's k best with their keys, then the k best of the candidates. The set lax.top_k
+    picks, in ascending block order, with ties across segment edges going to the lower blocks (all-equal rows,
+    rounded scores, zeros), wholly and half -inf rows, and a last segment shorter than k."""
+    rng = np.random.default_rng(nb * 7 + k)
+    s = rng.standard_normal((2, 3, nb)).astype(np.float32)
+    s[0, 0, : nb // 2] = -np.inf
+    s[0, 1] = np.round(s[0, 1])
+    s[0, 2, ::3] = 0.0
+    s[1, 0] = -np.inf
+    s[1, 1] = 1.0
+    s[1, 2] = np.abs(s[1, 2]) * 1e30
+    got = np.asarray(jax.jit(lambda x: kernel.qsa_block_topk(x, k, interpret=INTERPRET, seg=seg))(jnp.asarray(s)))
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="seg"):
+        kernel.qsa_block_topk(jnp.asarray(s), k, interpret=True, seg=k // 2 if k > 1 else 3)
+
+
+def test_block_topk_long_rows_dispatch(monkeypatch):
+    """Past TOPK_MAX_BLOCKS (64K context) the api asks op "qsa_block_topk_long": the two-launch kernel where it is
+    named, lax.top_k's sort under "auto" until the kernel's compiled tests pass; rows whose candidates would not fit
+    one program are refused with the reason."""
+    from fnx.pallas import dispatch
+    nb, k = kernel.TOPK_MAX_BLOCKS + 300, 512
+    s = jax.random.normal(jax.random.PRNGKey(3), (1, 2, nb), jnp.float32)
+    s = s.at[0, 1, 100:2000].set(2.0)                       # a tie run across many candidates
+    assert "qsa_block_topk_long" in dispatch.KNOWN_OPS and "qsa_block_topk_long" not in dispatch.VERIFIED_ON_GPU
+    want = np.sort(np.asarray(jax.lax.top_k(s, k)[1]), axis=-1)
+    monkeypatch.setenv("FNX_KERNELS", f"qsa_block_topk_long={KERNEL}")
+    text = str(jax.make_jaxpr(lambda x: api.qsa_block_topk(x, k))(s))
+    assert text.count("pallas_call") == 2 and "sort" not in text
+    np.testing.assert_array_equal(np.asarray(api.qsa_block_topk(s, k)), want)
+    monkeypatch.delenv("FNX_KERNELS")
+    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: api.qsa_block_topk(x, k))(s))      # auto: lax.top_k
+    assert kernel.long_rows(4 * kernel.TOPK_MAX_BLOCKS, 512) is None
+    assert "candidates" in kernel.long_rows(40 * kernel.TOPK_MAX_BLOCKS, 512)
+
+
 def test_block_topk_kernel_lowers_for_cuda():
     """The top-k block kernel lowers through Pallas -> Triton at 8K and 64K context (2,122 and 16,384 blocks), one
-    query row and the five of an MTP verify window; longer rows are refused with the reason."""
+    query row and the five of an MTP verify window, and in two launches at 128K and 256K; rows whose candidates
+    would not fit one program are refused with the reason."""
     for rows, nb in [(1, 2122), (5, 2122), (1, kernel.TOPK_MAX_BLOCKS)]:
         text = jax.jit(lambda s: kernel.qsa_block_topk(s, 512)).trace(
             jax.ShapeDtypeStruct((rows, nb), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1, (rows, nb)
-    with pytest.raises(ValueError, match="registers"):
-        kernel.qsa_block_topk(jnp.zeros((1, kernel.TOPK_MAX_BLOCKS + 1)), 512)
+    for rows, nb in [(1, 32768), (5, 65536)]:           # 128K and 256K context: two launches
+        text = jax.jit(lambda s: kernel.qsa_block_topk(s, 512)).trace(
+            jax.ShapeDtypeStruct((rows, nb), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2, (rows, nb)
+    with pytest.raises(ValueError, match="candidates"):
+        kernel.qsa_block_topk(jnp.zeros((1, 40 * kernel.TOPK_MAX_BLOCKS)), 512)

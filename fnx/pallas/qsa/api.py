@@ -93,19 +93,22 @@ def qsa_index_scores(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, 
 
 
 TOPK_OP = "qsa_block_topk"
+TOPK_LONG_OP = "qsa_block_topk_long"
 
 
 def qsa_block_topk(scores: jax.Array, k: int, impl: str | None = None) -> jax.Array:
     """The k blocks of the largest indexer scores per row, [..., k] int32 from scores [..., NB]: the set lax.top_k
     picks (among equal scores the lower blocks). The reference lists them by descending score (lax.top_k, a sort in
     XLA), the kernel in ascending block order (fnx.pallas.qsa.pallas.qsa_block_topk): callers use the set. The
-    kernel keeps a row in one program's registers, NB <= its TOPK_MAX_BLOCKS; longer rows take the reference under
-    "auto" and FNX_KERNELS, and an explicit impl raises."""
+    kernel keeps a row in one program's registers, NB <= its TOPK_MAX_BLOCKS (64K tokens of context); longer rows
+    (op "qsa_block_topk_long": 128K and 256K context) run in two launches, segments of TOPK_MAX_BLOCKS and then
+    their candidates, where that op is on (else the reference: lax.top_k's sort)."""
     from fnx.pallas.qsa import pallas as kernel
     nb = scores.shape[-1]
-    why = None if nb <= kernel.TOPK_MAX_BLOCKS else \
-        f"{nb} blocks > {kernel.TOPK_MAX_BLOCKS} (the kernel keeps a row of scores in one program's registers)"
-    which = dispatch.resolve(TOPK_OP, impl, not_applicable=why)
+    op, why = TOPK_OP, None
+    if nb > kernel.TOPK_MAX_BLOCKS:
+        op, why = TOPK_LONG_OP, kernel.long_rows(nb, k)
+    which = dispatch.resolve(op, impl, not_applicable=why)
     if which == "reference":
         return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
     return kernel.qsa_block_topk(scores, k, interpret=dispatch.interpret_flag(which))

@@ -97,7 +97,26 @@ def cases(quick: bool) -> list[BenchCase]:
                 kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
                 arg_sets=dense_sets, bytes=nbytes, flops=flops,
                 extra=dict(extra, note="model reference path: reads the whole cache")))
-    out += score_cases(quick) + prep_cases(quick)
+    out += score_cases(quick) + topk_cases(quick) + prep_cases(quick)
+    return out
+
+
+def topk_cases(quick: bool) -> list[BenchCase]:
+    """The indexer's top-k block choice over a row of NB = ctx / 4 scores per query token: the kernel (one launch up
+    to TOPK_MAX_BLOCKS, 64K context; two past it, op "qsa_block_topk_long") against lax.top_k's sort."""
+    out = []
+    for ctx in ((4096,) if quick else (8192, 65536, 131072, 262144)):
+        nb = ctx // CR
+        for length in (1, 5):
+            nbytes = length * nb * 4 + length * TOPK * 4
+            key = jax.random.PRNGKey(11 * ctx + length)
+            arg_sets = [(jax.random.normal(jax.random.fold_in(key, i), (1, length, nb), jnp.float32),)
+                        for i in range(2 if quick else 8)]
+            for impl in ("pallas", "reference"):
+                out.append(BenchCase(
+                    kernel="qsa_block_topk", shape=f"B=1 T={length} ctx={ctx} blocks={nb}", impl=impl,
+                    fn=lambda s, _impl=impl: api.qsa_block_topk(s, min(TOPK, nb), impl=_impl),
+                    arg_sets=arg_sets, bytes=nbytes, flops=0, extra={"ctx": ctx, "T": length}))
     return out
 
 

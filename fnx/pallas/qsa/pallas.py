@@ -295,13 +295,30 @@ def _sortable(s):
     return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
 
 
-def _topk_kernel(s_ref, out_ref, *, nb: int, nbp: int, k: int):
+def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False):
+    """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
+    positions in ascending order (a permutation of the row written to out, the chosen first).
+    seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
+    segment) and also writes the chosen keys and their columns. keys (the second stage): s holds int32 keys and
+    refs[0] the columns they stand for, which are written instead of positions."""
+    if keys:
+        ids_ref, out_ref = refs
+    elif seg:
+        out_ref, kout_ref = refs
+    else:
+        (out_ref,) = refs
     r = pl.program_id(0)
     blk = jnp.arange(nbp, dtype=jnp.int32)
-    ok = blk < nb
-    s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]            # the row, in place
+    if seg:                                                 # this segment's columns of the row
+        c0 = pl.program_id(1) * seg
+        width = s_ref.shape[1]
+        ok = (blk < nb) & (c0 + blk < width)
+        s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(c0 + blk, width - 1)]
+    else:
+        ok = blk < nb
+        s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]            # the row, in place
     lowest = jnp.int32(-2 ** 31)
-    key = jnp.where(ok, _sortable(s), lowest)               # padding below every score (k <= nb: never chosen)
+    key = jnp.where(ok, s if keys else _sortable(s), lowest)    # padding below every score (never chosen first)
 
     def count_ge(t):
         return jnp.sum(jnp.where(key >= t, 1, 0))
@@ -321,28 +338,71 @@ def _topk_kernel(s_ref, out_ref, *, nb: int, nbp: int, k: int):
     slot = jnp.cumsum(seli) - seli                                   # ascending block order
     # a permutation of the row: the chosen blocks to [0, k), the others after them (every lane writes a distinct
     # place, so no store is masked and no two lanes meet)
-    out_ref[r * nbp + jnp.where(sel, slot, k + blk - slot)] = blk
+    place = jnp.where(sel, slot, k + blk - slot)
+    if keys:
+        ids = ids_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]
+        out_ref[r * nbp + place] = ids
+    elif seg:
+        at = (r * pl.num_programs(1) + pl.program_id(1)) * nbp + place
+        out_ref[at] = c0 + blk
+        kout_ref[at] = key
+    else:
+        out_ref[r * nbp + place] = blk
 
 
-def qsa_block_topk(scores: jax.Array, k: int, *, interpret: bool = False) -> jax.Array:
+def qsa_block_topk(scores: jax.Array, k: int, *, interpret: bool = False, seg: int = TOPK_MAX_BLOCKS) -> jax.Array:
     """The k blocks of the largest scores per row, as lax.top_k picks them (among equal scores the lower blocks),
-    in ascending block order: scores [..., NB] fp32 -> [..., k] int32. NB <= TOPK_MAX_BLOCKS."""
+    in ascending block order: scores [..., NB] fp32 -> [..., k] int32. A row of NB <= seg blocks: one program in
+    one launch. Longer rows (`long_rows`, two launches): the row in segments of `seg` blocks, each segment's k best
+    (with their keys) by one program, then the k best of those P * k candidates per row. The union of the
+    segments' choices holds the row's choice (a block among a row's k best is among its segment's k best under the
+    same order: score, then lower block), and the candidates stay in ascending block order, so ties still go to
+    the lower blocks."""
     *lead, nb = scores.shape
     if not 0 < k <= nb:
         raise ValueError(f"qsa_block_topk: k={k} must be in [1, NB={nb}]")
-    if nb > TOPK_MAX_BLOCKS:
-        raise ValueError(f"qsa_block_topk: NB={nb} blocks > {TOPK_MAX_BLOCKS} (one program keeps a row in registers)")
+    if seg & (seg - 1) or not k <= seg <= TOPK_MAX_BLOCKS:
+        raise ValueError(f"qsa_block_topk: seg={seg} must be a power of two in [k={k}, {TOPK_MAX_BLOCKS}]")
     rows = int(np.prod(lead)) if lead else 1
-    nbp = _pow2(nb)
+    s2 = scores.reshape(rows, nb).astype(F32)
+    if nb <= seg:
+        nbp = _pow2(nb)
+        out = _topk_call(s2, rows, nb, nbp, k, interpret)
+        return out.reshape(rows, nbp)[:, :k].reshape(*lead, k)
+    n_seg = -(-nb // seg)
+    if n_seg * k > TOPK_MAX_BLOCKS:
+        raise ValueError(f"qsa_block_topk: NB={nb} in {n_seg} segments of {seg} gives {n_seg * k} candidates per row "
+                         f"> {TOPK_MAX_BLOCKS}")
+    ids, keys = _topk_call(s2, rows, seg, seg, k, interpret, n_seg=n_seg)
+    cand = n_seg * k                                          # per row: each segment's k, in ascending block order
+    ids = ids.reshape(rows, n_seg, seg)[:, :, :k].reshape(rows, cand)
+    keys = keys.reshape(rows, n_seg, seg)[:, :, :k].reshape(rows, cand)
+    cp = _pow2(cand)
+    out = _topk_call(keys, rows, cand, cp, k, interpret, ids=ids)
+    return out.reshape(rows, cp)[:, :k].reshape(*lead, k)
+
+
+def long_rows(nb: int, k: int, seg: int = TOPK_MAX_BLOCKS) -> str | None:
+    """None when `qsa_block_topk` serves rows of nb blocks in two launches (segments of `seg`), else why not."""
+    n_seg = -(-nb // seg)
+    if n_seg * k > TOPK_MAX_BLOCKS or k > seg:
+        return f"{nb} blocks in {n_seg} segments of {seg}: {n_seg * k} candidates per row > {TOPK_MAX_BLOCKS}"
+    return None
+
+
+def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg: int = 0, ids=None):
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
-    out = pl.pallas_call(
-        functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k),
-        grid=(rows,),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
-        out_shape=jax.ShapeDtypeStruct((rows * nbp,), jnp.int32),
-        interpret=interpret, name="qsa_block_topk", **params,
-    )(scores.reshape(rows, nb).astype(F32))
-    return out.reshape(rows, nbp)[:, :k].reshape(*lead, k)
+    n = rows * max(n_seg, 1) * nbp
+    kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None)
+    args = (s2,) if ids is None else (s2, ids)
+    out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
+    return pl.pallas_call(
+        kernel,
+        grid=(rows, n_seg) if n_seg else (rows,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(args),
+        out_specs=(pl.BlockSpec(memory_space=pl.ANY),) * 2 if n_seg else pl.BlockSpec(memory_space=pl.ANY),
+        out_shape=(out_shape, out_shape) if n_seg else out_shape,
+        interpret=interpret, name="qsa_block_topk_seg" if n_seg else "qsa_block_topk", **params,
+    )(*args)
