@@ -155,10 +155,11 @@ class Window:
         return take_window(self.buf, self.start, self.size)
 
 
-def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -> tuple:
+def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None, partials: bool = False) -> tuple:
     """As `linears`, each output a `Window` into the product that computed it (a fused one, or its own). With the
     model's own `linear` (linear=None), exactly two products go through `fnx.model.ops.linear_pair` (one launch
-    where a kernel pairs them)."""
+    where a kernel pairs them). `partials`: the caller's consumers take split-K partials (`Window.buf` may then be
+    a `fnx.pallas.kernel_math.Partials`; `Window.get` sums it)."""
     # the products to compute: each fused weight that holds one of `names`, then each name not fused
     prods: list[tuple[tuple[str, ...], tuple[int, ...], object]] = []
     covered: set[str] = set()
@@ -174,7 +175,7 @@ def linear_windows(x: jax.Array, p: dict, names: tuple[str, ...], linear=None) -
         # two products of x (e.g. an FP8 one and a narrow bf16 one): one launch where a kernel pairs them
         # (each as a window (buffer, start): the several-token pair computes both as columns of one buffer)
         from fnx.model.ops import linear_pair
-        ys = linear_pair(x, prods[0][2], prods[1][2], windows=True)
+        ys = linear_pair(x, prods[0][2], prods[1][2], windows=True, partials=partials)
     else:
         if linear is None:
             from fnx.model.ops import linear

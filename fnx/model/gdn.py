@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
-from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window
+from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window, window_takes_partials
 from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after  # noqa: F401  (PLE uses the conv)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
@@ -112,7 +112,10 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     bsz, length, _ = x.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    wins = linear_windows(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))   # fused or not
+    # fused or not; a verify window's gdn_window may take the projections as split-K partials (op
+    # "gdn_window_parts": it sums them where it reads them, so no sum kernel runs between the two launches)
+    wins = linear_windows(x, p, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                          partials=snapshots and length > 1 and window_takes_partials())
     if length == 1 and not snapshots:
         # decode: conv update, gates, recurrence and output norm as one op ("gdn_step": one kernel on a GPU; its
         # reference is the same ops as below, with the recurrence dispatched as "gdn_decode"). The kernel reads

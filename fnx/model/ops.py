@@ -40,18 +40,19 @@ def linear(x: jax.Array, w, impl: str | None = None) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def linear_pair(x: jax.Array, w_a, w_b, windows: bool = False) -> tuple:
+def linear_pair(x: jax.Array, w_a, w_b, windows: bool = False, partials: bool = False) -> tuple:
     """(linear(x, w_a), linear(x, w_b)). When one weight is FP8 (128x128 blocks) and the other a narrow bf16 array
     (a layer's two input products: the GDN qkv + z and its b / a gates; the shared expert's gate / up and the MoE
     router; the QSA q / k / v and the indexer's projection), `fnx.pallas.gemv.api.linear_pair` may run both in one
     launch (ops "gemv_pair", "gemv_pair_many"); any other pair runs apart. With `windows` each product comes as
-    (buffer, start column): both may be windows of one buffer."""
+    (buffer, start column): both may be windows of one buffer, and with `partials` that buffer may be split-K
+    partials to be summed where they are read (`fnx.pallas.kernel_math.Partials`)."""
     if len(w_a.shape) == 2 and len(w_b.shape) == 2:
         (fa, ra), (fb, rb) = unpack_weight(w_a), unpack_weight(w_b)
         for (f1, r1), (f2, r2), swap in (((fa, ra), (fb, rb), False), ((fb, rb), (fa, ra), True)):
             if f1 == "fp8" and f2 == "bf16" and tuple(r1["block"]) == (128, 128):
                 from fnx.pallas.gemv import api as gemv
-                y1, y2 = gemv.linear_pair(x, r1["w"], r1["scale"], r2["w"], windows=windows)
+                y1, y2 = gemv.linear_pair(x, r1["w"], r1["scale"], r2["w"], windows=windows, partials=partials)
                 return (y2, y1) if swap else (y1, y2)
     ys = linear(x, w_a), linear(x, w_b)
     return tuple((y, 0) for y in ys) if windows else ys

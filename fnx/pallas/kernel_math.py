@@ -279,10 +279,53 @@ def e2m1_hfma_group_sums(packed, x, asm: bool = False):
     return sums[0] + sums[1]
 
 
+@jax.tree_util.register_pytree_node_class
+class Partials:
+    """A split-K product not yet summed: buf [S, Mp, W] fp32 partials whose first m rows are the product's rows
+    (the tokens of `lead`, flattened), summed in split order and rounded to `dtype` by whoever reads it: a kernel
+    that takes it sums the S values of each element it loads (no sum kernel before it), the rest take
+    `window(start, size)`, the sum as S - 1 elementwise adds that XLA fuses into its consumer. The same values as
+    `fnx.pallas.gemv`'s own split sum (fp32 adds in split order, one rounding)."""
+
+    def __init__(self, buf, m: int, lead: tuple, dtype):
+        self.buf, self.m, self.lead, self.dtype = buf, int(m), tuple(lead), jnp.dtype(dtype)
+
+    def tree_flatten(self):
+        return (self.buf,), (self.m, self.lead, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    @property
+    def splits(self) -> int:
+        return self.buf.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.buf.shape[-1]
+
+    def window(self, start: int = 0, size: int | None = None):
+        """Columns [start, start + size) of the summed product, [*lead, size] in dtype."""
+        size = self.width - start if size is None else size
+        parts = [self.buf[i, :self.m, start:start + size] for i in range(self.splits)]
+        acc = parts[0]
+        for p in parts[1:]:
+            acc = acc + p
+        return acc.astype(self.dtype).reshape(*self.lead, size)
+
+
 def window_operand(a, size: int, lead: tuple, what: str = "operand"):
     """(buffer [*lead, W], start column) for a kernel operand of `size` columns given as an array (its trailing
     axes flattened: [*lead, ...]) or as a window (buffer, start) into a wider product (the fused projections), which
-    the kernel reads in place. A buffer of rank len(lead) is one column. Raises for a window past its buffer."""
+    the kernel reads in place. A buffer of rank len(lead) is one column. Raises for a window past its buffer. A
+    window of `Partials` is returned as it is (checked against lead and its width): the kernel sums it."""
+    if isinstance(a, tuple) and isinstance(a[0], Partials):
+        buf, start = a[0], int(a[1])
+        if buf.lead != tuple(lead) or start < 0 or start + size > buf.width:
+            raise ValueError(f"{what}: window [{start}, {start + size}) of split partials {tuple(buf.buf.shape)} "
+                             f"(rows of {buf.lead}) does not fit leading axes {tuple(lead)}")
+        return buf, start
     buf, start = a if isinstance(a, tuple) else (a, 0)
     if buf.ndim == len(lead) or not isinstance(a, tuple):
         buf = buf.reshape(*lead, -1)
@@ -296,8 +339,10 @@ def window_operand(a, size: int, lead: tuple, what: str = "operand"):
 def take_window(buf, start: int, size: int):
     """Columns [start, start + size) of buf [..., W] (the last axis): a projection's output inside a fused
     product, which the kernels read in place as (buffer, start) and the references take as an array. The buffer
-    itself when the window is all of it (no slice op)."""
+    itself when the window is all of it (no slice op). `Partials`: the summed window (`Partials.window`)."""
     start = int(start)
+    if isinstance(buf, Partials):
+        return buf.window(start, size)
     if start == 0 and size == buf.shape[-1]:
         return buf
     return buf[..., start:start + size]

@@ -321,10 +321,9 @@ def test_model_decode_feeds_the_fused_products_to_the_step_kernel_unsliced():
     assert not [v for e in calls for v in e.invars if id(v) in sliced]
 
 
-def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
-    """The verify window of a GDN layer with FP8 qkv + z and bf16 b / a (the online-FP8 layout) in bf16: with the
-    several-token pair on, the four input products come from one launch as windows of one buffer, that buffer
-    reaches the window kernel unsliced, and the layer's outputs and states match the products apart."""
+def _fp8_gdn_verify_case():
+    """A GDN layer with FP8 qkv + z and bf16 b / a (the online-FP8 layout), fused, and a bf16 verify window of 5
+    tokens (rows of 5 and 3 valid): (params, fused params, layer(params) -> (y, conv, rec), the layer's jaxpr)."""
     from types import SimpleNamespace
 
     from fnx.model import fuse, gdn, quant
@@ -343,31 +342,47 @@ def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
     assert sum(k.startswith(fuse.PREFIX) for k in pf) == 2
     x = jax.random.normal(jax.random.key(8), (2, length, d)).astype(jnp.bfloat16)
     nv = jnp.asarray([5, 3], jnp.int32)
-    run = jax.jit(lambda q: gdn.gdn_layer(q, x, kw["conv_state"], kw["rec"], cfg, nv, snapshots=True)[:3])
-    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many={KERNEL},gdn_window={KERNEL},gemv_fp8={KERNEL}")
-    jax.clear_caches()
-    eqns = jax.make_jaxpr(lambda q: gdn.gdn_layer(q, x, kw["conv_state"], kw["rec"], cfg, nv,
-                                                  snapshots=True)[0])(pf).jaxpr.eqns
+    layer = lambda q: gdn.gdn_layer(q, x, kw["conv_state"], kw["rec"], cfg, nv, snapshots=True)[:3]  # noqa: E731
+    return p, pf, layer
 
-    def kernels(eqs):
-        for e in eqs:
-            if e.primitive.name == "pallas_call":
-                yield str(e.params.get("name", ""))
-            for sub in ("jaxpr", "call_jaxpr"):
-                if sub in e.params:
-                    yield from kernels(getattr(e.params[sub], "jaxpr", e.params[sub]).eqns)
-    names = list(kernels(eqns))
-    assert names.count("fnx_gemv_pair_many_fp8_loop") == 1 and "fnx_gemv_fp8" not in names, names
-    # the window kernel's qkv / z / b / a operands: the pair's one (summed) product, through reshapes only
+
+def _kernels(eqs):
+    """The names of the pallas_calls in eqs, nested jaxprs included."""
+    for e in eqs:
+        if e.primitive.name == "pallas_call":
+            yield str(e.params.get("name", ""))
+        for sub in ("jaxpr", "call_jaxpr"):
+            if sub in e.params:
+                yield from _kernels(getattr(e.params[sub], "jaxpr", e.params[sub]).eqns)
+
+
+def _window_sources(eqns):
+    """The eqns (through reshapes) whose outputs the gdn_window call reads."""
     made = {v: e for e in eqns for v in e.outvars}
     window = [e for e in eqns if e.primitive.name == "pallas_call" and "gdn_window" in str(e.params.get("name"))]
-    sources = set()
+    out = []
     for v in window[0].invars:
         e = made.get(v)
         while e is not None and e.primitive.name == "reshape":
             e = made.get(e.invars[0])
-        if e is not None and "fnx_gemv_pair_many_fp8_loop" in list(kernels([e])):
-            sources.add(id(e))
+        if e is not None:
+            out.append(e)
+    return out
+
+
+def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
+    """The verify window of a GDN layer with FP8 qkv + z and bf16 b / a (the online-FP8 layout) in bf16: with the
+    several-token pair on, the four input products come from one launch as windows of one buffer, that buffer
+    reaches the window kernel unsliced, and the layer's outputs and states match the products apart."""
+    p, pf, layer = _fp8_gdn_verify_case()
+    run = jax.jit(layer)
+    monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many={KERNEL},gdn_window={KERNEL},gemv_fp8={KERNEL}")
+    jax.clear_caches()
+    eqns = jax.make_jaxpr(lambda q: layer(q)[0])(pf).jaxpr.eqns
+    names = list(_kernels(eqns))
+    assert names.count("fnx_gemv_pair_many_fp8_loop") == 1 and "fnx_gemv_fp8" not in names, names
+    # the window kernel's qkv / z / b / a operands: the pair's one (summed) product, through reshapes only
+    sources = {id(e) for e in _window_sources(eqns) if "fnx_gemv_pair_many_fp8_loop" in list(_kernels([e]))}
     assert len(sources) == 1, names
     got = run(pf)
     monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many=reference,gdn_window={KERNEL},gemv_fp8={KERNEL}")
@@ -376,6 +391,35 @@ def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
     for g, wnt in zip(got, want):
         g, wnt = np.asarray(g, np.float32), np.asarray(wnt, np.float32)
         assert np.abs(g - wnt).max() <= 3e-2 * np.abs(wnt).max(), np.abs(g - wnt).max() / np.abs(wnt).max()
+
+
+@pytest.mark.parametrize("bv", [32, 16])
+def test_window_sums_the_pair_partials_where_it_reads_them(monkeypatch, bv):
+    """Op "gdn_window_parts": the verify window asks for its input products as the pair kernel's split-K partials
+    (kernel_math.Partials) and the window kernel sums them where it loads them (z for a norm after the kernel: XLA
+    adds fused into it), so no sum op runs between the two launches; the same bits as with the sum first (two
+    splits: the same fp32 add, the same rounding), with whole heads per program (bv = dv = 32: z read by the
+    kernel's norm) and with half heads (the norm after the kernel)."""
+    from fnx.pallas.gdn.pallas import WINDOW_TILES_ENV
+    p, pf, layer = _fp8_gdn_verify_case()
+    monkeypatch.setenv(WINDOW_TILES_ENV, f"block_v={bv}")
+    ops = f"gemv_pair_many={KERNEL},gdn_window={KERNEL},gemv_fp8={KERNEL}"
+    monkeypatch.setenv("FNX_KERNELS", ops + f",gdn_window_parts={KERNEL}")
+    jax.clear_caches()
+    eqns = jax.make_jaxpr(lambda q: layer(q)[0])(pf).jaxpr.eqns
+    src = _window_sources(eqns)
+    pair = [e for e in src if "fnx_gemv_pair_many_fp8_loop" in list(_kernels([e]))]
+    out = pair[0].outvars[0]
+    assert out.aval.shape[0] == 2 and out.aval.dtype == jnp.float32, out.aval        # the unsummed partials
+    assert not [e for e in eqns if e.primitive.name == "reduce_sum" and out in e.invars], "the pair's sum still runs"
+    # op by op (not one jit): inside one CPU program XLA may drop the bf16 rounding of the summed product between
+    # the sum and the interpreted kernel (excess precision), which a GPU, storing it for the custom call, keeps
+    got = layer(pf)
+    monkeypatch.setenv("FNX_KERNELS", ops + ",gdn_window_parts=reference")
+    jax.clear_caches()
+    want = layer(pf)
+    for g, wnt in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(wnt, np.float32))
 
 
 def test_step_padding_slot_leaves_both_states_exactly():
@@ -746,6 +790,37 @@ def test_window_lowers_for_cuda(bsz, length, bv):
                                      tiles=WindowTiles(block_v=bv))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_window" in text
+    # the four products as windows of the pair kernel's split-K partials [2, 16, 16480] (qkv + z, then b + a)
+    from fnx.pallas.kernel_math import Partials
+
+    def g(raw, *rest):
+        buf = Partials(raw, bsz * length, (bsz, length), bf)
+        starts = (0, c, hv * d + c, hv * d + c + hv)
+        return kernel.gdn_window(*((buf, st) for st in starts), *rest, key_heads=hk, eps=1e-6, act="sigmoid",
+                                 tiles=WindowTiles(block_v=bv))
+    text = jax.jit(g).trace(sds((2, 16, c + hv * d + 2 * hv), jnp.float32), *args[4:]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "gdn_window" in text
+
+
+def test_partials_sum_as_the_split_sum_and_check_their_windows():
+    """kernel_math.Partials: a window of the summed product is the gemv's own split sum (fp32 adds in split order,
+    one rounding) for 2 and 3 splits, sliced to the window; operands are checked against their leading axes."""
+    from fnx.pallas.kernel_math import Partials, take_window, window_operand
+    for splits in (2, 3):
+        raw = jax.random.normal(jax.random.key(splits), (splits, 16, 40), jnp.float32)
+        buf = Partials(raw, 10, (2, 5), jnp.bfloat16)
+        want = jnp.sum(raw[:, :10], axis=0).astype(jnp.bfloat16).reshape(2, 5, 40)
+        np.testing.assert_array_equal(np.asarray(buf.window(), np.float32), np.asarray(want, np.float32))
+        np.testing.assert_array_equal(np.asarray(take_window(buf, 7, 9), np.float32),
+                                      np.asarray(want[..., 7:16], np.float32))
+        assert window_operand((buf, 7), 9, (2, 5))[0] is buf
+        with pytest.raises(ValueError, match="partials"):
+            window_operand((buf, 35), 9, (2, 5))
+        with pytest.raises(ValueError, match="partials"):
+            window_operand((buf, 0), 9, (1, 10))
+        leaves, tree = jax.tree_util.tree_flatten(buf)              # a pytree: it crosses jit boundaries
+        assert len(leaves) == 1 and jax.tree_util.tree_unflatten(tree, leaves).lead == (2, 5)
 
 
 def test_model_verify_and_rollback_through_the_window_kernel(monkeypatch, tmp_path):

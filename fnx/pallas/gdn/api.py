@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fnx.pallas import dispatch
-from fnx.pallas.kernel_math import take_window, window_operand
+from fnx.pallas.kernel_math import Partials, take_window, window_operand
 from fnx.pallas.gdn import reference
 
 OP = "gdn_decode"
@@ -182,6 +182,14 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
 
 
 WINDOW_OP = "gdn_window"
+WINDOW_PARTS_OP = "gdn_window_parts"
+
+
+def window_takes_partials() -> bool:
+    """Whether a verify window's GDN layer asks for its input projections as split-K partials, summed where
+    `gdn_window` reads them (op "gdn_window_parts": no sum kernel between the product and the window kernel; the
+    z window the norm after the kernel reads is summed by XLA adds fused into that norm)."""
+    return dispatch.resolve(WINDOW_PARTS_OP, None) != "reference"
 
 
 def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, impl: str | None = None, *,
@@ -196,10 +204,11 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
     Op "gdn_window": one kernel for the conv, the gates, the recurrence and (whole heads per program) the norm; its
     reference is the model's ops (`reference.conv_and_gates`, then `gdn_recurrent`, dispatched as "gdn_decode")."""
     q_arr = qkv[0] if isinstance(qkv, tuple) else qkv
-    if q_arr.ndim != 3 or rec.ndim != 4 or q_arr.shape[0] != rec.shape[0]:
-        raise ValueError(f"gdn_window: qkv {tuple(q_arr.shape)} must be [B, T, C] with B = rec's batch "
+    q_shape = (*q_arr.lead, q_arr.width) if isinstance(q_arr, Partials) else tuple(q_arr.shape)
+    if len(q_shape) != 3 or rec.ndim != 4 or q_shape[0] != rec.shape[0]:
+        raise ValueError(f"gdn_window: qkv {q_shape} must be [B, T, C] with B = rec's batch "
                          f"(rec {tuple(rec.shape)})")
-    length = q_arr.shape[1]
+    length = q_shape[1]
     bsz, conv_dim, _, hv, dv, dk, ops, why = _core_operands("gdn_window", length, qkv, z, b, a, conv_state, conv_w,
                                                             a_log, dt_bias, norm_w, rec, n_valid, key_heads, act)
     backend = dispatch.resolve(WINDOW_OP, impl, not_applicable=why)

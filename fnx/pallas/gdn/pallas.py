@@ -18,7 +18,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated, softplus
 from fnx.pallas import stacked
-from fnx.pallas.kernel_math import rnd, take_window, window_operand
+from fnx.pallas.kernel_math import Partials, rnd, take_window, window_operand
 
 F32 = jnp.float32
 
@@ -359,9 +359,20 @@ def default_window_tiles(dv: int) -> WindowTiles:
 
 def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
                    o_ref, sout_ref, cout_ref, cx_ref, k_ref, v_ref, g_ref, beta_ref, *, length, conv_dim, taps, hk,
-                   hv, dk, dv, bv, rep, eps, act, dt, win):
+                   hv, dk, dv, bv, rep, eps, act, dt, win, parts=None):
     (wq, sq), (wz, sz), (wb, sb), (wa, sa) = win
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    def ld(ref, idx, width):
+        """An element (or vector) of a product operand: as stored, or with `parts` (S, Mp) the sum of its S split
+        partials (fp32, in split order) rounded to dt, as the product's own split sum would have it."""
+        if parts is None:
+            return pltriton.load(ref.at[idx])
+        acc = None
+        for i in range(parts[0]):
+            v = pltriton.load(ref.at[i * parts[1] * width + idx])
+            acc = v if acc is None else acc + v
+        return acc.astype(dt)
     kh = h // rep
     s = s_ref[0, 0, :, :]                                   # [dk, BV] fp32: the state load is issued first
     hist = taps - 1
@@ -371,7 +382,7 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
     def rows_of(off, n):
         ch = off + jnp.arange(n, dtype=jnp.int32)
         rows = [pltriton.load(conv_ref.at[(bi * hist + r) * conv_dim + ch]).astype(dt) for r in range(hist)]
-        rows += [pltriton.load(qkv_ref.at[(bi * length + t) * wq + sq + ch]) for t in range(length)]
+        rows += [ld(qkv_ref, (bi * length + t) * wq + sq + ch, wq) for t in range(length)]
         return ch, rows
 
     def conv(ch, rows):
@@ -417,8 +428,8 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
     dtb = dtb_ref[0].astype(F32)
     for t in range(length):
         valid = t < nv
-        beta = rnd(jax.nn.sigmoid(b_ref[(bi * length + t) * wb + sb + h].astype(F32)), dt)
-        g = a_log * softplus(a_ref[(bi * length + t) * wa + sa + h].astype(F32) + dtb)
+        beta = rnd(jax.nn.sigmoid(ld(b_ref, (bi * length + t) * wb + sb + h, wb).astype(F32)), dt)
+        g = a_log * softplus(ld(a_ref, (bi * length + t) * wa + sa + h, wa).astype(F32) + dtb)
         g = jnp.where(valid, g, 0.0)
         beta = jnp.where(valid, beta, 0.0)
         g_ref[0, t, 0] = g
@@ -431,7 +442,7 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
         s = s + k[:, None] * ((vs[t] - kv) * beta)[None, :]
         o = jnp.sum(s * q[:, None], axis=0)
         if bv == dv:
-            zv = pltriton.load(z_ref.at[(bi * length + t) * wz + sz + h * dv + j * bv + vj])
+            zv = ld(z_ref, (bi * length + t) * wz + sz + h * dv + j * bv + vj, wz)
             o_ref[0, t, 0, :] = _gated_norm(o, zv, nw_ref[:], eps, act, dt)
         else:
             o_ref[0, t, 0, :] = o.astype(dt)
@@ -447,9 +458,18 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
     conv_dim, taps = conv_w.shape
     hv, dv = a_log.shape[0], norm_w.shape[0]
     dk = (conv_dim - hv * dv) // (2 * key_heads)
-    length = (qkv[0] if isinstance(qkv, tuple) else qkv).shape[1]
+    q_arr = qkv[0] if isinstance(qkv, tuple) else qkv
+    length = q_arr.lead[1] if isinstance(q_arr, Partials) else q_arr.shape[1]
     ops = [window_operand(o, n, (bsz, length), f"gdn_window {name}") for o, n, name in
            ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
+    # split partials (kernel_math.Partials): summed in the kernel where all four are windows of one product,
+    # else summed first (XLA adds)
+    parts = None
+    held = [buf for buf, _ in ops if isinstance(buf, Partials)]
+    if held and len(held) == 4 and all(buf is held[0] for buf in held):
+        parts = (held[0].splits, held[0].buf.shape[1])
+    elif held:
+        ops = [(buf.window(), start) if isinstance(buf, Partials) else (buf, start) for buf, start in ops]
     dt = ops[0][0].dtype
     t = tiles or default_window_tiles(dv)
     bv = t.block_v
@@ -473,11 +493,15 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
     params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps, num_stages=1)}
     kernel = functools.partial(_window_kernel, length=length, conv_dim=conv_dim, taps=taps, hk=key_heads, hv=hv,
                                dk=dk, dv=dv, bv=bv, rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
-                               win=tuple((buf.shape[2], start) for buf, start in ops))
+                               win=tuple((held[0].width if parts else buf.shape[-1], start) for buf, start in ops),
+                               parts=parts)
     (qb, _), (zb, zs), (bb, _), (ab, _) = ops
+    zk = zb
+    if parts is not None:       # the four operands are the one partials buffer [S, Mp, W]
+        qb = bb = ab = zk = held[0].buf
     o, rec, conv, cx, k, v, g, beta = stacked.call(
         kernel, (n_valid.astype(jnp.int32), flat(qb), flat(conv_state), stacked.flatten(conv_w), flat(bb), flat(ab),
-                 a_log, dt_bias, flat(zb), norm_w, rec),
+                 a_log, dt_bias, flat(zk), norm_w, rec),
         grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret, name="gdn_window", **params,
     )   # conv_w, a_log, dt_bias and norm_w may be layers of stacks (fnx.pallas.stacked): read in place

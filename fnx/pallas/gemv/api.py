@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnx.pallas import dispatch, stacked
+from fnx.pallas import dispatch, kernel_math, stacked
 from fnx.pallas.gemv import pallas as gp
 from fnx.pallas.gemv import reference
 
@@ -340,14 +340,16 @@ def pair_many_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | N
 
 
 def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *, impl: str | None = None,
-                windows: bool = False):
+                windows: bool = False, partials: bool = False):
     """(x @ dequant(W1).T, x @ W2.T) for an FP8 W1 [N1, K] (128x128 block scales) and a narrow bf16 W2 [N2, K]:
     at decode shapes one launch; otherwise, and on the "reference" backend, the two products apart, each through
     `linear`'s own dispatch (the current kernels or XLA). One token (op "gemv_pair"): `pallas.gemv_pair`, the FP8
     whole-K kernel's programs, then a few programs for the narrow rows. Several tokens with tensor-core tiles (op
     "gemv_pair_many"): `pallas.gemv_pair_many`, the narrow rows inside the FP8 kernel's own (split-K) grid, both
     products columns of one buffer. With `windows` each product comes as (buffer, start column) (a window of that
-    one buffer: no slice between the kernel and the kernels that read the products in place)."""
+    one buffer: no slice between the kernel and the kernels that read the products in place); with `partials` too,
+    that buffer may be the kernel's split-K partials not yet summed (`kernel_math.Partials`, where the tiles split
+    K), for consumers that sum them where they read them."""
     op = pair_op(x.shape, w1.shape)
     if op == PAIR_MANY_OP:
         why = pair_many_applies(x.shape, x.dtype, w1.shape, w2.shape, w2.dtype)
@@ -362,8 +364,12 @@ def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *
     interpret = dispatch.interpret_flag(backend)
     if op == PAIR_MANY_OP:
         n1 = w1.shape[0]
-        buf = gp.gemv_pair_many(x2, w1, scale1, w2, tiles=tiles_for("fp8", n1, k, x2.shape[0]),
-                                interpret=interpret).reshape(*lead, -1)
+        t = tiles_for("fp8", n1, k, x2.shape[0])
+        if windows and partials and t.split > 1:
+            raw = gp.gemv_pair_many(x2, w1, scale1, w2, tiles=t, interpret=interpret, partials=True)
+            buf = kernel_math.Partials(raw, x2.shape[0], lead, x.dtype)
+            return (buf, 0), (buf, n1)
+        buf = gp.gemv_pair_many(x2, w1, scale1, w2, tiles=t, interpret=interpret).reshape(*lead, -1)
         if windows:
             return (buf, 0), (buf, n1)
         return buf[..., :n1], buf[..., n1:n1 + w2.shape[0]]

@@ -564,12 +564,13 @@ def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, out_ref, *, t: Tiles, k: in
         out_ref[s, :, pl.ds(n1 + pid * bn2, bn2)] = acc.astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "partials"))
+def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False, partials: bool = False):
     """x @ [dequant(W1); W2].T in one launch for 2..32 tokens: x [M, K], W1 float8_e4m3fn [N1, K] with its 128x128
     block scales under tensor-core tiles ("loop" or "dot", any split), W2 bf16 [N2, K] with N2 <= PAIR_SIDE_MAX_N.
     Returns one product [M, N1 + N2p] in x.dtype: columns [0, N1) the FP8 product, [N1, N1 + N2) the narrow one
-    (N2p = N2 rounded up to 16; the rest padding)."""
+    (N2p = N2 rounded up to 16; the rest padding). `partials` with split-K tiles: the kernel's fp32 partials
+    [S, Mp, N1 + N2p] as they are (for a consumer that sums them where it reads them: `kernel_math.Partials`)."""
     m, k = x.shape
     n1, n2 = w1.shape[0], w2.shape[0]
     t = tiles
@@ -600,4 +601,6 @@ def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False):
     )
     if t.split == 1:
         return out[0, :m]
+    if partials:
+        return out
     return jnp.sum(out[:, :m], axis=0).astype(x.dtype)
