@@ -20,6 +20,7 @@ from fnx.pallas.gdn import api, reference
 from fnx.pallas.gdn.bench import chunk_scan_args
 from fnx.pallas.gdn.pallas import Tiles
 from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
+from tests.pallas.verify_round import pallas_calls
 
 B, HK, HV, DK, DV = 2, 2, 4, 32, 32
 TILES = Tiles(block_v=16)           # two column tiles per head, so the tiling itself is exercised
@@ -346,16 +347,6 @@ def _fp8_gdn_verify_case():
     return p, pf, layer
 
 
-def _kernels(eqs):
-    """The names of the pallas_calls in eqs, nested jaxprs included."""
-    for e in eqs:
-        if e.primitive.name == "pallas_call":
-            yield str(e.params.get("name", ""))
-        for sub in ("jaxpr", "call_jaxpr"):
-            if sub in e.params:
-                yield from _kernels(getattr(e.params[sub], "jaxpr", e.params[sub]).eqns)
-
-
 def _window_sources(eqns):
     """The eqns (through reshapes) whose outputs the gdn_window call reads."""
     made = {v: e for e in eqns for v in e.outvars}
@@ -379,10 +370,10 @@ def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
     monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many={KERNEL},gdn_window={KERNEL},gemv_fp8={KERNEL}")
     jax.clear_caches()
     eqns = jax.make_jaxpr(lambda q: layer(q)[0])(pf).jaxpr.eqns
-    names = list(_kernels(eqns))
+    names = list(pallas_calls(eqns))
     assert names.count("fnx_gemv_pair_many_fp8_loop") == 1 and "fnx_gemv_fp8" not in names, names
     # the window kernel's qkv / z / b / a operands: the pair's one (summed) product, through reshapes only
-    sources = {id(e) for e in _window_sources(eqns) if "fnx_gemv_pair_many_fp8_loop" in list(_kernels([e]))}
+    sources = {id(e) for e in _window_sources(eqns) if "fnx_gemv_pair_many_fp8_loop" in list(pallas_calls([e]))}
     assert len(sources) == 1, names
     got = run(pf)
     monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many=reference,gdn_window={KERNEL},gemv_fp8={KERNEL}")
@@ -408,7 +399,7 @@ def test_window_sums_the_pair_partials_where_it_reads_them(monkeypatch, bv):
     jax.clear_caches()
     eqns = jax.make_jaxpr(lambda q: layer(q)[0])(pf).jaxpr.eqns
     src = _window_sources(eqns)
-    pair = [e for e in src if "fnx_gemv_pair_many_fp8_loop" in list(_kernels([e]))]
+    pair = [e for e in src if "fnx_gemv_pair_many_fp8_loop" in list(pallas_calls([e]))]
     out = pair[0].outvars[0]
     assert out.aval.shape[0] == 2 and out.aval.dtype == jnp.float32, out.aval        # the unsummed partials
     assert not [e for e in eqns if e.primitive.name == "reduce_sum" and out in e.invars], "the pair's sum still runs"

@@ -273,11 +273,10 @@ def test_kernel_reads_q_and_the_selection_in_place():
     assert " pad[" not in jaxpr and "= pad " not in jaxpr, jaxpr[:3000]
 
 
-@pytest.mark.parametrize("nb,k", [(70, 16), (2122, 512), (40, 40), (33, 1)])
-def test_block_topk_kernel_is_the_top_k_set(nb, k):
-    """The top-k block kernel picks the set lax.top_k picks, in ascending block order: distinct scores, heavy ties
-    (the lower blocks first, as top_k), rows half or wholly -inf (blocks not yet complete), zeros, k = NB and k = 1."""
-    rng = np.random.default_rng(nb * 1000 + k)
+def _topk_scores(seed: int, nb: int) -> np.ndarray:
+    """Rows [2, 3, NB] of block scores the top-k must get right: distinct, half and wholly -inf (blocks not yet
+    complete), rounded (heavy ties), zeros, all equal, and huge."""
+    rng = np.random.default_rng(seed)
     s = rng.standard_normal((2, 3, nb)).astype(np.float32)
     s[0, 0, : nb // 2] = -np.inf
     s[0, 1] = np.round(s[0, 1])
@@ -285,6 +284,14 @@ def test_block_topk_kernel_is_the_top_k_set(nb, k):
     s[1, 0] = -np.inf
     s[1, 1] = 1.0
     s[1, 2] = np.abs(s[1, 2]) * 1e30
+    return s
+
+
+@pytest.mark.parametrize("nb,k", [(70, 16), (2122, 512), (40, 40), (33, 1)])
+def test_block_topk_kernel_is_the_top_k_set(nb, k):
+    """The top-k block kernel picks the set lax.top_k picks, in ascending block order: distinct scores, heavy ties
+    (the lower blocks first, as top_k), rows half or wholly -inf (blocks not yet complete), zeros, k = NB and k = 1."""
+    s = _topk_scores(nb * 1000 + k, nb)
     got = np.asarray(api.qsa_block_topk(jnp.asarray(s), k, impl=KERNEL))
     want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
     assert got.shape == (2, 3, k) and got.dtype == np.int32
@@ -299,14 +306,7 @@ def test_block_topk_long_rows_in_segments(nb, k, seg):
     in two launches: each segment's k best with their keys, then the k best of the candidates. The set lax.top_k
     picks, in ascending block order, with ties across segment edges going to the lower blocks (all-equal rows,
     rounded scores, zeros), wholly and half -inf rows, and a last segment shorter than k."""
-    rng = np.random.default_rng(nb * 7 + k)
-    s = rng.standard_normal((2, 3, nb)).astype(np.float32)
-    s[0, 0, : nb // 2] = -np.inf
-    s[0, 1] = np.round(s[0, 1])
-    s[0, 2, ::3] = 0.0
-    s[1, 0] = -np.inf
-    s[1, 1] = 1.0
-    s[1, 2] = np.abs(s[1, 2]) * 1e30
+    s = _topk_scores(nb * 7 + k, nb)
     got = np.asarray(jax.jit(lambda x: kernel.qsa_block_topk(x, k, interpret=INTERPRET, seg=seg))(jnp.asarray(s)))
     want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
     np.testing.assert_array_equal(got, want)

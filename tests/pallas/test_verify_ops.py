@@ -13,6 +13,7 @@ import pytest
 from fnx.config import ModelConfig
 from fnx.pallas import dispatch
 from tests.pallas.kernel_mode import KERNEL
+from tests.pallas.verify_round import pallas_calls
 
 # the ops built for the verify window's launches (BENCHMARKS.md, thirty-third and thirty-fourth sessions)
 NEW_OPS = ("gemv_pair_many", "gdn_window_parts", "gdn_replay_conv", "moe_route_acts", "qsa_prep")
@@ -28,15 +29,6 @@ def _config() -> ModelConfig:
                        shared_expert_intermediate_size=128, hc_lowrank=16, indexer_n_heads=4, indexer_head_dim=16,
                        indexer_budget=64, ple_embed_dim=64, ngram_vocab_size_base=1000, eos_token_id=511,
                        mtp_num_hidden_layers=1)
-
-
-def _kernels(eqs):
-    for e in eqs:
-        if e.primitive.name == "pallas_call":
-            yield str(e.params.get("name", ""))
-        for sub in ("jaxpr", "call_jaxpr"):
-            if sub in e.params:
-                yield from _kernels(getattr(e.params[sub], "jaxpr", e.params[sub]).eqns)
 
 
 @pytest.mark.extended
@@ -70,7 +62,7 @@ def test_verify_window_and_rollback_with_the_new_ops_match_without(monkeypatch):
             f"{op}={'reference' if op in NEW_OPS and not on else KERNEL}" for op in dispatch.KNOWN_OPS))
         jax.clear_caches()
         jx = jax.make_jaxpr(verify_and_rollback)(p, st)
-        launched[on], text[on] = collections.Counter(_kernels(jx.jaxpr.eqns)), str(jx)
+        launched[on], text[on] = collections.Counter(pallas_calls(jx.jaxpr.eqns)), str(jx)
         res[on] = verify_and_rollback(p, st)
     # each op in the program: the pairs (GDN in-projections and the MoE's, 4 layers), the QSA prep, the router's
     # activations (no u32 concatenate of mma_activations' own), the replay's conv copy (no gather of conv rows)

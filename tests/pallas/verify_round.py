@@ -33,3 +33,13 @@ def tiny_verify_round(path, *, seed: int, rng_seed: int, prompt_len: int, n_vali
                                                   n_valid=nv))(st)
         return lg, jax.jit(lambda f, a: rollback(cfg, f, a, keep))(full, aux)
     return run
+
+
+def pallas_calls(eqns):
+    """The names of the pallas_calls among a jaxpr's eqns, nested jaxprs (jit, custom calls) included, in order."""
+    for e in eqns:
+        if e.primitive.name == "pallas_call":
+            yield str(e.params.get("name", ""))
+        for sub in ("jaxpr", "call_jaxpr"):
+            if sub in e.params:
+                yield from pallas_calls(getattr(e.params[sub], "jaxpr", e.params[sub]).eqns)

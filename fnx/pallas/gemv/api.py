@@ -257,8 +257,15 @@ def linear_argmax(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, 
 PAIR_OP = "gemv_pair"
 
 
-def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
-    """None when `linear_pair`'s one-launch kernel serves this call, else why not."""
+def _tokens(x_shape) -> int:
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    return m
+
+
+def _pair_common(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
+    """What both pair kernels need: 2-D weights, no mesh, an FP8 product the GEMV kernel serves, a bf16 narrow one."""
     if len(w1_shape) != 2 or len(w2_shape) != 2:
         return "weights with leading axes"
     if dispatch.active_mesh() is not None:
@@ -266,30 +273,36 @@ def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
     why = kernel_applies(x_shape, x_dtype, "fp8", w1_shape)
     if why:
         return f"the FP8 product: {why}"
-    m = 1
-    for d in x_shape[:-1]:
-        m *= d
-    t = pair_tiles(tiles_for("fp8", w1_shape[0], x_shape[-1], m))
+    if jnp.dtype(w2_dtype) != jnp.bfloat16:
+        return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
+    return None
+
+
+def pair_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
+    """None when `linear_pair`'s one-launch kernel serves this call, else why not."""
+    why = _pair_common(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype)
+    if why:
+        return why
+    t = pair_tiles(tiles_for("fp8", w1_shape[0], x_shape[-1], _tokens(x_shape)))
     if t.mode == "loop":
         return "the FP8 product's tiles walk K in a loop (split-K): only whole-K tiles pair"
     why = gp.check_tiles("fp8", w1_shape[0], x_shape[-1], t)
     if why:
         return f"the FP8 product's tiles {t} without split-K: {why}"
-    if jnp.dtype(w2_dtype) != jnp.bfloat16:
-        return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
     if w2_shape[1] != x_shape[-1] or gp.pair_side_tiles(w2_shape[0], x_shape[-1]) is None:
         return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows of K={x_shape[-1]} in at "
                 f"most 16 power-of-two chunks")
     return None
 
 
-# At a few tokens (an MTP verify window) the FP8 product's own tiles loop over K with split-K, which the pair cannot
-# take, so the products run apart. Pairing the MoE's (shared gate / up 1280 x 2560 + router 513 rows) at five tokens
-# with the one-token whole-K tiles lost: 26.1 us per layer against 18.7 for the four launches apart (the 4-layer
-# verify program at 8K, H200, commit fb693e8 against 19088ee). The pair's narrow programs alone as one launch for the
-# narrow product (a `gemv_narrow`, 139de24, reverted) lost too: 10.5 us per call for the router's 513 rows and for the
-# GDN b / a's 96 at five tokens, against ~4.5 and ~4.2 us for XLA's split-K product and its sum (each program walks
-# the five tokens' chunk sums one after another; the 4-layer verify program 1.067 against 1.012 ms).
+# At a few tokens (an MTP verify window) the FP8 product's own tiles loop over K with split-K, which the one-token
+# pair cannot take: those calls are `gemv_pair_many`'s (below). Pairing the MoE's (shared gate / up 1280 x 2560 +
+# router 513 rows) at five tokens with the one-token whole-K tiles lost: 26.1 us per layer against 18.7 for the four
+# launches apart (the 4-layer verify program at 8K, H200, commit fb693e8 against 19088ee). The pair's narrow programs
+# alone as one launch for the narrow product (a `gemv_narrow`, 139de24, reverted) lost too: 10.5 us per call for the
+# router's 513 rows and for the GDN b / a's 96 at five tokens, against ~4.5 and ~4.2 us for XLA's split-K product and
+# its sum (each program walks the five tokens' chunk sums one after another; the 4-layer verify program 1.067 against
+# 1.012 ms). `gemv_pair_many` puts such programs inside the FP8 kernel's own launch instead, over its K slices.
 
 
 def pair_tiles(t: gp.Tiles) -> gp.Tiles:
@@ -299,13 +312,6 @@ def pair_tiles(t: gp.Tiles) -> gp.Tiles:
 
 
 PAIR_MANY_OP = "gemv_pair_many"
-
-
-def _tokens(x_shape) -> int:
-    m = 1
-    for d in x_shape[:-1]:
-        m *= d
-    return m
 
 
 def pair_op(x_shape, w1_shape) -> str:
@@ -320,19 +326,13 @@ def pair_op(x_shape, w1_shape) -> str:
 
 def pair_many_applies(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype) -> str | None:
     """None when `gemv_pair_many` (the several-token pair) serves this call, else why not."""
-    if len(w1_shape) != 2 or len(w2_shape) != 2:
-        return "weights with leading axes"
-    if dispatch.active_mesh() is not None:
-        return "params on a mesh (each product runs its own per-shard kernel)"
-    why = kernel_applies(x_shape, x_dtype, "fp8", w1_shape)
+    why = _pair_common(x_shape, x_dtype, w1_shape, w2_shape, w2_dtype)
     if why:
-        return f"the FP8 product: {why}"
+        return why
     m = _tokens(x_shape)
     t = tiles_for("fp8", w1_shape[0], x_shape[-1], m)
     if m < 2 or t.mode == "fma":
         return f"{m} token(s) with CUDA-core tiles {t}: the one-token pair's case ('gemv_pair')"
-    if jnp.dtype(w2_dtype) != jnp.bfloat16:
-        return f"the narrow product's weight is {jnp.dtype(w2_dtype).name}, the kernel streams bfloat16"
     if w2_shape[1] != x_shape[-1] or gp.pair_many_side(w2_shape[0], x_shape[-1], t.split) is None:
         return (f"the narrow product {tuple(w2_shape)}: at most {gp.PAIR_SIDE_MAX_N} rows, each K slice "
                 f"(K={x_shape[-1]} / split {t.split}) in at most 64 power-of-two chunks")
