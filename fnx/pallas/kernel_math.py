@@ -284,8 +284,9 @@ class Partials:
     """A split-K product not yet summed: buf [S, Mp, W] fp32 partials whose first m rows are the product's rows
     (the tokens of `lead`, flattened), summed in split order and rounded to `dtype` by whoever reads it: a kernel
     that takes it sums the S values of each element it loads (no sum kernel before it), the rest take
-    `window(start, size)`, the sum as S - 1 elementwise adds that XLA fuses into its consumer. The same values as
-    `fnx.pallas.gemv`'s own split sum (fp32 adds in split order, one rounding)."""
+    `window(start, size)`, the sum as S - 1 elementwise adds that XLA fuses into its consumer. Both sum in split
+    order in fp32 and round once: with two splits (the GDN pair's tiles) the bits of `fnx.pallas.gemv`'s own split
+    sum (a reduce); with more, XLA's reduce may add in another order (one rounding apart at most)."""
 
     def __init__(self, buf, m: int, lead: tuple, dtype):
         self.buf, self.m, self.lead, self.dtype = buf, int(m), tuple(lead), jnp.dtype(dtype)

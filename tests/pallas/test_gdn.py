@@ -795,13 +795,20 @@ def test_window_lowers_for_cuda(bsz, length, bv):
 
 
 def test_partials_sum_as_the_split_sum_and_check_their_windows():
-    """kernel_math.Partials: a window of the summed product is the gemv's own split sum (fp32 adds in split order,
-    one rounding) for 2 and 3 splits, sliced to the window; operands are checked against their leading axes."""
+    """kernel_math.Partials: a window of the summed product is the sum in split order in fp32, rounded once, sliced
+    to the window (for 2 and 3 splits; with 2, also the bits of gemv's own reduce); operands are checked against
+    their leading axes."""
     from fnx.pallas.kernel_math import Partials, take_window, window_operand
     for splits in (2, 3):
         raw = jax.random.normal(jax.random.key(splits), (splits, 16, 40), jnp.float32)
         buf = Partials(raw, 10, (2, 5), jnp.bfloat16)
-        want = jnp.sum(raw[:, :10], axis=0).astype(jnp.bfloat16).reshape(2, 5, 40)
+        seq = raw[0, :10]
+        for i in range(1, splits):
+            seq = seq + raw[i, :10]
+        want = seq.astype(jnp.bfloat16).reshape(2, 5, 40)
+        if splits == 2:     # a reduce over two values adds them in the one order there is
+            np.testing.assert_array_equal(np.asarray(want, np.float32), np.asarray(
+                jnp.sum(raw[:, :10], axis=0).astype(jnp.bfloat16).reshape(2, 5, 40), np.float32))
         np.testing.assert_array_equal(np.asarray(buf.window(), np.float32), np.asarray(want, np.float32))
         np.testing.assert_array_equal(np.asarray(take_window(buf, 7, 9), np.float32),
                                       np.asarray(want[..., 7:16], np.float32))
