@@ -28,6 +28,7 @@
 #   scripts/gpu_session.sh table     # every kernel of a decode step, with separate and with fused projections
 #   scripts/gpu_session.sh ncu       # Nsight Compute counters of the MoE decode and GEMV kernels (NCU_CASES, NCU_KERNELS)
 #   scripts/gpu_session.sh roundtable  # every kernel of the step, draft and verify at 8K (ROUND_CTX), matched to HLO
+#   scripts/gpu_session.sh roundsweep  # roundtable's programs once per ROUND_VARIANTS entry, in one process
 #   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
 #   scripts/gpu_session.sh graph     # host cost per kernel node of a bare chain of N kernels (GRAPH_NODES, GRAPH_MODES)
 set -uo pipefail
@@ -35,7 +36,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | ncu | roundtable | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | ncu | roundtable | roundsweep | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -199,6 +200,19 @@ case "$part" in
       python scripts/kernel_table_diff.py "$ROUND_BASE" "$OUT/probe" --probe --top 25 2>&1 | tee "$OUT/roundtable_diff.log"
     fi
     rm -rf "$OUT"/probe/trace_* "$OUT"/probe/decode_hlo* ;;
+  roundsweep)   # ROUND_VARIANTS ('LABEL: FNX_ENV=VALUE ...;LABEL2: ...', the first the baseline, e.g. 'base: ;
+                # pair: FNX_KERNELS=gemv_pair_many=pallas'): roundtable's 4-layer step, draft and verify programs at
+                # ROUND_CTX compiled and profiled once per variant in one process (the model is built once), the
+                # kernels and kernel time per program call, and each variant's kernel diff against the first
+                timeout ${SWEEP_S:-540} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse \
+      --context ${ROUND_CTX:-8192} --kernel-table --reps 2 --calls 3 --chains 1 --label roundsweep --out "$OUT/probe" \
+      ${ROUND_ARGS:---fp8-head --draft-vocab 32768 --draft-fp8} --only-variants \
+      --round-variants "${ROUND_VARIANTS:?ROUND_VARIANTS: the variants to compare}" > "$OUT/roundsweep.log" 2>&1
+    echo "rc $? (roundsweep)"
+    grep -E '^variant done' "$OUT/roundsweep.log"
+    sed -n '/^variant /,$p' "$OUT/roundsweep.log" | head -${SWEEP_LINES:-220}
+    tail -3 "$OUT/roundsweep.log"
+    rm -rf "$OUT"/probe/variants/*/trace_* ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \

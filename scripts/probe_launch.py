@@ -30,6 +30,61 @@ def short(name: str) -> str:
     return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))[:60]
 
 
+VARIANT_LABEL = re.compile(r"^[\w.+-]+$")
+VARIANT_ENV = re.compile(r"^FNX_[A-Z0-9_]+$")
+
+
+def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """--round-variants: ';'-separated 'LABEL: ENV=VALUE ENV=VALUE ...' -> [(label, {env: value})]. Only FNX_
+    settings: they are read when a program is traced (XLA_FLAGS and the like are read once, at start). A value may
+    hold '=' and ',' (FNX_KERNELS=a=pallas,b=pallas); settings are separated by spaces. No settings: the defaults."""
+    out: list[tuple[str, dict[str, str]]] = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        label, sep, rest = part.partition(":")
+        label = label.strip()
+        if not sep or not VARIANT_LABEL.match(label):
+            raise SystemExit(f"--round-variants: {part!r} must be 'LABEL: ENV=VALUE ...' with a label of letters, "
+                             "digits, '.', '+', '-' or '_'")
+        if label in (lab for lab, _ in out):
+            raise SystemExit(f"--round-variants: the label {label!r} is given twice")
+        env: dict[str, str] = {}
+        for item in rest.split():
+            name, eq, value = item.partition("=")
+            if not eq or not VARIANT_ENV.match(name):
+                raise SystemExit(f"--round-variants: {item!r} in variant {label!r} is not FNX_NAME=VALUE (only fnx's "
+                                 "own settings are read when a program is traced)")
+            if name in env:
+                raise SystemExit(f"--round-variants: {name} is set twice in variant {label!r}")
+            env[name] = value
+        out.append((label, env))
+    if not out:
+        raise SystemExit("--round-variants: no variant given")
+    return out
+
+
+def variant_summary(rows: list[dict]) -> list[str]:
+    """The variants' kernels and kernel time per program call, and each against the first variant."""
+    programs = [p for p in ("decode", "draft", "verify") if any(p in r["programs"] for r in rows)]
+    head = f"{'variant':18s}" + "".join(f"{p + ' kernels / us':>24s}" for p in programs)
+    if "draft" in programs and "verify" in programs:
+        head += f"{'round us':>12s}{'vs first':>10s}"
+    lines = [head]
+    first = None
+    for r in rows:
+        line = f"{r['variant'][:18]:18s}"
+        for p in programs:
+            v = r["programs"].get(p)
+            line += f"{v['kernels_per_call']:>12.0f} / {v['busy_us_per_call']:9.1f}" if v else f"{'-':>24s}"
+        if "draft" in programs and "verify" in programs:
+            rnd = r["programs"]["draft"]["busy_us_per_call"] + r["programs"]["verify"]["busy_us_per_call"]
+            first = rnd if first is None else first
+            line += f"{rnd:12.1f}{rnd - first:+10.1f}"
+        lines.append(line)
+    return lines
+
+
 def gaps(kernels: list[dict], calls: int, top: int = 25) -> dict:
     """Gaps between consecutive kernels (end of one to start of the next), within the calls' span."""
     rows, by_prev = [], collections.Counter()
@@ -203,7 +258,20 @@ def main():
     ap.add_argument("--kernel-variants", default="",
                     help="';'-separated FNX_KERNELS values ('auto' for none) timed one after another in this "
                          "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
+    ap.add_argument("--round-variants", default="",
+                    help="';'-separated 'LABEL: FNX_ENV=VALUE ...' (no settings: the defaults), each run after the "
+                         "other parts in this process: the step, draft and verify programs compiled afresh under "
+                         "its settings, their kernels and kernel time per call (with --kernel-table, tables under "
+                         "--out/variants/LABEL and a diff of each against the first variant), and a summary, e.g. "
+                         "'base: ; pair: FNX_KERNELS=gemv_pair_many=pallas'")
+    ap.add_argument("--only-variants", action="store_true",
+                    help="with --round-variants: skip the other parts (the first variant is the baseline)")
     args = ap.parse_args()
+    variants = parse_variants(args.round_variants) if args.round_variants else []
+    if variants and args.dispatch_only:
+        raise SystemExit("--round-variants profiles each program: drop --dispatch-only")
+    if args.only_variants and not variants:
+        raise SystemExit("--only-variants runs the --round-variants alone: give them")
     os.makedirs(args.out, exist_ok=True)
     # the files of runs with different layers or weights must not overwrite each other's
     tag = re.sub(r"[^\w]+", "_", f"{args.label}_{args.layers}l_{args.quant}{'_fused' if args.fuse else ''}"
@@ -238,7 +306,8 @@ def main():
     hot, dhead = bd.draft_head_for(params["lm_head"], cfg.vocab_size, args.draft_vocab, args.draft_fp8, dtype)
     ctx, heads = args.context, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
-    cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8) * (args.k + 2)
+    cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8
+                      + len(variants) * (2 * args.calls + 6)) * (args.k + 2)
     state = init_state(cfg, 1, cap, dtype)
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
     one = jnp.ones((1, 1), jnp.int32)
@@ -261,10 +330,12 @@ def main():
         with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    text = step_j.lower(params, hold["s"], one, pid).compile().as_text()
-    with open(os.path.join(args.out, f"decode_hlo_{tag}.txt"), "w") as f:
-        f.write(text)
-    emit({"part": "decode hlo", **hlo_report(text)})
+    main_parts = not args.only_variants     # --only-variants: the setup, then the variants alone
+    if main_parts:
+        text = step_j.lower(params, hold["s"], one, pid).compile().as_text()
+        with open(os.path.join(args.out, f"decode_hlo_{tag}.txt"), "w") as f:
+            f.write(text)
+        emit({"part": "decode hlo", **hlo_report(text)})
 
     def dec():   # positions advance (no per-call rewind: that would add a jitted op of host time to each call)
         logits, hold["s"], _, _ = step_j(params, hold["s"], one, pid)
@@ -362,11 +433,11 @@ def main():
               "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
         hold["s"] = st["s"]
 
-    if args.io != "stable":
+    if args.io != "stable" and main_parts:
         dispatch_timings(step_j)
-    if args.io != "plain":
+    if args.io != "plain" and main_parts:
         stable_io_timings()
-    if args.kernel_variants:
+    if args.kernel_variants and main_parts:
         # A/B of the kernel choice in the whole step: each variant is one FNX_KERNELS value, traced afresh
         saved = os.environ.get("FNX_KERNELS")
         try:
@@ -383,29 +454,33 @@ def main():
                 os.environ.pop("FNX_KERNELS", None)
             else:
                 os.environ["FNX_KERNELS"] = saved
-    def write_table(fn, hlo_text: str, name: str, program: str, top: int = 40):
+    def write_table(fn, hlo_text: str, name: str, program: str, top: int = 40, out_dir: str | None = None,
+                    extra: dict | None = None):
         """Profile `args.calls` calls of fn and list every kernel they launch, matched to `hlo_text`'s
-        instructions, to --out/kernel_table_<name>.jsonl; print the `top` costliest."""
-        led = ledger.profile(fn, args.calls, log_dir=os.path.join(args.out, f"trace_{name}"))
+        instructions, to <out_dir or --out>/kernel_table_<name>.jsonl; print the `top` costliest. Returns the
+        ledger."""
+        out_dir = out_dir or args.out
+        led = ledger.profile(fn, args.calls, log_dir=os.path.join(out_dir, f"trace_{name}"))
         import gzip
         with gzip.open(led["trace"], "rt") as f:
             trace = json.load(f)
         table = kernel_table(ledger.device_kernels(trace), args.calls, hlo_fusions(hlo_text))
-        path = os.path.join(args.out, f"kernel_table_{name}.jsonl")
+        path = os.path.join(out_dir, f"kernel_table_{name}.jsonl")
         with open(path, "w") as f:
             for row in table:
                 f.write(json.dumps(row) + "\n")
         matched = sum(1 for r in table if r.get("op"))
-        emit({"part": "kernel table", "program": program, "kernels_per_call": led["launches_per_call"],
+        emit({"part": "kernel table", "program": program, **(extra or {}), "kernels_per_call": led["launches_per_call"],
               "busy_ms_per_call": led["busy_ms_per_call"], "distinct_kernels": len(table),
-              "matched_to_hlo": matched, "file": os.path.basename(path)})
+              "matched_to_hlo": matched, "file": os.path.relpath(path, args.out)})
         for row in sorted(table, key=lambda r: -r["us_per_call"] * r["per_call"])[:top]:
             print(f"{row['us_per_call']:8.2f} us x{row['per_call']:.0f} {row['kernel'][:40]:40s} "
                   f"{row.get('op', '?'):22s} {row.get('op_name', '')[-70:]}", flush=True)
+        return led
 
-    if args.kernel_table:
+    if args.kernel_table and main_parts:
         write_table(dec, text, tag, "decode")
-    if args.host_profile:
+    if args.host_profile and main_parts:
         # host-side events of one profiled decode step (XLA runs command buffers while profiling only with
         # --xla_enable_command_buffers_during_profiling=true in XLA_FLAGS: set it to see graph launch / update)
         led = ledger.profile(dec, args.calls, log_dir=os.path.join(args.out, f"trace_host_{tag}"))
@@ -418,11 +493,106 @@ def main():
     if args.dispatch_only:
         return
 
-    ms = timed(dec, args.reps)
-    led, g = profiled("decode", dec)
-    emit({"part": "decode", "ms": ms, "kernels_per_call": led["launches_per_call"],
-          "busy_ms_per_call": led["busy_ms_per_call"], **g})
+    def variant_programs() -> dict:
+        """The programs under the present settings, each lowered and compiled once (the calls run the compiled
+        executables): {name: (call, optimized HLO text)}. The draft runs once here, so verify has drafts."""
+        sj = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
+        cs = sj.lower(params, hold["s"], one, pid).compile()
+
+        def run_step():
+            logits, hold["s"], _, _ = cs(params, hold["s"], one, pid)
+            jax.block_until_ready(logits)
+        progs = {"decode": (run_step, cs.as_text())}
+        if args.no_round:
+            return progs
+        dj = jax.jit(lambda params, mparams, m, hid, pt, cnt, sp, keys, head, hot: _jit_draft(
+            params, mparams, m, hid, pt, cnt, sp, keys, cfg, "auto", k, head=head, hot=hot, greedy=True),
+            donate_argnums=(2,))
+
+        def dargs():
+            return (params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32), jnp.ones((1,), jnp.int32), sp, keys,
+                    dhead, hot)
+        cd = dj.lower(*dargs()).compile()
+
+        def run_draft():
+            m, drafts, q = cd(*dargs())
+            mh["m"] = m
+            parts["d"], parts["q"] = drafts, q
+            jax.block_until_ready(drafts)
+        run_draft()
+        vj = jax.jit(lambda params, s, v, ok, pk, q, sp, keys: _jit_verify(
+            params, s, v, ok, pk, q, sp, keys, cfg, "auto", 0, greedy=True), donate_argnums=(1,))
+
+        def vargs():
+            return (params, hold["s"], jnp.concatenate([one, parts["d"]], axis=1), jnp.ones((1,), bool), pk,
+                    parts["q"], sp, keys)
+        cv = vj.lower(*vargs()).compile()
+
+        def run_verify():
+            out = cv(*vargs())
+            hold["s"] = out[0]
+            jax.block_until_ready(out[1])
+        progs["draft"] = (run_draft, cd.as_text())
+        progs["verify"] = (run_verify, cv.as_text())
+        return progs
+
+    def run_variants():
+        """--round-variants: each variant's programs compiled afresh under its settings (one compile each: the
+        calls run the compiled executables), profiled, and summarized against the first variant."""
+        import kernel_table_diff as ktd   # scripts/ is this script's folder on sys.path
+        rows, tables = [], {}
+        for label, env in variants:
+            saved = {name: os.environ.get(name) for name in env}
+            os.environ.update(env)
+            try:
+                jax.clear_caches()
+                progs = variant_programs()
+                rec = {"variant": label, "settings": env, "programs": {}}
+                vdir = os.path.join(args.out, "variants", label)
+                os.makedirs(vdir, exist_ok=True)
+                for program, (fn, hlo_text) in progs.items():
+                    extra = {"variant": label}
+                    if args.kernel_table:
+                        led = write_table(fn, hlo_text, f"{program}_{label}", program, top=0, out_dir=vdir,
+                                          extra=extra)
+                        tables.setdefault(program, {})[label] = os.path.join(vdir, f"kernel_table_{program}_{label}"
+                                                                                   ".jsonl")
+                    else:
+                        led = ledger.profile(fn, args.calls)
+                    rec["programs"][program] = {
+                        "hlo_launch_ops": len(hlo_fusions(hlo_text)),   # what could launch: changes on a CPU too
+                        "kernels_per_call": led["launches_per_call"],
+                        "busy_us_per_call": round(led["busy_ms_per_call"] * 1e3, 2),
+                        "families": {f: [v["kernels_per_call"], round(v["ms_per_call"] * 1e3, 2)]
+                                     for f, v in led["families"].items()}}
+                emit({"part": "round variant", **rec})
+                rows.append(rec)
+                print(f"variant done {label}: " + ", ".join(
+                    f"{p} {v['kernels_per_call']:.0f} kernels {v['busy_us_per_call']:.1f} us"
+                    for p, v in rec["programs"].items()), flush=True)
+            finally:
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+        jax.clear_caches()
+        print("\n".join(variant_summary(rows)), flush=True)
+        base = variants[0][0]
+        for program, by_label in tables.items():
+            for label, path in by_label.items():
+                if label != base:
+                    ktd.print_diff(f"{program}: {label} against {base}",
+                                   ktd.diff(ktd.load(by_label[base]), ktd.load(path), top=15))
+
+    if main_parts:
+        ms = timed(dec, args.reps)
+        led, g = profiled("decode", dec)
+        emit({"part": "decode", "ms": ms, "kernels_per_call": led["launches_per_call"],
+              "busy_ms_per_call": led["busy_ms_per_call"], **g})
     if args.no_round:
+        if variants:
+            run_variants()
         return
     k = args.k
     mstate = dict(init_mtp_state(cfg, 1, cap, dtype), pos=jnp.full((1,), ctx, jnp.int32))
@@ -447,7 +617,7 @@ def main():
         hold["s"] = s
         jax.block_until_ready(toks)
 
-    if args.kernel_table:   # the round's two programs, each matched to its own optimized HLO
+    if args.kernel_table and main_parts:   # the round's two programs, each matched to its own optimized HLO
         draft_args = (params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32), jnp.ones((1,), jnp.int32), sp, keys,
                       cfg, "auto", k)
         draft_hlo = _jit_draft.lower(*draft_args, head=dhead, hot=hot, greedy=True).compile().as_text()
@@ -457,12 +627,14 @@ def main():
         verify_hlo = _jit_verify.lower(*verify_args, greedy=True).compile().as_text()
         write_table(draft, draft_hlo, f"draft_{tag}", "draft", top=25)
         write_table(verify, verify_hlo, f"verify_{tag}", "verify", top=40)
-    for name, fn in (("draft", draft), ("verify", verify)):
+    for name, fn in (("draft", draft), ("verify", verify)) if main_parts else ():
         ms = timed(fn, args.reps)
         led, g = profiled(name, fn)
         emit({"part": name, "ms": ms, "kernels_per_call": led["launches_per_call"],
               "busy_ms_per_call": led["busy_ms_per_call"],
               "families": {f: round(v["ms_per_call"], 3) for f, v in led["families"].items()}, **g})
+    if variants:
+        run_variants()
 
 
 if __name__ == "__main__":

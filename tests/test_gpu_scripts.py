@@ -207,6 +207,46 @@ def test_probe_launch_writes_every_part(tmp_path):
     assert (tmp_path / "decode_hlo_default_4l_bf16_ctx100_draft64.txt").exists()
 
 
+def test_probe_launch_round_variants(tmp_path):
+    """--round-variants (--only-variants: alone): each variant's step, draft and verify compiled afresh under its
+    settings (here one forces two one-token kernels in interpret mode, which changes the step's program on a CPU
+    too), profiled, a table per program and variant, and the summary against the first variant."""
+    stdout = _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "1", "--calls", "1",
+                   "--chains", "1", "--context", "100", "--draft-vocab", "64", "--kernel-table", "--out", str(tmp_path),
+                   "--only-variants", "--round-variants",
+                   "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    assert {r["part"] for r in recs} == {"round variant", "kernel table"}     # --only-variants: nothing else
+    var = [r for r in recs if r["part"] == "round variant"]
+    assert [(r["variant"], r["settings"]) for r in var] == [
+        ("base", {}), ("m1", {"FNX_KERNELS": "hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"})]
+    ops = [{p: v["hlo_launch_ops"] for p, v in r["programs"].items()} for r in var]
+    assert set(ops[0]) == {"decode", "draft", "verify"}
+    assert ops[1]["decode"] > ops[0]["decode"], ops        # the interpreted kernels are in the step's program
+    tables = [r for r in recs if r["part"] == "kernel table" and r.get("variant")]
+    assert [(r["variant"], r["program"]) for r in tables] == [(v, p) for v in ("base", "m1")
+                                                              for p in ("decode", "draft", "verify")]
+    assert all((tmp_path / r["file"]).exists() for r in tables)
+    lines = stdout.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("variant "))
+    assert lines[head + 1].split()[0] == "base" and lines[head + 2].split()[0] == "m1"
+    assert "== verify: m1 against base" in stdout
+
+
+@pytest.mark.parametrize("spec,why", [("base", "must be 'LABEL: ENV=VALUE"), ("a: ; a: FNX_X=1", "given twice"),
+                                      ("a: XLA_FLAGS=--x", "not FNX_NAME=VALUE"), ("a: FNX_X=1 FNX_X=2", "set twice"),
+                                      (" ; ", "no variant")])
+def test_probe_launch_round_variants_refuses_bad_specs(spec, why):
+    import importlib.util
+    sp = importlib.util.spec_from_file_location("probe_launch", ROOT / "scripts" / "probe_launch.py")
+    probe = importlib.util.module_from_spec(sp)
+    sp.loader.exec_module(probe)
+    with pytest.raises(SystemExit, match=why.replace("'", ".")):
+        probe.parse_variants(spec)
+    assert probe.parse_variants("b: FNX_KERNELS=a=pallas,b=pallas FNX_HC_FEW_TILES=mid=xla1;c:") == [
+        ("b", {"FNX_KERNELS": "a=pallas,b=pallas", "FNX_HC_FEW_TILES": "mid=xla1"}), ("c", {})]
+
+
 def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
     """--kernel-table's parsing: kernel events grouped by name per call, matched to the optimized HLO instruction
     they come from ('.' and '-' as '_' in a profile), with the instruction's op_name and its fused opcodes; a kernel
