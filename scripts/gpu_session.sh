@@ -210,7 +210,7 @@ case "$part" in
       --round-variants "${ROUND_VARIANTS:?ROUND_VARIANTS: the variants to compare}" > "$OUT/roundsweep.log" 2>&1
     echo "rc $? (roundsweep)"
     grep -E '^variant done' "$OUT/roundsweep.log"
-    sed -n '/^variant /,$p' "$OUT/roundsweep.log" | head -${SWEEP_LINES:-220}
+    sed -n '/^variant  *decode kernels/,$p' "$OUT/roundsweep.log" | head -${SWEEP_LINES:-220}
     tail -3 "$OUT/roundsweep.log"
     rm -rf "$OUT"/probe/variants/*/trace_* ;;
   mesh)

@@ -4,6 +4,7 @@ that breaks before it measures (the numbers here mean nothing; only that the pat
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -228,7 +229,8 @@ def test_probe_launch_round_variants(tmp_path):
                                                               for p in ("decode", "draft", "verify")]
     assert all((tmp_path / r["file"]).exists() for r in tables)
     lines = stdout.splitlines()
-    head = next(i for i, ln in enumerate(lines) if ln.startswith("variant "))
+    assert [ln.split()[2] for ln in lines if ln.startswith("variant done ")] == ["base:", "m1:"]
+    head = next(i for i, ln in enumerate(lines) if re.match(r"variant +decode kernels / us", ln))
     assert lines[head + 1].split()[0] == "base" and lines[head + 2].split()[0] == "m1"
     assert "== verify: m1 against base" in stdout
 
