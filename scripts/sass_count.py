@@ -13,6 +13,7 @@ Run:
     python scripts/sass_count.py fp8 5 mma=bf16 --gemv 16384x2560   # a GEMV: the tiles M runs (`tiles_for`),
                                                          # Tiles fields replaced; a K loop's body counted apart
     python scripts/sass_count.py fp8 5 --gemv 16384x2560 --pair 96   # the several-token pair (gemv_pair_many)
+    python scripts/sass_count.py fp8 5 pre=fold,mid=pallas --hc-few  # the few-token HC boundary's kernels
 """
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def pair_kernels(m: int, n1: int, n2: int, k: int, tiles) -> list[tuple[str, int
     return _launches(jax.jit(fn).trace(S((m, k), BF16), *raw).lower(lowering_platforms=("cuda",)))
 
 
+def hc_few_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.hc.few.hc_boundary_few` (the few-token HC boundary: S = 4, D = 2560, r = 320), with
+    FP8 Wdown / Wup (fmt "fp8") or bf16 ones."""
+    from fnx.pallas.hc import few
+    sd, d, r = 10240, 2560, 320
+    acts = [S((1, m, sd), BF16), S((1, m, d), BF16), S((1, m, 4), BF16), S((sd,), BF16)]
+    if fmt == "fp8":
+        ws = [S((r, sd), jnp.float8_e4m3fn), S((sd, r), jnp.float8_e4m3fn), S((4, sd), BF16),
+              S((3, 80), jnp.float32), S((80, 3), jnp.float32)]
+    else:
+        ws = [S((r, sd), BF16), S((sd, r), BF16), S((4, sd), BF16), None, None]
+    fn = lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
+                                        tiles=tiles)
+    return _launches(jax.jit(fn).trace(*acts, *ws).lower(lowering_platforms=("cuda",)))
+
+
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
@@ -109,10 +126,17 @@ def main() -> None:
     ap.add_argument("--gemv", default=None, metavar="NxK", help="count a GEMV kernel of this weight shape instead")
     ap.add_argument("--pair", default=None, type=int, metavar="N2",
                     help="with --gemv (fp8): the several-token pair with a bf16 product of N2 rows instead")
+    ap.add_argument("--hc-few", action="store_true",
+                    help="count the few-token HC boundary's kernels (fields: TilesFew's, e.g. pre=fold,mid=pallas)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
-    if args.gemv:
+    if args.hc_few:
+        from fnx.pallas.hc import few
+        tiles = dataclasses.replace(few.TilesFew(), **few.tiles_override(args.fields)) if args.fields else \
+            few.TilesFew()
+        launches = hc_few_kernels(args.fmt, args.m, tiles)
+    elif args.gemv:
         from fnx.pallas import dispatch
         from fnx.pallas.gemv import api
         from fnx.pallas.gemv import pallas as gp

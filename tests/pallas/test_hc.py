@@ -1,6 +1,8 @@
 """Hyper-connection boundary: the Pallas kernel (interpret mode) against fnx.pallas.hc.reference, the model's
 gated_residual / boundary through the kernel, and the CUDA lowering at the released shapes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -276,6 +278,64 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
 
 
+@pytest.mark.parametrize("m,dtype,fp8,with_y,inject,up,mid,chunks", [
+    (5, F32_, True, True, True, "gemv", "pallas", 1), (5, F32_, True, True, True, "gemv", "xla", 2),
+    (5, BF, True, True, True, "gemv", "pallas", 1), (5, BF, True, True, True, "gemv", "xla1", 1),
+    (2, F32_, False, True, True, "mma", "pallas", 2), (3, F32_, True, False, False, "mma", "xla", 1),
+    (8, BF, False, True, False, "gemv", "pallas", 2)])
+def test_few_token_folded_norm_matches_reference(m, dtype, fp8, with_y, inject, up, mid, chunks):
+    """pre "fold": no norm pass before the down kernel. It multiplies round(H' (1 + w)) and sums each split's H'^2;
+    the mid (kernel or XLA) scales each stream's splits by its 1/rms; the mix forms Hn from H' and that rstd. fp32
+    to 1e-5 (the order of sums and where 1/rms multiplies differ), bf16 within TOL (a rounding of H' (1 + w) instead
+    of Hn's), H' bit for bit. S*D = 1280 in splits of 64 (5 per stream; the mid kernel's pieces of 4 and 1)."""
+    from fnx.model import quant
+    from fnx.pallas.hc import few
+    h, y, inj, p = _inputs((1, m), 4, 320, 48, dtype, np.random.randint(1 << 30), inject)
+    y, inj = (y, inj) if with_y else (None, None)
+    wd, wu, kw = p["input_mix_weight_down"], p["input_mix_weight_up"], {}
+    ref_w = [wd, wu]
+    if fp8:
+        q = _fp8(p)
+        wd, wu = q["input_mix_weight_down"].w, q["input_mix_weight_up"].w
+        kw = {"w_down_scale": q["input_mix_weight_down"].scale_inv, "w_up_scale": q["input_mix_weight_up"].scale_inv}
+        ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
+    wi = p.get("block_inject_weight")
+    want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
+    tiles = few.TilesFew(bn=16, chunks=chunks, bk=64 // chunks, up=up, pre="fold", mid=mid, mid_bc=16)
+    f = lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,  # noqa: E731
+                                        impl=KERNEL, tiles=tiles, **kw)
+    got = jax.jit(f)(h, y, inj)
+    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        if w is None:
+            assert g is None, what
+        else:
+            _close(g, w, tol, what)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+
+    def rsqrt_before_down(tiles):
+        """Whether an rsqrt (the norm) comes before the first kernel launch of the boundary's jaxpr."""
+        g = lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4,  # noqa: E731
+                                            eps=1e-6, impl=KERNEL, tiles=tiles, **kw)
+
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if e.primitive.name == "pallas_call":
+                    return False
+                if e.primitive.name == "rsqrt":
+                    return True
+                for sub in ("jaxpr", "call_jaxpr"):
+                    if sub in e.params:
+                        found = walk(getattr(e.params[sub], "jaxpr", e.params[sub]))
+                        if found is not None:
+                            return found
+            return None
+        return walk(jax.make_jaxpr(g)(h, y, inj).jaxpr)
+    assert rsqrt_before_down(tiles) is False
+    if mid != "xla1":
+        assert rsqrt_before_down(dataclasses.replace(tiles, pre="xla", chunks=2, bk=32)) is True
+
+
 def test_few_token_mid_in_one_pass_gives_the_same_values_and_feeds_the_gemv_unsliced(monkeypatch):
     """mid "xla1": the splits' sum, / S, then silu on u's columns and inj's sigmoid on the rest as one elementwise
     pass (a single consumer of the sum), u's columns read by the up GEMV in place: the same x and inj as "xla", and
@@ -325,6 +385,8 @@ def test_few_token_tiles_env_replaces_the_defaults(monkeypatch):
     assert few.default_tiles(4, 2560, 320) == few.TilesFew()
     monkeypatch.setenv(few.TILES_ENV, "up=mma,bd=32")
     assert few.default_tiles(4, 2560, 320) == few.TilesFew(up="mma", bd=32)
+    monkeypatch.setenv(few.TILES_ENV, "pre=fold,mid=pallas")
+    assert few.default_tiles(4, 2560, 320) == few.TilesFew(pre="fold", mid="pallas")
     for bad, why in (("upp=mma", "not field=value"), ("bd=x", "takes an integer"), ("bd=24,up=mma", "does not fit")):
         monkeypatch.setenv(few.TILES_ENV, bad)
         with pytest.raises(ValueError, match=why):
@@ -341,7 +403,7 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
                      (few.TilesFew(bd=24, up="mma"), "bd=24"), (few.TilesFew(up="xla"), "up='xla'"),
                      (few.TilesFew(pre="cuda"), "pre='cuda'"), (few.TilesFew(mid="jnp"), "mid='jnp'"),
                      (few.TilesFew(mid="xla1", up="mma"), "mid='xla1'"), (few.TilesFew(pre="xla1"), "pre='xla1'"),
-                     (few.TilesFew(mid_bc=48), "mid_bc=48")):
+                     (few.TilesFew(mid_bc=48), "mid_bc=48"), (few.TilesFew(pre="fold"), "lie in one stream")):
         with pytest.raises(ValueError, match=why):
             few.hc_boundary_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True, tiles=bad)
     with pytest.raises(ValueError, match="1..8 tokens"):
@@ -359,6 +421,13 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
         lowering_platforms=("cuda",)).as_text()
     assert text.count("hc_down_few_fp8") and text.count("hc_up_few_fp8")
     assert text.count("hc_pre_few") and text.count("hc_mid_few")
+    f = jax.jit(lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],
+                                               tiles=few.TilesFew(up="mma", pre="fold", mid="pallas")))
+    text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8), inj_w,
+                   jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("hc_down_few_fp8") and text.count("hc_mid_few") and text.count("hc_up_few_fp8")
+    assert not text.count("hc_pre_few")   # fold: no norm pass
     for up in ("gemv", "mma"):
         f = jax.jit(lambda *a: few.hc_boundary_few(*a, streams=4, eps=1e-6, tiles=few.TilesFew(up=up)))
         text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), bf), jax.ShapeDtypeStruct((sd, r), bf), inj_w).lower(

@@ -64,7 +64,11 @@ class TilesFew:
     # programs; XLA's reduce + silu ~2.9); XLA had fused most combines into the previous sublayer's epilogue (PLE add,
     # GDN out_proj split sum, MoE convert), which split off again as fusions of their own. pre alone: 188 launches.
     pre: str = "xla"        # the combine and the grouped norm: "pallas" one kernel (`hc_pre_few`), "xla" the
-                            # reference's jnp (two XLA fusions on the H200: the combine, then the norm)
+                            # reference's jnp (two XLA fusions on the H200: the combine, then the norm), "fold"
+                            # no norm pass: the combine as "xla" (XLA fuses it into the previous sublayer's
+                            # epilogue), the down kernel multiplies round(H' (1 + w)) and sums each split's H'^2,
+                            # the mid scales each stream's partial sum by its 1/rms (rstd) and Hn for the mix is
+                            # formed from H' and rstd where it is used (built 2026-12-05, not yet measured)
     mid: str = "xla"        # the splits' sum, / S, silu and inj's logits: "pallas" one kernel (`hc_mid_few`), "xla"
                             # the reference's jnp (a reduce fusion and a silu fusion), "xla1" the same ops as one
                             # elementwise pass over the whole sum (silu on u's columns, inj's sigmoid on the rest: a
@@ -90,8 +94,10 @@ def check(s: int, d: int, r: int, t: TilesFew) -> str | None:
         return f"up={t.up!r}: 'gemv' or 'mma'"
     if not (pow2(t.mid_bc) and 8 <= t.mid_bc <= 128):
         return f"mid_bc={t.mid_bc}: a power of two in 8..128"
-    if t.pre not in ("pallas", "xla"):
-        return f"pre={t.pre!r}: 'pallas' or 'xla'"
+    if t.pre not in ("pallas", "xla", "fold"):
+        return f"pre={t.pre!r}: 'pallas', 'xla' or 'fold'"
+    if t.pre == "fold" and d % (t.chunks * t.bk):
+        return f"pre='fold': a split (chunks={t.chunks} x bk={t.bk} columns) must lie in one stream of D={d}"
     if t.mid not in ("pallas", "xla", "xla1") or (t.mid == "xla1" and t.up != "gemv"):
         return f"mid={t.mid!r}: 'pallas', 'xla' or 'xla1' (with up 'gemv')"
     if t.up == "mma" and (not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd or r < 16 or r % 16):
@@ -167,32 +173,67 @@ def _pre_kernel(*refs, s, d, eps, has_y):
         plt.store(hn_ref.at[t * sd + j * d + col], (hc * rstd * (1.0 + w)).astype(hn_ref.dtype))
 
 
-def _mid_kernel(part_ref, u_ref, inj_ref, *, ks, m, r, s, rows, bc):
+def _split_sum(part_ref, k_lo, k_hi, m, t, rows, col, ok):
+    """Splits [k_lo, k_hi) of part [ks, M, rows] at token t's columns `col`, summed in split order (every split's
+    load issued first, in power-of-two pieces)."""
+    a = None
+    for k0, p in kernel._pieces(k_hi - k_lo, 16):
+        kk = k_lo + k0 + jnp.arange(p, dtype=jnp.int32)
+        v = plt.load(part_ref.at[(kk[:, None] * m + t) * rows + col[None, :]], mask=ok[None, :], other=0.0)
+        v = jnp.sum(v, axis=0)
+        a = v if a is None else a + v
+    return a
+
+
+def _mid_kernel(part_ref, *refs, ks, m, r, s, rows, bc, fold=None):
     """Program (t, c): token t's columns [c*bc, (c+1)*bc) of the splits' partials [ks, M, rows]: their sum (the
     splits in order), rounded as the product's output, / S rounded; silu for Wdown's r columns (u), the logits'
-    2 sigmoid for Winj's S columns after them (inj)."""
+    2 sigmoid for Winj's S columns after them (inj). fold = (D, eps) (pre "fold"): refs start with the splits'
+    sums of H'^2 [ks, M]; each stream's splits are summed apart and scaled by its rstd = 1/rms (from its splits'
+    H'^2), and program (t, 0) also writes token t's rstd [M, S] (fp32) for the mix."""
+    it = iter(refs)
+    ss_ref = next(it) if fold else None
+    u_ref = next(it)
+    inj_ref = next(it) if rows > r else None
+    rstd_ref = next(it) if fold else None
     t, c = pl.program_id(0), pl.program_id(1)
     dt = u_ref.dtype
     col = c * bc + jnp.arange(bc, dtype=jnp.int32)
     ok = col < rows
-    a = None
-    for k0, p in kernel._pieces(ks, 16):                   # every split's load issued first, summed in order
-        kk = k0 + jnp.arange(p, dtype=jnp.int32)
-        v = plt.load(part_ref.at[(kk[:, None] * m + t) * rows + col[None, :]], mask=ok[None, :], other=0.0)
-        v = jnp.sum(v, axis=0)
-        a = v if a is None else a + v
+    if fold:
+        d, eps = fold
+        kps = ks // s                                      # splits per stream
+        a = None
+        for j in range(s):
+            q = None
+            for k0, p in kernel._pieces(kps, 16):
+                kk = j * kps + k0 + jnp.arange(p, dtype=jnp.int32)
+                v = jnp.sum(plt.load(ss_ref.at[kk * m + t]), axis=0, keepdims=True)          # [1]
+                q = v if q is None else q + v
+            rstd = jax.lax.rsqrt(q / d + eps)                                                # [1]
+            plt.store(rstd_ref.at[jnp.full((1,), t * s + j, jnp.int32)], rstd, mask=jnp.full((1,), c == 0))
+            v = _split_sum(part_ref, j * kps, (j + 1) * kps, m, t, rows, col, ok) * rstd
+            a = v if a is None else a + v
+    else:
+        a = _split_sum(part_ref, 0, ks, m, t, rows, col, ok)
     z = rnd(rnd(a, dt) / s, dt)
     plt.store(u_ref.at[t * r + col], (z * jax.nn.sigmoid(z)).astype(dt), mask=col < r)
     if inj_ref is not None:
         plt.store(inj_ref.at[t * s + (col - r)], (2 * jax.nn.sigmoid(z)).astype(dt), mask=ok & (col >= r))
 
 
-def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
+def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj, fold=False):
+    """fold (pre "fold"): the first input is H' (not Hn) and the second hc_norm's w: each chunk multiplies
+    round(H' * (1 + w)) (the norm's 1/rms left to the mid), and the programs of row block 0 also store their
+    split's sums of H'^2 per token, [ks, M] fp32 (a split lies in one stream)."""
     it = iter(refs)
-    hn_ref, wd_ref = next(it), next(it)
+    hn_ref = next(it)
+    wn_ref = next(it) if fold else None
+    wd_ref = next(it)
     sd_ref = next(it) if fp8 else None
     wi_ref = next(it) if has_inj else None
     part_ref = next(it)
+    ss_ref = next(it) if fold else None
     n, c = pl.program_id(0), pl.program_id(1)
     dt = hn_ref.dtype
     is_down = n < n_down
@@ -217,9 +258,16 @@ def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
             sc = plt.load(sd_ref.at[jnp.full((1, 1), sidx, jnp.int32)], mask=jnp.full((1, 1), is_down),
                           other=1.0)                       # [1, 1]; Winj programs: 1
         x = plt.load(hn_ref.at[tok[:, None] * sd + col[None, :]], mask=(tok < m)[:, None], other=0.0)
-        tiles.append((x, w, sc))
+        wn = plt.load(wn_ref.at[col]) if fold else None
+        tiles.append((x, w, sc, wn))
     acc = None
-    for x, w, sc in tiles:
+    ss = None
+    for x, w, sc, wn in tiles:
+        if fold:
+            x32 = x.astype(F32)
+            v = jnp.sum(x32 * x32, axis=1)                                        # [MP]
+            ss = v if ss is None else ss + v
+            x = (x32 * (1.0 + wn.astype(F32))[None, :]).astype(dt)
         p = jnp.dot(x, w.T, precision=HIGHEST, preferred_element_type=F32)       # [MP, bn]
         if sc is not None:
             p = p * sc
@@ -228,6 +276,9 @@ def _down_kernel(*refs, m, sd, r, s, bn, bk, n_chunks, n_down, fp8, has_inj):
     row = jnp.where(is_down, drow, r + irow)
     ok = (tok < m)[:, None] & (dok | iok)[None, :]
     plt.store(part_ref.at[(c * m + tok[:, None]) * (r + s * has_inj) + row[None, :]], acc, mask=ok)
+    if fold:    # every program sums its split's H'^2 (a branch around it kept more registers live: 128 against
+        # 104 in the stock sm_90 compile); row block 0's programs store them
+        plt.store(ss_ref.at[c * m + tok], ss, mask=(tok < m) & (n == 0))
 
 
 def _up_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bd, fp8):
@@ -268,6 +319,17 @@ def _up_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bd, fp8):
     plt.store(x_ref.at[tok[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=tmask)
 
 
+def _xla_sum(part, ss, ks: int, m: int, rows: int, s: int, d: int, eps: float, dtype):
+    """The XLA mids' sum of the down kernel's splits [ks * M * rows] -> ([M, rows] rounded to dtype, rstd). With the
+    splits' sums of H'^2 (pre "fold"), each stream's splits are summed apart and scaled by its 1/rms, rstd [M, S]
+    fp32; else rstd is None."""
+    if ss is None:
+        return jnp.sum(part.reshape(ks, m, rows), axis=0).astype(dtype), None
+    per = jnp.sum(part.reshape(s, ks // s, m, rows), axis=1)                               # [S, M, rows]
+    rstd = jax.lax.rsqrt(jnp.sum(ss.reshape(s, ks // s, m), axis=1) / d + eps)              # [S, M]
+    return jnp.sum(per * rstd[:, :, None], axis=0).astype(dtype), rstd.T
+
+
 def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
                     interpret: bool = False, tiles: TilesFew | None = None, w_down_scale=None, w_up_scale=None):
     """`reference.hc_boundary` for 2..MAX_TOKENS tokens (h [..., S*D]); bf16 or FP8 Wdown / Wup (float8_e4m3fn with
@@ -280,6 +342,7 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
     if why:
         raise ValueError(f"hc_boundary_few: S={s} D={d} r={r} do not fit {t}: {why}")
     has_inj = w_inj is not None
+    fold = t.pre == "fold"
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
@@ -296,43 +359,54 @@ def hc_boundary_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
             interpret=interpret, name="hc_pre_few", **params,
         )
         hp, hn = (res[0].reshape(h.shape), res[1]) if y is not None else (h, res[0])
-    else:   # the reference's own combine and grouped norm (two XLA fusions)
+    else:   # the reference's own combine (and, but for "fold", grouped norm): XLA fusions
         hp = reference.combine(h, y, inj_prev) if y is not None else h
-        hn = reference.grouped_rms_norm(hp, stacked.materialize(hc_norm), eps, d).reshape(m * sd)
+        hn = None if fold else reference.grouped_rms_norm(hp, stacked.materialize(hc_norm), eps, d).reshape(m * sd)
     n_down = -(-r // t.bn)
     n_prog = n_down + (-(-s // t.bn) if has_inj else 0)
     ks = sd // (t.chunks * t.bk)
     rows = r + (s if has_inj else 0)
-    args = (hn, flat(w_down)) + ((flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ())
+    first = (hp.reshape(m * sd), flat(hc_norm)) if fold else (hn,)
+    args = first + (flat(w_down),) + ((flat(f32(w_down_scale)),) if fp8 else ()) + \
+        ((flat(w_inj),) if has_inj else ())
+    part_shape = jax.ShapeDtypeStruct((ks * m * rows,), F32)
     part = stacked.call(
         functools.partial(_down_kernel, m=m, sd=sd, r=r, s=s, bn=t.bn, bk=t.bk, n_chunks=t.chunks, n_down=n_down,
-                          fp8=fp8, has_inj=has_inj),
+                          fp8=fp8, has_inj=has_inj, fold=fold),
         args, grid=(n_prog, ks), in_specs=[whole] * len(args),
-        out_shape=jax.ShapeDtypeStruct((ks * m * rows,), F32),
+        out_shape=(part_shape, jax.ShapeDtypeStruct((ks * m,), F32)) if fold else part_shape,
         interpret=interpret, name="hc_down_few_fp8" if fp8 else "hc_down_few", **params,
     )
+    ss = None
+    if fold:
+        part, ss = part
+    rstd = None             # fold: [M, S] fp32, each stream's 1/rms (the mix forms Hn from it)
     if t.mid == "pallas":   # the splits' sum, / S, silu and inj in one launch
         bc = t.mid_bc
         outs = (jax.ShapeDtypeStruct((m * r,), h.dtype),) + ((jax.ShapeDtypeStruct((m * s,), h.dtype),)
-                                                             if has_inj else ())
+                                                             if has_inj else ()) + \
+            ((jax.ShapeDtypeStruct((m * s,), F32),) if fold else ())
         res = stacked.call(
-            lambda p_ref, u_ref, *i_ref: _mid_kernel(p_ref, u_ref, i_ref[0] if i_ref else None, ks=ks, m=m, r=r,
-                                                     s=s, rows=rows, bc=bc),
-            (part,), grid=(m, -(-rows // bc)), in_specs=[whole], out_shape=outs,
-            interpret=interpret, name="hc_mid_few", **params,
+            functools.partial(_mid_kernel, ks=ks, m=m, r=r, s=s, rows=rows, bc=bc, fold=(d, eps) if fold else None),
+            (part, ss) if fold else (part,), grid=(m, -(-rows // bc)), in_specs=[whole] * (1 + fold),
+            out_shape=outs, interpret=interpret, name="hc_mid_few", **params,
         )
         u = res[0].reshape(m, r)
         inj = res[1].reshape(*lead, s) if has_inj else None
+        rstd = res[-1].reshape(m, s) if fold else None
     elif t.mid == "xla1":   # the same ops, one elementwise pass over the sum: u's columns and inj's in one buffer
-        a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                   # [M, r (+ S)]
+        a, rstd = _xla_sum(part, ss, ks, m, rows, s, d, eps, h.dtype)                     # [M, r (+ S)]
         v = reference._div(a, s)
         col = jax.lax.broadcasted_iota(jnp.int32, v.shape, 1)
         u = jnp.where(col < r, jax.nn.silu(v), 2 * jax.nn.sigmoid(v)) if has_inj else jax.nn.silu(v)
         inj = u[:, r:].reshape(*lead, s) if has_inj else None
     else:   # the reference's own ops (XLA): the splits' sum rounded as the product's output, / S, silu; inj
-        a = jnp.sum(part.reshape(ks, m, rows), axis=0).astype(h.dtype)                   # [M, r (+ S)]
+        a, rstd = _xla_sum(part, ss, ks, m, rows, s, d, eps, h.dtype)                     # [M, r (+ S)]
         u = jax.nn.silu(reference._div(a[:, :r], s))
         inj = (2 * jax.nn.sigmoid(reference._div(a[:, r:], s))).reshape(*lead, s) if has_inj else None
+    if fold:    # Hn as the reference's norm forms it (the same expression), with the kernels' 1/rms
+        w32 = stacked.materialize(hc_norm).astype(F32).reshape(s, d)
+        hn = ((hp.reshape(m, s, d).astype(F32) * rstd[:, :, None]) * (1.0 + w32)).astype(h.dtype).reshape(m * sd)
     if t.up == "gemv":      # the gates through the GEMV kernels, the mix as the reference's
         from fnx.pallas.gemv import api as gemv
         gate = jax.nn.sigmoid(gemv.linear(u, w_up, fmt="fp8" if fp8 else "bf16", scale=w_up_scale,
