@@ -14,6 +14,7 @@ Run:
                                                          # Tiles fields replaced; a K loop's body counted apart
     python scripts/sass_count.py fp8 5 --gemv 16384x2560 --pair 96   # the several-token pair (gemv_pair_many)
     python scripts/sass_count.py fp8 5 pre=fold,mid=pallas --hc-few  # the few-token HC boundary's kernels
+    python scripts/sass_count.py fp8 1 --hc-m1           # the one-token HC boundary's kernels (Tiles1 fields)
 """
 
 from __future__ import annotations
@@ -96,6 +97,21 @@ def hc_few_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
     return _launches(jax.jit(fn).trace(*acts, *ws).lower(lowering_platforms=("cuda",)))
 
 
+def hc_m1_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.hc.pallas.hc_boundary_m1` (the one-token HC boundary, S = 4, D = 2560, r = 320)."""
+    from fnx.pallas.hc import pallas as hp
+    sd, d, r = 10240, 2560, 320
+    acts = [S((1, 1, sd), BF16), S((1, 1, d), BF16), S((1, 1, 4), BF16), S((sd,), BF16)]
+    if fmt == "fp8":
+        ws = [S((r, sd), jnp.float8_e4m3fn), S((sd, r), jnp.float8_e4m3fn), S((4, sd), BF16),
+              S((3, 80), jnp.float32), S((80, 3), jnp.float32)]
+    else:
+        ws = [S((r, sd), BF16), S((sd, r), BF16), S((4, sd), BF16), None, None]
+    fn = lambda *a: hp.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
+                                      tiles=tiles)
+    return _launches(jax.jit(fn).trace(*acts, *ws).lower(lowering_platforms=("cuda",)))
+
+
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
@@ -128,10 +144,20 @@ def main() -> None:
                     help="with --gemv (fp8): the several-token pair with a bf16 product of N2 rows instead")
     ap.add_argument("--hc-few", action="store_true",
                     help="count the few-token HC boundary's kernels (fields: TilesFew's, e.g. pre=fold,mid=pallas)")
+    ap.add_argument("--hc-m1", action="store_true",
+                    help="count the one-token HC boundary's kernels (fields: Tiles1's, e.g. bd=4; m is ignored)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
-    if args.hc_few:
+    if args.hc_m1:
+        from fnx.pallas import dispatch
+        from fnx.pallas.hc import pallas as hp
+        tiles = hp.choose_tiles1(4, 2560, 320)
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, hp.Tiles1, "fields",
+                                                                         ("tokens",)))
+        launches = hc_m1_kernels(args.fmt, tiles)
+    elif args.hc_few:
         from fnx.pallas.hc import few
         tiles = dataclasses.replace(few.TilesFew(), **few.tiles_override(args.fields)) if args.fields else \
             few.TilesFew()

@@ -80,17 +80,17 @@ def test_model_wiring():
     _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
 
 
-@pytest.mark.parametrize("pieces", [True, False])
+@pytest.mark.parametrize("pieces,fold", [(True, 0), (False, 0), (True, 1)])
 @pytest.mark.parametrize("d,r", [(128, 32), (320, 40)])
-def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces):
+def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces, fold):
     """fp32 at M = 1: only the summation order differs from the reference (tolerance 1e-5), so a wrong index or
     a missed rounding step cannot hide in bf16's tolerance. D = 320 = 5 chunks of 64 and r = 40 are not powers
     of two (as the released D = 2560 and r = 320 are not): unmasked pieces (4 + 1 chunks, 32 + 8) or one padded,
-    masked tile."""
+    masked tile. fold 1: the stream's 1/rms on each row's sum instead of on Hn (where it multiplies differs)."""
     h, y, inj, p = _inputs((1, 1), 4, d, r, jnp.float32, np.random.randint(1 << 30))
     want = reference.hc_boundary(h, y, inj, *_args(p, True), streams=4, eps=1e-6)
     got = kernel.hc_boundary_m1(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
-                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces))
+                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, fold=fold))
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
         _close(g, w, 1e-5, what)
 
@@ -125,10 +125,11 @@ def _fp8(p):
                 input_mix_weight_up=quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("dtype,pieces,wround", [(jnp.bfloat16, True, 1), (jnp.float32, True, 1),
-                                                 (jnp.float32, False, 1), (jnp.bfloat16, True, 0),
-                                                 (jnp.float32, True, 0), (jnp.float32, False, 0)])
-def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wround):
+@pytest.mark.parametrize("dtype,pieces,wround,fold", [(jnp.bfloat16, True, 1, 0), (jnp.float32, True, 1, 0),
+                                                      (jnp.float32, False, 1, 0), (jnp.bfloat16, True, 0, 0),
+                                                      (jnp.float32, True, 0, 0), (jnp.float32, False, 0, 0),
+                                                      (jnp.bfloat16, True, 0, 1), (jnp.float32, True, 0, 1)])
+def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wround, fold):
     """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
     reference on the weights the model uses (dequantized, rounded to the activation dtype); and the model's
     gated_residual / boundary wiring: one and two tokens through the kernels, more than 8 tokens through the
@@ -142,7 +143,7 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wr
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6)
     got = jax.jit(lambda h, y, i: api.hc_boundary(
         h, y, i, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w, p["block_inject_weight"],
-        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround),
+        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround, fold=fold),
         w_down_scale=q["input_mix_weight_down"].scale_inv, w_up_scale=q["input_mix_weight_up"].scale_inv))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
@@ -173,18 +174,18 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
     sds = [jax.ShapeDtypeStruct((1, sd), bf), jax.ShapeDtypeStruct((1, d), bf), jax.ShapeDtypeStruct((1, 4), bf),
            jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8),
            jax.ShapeDtypeStruct((4, sd), bf), jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)]
-    for tiles in (None, kernel.Tiles1(bn=2, bd=8, wround=0)):
+    for tiles in (None, kernel.Tiles1(bn=2, bd=8, wround=0), kernel.Tiles1(bn=2, bd=8, wround=0, fold=1)):
         f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7],
                                                      w_up_scale=a[8], tiles=tiles))
         text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("hc_down1_fp8") and text.count("hc_up1_fp8")
 
 
-@pytest.mark.parametrize("m,dtype,fp8,tokens", [(2, jnp.float32, False, "grid"), (5, jnp.float32, True, "grid"),
-                                                (5, jnp.bfloat16, True, "grid"), (8, jnp.bfloat16, False, "grid"),
-                                                (2, jnp.float32, False, "loop"), (5, jnp.float32, True, "loop"),
-                                                (5, jnp.bfloat16, True, "loop")])
-def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, monkeypatch):
+@pytest.mark.parametrize("m,dtype,fp8,tokens,fold", [
+    (2, jnp.float32, False, "grid", 0), (5, jnp.float32, True, "grid", 0), (5, jnp.bfloat16, True, "grid", 0),
+    (8, jnp.bfloat16, False, "grid", 0), (2, jnp.float32, False, "loop", 0), (5, jnp.float32, True, "loop", 0),
+    (5, jnp.bfloat16, True, "loop", 0), (5, jnp.float32, True, "grid", 1), (3, jnp.float32, True, "loop", 1)])
+def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, fold, monkeypatch):
     """2..8 tokens (an MTP verify window) through the one-token kernels (op "hc_boundary_few"), one program per
     token on a grid axis ("grid") or each program walking the tokens ("loop"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
     fp32 to 1e-5 (only the order of sums differs), bf16 within TOL. Auto takes the op on a GPU (its default design
@@ -204,7 +205,7 @@ def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, monkeypatch):
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, p["block_inject_weight"], streams=4, eps=1e-6)
     run = lambda impl: jax.jit(lambda h, y, i: api.hc_boundary(  # noqa: E731
         h, y, i, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6, impl=impl,
-        tiles=kernel.Tiles1(bn=2, bd=16, tokens=tokens), **kw))(h, y, inj)
+        tiles=kernel.Tiles1(bn=2, bd=16, tokens=tokens, fold=fold), **kw))(h, y, inj)
     got = run(KERNEL)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
@@ -374,6 +375,18 @@ def test_few_token_mid_in_one_pass_gives_the_same_values_and_feeds_the_gemv_unsl
                     return inner
         return None
     assert slices_into_gemv(jx1.jaxpr) == []
+
+
+def test_one_token_tiles_env_replaces_the_defaults(monkeypatch):
+    """FNX_HC_M1_TILES (a benchmark knob) replaces fields of the one-token tiles; an unknown field is an error."""
+    monkeypatch.delenv(kernel.M1_TILES_ENV, raising=False)
+    base = kernel.choose_tiles1(4, 2560, 320)
+    assert base.fold == 0
+    monkeypatch.setenv(kernel.M1_TILES_ENV, "fold=1,bd=4")
+    assert kernel.choose_tiles1(4, 2560, 320) == dataclasses.replace(base, fold=1, bd=4)
+    monkeypatch.setenv(kernel.M1_TILES_ENV, "folded=1")
+    with pytest.raises(ValueError, match="not field=value"):
+        kernel.choose_tiles1(4, 2560, 320)
 
 
 def test_few_token_tiles_env_replaces_the_defaults(monkeypatch):

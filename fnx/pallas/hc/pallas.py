@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas import stacked
+from fnx.pallas import dispatch, stacked
 from fnx.pallas.kernel_math import rnd
 
 F32 = jnp.float32
@@ -157,6 +158,11 @@ class Tiles1:
                             # program loads its tiles once and walks the tokens in turn (H200: ~33 us per five-token
                             # boundary for "loop" at 2b161d1, ~31 us for "grid" at 0400fd0, against 19.5-22.6 for XLA's;
                             # the few-token MMA design (few.py) serves the verify window instead)
+    fold: int = 0           # down1: 1 = the products take round(H' (1 + w)) and the stream's 1/rms multiplies each
+                            # row's sum at the end (rstd is a scalar per stream), so no product waits on the norm's
+                            # reductions (the stock sm_90 build put the weight loads after the first of them);
+                            # not the reference's rounding of Hn (one bf16 rounding of another value). Built
+                            # 2026-12-05, not yet measured: FNX_HC_M1_TILES=fold=1
     wround: int = 1         # FP8 weights: 1 = each weight dequantized and rounded to the activation dtype, as the
                             # reference; 0 = each 128-column piece's products summed first and its block scale
                             # applied to the fp32 sum (no weight rounded, one multiply per piece instead of one per
@@ -166,7 +172,20 @@ class Tiles1:
 FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (Tiles1.tokens: how)
 
 
+M1_TILES_ENV = "FNX_HC_M1_TILES"
+
+
 def choose_tiles1(s: int, d: int, r: int) -> Tiles1:
+    """The one-token kernels' tiles; `FNX_HC_M1_TILES` ("field=value,...", read when a program is traced: a
+    benchmark knob) replaces fields of them."""
+    t = _choose_tiles1(s, d, r)
+    spec = os.environ.get(M1_TILES_ENV, "").strip()
+    if spec:
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, Tiles1, M1_TILES_ENV, ("tokens",)))
+    return t
+
+
+def _choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     bn = 2 if (r % 2 == 0 and s % 2 == 0) else 1
     # wround 0: the MoE decode kernels, bound like these by their instructions per weight, ran 12-20% faster
     # without the per-weight scale and rounding (H200, 89aa848); whether the boundary gains is measured in the step
@@ -220,7 +239,8 @@ def _rows_of(vals, mp: int, shape):
     return out
 
 
-def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, wround=True):
+def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, wround=True,
+                  fold=False):
     it = iter(refs)
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -255,7 +275,10 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         if has_inj:
             wt = wt + plt.load(wi_ref.at[((n - n_down) * bn + rows) * (s * d) + off[None]],
                                mask=m3 & jnp.logical_not(is_down), other=0.0)            # [bn, p, ch]
-        tiles.append((col, ok, off, wt, csc if fp8 and not wround else None))
+        # fold: hc_norm's weights of the chunk now (the products use them before any reduction); else after the
+        # norm's sums, as first written (with them here the stock sm_90 build put a barrier before the H loads)
+        wn = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32) if fold else None
+        tiles.append((col, ok, off, wt, csc if fp8 and not wround else None, wn))
     rstds, accs = [], []
     one = m == 1 or tok_grid                # one token per program (on a token grid axis: the program's token)
     for t in ([pl.program_id(2)] if tok_grid else range(m)):   # tokens: shared weight tiles, each its own norm
@@ -266,18 +289,30 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
                 yv = plt.load(y_ref.at[_tok(t, d, col)], mask=ok, other=0.0).astype(F32)
                 hc = rnd(hc + rnd(yv * inj_ref[_tok(t, s, j)].astype(F32), dt), dt)
             hcs.append(hc)
-            piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
-            ss = piece if ss is None else ss + piece
+            if not fold:        # (the sums of squares interleaved with the loads, as first written)
+                piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+                ss = piece if ss is None else ss + piece
+
+        def products(rstd):     # the rows' sums over the stream (rstd None: of round(H' (1 + w)), Tiles1.fold)
+            acc = None
+            for (col, ok, off, wt, csc, w), hc in zip(tiles, hcs):
+                if w is None:
+                    w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
+                hn = rnd((hc if rstd is None else hc * rstd) * (1.0 + w), dt)           # [p, ch]
+                chunks = jnp.sum(wt.astype(F32) * hn[None], axis=2)                      # [bn, p]
+                piece = jnp.sum(chunks if csc is None else chunks * csc[None, :], axis=1)  # [bn]
+                acc = piece if acc is None else acc + piece
+            return acc
+        acc = None
+        if fold:                # the products first: nothing in them waits on the norm
+            acc = products(None)
+            for hc in hcs:
+                piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
+                ss = piece if ss is None else ss + piece
         rstd = lax.rsqrt(ss / d + eps)
         if one:
             rstd_ref[...] = rstd            # (where the one-token kernel always stored it)
-        acc = None
-        for (col, ok, off, wt, csc), hc in zip(tiles, hcs):
-            w = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32)
-            hn = rnd(hc * rstd * (1.0 + w), dt)                                         # [p, ch]
-            chunks = jnp.sum(wt.astype(F32) * hn[None], axis=2)                          # [bn, p]
-            piece = jnp.sum(chunks if csc is None else chunks * csc[None, :], axis=1)     # [bn]
-            acc = piece if acc is None else acc + piece
+        acc = acc * rstd.reshape(()) if fold else products(rstd)
         rstds.append(rstd)
         accs.append(acc)
     if one:
@@ -323,13 +358,27 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
                 sc = plt.load(su_ref.at[rb[:, None] + k[None, :] // 128], mask=kok, other=0.0)[:, None, :]
             wt = _dequant_rows(wt, sc, dt)
         tiles.append((k, kok, wt, None))
-    xs, hos = [], []
     toks = [pl.program_id(1)] if tok_grid else range(m)
-    for t in toks:                          # tokens: the weight tiles are shared
+    # the mix's operands next, before any arithmetic: written after the gates, a compile issued their loads only once
+    # the gates were done (the stock sm_90 build of the one-token kernel: H, y, inj_prev, rstd and hc_norm read after
+    # the last gate reduction, one more memory round trip on the program's critical path)
+    w = plt.load(wn_ref.at[rows]).astype(F32)
+    mix_ops = []
+    for t in toks:
+        hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                    # [S, bd]
+        yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32) if has_y else None
+        injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32) if has_y else None
+        # [S], program row 0 of rstd [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid)
+        rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
+        # the down kernel's partials of every piece of r (a piece's loads written inside its arithmetic were
+        # issued after the previous piece's gate sums)
+        parts = [plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
+                 for k, kok, _, _ in tiles]                                             # [S, p] each
+        mix_ops.append((hc, yv, injp, rstd, parts))
+    xs, hos = [], []
+    for t, (hc, yv, injp, rstd, tparts) in zip(toks, mix_ops):      # tokens: the weight tiles are shared
         z = None
-        for k, kok, wt, psc in tiles:
-            parts = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok,
-                             other=0.0)                                                  # [S, p]
+        for (k, kok, wt, psc), parts in zip(tiles, tparts):
             v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
             u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                # silu, rounded like the model
             piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                   # [S, bd]
@@ -337,14 +386,8 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
                 piece = piece * psc
             z = piece if z is None else z + piece
         mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
-        hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                    # [S, bd]
         if has_y:
-            yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
-            injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
             hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-        # [S], program row 0 of rstd [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid)
-        rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
-        w = plt.load(wn_ref.at[rows]).astype(F32)
         hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
         xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
         hos.append(hc)
@@ -442,7 +485,7 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     part, rstd = stacked.call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
                           has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid,
-                          wround=bool(t.wround)),
+                          wround=bool(t.wround), fold=bool(t.fold)),
         (*acts, flat(hc_norm), flat(w_down), *((flat(f32(w_down_scale)),) if fp8 else ()),
          *((flat(w_inj),) if has_inj else ())),
         grid=(n_prog, s, m) if grid else (n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
