@@ -80,17 +80,19 @@ def test_model_wiring():
     _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
 
 
-@pytest.mark.parametrize("pieces,fold", [(True, 0), (False, 0), (True, 1)])
+@pytest.mark.parametrize("pieces,fold,early", [(True, 0, 0), (False, 0, 0), (True, 1, 0), (True, 0, 1),
+                                               (False, 1, 1)])
 @pytest.mark.parametrize("d,r", [(128, 32), (320, 40)])
-def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces, fold):
+def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces, fold, early):
     """fp32 at M = 1: only the summation order differs from the reference (tolerance 1e-5), so a wrong index or
     a missed rounding step cannot hide in bf16's tolerance. D = 320 = 5 chunks of 64 and r = 40 are not powers
     of two (as the released D = 2560 and r = 320 are not): unmasked pieces (4 + 1 chunks, 32 + 8) or one padded,
-    masked tile. fold 1: the stream's 1/rms on each row's sum instead of on Hn (where it multiplies differs)."""
+    masked tile. fold 1: the stream's 1/rms on each row's sum instead of on Hn (where it multiplies differs);
+    early 1: up1's loads before its arithmetic (the same values)."""
     h, y, inj, p = _inputs((1, 1), 4, d, r, jnp.float32, np.random.randint(1 << 30))
     want = reference.hc_boundary(h, y, inj, *_args(p, True), streams=4, eps=1e-6)
     got = kernel.hc_boundary_m1(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
-                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, fold=fold))
+                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, fold=fold, early=early))
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
         _close(g, w, 1e-5, what)
 
@@ -143,7 +145,8 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wr
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6)
     got = jax.jit(lambda h, y, i: api.hc_boundary(
         h, y, i, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w, p["block_inject_weight"],
-        streams=4, eps=1e-6, impl=KERNEL, tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround, fold=fold),
+        streams=4, eps=1e-6, impl=KERNEL,
+        tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround, fold=fold, early=fold),
         w_down_scale=q["input_mix_weight_down"].scale_inv, w_up_scale=q["input_mix_weight_up"].scale_inv))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
@@ -174,7 +177,7 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
     sds = [jax.ShapeDtypeStruct((1, sd), bf), jax.ShapeDtypeStruct((1, d), bf), jax.ShapeDtypeStruct((1, 4), bf),
            jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8),
            jax.ShapeDtypeStruct((4, sd), bf), jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)]
-    for tiles in (None, kernel.Tiles1(bn=2, bd=8, wround=0), kernel.Tiles1(bn=2, bd=8, wround=0, fold=1)):
+    for tiles in (None, kernel.Tiles1(bn=2, bd=8, wround=0), kernel.Tiles1(bn=2, bd=8, wround=0, fold=1, early=1)):
         f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7],
                                                      w_up_scale=a[8], tiles=tiles))
         text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
@@ -189,7 +192,9 @@ def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, fold, monkeypa
     """2..8 tokens (an MTP verify window) through the one-token kernels (op "hc_boundary_few"), one program per
     token on a grid axis ("grid") or each program walking the tokens ("loop"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
     fp32 to 1e-5 (only the order of sums differs), bf16 within TOL. Auto takes the op on a GPU (its default design
-    is the MMA one, few.py), and the multi-token MMA tiles still name the multi-token design."""
+    is the MMA one, few.py), and the multi-token MMA tiles still name the multi-token design. fold 1 (with early
+    1: up1's loads first) puts the 1/rms on each down row's sum."""
+    early = fold
     from fnx.model import quant
     from fnx.pallas import dispatch
     h, y, inj, p = _inputs((1, m), 4, 320, 40, dtype, np.random.randint(1 << 30))
@@ -205,7 +210,7 @@ def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, fold, monkeypa
     want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, p["block_inject_weight"], streams=4, eps=1e-6)
     run = lambda impl: jax.jit(lambda h, y, i: api.hc_boundary(  # noqa: E731
         h, y, i, p["hc_norm"], wd, wu, p["block_inject_weight"], streams=4, eps=1e-6, impl=impl,
-        tiles=kernel.Tiles1(bn=2, bd=16, tokens=tokens, fold=fold), **kw))(h, y, inj)
+        tiles=kernel.Tiles1(bn=2, bd=16, tokens=tokens, fold=fold, early=early), **kw))(h, y, inj)
     got = run(KERNEL)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):

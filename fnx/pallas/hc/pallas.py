@@ -163,6 +163,9 @@ class Tiles1:
                             # reductions (the stock sm_90 build put the weight loads after the first of them);
                             # not the reference's rounding of Hn (one bf16 rounding of another value). Built
                             # 2026-12-05, not yet measured: FNX_HC_M1_TILES=fold=1
+    early: int = 0          # up1: 1 = the mix's operands (H, y, inj_prev, rstd, hc_norm) and every piece's partials
+                            # loaded before any arithmetic (the same bits; the stock sm_90 build issues them after
+                            # the gates otherwise). Built 2026-12-05, not yet measured: FNX_HC_M1_TILES=early=1
     wround: int = 1         # FP8 weights: 1 = each weight dequantized and rounded to the activation dtype, as the
                             # reference; 0 = each 128-column piece's products summed first and its block scale
                             # applied to the fp32 sum (no weight rounded, one multiply per piece instead of one per
@@ -324,7 +327,7 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
 
 
 def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, n_prog=0,
-                wround=True):
+                wround=True, early=False):
     it = iter(refs)
     part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
@@ -359,26 +362,28 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
             wt = _dequant_rows(wt, sc, dt)
         tiles.append((k, kok, wt, None))
     toks = [pl.program_id(1)] if tok_grid else range(m)
-    # the mix's operands next, before any arithmetic: written after the gates, a compile issued their loads only once
-    # the gates were done (the stock sm_90 build of the one-token kernel: H, y, inj_prev, rstd and hc_norm read after
-    # the last gate reduction, one more memory round trip on the program's critical path)
-    w = plt.load(wn_ref.at[rows]).astype(F32)
-    mix_ops = []
-    for t in toks:
+
+    def mix_loads(t):       # token t's H, y, inj_prev and rstd (program row 0 of rstd [programs, S] (one token),
+        # [programs, S, Mp] (loop) or [M, programs, S] (grid))
         hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                    # [S, bd]
         yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32) if has_y else None
         injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32) if has_y else None
-        # [S], program row 0 of rstd [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid)
         rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
-        # the down kernel's partials of every piece of r (a piece's loads written inside its arithmetic were
-        # issued after the previous piece's gate sums)
-        parts = [plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
-                 for k, kok, _, _ in tiles]                                             # [S, p] each
-        mix_ops.append((hc, yv, injp, rstd, parts))
+        return hc, yv, injp, rstd
+
+    def part_load(t, k, kok):   # the down kernel's partials [S, p] of a piece of r
+        return plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
+    # early (Tiles1.early): the mix's operands and every piece's partials loaded before any arithmetic. As first
+    # written (after the gates, a piece's partials inside its arithmetic) the stock sm_90 build issued those loads
+    # only once the gates were done: memory round trips on the program's critical path
+    w = plt.load(wn_ref.at[rows]).astype(F32) if early else None
+    ahead = [(mix_loads(t), [part_load(t, k, kok) for k, kok, _, _ in tiles]) for t in toks] if early else \
+        [(None, None)] * len(toks)
     xs, hos = [], []
-    for t, (hc, yv, injp, rstd, tparts) in zip(toks, mix_ops):      # tokens: the weight tiles are shared
+    for t, (mix, tparts) in zip(toks, ahead):      # tokens: the weight tiles are shared
         z = None
-        for (k, kok, wt, psc), parts in zip(tiles, tparts):
+        for pi_, (k, kok, wt, psc) in enumerate(tiles):     # (not `i`: the program's index, used below)
+            parts = tparts[pi_] if tparts is not None else part_load(t, k, kok)           # [S, p]
             v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
             u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                # silu, rounded like the model
             piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                   # [S, bd]
@@ -386,9 +391,20 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
                 piece = piece * psc
             z = piece if z is None else z + piece
         mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
-        if has_y:
-            hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-        hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + w), dt)
+        if mix is not None:
+            hc, yv, injp, rstd = mix
+            if has_y:
+                hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
+            wn = w
+        else:                   # (the order first written: the compiled default stays the same code)
+            hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                # [S, bd]
+            if has_y:
+                yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
+                injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
+                hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
+            rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
+            wn = plt.load(wn_ref.at[rows]).astype(F32)
+        hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + wn), dt)
         xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
         hos.append(hc)
     if one:
@@ -513,7 +529,7 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     up = stacked.call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
                           fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m, tok_grid=grid, n_prog=n_prog,
-                          wround=bool(t.wround)),
+                          wround=bool(t.wround), early=bool(t.early)),
         (flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(f32(w_up_scale)),) if fp8 else ())),
         grid=(d // t.bd, m) if grid else (d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs,
         out_shape=outs, interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
