@@ -123,11 +123,16 @@ def _launches(lowered) -> list[tuple[str, int, int, str]]:
                             "triton" in str(o.attributes["call_target_name"]):
                         cfg = o.attributes["mhlo.backend_config"]
                         ctx = ir.Context()
+                        ctx.allow_unregistered_dialects = True     # gpu.barrier (debug_barrier): printed generic
                         jax_triton.dialect.register_dialect(ctx)
                         module = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes, context=ctx)
                         stages = ir.IntegerAttr(cfg["num_stages"]).value if "num_stages" in cfg else 1
+                        text = module.operation.get_asm(enable_debug_info=False)
+                        # an op of a dialect this context lacks prints in generic form, which Triton's parser
+                        # refuses: gpu.barrier (`debug_barrier`) has no operands or results
+                        text = re.sub(r'^(\s*)"gpu\.barrier"\(\).*$', r"\1gpu.barrier", text, flags=re.M)
                         out.append((ir.StringAttr(cfg["name"]).value, ir.IntegerAttr(cfg["num_warps"]).value,
-                                    stages, module.operation.get_asm(enable_debug_info=False)))
+                                    stages, text))
                     walk(o.operation)
     walk(lowered.compiler_ir().operation)
     return out
