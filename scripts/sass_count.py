@@ -112,6 +112,20 @@ def hc_m1_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
     return _launches(jax.jit(fn).trace(*acts, *ws).lower(lowering_platforms=("cuda",)))
 
 
+def gdn_step_kernels(tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.gdn.pallas.gdn_step` (one token, B = 1; 16 key heads, 48 value heads of 128; conv
+    width 4)."""
+    from fnx.pallas.gdn import pallas as gk
+    hk, hv, dk, dv, taps = 16, 48, 128, 128, 4
+    cd = 2 * hk * dk + hv * dv
+    f32 = jnp.float32
+    args = [S((1, 1, cd), BF16), S((1, 1, hv * dv), BF16), S((1, 1, hv), BF16), S((1, 1, hv), BF16),
+            S((1, taps - 1, cd), BF16), S((cd, taps), BF16), S((hv,), f32), S((hv,), f32), S((dv,), BF16),
+            S((1, hv, dk, dv), f32), S((1,), jnp.int32)]
+    fn = lambda *a: gk.gdn_step(*a, key_heads=hk, eps=1e-6, act="silu", tiles=tiles, inplace=True)  # noqa: E731
+    return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+
+
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
@@ -151,10 +165,19 @@ def main() -> None:
                     help="count the few-token HC boundary's kernels (fields: TilesFew's, e.g. pre=fold,mid=pallas)")
     ap.add_argument("--hc-m1", action="store_true",
                     help="count the one-token HC boundary's kernels (fields: Tiles1's, e.g. bd=4; m is ignored)")
+    ap.add_argument("--gdn-step", action="store_true",
+                    help="count the one-token GDN kernel (fields: StepTiles', e.g. block_v=32; m and fmt ignored)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
-    if args.hc_m1:
+    if args.gdn_step:
+        from fnx.pallas import dispatch
+        from fnx.pallas.gdn import pallas as gk
+        tiles = gk.default_step_tiles(1, 48, 128)
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, gk.StepTiles, "fields"))
+        launches = gdn_step_kernels(tiles)
+    elif args.hc_m1:
         from fnx.pallas import dispatch
         from fnx.pallas.hc import pallas as hp
         tiles = hp.choose_tiles1(4, 2560, 320)

@@ -8,6 +8,7 @@ the kernel (or, inplace, the state itself)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -266,6 +267,27 @@ def test_step_equals_the_model_ops(dtype, act, bv):
     assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
 
 
+@pytest.mark.parametrize("dtype,bv", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, 4)])
+def test_step_early_loads_give_the_same_bits(dtype, bv, monkeypatch):
+    """StepTiles.early (every operand loaded before the arithmetic) is the same arithmetic: the same bits as the
+    default's o, conv window and state; FNX_GDN_STEP_TILES sets it on the default tiles (an unknown field is an
+    error)."""
+    from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn.pallas import StepTiles
+    kw = step_inputs(seed(), dtype=dtype)
+    dv = kw["norm_w"].shape[0]
+    base = StepTiles(block_v=bv or dv, num_warps=4)
+    want = _step(KERNEL, kw, "silu", tiles=base)
+    got = _step(KERNEL, kw, "silu", tiles=dataclasses.replace(base, early=1))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    monkeypatch.setenv(kernel.STEP_TILES_ENV, "early=1")
+    assert kernel.default_step_tiles(1, 48, 128) == StepTiles(block_v=128, num_warps=4, early=1)
+    monkeypatch.setenv(kernel.STEP_TILES_ENV, "erly=1")
+    with pytest.raises(ValueError, match="not field=value"):
+        kernel.default_step_tiles(1, 48, 128)
+
+
 @pytest.mark.parametrize("impl", ["reference", KERNEL])
 def test_step_reads_windows_of_wider_products(impl):
     """qkv, z, b and a as windows (buffer [B, 1, W], start) into products with other columns around them (the fused
@@ -461,8 +483,8 @@ def test_step_bad_inputs_are_clear_errors():
         api.gdn_step(**step_inputs(jax.random.key(0), dk=24), impl=KERNEL, key_heads=2, eps=1e-6, act="sigmoid")
 
 
-@pytest.mark.parametrize("bsz,bv", [(1, 128), (1, 32), (8, 128)])
-def test_step_lowers_for_cuda(bsz, bv):
+@pytest.mark.parametrize("bsz,bv,early", [(1, 128, 0), (1, 32, 0), (8, 128, 0), (1, 128, 1)])
+def test_step_lowers_for_cuda(bsz, bv, early):
     """gdn_step's Triton lowering at the released GDN widths (16 key / 48 value heads of 128, conv of 4 taps)."""
     from fnx.pallas.gdn import pallas as kernel
     from fnx.pallas.gdn.pallas import StepTiles
@@ -474,7 +496,7 @@ def test_step_lowers_for_cuda(bsz, bv):
             sds((bsz, taps - 1, c), bf), sds((c, taps), bf), sds((hv,), jnp.float32), sds((hv,), bf), sds((d,), bf),
             sds((bsz, hv, d, d), jnp.float32), sds((bsz,), jnp.int32))
     f = lambda *a: kernel.gdn_step(*a, key_heads=hk, eps=1e-6, act="sigmoid", inplace=True,  # noqa: E731
-                                   tiles=StepTiles(block_v=bv))
+                                   tiles=StepTiles(block_v=bv, early=early))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_step" in text
 

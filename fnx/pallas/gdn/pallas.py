@@ -215,17 +215,36 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
 class StepTiles:
     block_v: int = 128      # BV (a power of two dividing dv); BV = dv fuses the gated norm
     num_warps: int = 4
+    early: int = 0          # 1 = every operand but the state (the conv window rows, qkv, the conv weights, b, a,
+                            # A_log, dt_bias, z, the norm's weight) loaded before any arithmetic. As written first,
+                            # the stock sm_90 build issued the q and k conv inputs each after a barrier of the
+                            # previous conv, b / a / A_log / dt_bias after the window stores and z and the norm's
+                            # weight after the recurrence: memory round trips in a row on each program's critical
+                            # path (48 programs at B = 1). The same bits. Built 2026-12-05, not yet measured:
+                            # FNX_GDN_STEP_TILES=early=1
+
+
+STEP_TILES_ENV = "FNX_GDN_STEP_TILES"
 
 
 def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
     """Whole heads (the norm fused) at 4 warps: the fastest of six tile sets on the H200 at the released widths,
-    B = 1 and 8 (BV 128 at 4 / 8 / 16 warps, 64 at 4, 32 at 4 / 2; `bench.step_cases`, BENCHMARKS.md)."""
-    return StepTiles(block_v=dv, num_warps=4)
+    B = 1 and 8 (BV 128 at 4 / 8 / 16 warps, 64 at 4, 32 at 4 / 2; `bench.step_cases`, BENCHMARKS.md).
+    `FNX_GDN_STEP_TILES` ("early=1", read when a program is traced) replaces fields: a benchmark knob."""
+    t = StepTiles(block_v=dv, num_warps=4)
+    spec = os.environ.get(STEP_TILES_ENV)
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV))
+        if t.block_v < 1 or t.block_v & (t.block_v - 1) or dv % t.block_v or t.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"{STEP_TILES_ENV}={spec!r}: block_v must be a power of two dividing dv = {dv} and "
+                             f"num_warps one of 1, 2, 4, 8, 16 (got {t})")
+    return t
 
 
 
 def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
-                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt, win):
+                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt, win, early=False):
     # win: (row width, start column) of qkv, z, b, a in the buffers they are read from (fused products: in place)
     (wq, sq), (wz, sz), (wb, sb), (wa, sa) = win
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -234,14 +253,26 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
     valid = nv_ref[0] > 0
     hist = taps - 1
 
-    def conv(off, n):
-        """silu(conv) of channels [off, off + n) (rounded like the model), and the window rows after the token."""
+    def conv_loads(off, n):
         ch = off + jnp.arange(n, dtype=jnp.int32)
         rows = [pltriton.load(conv_ref.at[(bi * hist + t) * conv_dim + ch]) for t in range(hist)]
         x = pltriton.load(qkv_ref.at[bi * wq + sq + ch])
+        return ch, rows, x, [pltriton.load(cw_ref.at[ch * taps + t]) for t in range(taps)]
+
+    def conv(off, n, loaded=None):
+        """silu(conv) of channels [off, off + n) (rounded like the model), and the window rows after the token.
+        loaded: `conv_loads` made already (StepTiles.early); else the loads as first written (the default's code)."""
+        if loaded is not None:
+            ch, rows, x, ws = loaded
+        else:
+            ch = off + jnp.arange(n, dtype=jnp.int32)
+            rows = [pltriton.load(conv_ref.at[(bi * hist + t) * conv_dim + ch]) for t in range(hist)]
+            x = pltriton.load(qkv_ref.at[bi * wq + sq + ch])
+            ws = None
         acc = jnp.zeros((n,), F32)
         for t, r in enumerate(rows + [x]):
-            acc = acc + r.astype(F32) * pltriton.load(cw_ref.at[ch * taps + t]).astype(F32)
+            acc = acc + r.astype(F32) * (ws[t] if ws is not None else pltriton.load(cw_ref.at[ch * taps + t])
+                                         ).astype(F32)
         y = rnd(acc, dt)
         y = rnd(y * rnd(jax.nn.sigmoid(y), dt), dt)       # jax.nn.silu in dt, rounded as its HLO does
         new = [jnp.where(valid, nxt, old) for old, nxt in zip(rows, rows[1:] + [x])]
@@ -251,9 +282,18 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         for t, r in enumerate(new):
             pltriton.store(cout_ref.at[(bi * hist + t) * conv_dim + ch], r)
 
-    q, qch, qnew = conv(kh * dk, dk)
-    k, kch, knew = conv(hk * dk + kh * dk, dk)
-    v, vch, vnew = conv(2 * hk * dk + h * dv + j * bv, bv)
+    def z_load():
+        return pltriton.load(z_ref.at[bi * wz + sz + h * dv + j * bv + jnp.arange(bv, dtype=jnp.int32)])
+    # StepTiles.early: the operands' loads before any arithmetic (else where each is used, as first written)
+    lq = lk = lv = pre = None
+    if early:
+        lq, lk, lv = (conv_loads(kh * dk, dk), conv_loads(hk * dk + kh * dk, dk),
+                      conv_loads(2 * hk * dk + h * dv + j * bv, bv))
+        pre = (b_ref[bi * wb + sb + h], a_ref[bi * wa + sa + h], alog_ref[0], dtb_ref[0],
+               z_load() if bv == dv else None, nw_ref[:] if bv == dv else None)
+    q, qch, qnew = conv(kh * dk, dk, lq)
+    k, kch, knew = conv(hk * dk + kh * dk, dk, lk)
+    v, vch, vnew = conv(2 * hk * dk + h * dv + j * bv, bv, lv)
     store_window(vch, vnew)
 
     @pl.when((h % rep == 0) & (j == 0))
@@ -261,8 +301,13 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         store_window(qch, qnew)
         store_window(kch, knew)
 
-    beta = rnd(jax.nn.sigmoid(b_ref[bi * wb + sb + h].astype(F32)), dt)
-    g = -jnp.exp(alog_ref[0].astype(F32)) * softplus(a_ref[bi * wa + sa + h].astype(F32) + dtb_ref[0].astype(F32))
+    if early:
+        bval, aval, alog, dtb = pre[:4]
+        beta = rnd(jax.nn.sigmoid(bval.astype(F32)), dt)
+        g = -jnp.exp(alog.astype(F32)) * softplus(aval.astype(F32) + dtb.astype(F32))
+    else:
+        beta = rnd(jax.nn.sigmoid(b_ref[bi * wb + sb + h].astype(F32)), dt)
+        g = -jnp.exp(alog_ref[0].astype(F32)) * softplus(a_ref[bi * wa + sa + h].astype(F32) + dtb_ref[0].astype(F32))
     g = jnp.where(valid, g, 0.0)
     beta = jnp.where(valid, beta, 0.0)
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (dk ** -0.5)
@@ -272,8 +317,8 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
     s = s + k[:, None] * ((v - kv) * beta)[None, :]
     o = jnp.sum(s * q[:, None], axis=0)
     if bv == dv:
-        zv = pltriton.load(z_ref.at[bi * wz + sz + h * dv + j * bv + jnp.arange(bv, dtype=jnp.int32)])
-        o_ref[0, 0, :] = _gated_norm(o, zv, nw_ref[:], eps, act, dt)
+        zv = pre[4] if early else z_load()
+        o_ref[0, 0, :] = _gated_norm(o, zv, pre[5] if early else nw_ref[:], eps, act, dt)
     else:
         o_ref[0, 0, :] = o.astype(dt)
     sout_ref[0, 0, :, :] = s
@@ -306,7 +351,7 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps, num_stages=1)}
     kernel = functools.partial(_step_kernel, conv_dim=conv_dim, taps=taps, hk=key_heads, dk=dk, dv=dv, bv=bv,
                                rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
-                               win=tuple((buf.shape[2], start) for buf, start in ops))
+                               win=tuple((buf.shape[2], start) for buf, start in ops), early=bool(t.early))
     (qb, _), (zb, zs), (bb, _), (ab, _) = ops
     o, rec, conv = stacked.call(
         kernel, (n_valid.astype(jnp.int32), flat(qb), flat(conv_state), stacked.flatten(conv_w), flat(bb), flat(ab),
