@@ -285,6 +285,35 @@ def test_row_tiles_per_program_give_the_same_bits(fmt, mode):
                                                     interpret=INTERPRET, argmax=True)))
 
 
+@pytest.mark.parametrize("fmt", gp.WIDE_FORMATS)
+def test_activations_first_give_the_same_bits(fmt, monkeypatch):
+    """`Tiles.xfirst` only moves where each chunk's activations are loaded: the same bits as without it, in "fma"
+    (one and three tokens, split-K, acc, row tiles) and "dot"; `FNX_GEMV_XFIRST=1` sets it on whole-K tiles only
+    (a loop's tiles keep theirs), another value is an error."""
+    from fnx.pallas.gemv import api
+    n, k = 256, 512
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    w, extra, _ = _weights(fmt, n, k, key)
+    wide = [gp.Tiles(16, 128, 1, num_stages=1, mode="fma"), gp.Tiles(8, 64, 2, mode="fma"),
+            gp.Tiles(8, 128, 1, mode="fma", acc=1), gp.Tiles(8, 128, 1, mode="fma", rows=2),
+            gp.Tiles(16, 256, 1, mode="dot"), gp.Tiles(16, 64, 2, mode="dot", rows=2)]
+    for base in wide:
+        assert gp.check_tiles(fmt, n, k, base) is None, base
+        for m in ((1, 3) if base.mode == "fma" else (2,)):
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), F32).astype(jnp.bfloat16)
+            run = lambda t: np.asarray(gp.gemv(x, w, extra.get("scale"), extra.get("scale_2"), fmt=fmt,  # noqa
+                                               tiles=t, interpret=INTERPRET), np.float32)
+            np.testing.assert_array_equal(run(dataclasses.replace(base, xfirst=1)), run(base),
+                                          err_msg=f"{base} m={m}")
+    monkeypatch.setenv(api.XFIRST_ENV, "1")
+    for m in (1, 5):
+        t = api.tiles_for("fp8", 2560, 6144, m)
+        assert t.xfirst == (1 if t.mode in ("fma", "dot") else 0), t
+    monkeypatch.setenv(api.XFIRST_ENV, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        api.tiles_for("fp8", 2560, 6144, 1)
+
+
 def _pallas_grid(fn, *args):
     """The grid of the one pallas_call in fn's jaxpr."""
     def find(jaxpr):

@@ -118,10 +118,20 @@ def many_override(t: gp.Tiles | None, fmt: str, n: int, k: int, m: int) -> gp.Ti
     return new
 
 
+XFIRST_ENV = "FNX_GEMV_XFIRST"
+
+
 def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
     """Tuned tiles for this (fmt, N, K) at M's bucket, else at the nearest tuned bucket, else the heuristic (and
-    `FNX_GEMV_MANY_TILES` over them at M > 1)."""
-    return many_override(_tiles_for(fmt, n, k, m, argmax), fmt, n, k, m)
+    `FNX_GEMV_MANY_TILES` over them at M > 1). `FNX_GEMV_XFIRST=1` (read when a program is traced: a benchmark
+    knob) sets `Tiles.xfirst` on every whole-K tile set ("fma", "dot")."""
+    t = many_override(_tiles_for(fmt, n, k, m, argmax), fmt, n, k, m)
+    flag = os.environ.get(XFIRST_ENV, "").strip()
+    if flag not in ("", "0", "1"):
+        raise ValueError(f"{XFIRST_ENV}={flag!r}: 0 or 1")
+    if flag == "1" and t is not None and t.mode in ("fma", "dot"):
+        t = dataclasses.replace(t, xfirst=1)
+    return t
 
 
 def _tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:

@@ -75,6 +75,12 @@ class Tiles:
                        # `kernel_math.hfma_prescale`) and the partial scaled back: the weights are exact in fp16 and
                        # x' rounds to fp16's 11 bits instead of bf16's 8 (values below max|x| * 2^-28 of a chunk
                        # lose bits)
+    xfirst: int = 0    # whole-K modes ("fma", "dot"): 1 = every chunk's activations loaded before the first chunk's
+                       # arithmetic. As first written (each chunk's x read in its own step) the stock sm_90 build
+                       # issued a chunk's x load only after the previous chunk's reductions and layout barriers
+                       # (FP8 "fma" at one token, gdn.out_proj 2560 x 6144: 12 such rounds), one L2 round trip per
+                       # chunk on the program's critical path; with it every load comes before the first barrier.
+                       # The same bits. Built 2026-12-05, not yet measured: FNX_GEMV_XFIRST=1
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 
@@ -284,12 +290,13 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
         rows = lax.broadcasted_iota(jnp.int32, (mp, t.bn), 0)
         accs = [jnp.zeros((t.bn,), F32) for _ in range(m)]
         tile = None
+        xs = [[x_ref[i, pl.ds(k0 + j * cw, cw)] for i in range(m)] for j in range(nk)] if t.xfirst else None
         for j in range(nk):
             wf = ws[j].astype(F32)                                                    # [BN, CW]
             if fmt == "fp8":   # per column: its block's scale (fp32), folded into the activation
                 sx = kernel_math.block_cols(ss[j], cw)
             for i in range(m):
-                xv = x_ref[i, pl.ds(k0 + j * cw, cw)].astype(F32)                     # [CW]
+                xv = (xs[j][i] if xs is not None else x_ref[i, pl.ds(k0 + j * cw, cw)]).astype(F32)  # [CW]
                 if fmt == "fp8":
                     xv = xv * sx
                 if t.acc and m == 1:    # the products kept as a tile, one row reduction after the last chunk
@@ -302,8 +309,9 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
             acc = jnp.where(rows == i, accs[i][None, :], acc)
     else:
         acc = jnp.zeros((t.bn, mp), F32) if t.tr else acc
+        xks = [_xrows(x_ref, mp, k0 + j * cw, cw) for j in range(nk)] if t.xfirst else None
         for j in range(nk):
-            xk = _xrows(x_ref, mp, k0 + j * cw, cw)
+            xk = xks[j] if xks is not None else _xrows(x_ref, mp, k0 + j * cw, cw)
             part = _fp8_mm(xk, ws[j], t) if fmt == "fp8" else _mm(xk, ws[j].astype(BF16), t.tr)  # [Mp, BN] / [BN, Mp]
             acc = acc + (part * ss[j] if fmt == "fp8" else part)
         acc = acc.T if t.tr else acc
