@@ -126,6 +126,20 @@ def gdn_step_kernels(tiles) -> list[tuple[str, int, int, str]]:
     return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
 
 
+def gdn_window_kernels(tiles, length: int = 5) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.gdn.pallas.gdn_window` (the verify window: B = 1, `length` tokens; the released GDN
+    widths)."""
+    from fnx.pallas.gdn import pallas as gk
+    hk, hv, dk, dv, taps = 16, 48, 128, 128, 4
+    cd = 2 * hk * dk + hv * dv
+    f32 = jnp.float32
+    args = [S((1, length, cd), BF16), S((1, length, hv * dv), BF16), S((1, length, hv), BF16),
+            S((1, length, hv), BF16), S((1, taps - 1, cd), BF16), S((cd, taps), BF16), S((hv,), f32), S((hv,), f32),
+            S((dv,), BF16), S((1, hv, dk, dv), f32), S((1,), jnp.int32)]
+    fn = lambda *a: gk.gdn_window(*a, key_heads=hk, eps=1e-6, act="silu", tiles=tiles)  # noqa: E731
+    return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+
+
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
@@ -167,10 +181,19 @@ def main() -> None:
                     help="count the one-token HC boundary's kernels (fields: Tiles1's, e.g. bd=4; m is ignored)")
     ap.add_argument("--gdn-step", action="store_true",
                     help="count the one-token GDN kernel (fields: StepTiles', e.g. block_v=32; m and fmt ignored)")
+    ap.add_argument("--gdn-window", action="store_true",
+                    help="count the verify window's GDN kernel at m tokens (fields: WindowTiles', e.g. early=1)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
-    if args.gdn_step:
+    if args.gdn_window:
+        from fnx.pallas import dispatch
+        from fnx.pallas.gdn import pallas as gk
+        tiles = gk.default_window_tiles(128)
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, gk.WindowTiles, "fields"))
+        launches = gdn_window_kernels(tiles, args.m)
+    elif args.gdn_step:
         from fnx.pallas import dispatch
         from fnx.pallas.gdn import pallas as gk
         tiles = gk.default_step_tiles(1, 48, 128)

@@ -406,8 +406,8 @@ def test_model_verify_window_reads_the_pair_product_in_place(monkeypatch):
         assert np.abs(g - wnt).max() <= 3e-2 * np.abs(wnt).max(), np.abs(g - wnt).max() / np.abs(wnt).max()
 
 
-@pytest.mark.parametrize("bv", [32, 16])
-def test_window_sums_the_pair_partials_where_it_reads_them(monkeypatch, bv):
+@pytest.mark.parametrize("bv,early", [(32, 0), (16, 0), (16, 1)])
+def test_window_sums_the_pair_partials_where_it_reads_them(monkeypatch, bv, early):
     """Op "gdn_window_parts": the verify window asks for its input products as the pair kernel's split-K partials
     (kernel_math.Partials) and the window kernel sums them where it loads them (z for a norm after the kernel: XLA
     adds fused into it), so no sum op runs between the two launches; the same bits as with the sum first (two
@@ -415,7 +415,7 @@ def test_window_sums_the_pair_partials_where_it_reads_them(monkeypatch, bv):
     kernel's norm) and with half heads (the norm after the kernel)."""
     from fnx.pallas.gdn.pallas import WINDOW_TILES_ENV
     p, pf, layer = _fp8_gdn_verify_case()
-    monkeypatch.setenv(WINDOW_TILES_ENV, f"block_v={bv}")
+    monkeypatch.setenv(WINDOW_TILES_ENV, f"block_v={bv},early={early}")
     ops = f"gemv_pair_many={KERNEL},gdn_window={KERNEL},gemv_fp8={KERNEL}"
     monkeypatch.setenv("FNX_KERNELS", ops + f",gdn_window_parts={KERNEL}")
     jax.clear_caches()
@@ -668,6 +668,20 @@ def test_window_equals_the_model_ops(act, bv, length):
     np.testing.assert_array_equal(_f32(parts["conv_x"]), _f32(p_r["conv_x"]))
 
 
+@pytest.mark.parametrize("dtype,bv,length", [(jnp.float32, None, 5), (jnp.bfloat16, 4, 5), (jnp.bfloat16, None, 3)])
+def test_window_early_loads_give_the_same_bits(dtype, bv, length):
+    """WindowTiles.early (the conv weights, every token's b and a, A_log and dt_bias loaded with the window rows)
+    is the same arithmetic: every output the same bits as the default's, a padding slot and a partial one
+    included."""
+    from fnx.pallas.gdn.pallas import WindowTiles
+    kw = window_inputs(seed(), length=length, n_valid=(length, 0, length - 2), dtype=dtype)
+    base = WindowTiles(block_v=bv or kw["norm_w"].shape[0])
+    want = _window(KERNEL, kw, "silu", base)
+    got = _window(KERNEL, kw, "silu", dataclasses.replace(base, early=1))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(_f32(g), _f32(w))
+
+
 def test_window_bf16_rounds_like_the_model():
     """bf16: the kernel rounds the conv, silu and sigmoid where the model's ops round; XLA:CPU keeps excess
     precision in places, so o is held to the fp32 computation within 4x its own spread under 2^-8 input
@@ -787,8 +801,8 @@ def test_window_bad_inputs_are_clear_errors():
                        act="sigmoid")
 
 
-@pytest.mark.parametrize("bsz,length,bv", [(1, 5, 32), (1, 5, 128), (4, 8, 128)])
-def test_window_lowers_for_cuda(bsz, length, bv):
+@pytest.mark.parametrize("bsz,length,bv,early", [(1, 5, 32, 0), (1, 5, 128, 0), (4, 8, 128, 0), (1, 5, 32, 1)])
+def test_window_lowers_for_cuda(bsz, length, bv, early):
     """gdn_window's Triton lowering at the released GDN widths (16 key / 48 value heads of 128, conv of 4 taps)."""
     from fnx.pallas.gdn import pallas as kernel
     from fnx.pallas.gdn.pallas import WindowTiles
@@ -800,7 +814,7 @@ def test_window_lowers_for_cuda(bsz, length, bv):
             sds((bsz, length, hv), bf), sds((bsz, taps - 1, c), bf), sds((c, taps), bf), sds((hv,), jnp.float32),
             sds((hv,), bf), sds((d,), bf), sds((bsz, hv, d, d), jnp.float32), sds((bsz,), jnp.int32))
     f = lambda *a: kernel.gdn_window(*a, key_heads=hk, eps=1e-6, act="sigmoid",  # noqa: E731
-                                     tiles=WindowTiles(block_v=bv))
+                                     tiles=WindowTiles(block_v=bv, early=early))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_window" in text
     # the four products as windows of the pair kernel's split-K partials [2, 16, 16480] (qkv + z, then b + a)
@@ -810,7 +824,7 @@ def test_window_lowers_for_cuda(bsz, length, bv):
         buf = Partials(raw, bsz * length, (bsz, length), bf)
         starts = (0, c, hv * d + c, hv * d + c + hv)
         return kernel.gdn_window(*((buf, st) for st in starts), *rest, key_heads=hk, eps=1e-6, act="sigmoid",
-                                 tiles=WindowTiles(block_v=bv))
+                                 tiles=WindowTiles(block_v=bv, early=early))
     text = jax.jit(g).trace(sds((2, 16, c + hv * d + 2 * hv), jnp.float32), *args[4:]).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "gdn_window" in text

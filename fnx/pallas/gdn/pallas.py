@@ -379,6 +379,11 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
 class WindowTiles:
     block_v: int = 32       # BV (a power of two dividing dv); BV = dv fuses the gated norm
     num_warps: int = 4
+    early: int = 0          # 1 = the conv weights, every token's b and a, A_log and dt_bias loaded with the window
+                            # rows, before any arithmetic or store (as first written they are read after the conv
+                            # window's stores, which no load may pass, and each token's b / a after the previous
+                            # token's recurrence). The same bits. Built 2026-12-05, not yet measured:
+                            # FNX_GDN_WINDOW_TILES=early=1
 
 
 WINDOW_TILES_ENV = "FNX_GDN_WINDOW_TILES"
@@ -404,7 +409,7 @@ def default_window_tiles(dv: int) -> WindowTiles:
 
 def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
                    o_ref, sout_ref, cout_ref, cx_ref, k_ref, v_ref, g_ref, beta_ref, *, length, conv_dim, taps, hk,
-                   hv, dk, dv, bv, rep, eps, act, dt, win, parts=None):
+                   hv, dk, dv, bv, rep, eps, act, dt, win, parts=None, early=False):
     (wq, sq), (wz, sz), (wb, sb), (wa, sa) = win
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
@@ -430,9 +435,12 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
         rows += [ld(qkv_ref, (bi * length + t) * wq + sq + ch, wq) for t in range(length)]
         return ch, rows
 
-    def conv(ch, rows):
-        """silu(conv) per token (rounded like the model's causal_conv and silu)."""
-        w = [pltriton.load(cw_ref.at[ch * taps + i]).astype(F32) for i in range(taps)]
+    def conv_w(ch):
+        return [pltriton.load(cw_ref.at[ch * taps + i]).astype(F32) for i in range(taps)]
+
+    def conv(ch, rows, w=None):
+        """silu(conv) per token (rounded like the model's causal_conv and silu); w: `conv_w(ch)` loaded already."""
+        w = conv_w(ch) if w is None else w
         out = []
         for t in range(length):
             acc = jnp.zeros(ch.shape, F32)
@@ -455,7 +463,13 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
     qch, qrows = rows_of(kh * dk, dk)
     kch, krows = rows_of(hk * dk + kh * dk, dk)
     vch, vrows = rows_of(2 * hk * dk + h * dv + j * bv, bv)
-    qs, ks, vs = conv(qch, qrows), conv(kch, krows), conv(vch, vrows)
+    pre = None
+    if early:   # WindowTiles.early: the rest of the small operands now, before any arithmetic or store
+        pre = ([conv_w(c) for c in (qch, kch, vch)],
+               [(ld(b_ref, (bi * length + t) * wb + sb + h, wb), ld(a_ref, (bi * length + t) * wa + sa + h, wa))
+                for t in range(length)], alog_ref[0], dtb_ref[0])
+    ws = pre[0] if early else (None, None, None)
+    qs, ks, vs = conv(qch, qrows, ws[0]), conv(kch, krows, ws[1]), conv(vch, vrows, ws[2])
     store_rows(vch, vrows)
     dj = jnp.arange(dk, dtype=jnp.int32)
     vj = jnp.arange(bv, dtype=jnp.int32)
@@ -469,12 +483,17 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
         for t_ in range(length):
             pltriton.store(k_ref.at[((bi * length + t_) * hk + kh) * dk + dj], ks[t_].astype(k_ref.dtype))
 
-    a_log = -jnp.exp(alog_ref[0].astype(F32))
-    dtb = dtb_ref[0].astype(F32)
+    a_log = -jnp.exp((pre[2] if early else alog_ref[0]).astype(F32))
+    dtb = (pre[3] if early else dtb_ref[0]).astype(F32)
     for t in range(length):
         valid = t < nv
-        beta = rnd(jax.nn.sigmoid(ld(b_ref, (bi * length + t) * wb + sb + h, wb).astype(F32)), dt)
-        g = a_log * softplus(ld(a_ref, (bi * length + t) * wa + sa + h, wa).astype(F32) + dtb)
+        if early:
+            bt, at = pre[1][t]
+            beta = rnd(jax.nn.sigmoid(bt.astype(F32)), dt)
+            g = a_log * softplus(at.astype(F32) + dtb)
+        else:
+            beta = rnd(jax.nn.sigmoid(ld(b_ref, (bi * length + t) * wb + sb + h, wb).astype(F32)), dt)
+            g = a_log * softplus(ld(a_ref, (bi * length + t) * wa + sa + h, wa).astype(F32) + dtb)
         g = jnp.where(valid, g, 0.0)
         beta = jnp.where(valid, beta, 0.0)
         g_ref[0, t, 0] = g
@@ -539,7 +558,7 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
     kernel = functools.partial(_window_kernel, length=length, conv_dim=conv_dim, taps=taps, hk=key_heads, hv=hv,
                                dk=dk, dv=dv, bv=bv, rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
                                win=tuple((held[0].width if parts else buf.shape[-1], start) for buf, start in ops),
-                               parts=parts)
+                               parts=parts, early=bool(t.early))
     (qb, _), (zb, zs), (bb, _), (ab, _) = ops
     zk = zb
     if parts is not None:       # the four operands are the one partials buffer [S, Mp, W]
