@@ -253,6 +253,12 @@ def main() -> None:
             kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))
             print(f"{name}: {len(ops)} instructions, {regs.group(1) if regs else '?'} registers, {warps} warps; "
                   f"{kinds}")
+            # global loads issued after the first CTA barrier: each such group waits for the arithmetic before it,
+            # a memory round trip on the program's critical path that loads issued first would overlap
+            first = ops.index("BAR") if "BAR" in ops else len(ops)
+            late = sum(1 for op in ops[first:] if op == "LDG")
+            print(f"  global loads after the first barrier: {late} of {ops.count('LDG')}; spills: "
+                  f"{sum(1 for op in ops if op in ('LDL', 'STL'))}")
             for start, end, body in loop_bodies(sass):
                 kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(body).most_common(12))
                 print(f"  loop /*{start:04x}*/-/*{end:04x}*/: {len(body)} instructions per trip; {kinds}")
