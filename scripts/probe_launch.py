@@ -541,13 +541,14 @@ def main():
         calls run the compiled executables), profiled, and summarized against the first variant."""
         import kernel_table_diff as ktd   # scripts/ is this script's folder on sys.path
         rows, tables = [], {}
+        sweep = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"   # this run's variants (scripts/pick_winners.py)
         for label, env in variants:
             saved = {name: os.environ.get(name) for name in env}
             os.environ.update(env)
             try:
                 jax.clear_caches()
                 progs = variant_programs()
-                rec = {"variant": label, "settings": env, "programs": {}}
+                rec = {"variant": label, "settings": env, "sweep": sweep, "base": variants[0][0], "programs": {}}
                 vdir = os.path.join(args.out, "variants", label)
                 os.makedirs(vdir, exist_ok=True)
                 for program, (fn, hlo_text) in progs.items():

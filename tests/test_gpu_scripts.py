@@ -235,6 +235,36 @@ def test_probe_launch_round_variants(tmp_path):
     assert "== verify: m1 against base" in stdout
 
 
+def test_pick_winners_compares_each_sweep_with_its_own_base_and_merges_the_winners(tmp_path):
+    """scripts/pick_winners.py on two sweeps' records: gains against each sweep's first variant, a winner saves at
+    least --min-gain-us on the round or the step and loses at most --tolerance-us on the other; the winners'
+    settings merged per op / tile field, a conflict to the larger gain."""
+    def rec(sweep, label, settings, step, draft, verify, base="base"):
+        progs = {"decode": step, "draft": draft, "verify": verify}
+        return {"part": "round variant", "sweep": sweep, "base": base, "variant": label, "settings": settings,
+                "programs": {k: {"busy_us_per_call": v, "kernels_per_call": 1} for k, v in progs.items()}}
+    recs = [rec("a", "base", {}, 500, 300, 900),
+            rec("a", "pair", {"FNX_KERNELS": "gemv_pair_many=pallas"}, 500, 290, 860),          # round -50: wins
+            rec("a", "acts", {"FNX_KERNELS": "moe_route_acts=pallas"}, 500, 300, 899),          # -1: too small
+            rec("a", "slow", {"FNX_KERNELS": "qsa_prep=pallas"}, 520, 280, 880),                # step +20: loses
+            rec("b", "base", {}, 510, 305, 905),
+            rec("b", "xla1", {"FNX_HC_FEW_TILES": "mid=xla1"}, 510, 305, 895),                  # -10: wins
+            rec("b", "fold", {"FNX_HC_FEW_TILES": "pre=fold,mid=pallas"}, 509, 300, 870),        # -40: wins
+            rec("b", "m1", {"FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}, 490, 305, 905)]  # step -20
+    path = tmp_path / "probe.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    out = _run(["scripts/pick_winners.py", str(path)], tmp_path)
+    won = {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln}
+    assert won == {"pair", "xla1", "fold", "m1"}, out
+    exports = _run(["scripts/pick_winners.py", str(path), "--export"], tmp_path).splitlines()
+    env = dict(line.removeprefix("export ").split("=", 1) for line in exports)
+    assert env == {"FNX_KERNELS": "gemv_pair_many=pallas", "FNX_HC_FEW_TILES": "mid=pallas,pre=fold",
+                   "FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}, env
+    # a stricter threshold keeps only the larger gains
+    out = _run(["scripts/pick_winners.py", str(path), "--min-gain-us", "30"], tmp_path)
+    assert {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln} == {"pair", "fold"}, out
+
+
 @pytest.mark.parametrize("spec,why", [("base", "must be 'LABEL: ENV=VALUE"), ("a: ; a: FNX_X=1", "given twice"),
                                       ("a: XLA_FLAGS=--x", "not FNX_NAME=VALUE"), ("a: FNX_X=1 FNX_X=2", "set twice"),
                                       (" ; ", "no variant")])
