@@ -116,28 +116,27 @@ def gdn_step_kernels(tiles) -> list[tuple[str, int, int, str]]:
     """The same for `fnx.pallas.gdn.pallas.gdn_step` (one token, B = 1; 16 key heads, 48 value heads of 128; conv
     width 4)."""
     from fnx.pallas.gdn import pallas as gk
+    fn = lambda *a: gk.gdn_step(*a, key_heads=16, eps=1e-6, act="silu", tiles=tiles, inplace=True)  # noqa: E731
+    return _launches(jax.jit(fn).trace(*_gdn_args(1)).lower(lowering_platforms=("cuda",)))
+
+
+def _gdn_args(length: int) -> list:
+    """A GDN core's operands at the released widths, B = 1: qkv, z, b, a, conv state and weights, A_log, dt_bias,
+    the norm's weight, the state, n_valid."""
     hk, hv, dk, dv, taps = 16, 48, 128, 128, 4
     cd = 2 * hk * dk + hv * dv
     f32 = jnp.float32
-    args = [S((1, 1, cd), BF16), S((1, 1, hv * dv), BF16), S((1, 1, hv), BF16), S((1, 1, hv), BF16),
-            S((1, taps - 1, cd), BF16), S((cd, taps), BF16), S((hv,), f32), S((hv,), f32), S((dv,), BF16),
-            S((1, hv, dk, dv), f32), S((1,), jnp.int32)]
-    fn = lambda *a: gk.gdn_step(*a, key_heads=hk, eps=1e-6, act="silu", tiles=tiles, inplace=True)  # noqa: E731
-    return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+    return [S((1, length, cd), BF16), S((1, length, hv * dv), BF16), S((1, length, hv), BF16),
+            S((1, length, hv), BF16), S((1, taps - 1, cd), BF16), S((cd, taps), BF16), S((hv,), f32), S((hv,), f32),
+            S((dv,), BF16), S((1, hv, dk, dv), f32), S((1,), jnp.int32)]
 
 
 def gdn_window_kernels(tiles, length: int = 5) -> list[tuple[str, int, int, str]]:
     """The same for `fnx.pallas.gdn.pallas.gdn_window` (the verify window: B = 1, `length` tokens; the released GDN
     widths)."""
     from fnx.pallas.gdn import pallas as gk
-    hk, hv, dk, dv, taps = 16, 48, 128, 128, 4
-    cd = 2 * hk * dk + hv * dv
-    f32 = jnp.float32
-    args = [S((1, length, cd), BF16), S((1, length, hv * dv), BF16), S((1, length, hv), BF16),
-            S((1, length, hv), BF16), S((1, taps - 1, cd), BF16), S((cd, taps), BF16), S((hv,), f32), S((hv,), f32),
-            S((dv,), BF16), S((1, hv, dk, dv), f32), S((1,), jnp.int32)]
-    fn = lambda *a: gk.gdn_window(*a, key_heads=hk, eps=1e-6, act="silu", tiles=tiles)  # noqa: E731
-    return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+    fn = lambda *a: gk.gdn_window(*a, key_heads=16, eps=1e-6, act="silu", tiles=tiles)  # noqa: E731
+    return _launches(jax.jit(fn).trace(*_gdn_args(length)).lower(lowering_platforms=("cuda",)))
 
 
 def _launches(lowered) -> list[tuple[str, int, int, str]]:

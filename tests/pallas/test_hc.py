@@ -239,6 +239,24 @@ def test_few_token_kernels_lower_for_cuda_released_shapes():
 BF, F32_ = jnp.bfloat16, jnp.float32
 
 
+def _few_case(m, dtype, fp8, with_y, inject):
+    """A few-token boundary's inputs (S*D = 1280, r = 48), its weights as the kernels take them (FP8 blocks with
+    their scales, or bf16) and the reference's outputs on the weights the model uses."""
+    from fnx.model import quant
+    h, y, inj, p = _inputs((1, m), 4, 320, 48, dtype, np.random.randint(1 << 30), inject)
+    y, inj = (y, inj) if with_y else (None, None)
+    wd, wu, kw = p["input_mix_weight_down"], p["input_mix_weight_up"], {}
+    ref_w = [wd, wu]
+    if fp8:
+        q = _fp8(p)
+        wd, wu = q["input_mix_weight_down"].w, q["input_mix_weight_up"].w
+        kw = {"w_down_scale": q["input_mix_weight_down"].scale_inv, "w_up_scale": q["input_mix_weight_up"].scale_inv}
+        ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
+    wi = p.get("block_inject_weight")
+    want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
+    return h, y, inj, p, wd, wu, wi, kw, want
+
+
 @pytest.mark.parametrize("m,dtype,fp8,with_y,inject,up,glue", [(5, F32_, True, True, True, "mma", "pallas"),
                                                                (5, BF, True, True, True, "mma", "pallas"),
                                                                (5, BF, True, True, True, "gemv", "pallas"),
@@ -258,19 +276,8 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
     dispatch and XLA); S*D = 1280 and r = 48 (partial FP8 blocks, an up piece of 16), two 64-column chunks per down
     program (20 splits: a piece of 16 and one of 4 in the mid kernel). fp32 to 1e-5 (only the order of sums
     differs), bf16 within TOL; H' (the combine's two roundings, in both glues) bit for bit."""
-    from fnx.model import quant
     from fnx.pallas.hc import few
-    h, y, inj, p = _inputs((1, m), 4, 320, 48, dtype, np.random.randint(1 << 30), inject)
-    y, inj = (y, inj) if with_y else (None, None)
-    wd, wu, kw = p["input_mix_weight_down"], p["input_mix_weight_up"], {}
-    ref_w = [wd, wu]
-    if fp8:
-        q = _fp8(p)
-        wd, wu = q["input_mix_weight_down"].w, q["input_mix_weight_up"].w
-        kw = {"w_down_scale": q["input_mix_weight_down"].scale_inv, "w_up_scale": q["input_mix_weight_up"].scale_inv}
-        ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
-    wi = p.get("block_inject_weight")
-    want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
+    h, y, inj, p, wd, wu, wi, kw, want = _few_case(m, dtype, fp8, with_y, inject)
     tiles = few.TilesFew(bn=16, chunks=2, bk=64, up=up, pre="xla" if glue == "xla1" else glue, mid=glue,
                          mid_bc=16 if m == 2 else 32)
     got = jax.jit(lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,
@@ -294,19 +301,8 @@ def test_few_token_folded_norm_matches_reference(m, dtype, fp8, with_y, inject, 
     the mid (kernel or XLA) scales each stream's splits by its 1/rms; the mix forms Hn from H' and that rstd. fp32
     to 1e-5 (the order of sums and where 1/rms multiplies differ), bf16 within TOL (a rounding of H' (1 + w) instead
     of Hn's), H' bit for bit. S*D = 1280 in splits of 64 (5 per stream; the mid kernel's pieces of 4 and 1)."""
-    from fnx.model import quant
     from fnx.pallas.hc import few
-    h, y, inj, p = _inputs((1, m), 4, 320, 48, dtype, np.random.randint(1 << 30), inject)
-    y, inj = (y, inj) if with_y else (None, None)
-    wd, wu, kw = p["input_mix_weight_down"], p["input_mix_weight_up"], {}
-    ref_w = [wd, wu]
-    if fp8:
-        q = _fp8(p)
-        wd, wu = q["input_mix_weight_down"].w, q["input_mix_weight_up"].w
-        kw = {"w_down_scale": q["input_mix_weight_down"].scale_inv, "w_up_scale": q["input_mix_weight_up"].scale_inv}
-        ref_w = [quant.dequantize(q[k], dtype) for k in ("input_mix_weight_down", "input_mix_weight_up")]
-    wi = p.get("block_inject_weight")
-    want = reference.hc_boundary(h, y, inj, p["hc_norm"], *ref_w, wi, streams=4, eps=1e-6)
+    h, y, inj, p, wd, wu, wi, kw, want = _few_case(m, dtype, fp8, with_y, inject)
     tiles = few.TilesFew(bn=16, chunks=chunks, bk=64 // chunks, up=up, pre="fold", mid=mid, mid_bc=16)
     f = lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,  # noqa: E731
                                         impl=KERNEL, tiles=tiles, **kw)

@@ -231,13 +231,17 @@ def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
     """Whole heads (the norm fused) at 4 warps: the fastest of six tile sets on the H200 at the released widths,
     B = 1 and 8 (BV 128 at 4 / 8 / 16 warps, 64 at 4, 32 at 4 / 2; `bench.step_cases`, BENCHMARKS.md).
     `FNX_GDN_STEP_TILES` ("early=1", read when a program is traced) replaces fields: a benchmark knob."""
-    t = StepTiles(block_v=dv, num_warps=4)
-    spec = os.environ.get(STEP_TILES_ENV)
+    return _env_tiles(StepTiles(block_v=dv, num_warps=4), STEP_TILES_ENV, dv)
+
+
+def _env_tiles(t, env: str, dv: int):
+    """Tiles t with the fields the environment variable `env` names replaced ("field=value,..."), checked."""
+    spec = os.environ.get(env)
     if spec:
         from fnx.pallas import dispatch
-        t = dataclasses.replace(t, **dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV))
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, type(t), env))
         if t.block_v < 1 or t.block_v & (t.block_v - 1) or dv % t.block_v or t.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{STEP_TILES_ENV}={spec!r}: block_v must be a power of two dividing dv = {dv} and "
+            raise ValueError(f"{env}={spec!r}: block_v must be a power of two dividing dv = {dv} and "
                              f"num_warps one of 1, 2, 4, 8, 16 (got {t})")
     return t
 
@@ -396,15 +400,7 @@ def default_window_tiles(dv: int) -> WindowTiles:
     not the default there either (`default_tiles`' untuned rule for the recurrence kernel is not copied).
     `FNX_GDN_WINDOW_TILES` ("block_v=128,num_warps=8", read when a program is traced) replaces fields: a benchmark
     knob."""
-    t = WindowTiles(block_v=min(32, dv))
-    spec = os.environ.get(WINDOW_TILES_ENV)
-    if spec:
-        from fnx.pallas import dispatch
-        t = dataclasses.replace(t, **dispatch.fields_override(spec, WindowTiles, WINDOW_TILES_ENV))
-        if t.block_v < 1 or t.block_v & (t.block_v - 1) or dv % t.block_v or t.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"{WINDOW_TILES_ENV}={spec!r}: block_v must be a power of two dividing dv = {dv} and "
-                             f"num_warps one of 1, 2, 4, 8, 16 (got {t})")
-    return t
+    return _env_tiles(WindowTiles(block_v=min(32, dv)), WINDOW_TILES_ENV, dv)
 
 
 def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
