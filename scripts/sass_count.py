@@ -85,31 +85,28 @@ def hc_few_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
     """The same for `fnx.pallas.hc.few.hc_boundary_few` (the few-token HC boundary: S = 4, D = 2560, r = 320), with
     FP8 Wdown / Wup (fmt "fp8") or bf16 ones."""
     from fnx.pallas.hc import few
+    fn = lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
+                                        tiles=tiles)
+    return _launches(jax.jit(fn).trace(*_hc_args(fmt, m)).lower(lowering_platforms=("cuda",)))
+
+
+def _hc_args(fmt: str, m: int) -> list:
+    """An HC boundary's operands at the released widths (S = 4, D = 2560, r = 320) for m tokens: H, y, inj_prev,
+    hc_norm, Wdown, Wup, Winj, and FP8 Wdown / Wup's block scales (None for bf16)."""
     sd, d, r = 10240, 2560, 320
     acts = [S((1, m, sd), BF16), S((1, m, d), BF16), S((1, m, 4), BF16), S((sd,), BF16)]
     if fmt == "fp8":
-        ws = [S((r, sd), jnp.float8_e4m3fn), S((sd, r), jnp.float8_e4m3fn), S((4, sd), BF16),
-              S((3, 80), jnp.float32), S((80, 3), jnp.float32)]
-    else:
-        ws = [S((r, sd), BF16), S((sd, r), BF16), S((4, sd), BF16), None, None]
-    fn = lambda *a: few.hc_boundary_few(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
-                                        tiles=tiles)
-    return _launches(jax.jit(fn).trace(*acts, *ws).lower(lowering_platforms=("cuda",)))
+        return acts + [S((r, sd), jnp.float8_e4m3fn), S((sd, r), jnp.float8_e4m3fn), S((4, sd), BF16),
+                       S((3, 80), jnp.float32), S((80, 3), jnp.float32)]
+    return acts + [S((r, sd), BF16), S((sd, r), BF16), S((4, sd), BF16), None, None]
 
 
 def hc_m1_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
     """The same for `fnx.pallas.hc.pallas.hc_boundary_m1` (the one-token HC boundary, S = 4, D = 2560, r = 320)."""
     from fnx.pallas.hc import pallas as hp
-    sd, d, r = 10240, 2560, 320
-    acts = [S((1, 1, sd), BF16), S((1, 1, d), BF16), S((1, 1, 4), BF16), S((sd,), BF16)]
-    if fmt == "fp8":
-        ws = [S((r, sd), jnp.float8_e4m3fn), S((sd, r), jnp.float8_e4m3fn), S((4, sd), BF16),
-              S((3, 80), jnp.float32), S((80, 3), jnp.float32)]
-    else:
-        ws = [S((r, sd), BF16), S((sd, r), BF16), S((4, sd), BF16), None, None]
     fn = lambda *a: hp.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
                                       tiles=tiles)
-    return _launches(jax.jit(fn).trace(*acts, *ws).lower(lowering_platforms=("cuda",)))
+    return _launches(jax.jit(fn).trace(*_hc_args(fmt, 1)).lower(lowering_platforms=("cuda",)))
 
 
 def gdn_step_kernels(tiles) -> list[tuple[str, int, int, str]]:

@@ -239,6 +239,17 @@ def test_few_token_kernels_lower_for_cuda_released_shapes():
 BF, F32_ = jnp.bfloat16, jnp.float32
 
 
+def _check_few(got, want, dtype):
+    """(H', x, inj) against the reference's: fp32 to 1e-5, bf16 within TOL, H' bit for bit, inj absent together."""
+    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        if w is None:
+            assert g is None, what
+        else:
+            _close(g, w, tol, what)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+
+
 def _few_case(m, dtype, fp8, with_y, inject):
     """A few-token boundary's inputs (S*D = 1280, r = 48), its weights as the kernels take them (FP8 blocks with
     their scales, or bf16) and the reference's outputs on the weights the model uses."""
@@ -282,13 +293,7 @@ def test_few_token_mma_design_matches_reference(m, dtype, fp8, with_y, inject, u
                          mid_bc=16 if m == 2 else 32)
     got = jax.jit(lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,
                                                   impl=KERNEL, tiles=tiles, **kw))(h, y, inj)
-    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
-    for g, w, what in zip(got, want, ("H'", "x", "inj")):
-        if w is None:
-            assert g is None, what
-        else:
-            _close(g, w, tol, what)
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    _check_few(got, want, dtype)
 
 
 @pytest.mark.parametrize("m,dtype,fp8,with_y,inject,up,mid,chunks", [
@@ -307,13 +312,7 @@ def test_few_token_folded_norm_matches_reference(m, dtype, fp8, with_y, inject, 
     f = lambda h, y, i: api.hc_boundary(h, y, i, p["hc_norm"], wd, wu, wi, streams=4, eps=1e-6,  # noqa: E731
                                         impl=KERNEL, tiles=tiles, **kw)
     got = jax.jit(f)(h, y, inj)
-    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
-    for g, w, what in zip(got, want, ("H'", "x", "inj")):
-        if w is None:
-            assert g is None, what
-        else:
-            _close(g, w, tol, what)
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    _check_few(got, want, dtype)
 
     def rsqrt_before_down(tiles):
         """Whether an rsqrt (the norm) comes before the first kernel launch of the boundary's jaxpr."""
