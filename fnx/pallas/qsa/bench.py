@@ -61,42 +61,42 @@ def cases(quick: bool) -> list[BenchCase]:
     contexts = (4096,) if quick else (32768, 131072)
     topk = 64 if quick else TOPK
     rng = np.random.default_rng(0)
-    for ctx in contexts:
-        for length in (1, 5):
-            bsz = 1
-            idx0 = _indices(rng, bsz, length, ctx, topk, CR)
-            uniq = sum(len(np.unique(idx0[b])) for b in range(bsz))
-            n_sel = idx0.shape[-1]
-            nbytes = (uniq * HKV * HD * 2 * 2            # K and V rows of the distinct selected tokens, bf16
-                      + 2 * bsz * length * HQ * HD * 2     # q and out
-                      + idx0.size * 4)
-            flops = 4 * bsz * length * HQ * HD * n_sel
-            sets = 2 if quick else n_sets(nbytes)
-            key = jax.random.PRNGKey(ctx + length)
-            arg_sets, dense_sets = [], []
-            for i in range(sets):
-                k1, k2, k3, key = jax.random.split(key, 4)
-                q = jax.random.normal(k1, (bsz, length, HQ, HD), jnp.bfloat16)
-                kc = jax.random.normal(k2, (bsz, HKV, ctx, HD), jnp.bfloat16)
-                vc = jax.random.normal(k3, (bsz, HKV, ctx, HD), jnp.bfloat16)
-                ix = idx0 if i == 0 else _indices(rng, bsz, length, ctx, topk, CR)
-                mask = np.zeros((bsz, length, ctx), bool)
-                for b in range(bsz):
-                    for l in range(length):
-                        mask[b, l, ix[b, l]] = True
-                arg_sets.append((q, kc, vc, jnp.asarray(ix)))
-                dense_sets.append((q, kc, vc, jnp.asarray(mask)))
-            shape = f"B={bsz} T={length} ctx={ctx} n_sel={n_sel}"
-            extra = {"ctx": ctx, "T": length, "n_sel": n_sel, "distinct_tokens": int(uniq)}
-            for impl in ("pallas", "reference"):
-                out.append(BenchCase(
-                    kernel="qsa_decode_attention", shape=shape, impl=impl,
-                    fn=lambda q, k, v, i, _impl=impl: api.qsa_decode_attention(q, k, v, i, impl=_impl),
-                    arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra)))
+    # B = 1 is what a single stream decodes (latency: ~4 MB read at 32K); B = 8 puts enough bytes in one launch to
+    # read the kernel's bandwidth against issue 8's 80%-of-4.3-TB/s target
+    for ctx, length, bsz in ((c, t, b) for c in contexts for t in (1, 5) for b in ((1,) if quick else (1, 8))):
+        idx0 = _indices(rng, bsz, length, ctx, topk, CR)
+        uniq = sum(len(np.unique(idx0[b])) for b in range(bsz))
+        n_sel = idx0.shape[-1]
+        nbytes = (uniq * HKV * HD * 2 * 2            # K and V rows of the distinct selected tokens, bf16
+                  + 2 * bsz * length * HQ * HD * 2     # q and out
+                  + idx0.size * 4)
+        flops = 4 * bsz * length * HQ * HD * n_sel
+        sets = 2 if quick else n_sets(nbytes)
+        key = jax.random.PRNGKey(ctx + length)
+        arg_sets, dense_sets = [], []
+        for i in range(sets):
+            k1, k2, k3, key = jax.random.split(key, 4)
+            q = jax.random.normal(k1, (bsz, length, HQ, HD), jnp.bfloat16)
+            kc = jax.random.normal(k2, (bsz, HKV, ctx, HD), jnp.bfloat16)
+            vc = jax.random.normal(k3, (bsz, HKV, ctx, HD), jnp.bfloat16)
+            ix = idx0 if i == 0 else _indices(rng, bsz, length, ctx, topk, CR)
+            mask = np.zeros((bsz, length, ctx), bool)
+            for b in range(bsz):
+                for l in range(length):
+                    mask[b, l, ix[b, l]] = True
+            arg_sets.append((q, kc, vc, jnp.asarray(ix)))
+            dense_sets.append((q, kc, vc, jnp.asarray(mask)))
+        shape = f"B={bsz} T={length} ctx={ctx} n_sel={n_sel}"
+        extra = {"ctx": ctx, "T": length, "n_sel": n_sel, "distinct_tokens": int(uniq)}
+        for impl in ("pallas", "reference"):
             out.append(BenchCase(
-                kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
-                arg_sets=dense_sets, bytes=nbytes, flops=flops,
-                extra=dict(extra, note="model reference path: reads the whole cache")))
+                kernel="qsa_decode_attention", shape=shape, impl=impl,
+                fn=lambda q, k, v, i, _impl=impl: api.qsa_decode_attention(q, k, v, i, impl=_impl),
+                arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra)))
+        out.append(BenchCase(
+            kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
+            arg_sets=dense_sets, bytes=nbytes, flops=flops,
+            extra=dict(extra, note="model reference path: reads the whole cache")))
     out += score_cases(quick) + topk_cases(quick) + prep_cases(quick)
     return out
 
