@@ -1,7 +1,7 @@
 """Instructions per kind of the MoE decode kernels' SASS, on a machine without a GPU.
 
 The two Pallas kernels are lowered for CUDA on the CPU (`lowering_platforms=("cuda",)`) at the released shapes, the
-Triton IR of each launch is printed as text, and a stock Triton wheel compiles it for sm_90 (its own `ptxas`; no GPU
+Triton IR of each launch is printed as text, and a stock Triton wheel compiles it for sm_90 or `--arch` (its own `ptxas`; no GPU
 is needed) in a separate interpreter; `cuobjdump` gives the SASS and the registers. The stock Triton is not the
 one XLA embeds, so the counts show the shape of the code (what a change adds or removes), not the device's bits.
 
@@ -15,6 +15,7 @@ Run:
     python scripts/sass_count.py fp8 5 --gemv 16384x2560 --pair 96   # the several-token pair (gemv_pair_many)
     python scripts/sass_count.py fp8 5 pre=fold,mid=pallas --hc-few  # the few-token HC boundary's kernels
     python scripts/sass_count.py fp8 1 --hc-m1           # the one-token HC boundary's kernels (Tiles1 fields)
+    python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ _COMPILE = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
 opts = {"num_warps": int(sys.argv[2]), "num_stages": int(sys.argv[4])}
-k = triton.compile(sys.argv[1], target=GPUTarget("cuda", 90, 32), options=opts)
+k = triton.compile(sys.argv[1], target=GPUTarget("cuda", int(sys.argv[5]), 32), options=opts)
 open(sys.argv[3], "wb").write(k.asm["cubin"])
 """
 
@@ -179,6 +180,7 @@ def main() -> None:
                     help="count the one-token GDN kernel (fields: StepTiles', e.g. block_v=32; m and fmt ignored)")
     ap.add_argument("--gdn-window", action="store_true",
                     help="count the verify window's GDN kernel at m tokens (fields: WindowTiles', e.g. early=1)")
+    ap.add_argument("--arch", type=int, default=90, help="the SM version to build for: 90 (H200), 120 (RTX PRO 6000)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -235,7 +237,8 @@ def main() -> None:
             src, cubin = os.path.join(tmp, f"{name}.ttir"), os.path.join(tmp, f"{name}.cubin")
             with open(src, "w") as f:
                 f.write(text)
-            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin, str(stages)], check=True)
+            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin, str(stages), str(args.arch)],
+                           check=True)
             sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
                                   text=True, check=True).stdout
             res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,
@@ -249,15 +252,20 @@ def main() -> None:
             kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))
             print(f"{name}: {len(ops)} instructions, {regs.group(1) if regs else '?'} registers, {warps} warps; "
                   f"{kinds}")
-            # global loads issued after the first CTA barrier: each such group waits for the arithmetic before it,
-            # a memory round trip on the program's critical path that loads issued first would overlap
-            first = ops.index("BAR") if "BAR" in ops else len(ops)
-            late = sum(1 for op in ops[first:] if op == "LDG")
-            print(f"  global loads after the first barrier: {late} of {ops.count('LDG')}; spills: "
-                  f"{sum(1 for op in ops if op in ('LDL', 'STL'))}")
+            late, loads, spills = load_order(ops)
+            print(f"  global loads after the first barrier: {late} of {loads}; spills: {spills}")
             for start, end, body in loop_bodies(sass):
                 kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(body).most_common(12))
                 print(f"  loop /*{start:04x}*/-/*{end:04x}*/: {len(body)} instructions per trip; {kinds}")
+
+
+def load_order(ops: list[str]) -> tuple[int, int, int]:
+    """(global loads issued after the first CTA barrier, global loads, local spill loads and stores) of a kernel's
+    opcodes in order. A load after a barrier waits for the arithmetic before it: a memory round trip on the
+    program's critical path that the loads issued first would have overlapped."""
+    first = ops.index("BAR") if "BAR" in ops else len(ops)
+    return (sum(1 for op in ops[first:] if op == "LDG"), ops.count("LDG"),
+            sum(1 for op in ops if op in ("LDL", "STL")))
 
 
 def loop_bodies(sass: str) -> list[tuple[int, int, list[str]]]:

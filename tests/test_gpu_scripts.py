@@ -408,6 +408,15 @@ def test_sass_count_finds_loop_bodies():
     assert (start, end) == (0x20, 0x40) and body == ["HMMA", "IMAD", "BRA"]
 
 
+def test_sass_count_counts_loads_after_the_first_barrier():
+    """The load-order line: global loads after the first barrier (LDG only; a shared-memory load is no round trip
+    to memory), all global loads, and spills."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_count
+    assert sass_count.load_order(["LDG", "LDG", "FFMA", "BAR", "LDS", "LDG", "STL", "BAR", "LDG", "LDL"]) == (2, 4, 2)
+    assert sass_count.load_order(["LDG", "FFMA", "STG"]) == (0, 1, 0)
+
+
 def test_kernel_table_diff_matches_rows_across_compiles(tmp_path):
     """scripts/kernel_table_diff.py on two committed verify tables (54c3f01 -> 4615334: e2m1 "mma" in the gate / up
     kernels, the replay in place): the totals the BENCHMARKS section quotes, the gate / up kernel's 54 us, the
