@@ -56,6 +56,20 @@ def _weights(fmt, i=0, dtype=BF16):
 _run = jax.jit(lambda g, d, x, idx: experts_pallas.experts(g, d, x, idx, interpret=INTERPRET, tiles=TILES))
 
 
+# NVFP4 experts against the reference: the kernels leave each dequantized weight unrounded (wround 0) where the
+# reference rounds it to bf16, and an act element whose bf16 rounding flips moves every output it feeds; over 60
+# random seeds the max error was 0.0117 of the output's scale at one and five tokens, and one CI seed reached 0.0158
+# (just past 2^-6), so these comparisons take 2^-5, as the tensor-core cases below already did
+NVFP4_BOUND = 2.0 ** -5
+
+
+def _close_ref(got, args):
+    """The decode kernels' output against `reference.decode(*args)`: within 2^-6 of its scale, 2^-5 for NVFP4
+    experts (NVFP4_BOUND)."""
+    nvfp4 = reference.weight_format(args[3]) == "nvfp4"
+    _close(got, reference.decode(*args), bound=NVFP4_BOUND if nvfp4 else 2.0 ** -6)
+
+
 def _close(got, want, bound=2.0 ** -6):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all()
@@ -333,7 +347,7 @@ def test_decode_variants_match_reference(fmt, m, acc, e2m1):
     args = _decode_args(fmt, m, 20 + m)
     tiles = dataclasses.replace(DT, group=1, acc=acc, e2m1=e2m1)
     got = jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=tiles))(*args)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     if e2m1 in ("f16", "asm", "asmq") and (not acc or e2m1 != "f16"):
         base = jax.jit(lambda *a: decode_pallas.moe_decode(
             *a, interpret=INTERPRET, tiles=dataclasses.replace(tiles, e2m1="int" if e2m1 == "f16" else "f16")))(*args)
@@ -376,7 +390,7 @@ def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
     tiles = dataclasses.replace(DT, group=group, acc=acc, e2m1=e2m1, wround=0, gsum=1)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = run(tiles, *args)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     per_weight = np.asarray(run(dataclasses.replace(tiles, gsum=0), *args), np.float32)
     g = np.asarray(got, np.float32)
     # (the floor: with several tokens the reordered gate / up sums can flip an intermediate activation's bf16
@@ -385,7 +399,7 @@ def test_decode_group_sums(m, shared_fmt, acc, group, e2m1):
     assert np.all(np.abs(g - per_weight) <= 2 * ulp), np.max(np.abs(g - per_weight) / ulp)
     assert np.mean(g == per_weight) > 0.5, np.mean(g == per_weight)
     if m > 1:
-        _close(run(dataclasses.replace(tiles, group=0, tok=1), *args), reference.decode(*args))
+        _close_ref(run(dataclasses.replace(tiles, group=0, tok=1), *args), args)
     with pytest.raises(NotImplementedError, match="gsum 1"):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, wround=1))
 
@@ -439,7 +453,7 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
     tiles = dataclasses.replace(DT, group=group, acc=1, e2m1=mode, wround=0, gsum=1)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = run(tiles, *args)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     f32 = np.asarray(run(dataclasses.replace(tiles, e2m1="f16"), *args), np.float32)
     g = np.asarray(got, np.float32)
     # fp16 partial sums round at 2^-11: a gate / up sum may then round to the other bf16 neighbour, and the down
@@ -453,7 +467,7 @@ def test_decode_hfma_one_token(mode, shared_fmt, group):
     big = (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), *args[1:]
     got_big = np.asarray(run(tiles, *big), np.float32)
     assert np.all(np.isfinite(got_big))
-    _close(got_big, reference.decode(*big))
+    _close_ref(got_big, big)
     with pytest.raises(NotImplementedError, match=f"e2m1 '{mode}'"):
         decode_pallas.moe_decode(*_decode_args("nvfp4", 2, 5, shared_fmt=shared_fmt), interpret=True, tiles=tiles)
     with pytest.raises(NotImplementedError, match=f"e2m1 '{mode}'"):
@@ -472,7 +486,7 @@ def test_decode_down_mma(m, group, bn2, nw2, mode):
     tiles = dataclasses.replace(base, mma2=mode, e2m1="mma" if m > 1 else "asm", bn=8, cw=256)
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = np.asarray(run(tiles, *args), np.float32)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     f32 = np.asarray(run(dataclasses.replace(base, e2m1="f16", gsum=0), *args), np.float32)
     ulp = np.abs(f32) * 2.0 ** -7 + np.abs(f32).max() * 2.0 ** -10
     assert np.all(np.abs(got - f32) <= 4 * ulp), np.max(np.abs(got - f32) / ulp)
@@ -480,7 +494,7 @@ def test_decode_down_mma(m, group, bn2, nw2, mode):
         a = (x, *args[1:])
         out = np.asarray(run(tiles, *a), np.float32)
         assert np.all(np.isfinite(out))
-        _close(out, reference.decode(*a))
+        _close_ref(out, a)
     for bad in (dict(wround=1), dict(cw2=64), dict(bn2=4, num_warps2=4), dict(hoist=1)) + ((dict(group=0),) if m == 1
                                                                                           else ()):
         with pytest.raises(NotImplementedError, match="mma2 1 / 2"):
@@ -500,7 +514,7 @@ def test_decode_mma_loads_ahead_same_bits(m, ahead=1):
     want = np.asarray(run(tiles, *args), np.float32)
     got = np.asarray(run(dataclasses.replace(tiles, ahead=ahead), *args), np.float32)
     np.testing.assert_array_equal(got, want)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     for bad in (dict(e2m1="asm"), dict(persist=64)):
         with pytest.raises(NotImplementedError, match="ahead"):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, ahead=ahead, **bad))
@@ -547,7 +561,7 @@ def test_decode_mma_one_token(m, shared_fmt, group):
     tiles = dataclasses.replace(base, e2m1="mma")
     run = jax.jit(lambda t, *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t), static_argnums=0)
     got = run(tiles, *args)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     f32 = np.asarray(run(dataclasses.replace(base, e2m1="f16", gsum=0), *args), np.float32)
     g = np.asarray(got, np.float32)
     ulp = np.abs(f32) * 2.0 ** -7 + np.abs(f32).max() * 2.0 ** -10
@@ -556,7 +570,7 @@ def test_decode_mma_one_token(m, shared_fmt, group):
     big = (args[0].astype(jnp.float32) * 4096.0).astype(args[0].dtype), *args[1:]
     got_big = np.asarray(run(tiles, *big), np.float32)
     assert np.all(np.isfinite(got_big))
-    _close(got_big, reference.decode(*big))
+    _close_ref(got_big, big)
     for bad in (dataclasses.replace(tiles, acc=0), dataclasses.replace(tiles, x2d=1)):
         with pytest.raises(NotImplementedError, match="e2m1 'mma'"):
             decode_pallas.moe_decode(*args, interpret=True, tiles=bad)
@@ -580,7 +594,7 @@ def test_decode_mma_activations(m, bn, cw):
         a = (x, *args[1:])
         got = np.asarray(run(tiles, *a), np.float32)
         assert np.all(np.isfinite(got))
-        _close(got, reference.decode(*a))
+        _close_ref(got, a)
     x = args[0]
     packed = np.asarray(decode_pallas.mma_activations(x))
     assert packed.shape == (m, x.shape[1] // 2 + 1) and packed.dtype == np.uint32
@@ -956,7 +970,7 @@ def test_decode_slot_metadata_gives_the_same_bits(case, fmt, group):
     # meta 2: the gate/up kernel finds the metadata and writes it for the down kernel (no XLA launch)
     np.testing.assert_array_equal(np.asarray(run(dataclasses.replace(tiles, meta=2))).view(np.uint16),
                                   np.asarray(base).view(np.uint16))
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     own, hit, coef = decode_pallas.slot_meta(args[2], args[1], BF16)
     assert int(own.sum()) == len(np.unique(np.asarray(args[2])))          # one owner per distinct expert
     assert int(hit.sum()) == m * K                                       # every (token, k) pair counted once
@@ -987,7 +1001,7 @@ def test_decode_token_programs_are_batch_invariant(case, fmt):
     run, run0 = (jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=t))
                  for t in (tiles, dataclasses.replace(tiles, tok=0)))      # each compiled once per token count
     got = run(*args)
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     x, w, idx, gu, dn, sg, su, ss, sd = args
     for t in range(m):
         row = (x[t:t + 1], w[t:t + 1], idx[t:t + 1], gu, dn, sg[t:t + 1], su[t:t + 1], ss[t:t + 1], sd)
@@ -1024,7 +1038,7 @@ def _variant_agrees(case, fmt, seed, fields, name, value, base, bad, why):
     got, ref = (_run_tiles(args, dataclasses.replace(tiles, **{name: v})) for v in (value, base))
     assert np.isfinite(got).all()
     assert np.abs(got - ref).max() <= 2.0 ** -7 * np.abs(ref).max()
-    _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)
+    _close_ref(got, args)
     with pytest.raises(NotImplementedError, match=why):
         decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, **{name: bad}))
 
@@ -1064,7 +1078,7 @@ def test_decode_tensor_core_products(case, fmt, m, group, wround, dot):
     got, cuda = (_run_tiles(args, dataclasses.replace(base, dot=d, stages=1 + (d == 2))) for d in (dot, 0))
     assert np.isfinite(got).all()
     assert np.abs(got - cuda).max() <= 2.0 ** -7 * np.abs(cuda).max()
-    _close(got, reference.decode(*args), bound=2.0 ** -5 if fmt == "nvfp4" else 2.0 ** -6)
+    _close_ref(got, args)
     for bad, why in ((dict(dot=dot, bn=8), "bn and bn2 >= 16"), (dict(dot=dot, bn2=8), "bn and bn2 >= 16"),
                      (dict(dot=3), "dot must be 0, 1 or 2"), (dict(dot=dot, stages=0), "stages 1 to 5")):
         with pytest.raises(NotImplementedError, match=why):
@@ -1096,7 +1110,7 @@ def test_decode_flat_slots(case, fmt, group, variant):
     run = jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=tiles))
     got = run(*args)
     assert got.shape == (m, D) and got.dtype == BF16
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     x, w, idx, gu, dn, sg, su, ss, sd = args
     for t in range(m):
         alone = run(x[t:t + 1], w[t:t + 1], idx[t:t + 1], gu, dn, sg[t:t + 1], su[t:t + 1], ss[t:t + 1], sd)
@@ -1132,7 +1146,7 @@ def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):
         # an act value's bf16 rounding before the down product: one bf16 step at the output's scale (a seed gave a
         # 2-ulp difference at an output 10x below the largest, with the same code before and after the x2d change)
         np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=2.0 ** -8 * np.abs(want).max())
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     x = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
     p = decode_pallas.pair_columns(x, 64)
     np.testing.assert_array_equal(np.asarray(p[:, :32]), np.asarray(x[:, 0:64:2]))
@@ -1160,7 +1174,7 @@ def test_decode_resident_gate_up_programs_give_the_same_bits(fmt, m, n_prog):
     for knobs in (dict(persist=n_prog), dict(persist2=n_prog), dict(persist=n_prog, persist2=n_prog + 2)):
         got = _run_tiles(args, dataclasses.replace(base, **knobs))
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(knobs))
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     bad = [dict(persist=n_prog, acc=0), dict(persist=n_prog, dot=1, bn2=16), dict(persist2=n_prog, group=0),
            dict(persist2=n_prog, tok=1, group=0)] + ([dict(persist=n_prog, flat=0)] if m > 1 else [])
     for b in bad:
@@ -1223,7 +1237,7 @@ def test_decode_hoisted_down_loads_give_the_same_bits(fmt, m, group):
     run = lambda t: jax.jit(lambda *a: decode_pallas.moe_decode(*a, interpret=INTERPRET, tiles=t))(*args)  # noqa
     base, got = run(tiles), run(dataclasses.replace(tiles, hoist=1))
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(base).view(np.uint16))
-    _close(got, reference.decode(*args))
+    _close_ref(got, args)
     looped = _decode_args(fmt, 5, 55)          # M*K = 20 > UNROLL_SLOTS: group 0 walks its slots in a loop
     with pytest.raises(NotImplementedError, match="hoist 1 with group 0"):
         decode_pallas.moe_decode(*looped, interpret=True, tiles=dataclasses.replace(tiles, group=0, hoist=1))
