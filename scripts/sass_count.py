@@ -16,6 +16,7 @@ Run:
     python scripts/sass_count.py fp8 5 pre=fold,mid=pallas --hc-few  # the few-token HC boundary's kernels
     python scripts/sass_count.py fp8 1 --hc-m1           # the one-token HC boundary's kernels (Tiles1 fields)
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
+    python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router)
 """
 
 from __future__ import annotations
@@ -137,6 +138,26 @@ def gdn_window_kernels(tiles, length: int = 5) -> list[tuple[str, int, int, str]
     return _launches(jax.jit(fn).trace(*_gdn_args(length)).lower(lowering_platforms=("cuda",)))
 
 
+def qsa_kernels(m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
+    """The same for a QSA layer's decode kernels at m tokens and `ctx` context: the indexer's block top-k, the
+    sparse attention over the selection (2,048 + 3 slots) with its gated combine (24 q heads, 2 KV heads of 256)."""
+    from fnx.pallas.qsa import pallas as qk
+    nb = ctx // 4 + 74          # the compressed blocks plus the tail (2,122 at 8K, as the served model's)
+    out = _launches(jax.jit(lambda sc: qk.qsa_block_topk(sc, 512)).trace(S((m, nb), jnp.float32)).lower(
+        lowering_platforms=("cuda",)))
+    sds = [S((1, m, 24, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, m, 2051), jnp.int32),
+           S((m, 24 * 512 + 2 * 256 * 2 + 4 * 128 + 128), BF16)]
+    fn = lambda q, k, v, i, g: qk.qsa_decode_attention(q, k, v, i, gate=(g, 640), fused_combine=True)  # noqa: E731
+    return out + _launches(jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)))
+
+
+def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
+    """The same for the MoE router (512 experts, top 10, renormalized) at m tokens."""
+    from fnx.pallas.moe import routing_pallas
+    fn = lambda lg: routing_pallas.route(lg, 10, True, BF16)  # noqa: E731
+    return _launches(jax.jit(fn).trace(S((m, 512), BF16)).lower(lowering_platforms=("cuda",)))
+
+
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
     out = []
 
@@ -181,10 +202,15 @@ def main() -> None:
     ap.add_argument("--gdn-window", action="store_true",
                     help="count the verify window's GDN kernel at m tokens (fields: WindowTiles', e.g. early=1)")
     ap.add_argument("--arch", type=int, default=90, help="the SM version to build for: 90 (H200), 120 (RTX PRO 6000)")
+    ap.add_argument("--qsa", action="store_true", help="count a QSA layer's decode kernels at m tokens, 8K context")
+    ap.add_argument("--route", action="store_true", help="count the MoE router kernel at m tokens")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
-    if args.gdn_window:
+    if args.qsa or args.route:
+        tiles = "(the served defaults)"
+        launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
+    elif args.gdn_window:
         from fnx.pallas import dispatch
         from fnx.pallas.gdn import pallas as gk
         tiles = gk.default_window_tiles(128)
