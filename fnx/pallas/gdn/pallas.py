@@ -257,22 +257,21 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
     valid = nv_ref[0] > 0
     hist = taps - 1
 
-    def conv_loads(off, n):
+    def window_loads(off, n):
+        """Channels [off, off + n): their conv window rows and the token's qkv values."""
         ch = off + jnp.arange(n, dtype=jnp.int32)
         rows = [pltriton.load(conv_ref.at[(bi * hist + t) * conv_dim + ch]) for t in range(hist)]
-        x = pltriton.load(qkv_ref.at[bi * wq + sq + ch])
+        return ch, rows, pltriton.load(qkv_ref.at[bi * wq + sq + ch])
+
+    def conv_loads(off, n):     # StepTiles.early: the window and the conv weights, all now
+        ch, rows, x = window_loads(off, n)
         return ch, rows, x, [pltriton.load(cw_ref.at[ch * taps + t]) for t in range(taps)]
 
     def conv(off, n, loaded=None):
         """silu(conv) of channels [off, off + n) (rounded like the model), and the window rows after the token.
-        loaded: `conv_loads` made already (StepTiles.early); else the loads as first written (the default's code)."""
-        if loaded is not None:
-            ch, rows, x, ws = loaded
-        else:
-            ch = off + jnp.arange(n, dtype=jnp.int32)
-            rows = [pltriton.load(conv_ref.at[(bi * hist + t) * conv_dim + ch]) for t in range(hist)]
-            x = pltriton.load(qkv_ref.at[bi * wq + sq + ch])
-            ws = None
+        loaded: `conv_loads` made already (StepTiles.early); else each conv weight read where it multiplies, as
+        first written (the default's code)."""
+        ch, rows, x, ws = loaded if loaded is not None else (*window_loads(off, n), None)
         acc = jnp.zeros((n,), F32)
         for t, r in enumerate(rows + [x]):
             acc = acc + r.astype(F32) * (ws[t] if ws is not None else pltriton.load(cw_ref.at[ch * taps + t])
@@ -305,13 +304,10 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
         store_window(qch, qnew)
         store_window(kch, knew)
 
-    if early:
-        bval, aval, alog, dtb = pre[:4]
-        beta = rnd(jax.nn.sigmoid(bval.astype(F32)), dt)
-        g = -jnp.exp(alog.astype(F32)) * softplus(aval.astype(F32) + dtb.astype(F32))
-    else:
-        beta = rnd(jax.nn.sigmoid(b_ref[bi * wb + sb + h].astype(F32)), dt)
-        g = -jnp.exp(alog_ref[0].astype(F32)) * softplus(a_ref[bi * wa + sa + h].astype(F32) + dtb_ref[0].astype(F32))
+    # (the operands from `pre`, or each read where it is used: the conditionals keep the default's order of reads)
+    beta = rnd(jax.nn.sigmoid((pre[0] if early else b_ref[bi * wb + sb + h]).astype(F32)), dt)
+    g = -jnp.exp((pre[2] if early else alog_ref[0]).astype(F32)) * softplus(
+        (pre[1] if early else a_ref[bi * wa + sa + h]).astype(F32) + (pre[3] if early else dtb_ref[0]).astype(F32))
     g = jnp.where(valid, g, 0.0)
     beta = jnp.where(valid, beta, 0.0)
     q = q * lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (dk ** -0.5)
@@ -483,13 +479,10 @@ def _window_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dt
     dtb = (pre[3] if early else dtb_ref[0]).astype(F32)
     for t in range(length):
         valid = t < nv
-        if early:
-            bt, at = pre[1][t]
-            beta = rnd(jax.nn.sigmoid(bt.astype(F32)), dt)
-            g = a_log * softplus(at.astype(F32) + dtb)
-        else:
-            beta = rnd(jax.nn.sigmoid(ld(b_ref, (bi * length + t) * wb + sb + h, wb).astype(F32)), dt)
-            g = a_log * softplus(ld(a_ref, (bi * length + t) * wa + sa + h, wa).astype(F32) + dtb)
+        bt = pre[1][t][0] if early else ld(b_ref, (bi * length + t) * wb + sb + h, wb)
+        beta = rnd(jax.nn.sigmoid(bt.astype(F32)), dt)
+        at = pre[1][t][1] if early else ld(a_ref, (bi * length + t) * wa + sa + h, wa)
+        g = a_log * softplus(at.astype(F32) + dtb)
         g = jnp.where(valid, g, 0.0)
         beta = jnp.where(valid, beta, 0.0)
         g_ref[0, t, 0] = g

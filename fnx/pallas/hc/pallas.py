@@ -363,21 +363,22 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
         tiles.append((k, kok, wt, None))
     toks = [pl.program_id(1)] if tok_grid else range(m)
 
-    def mix_loads(t):       # token t's H, y, inj_prev and rstd (program row 0 of rstd [programs, S] (one token),
-        # [programs, S, Mp] (loop) or [M, programs, S] (grid))
+    def mix_operands(t):   # token t's H' (H, y, inj_prev combined), rstd and hc_norm's w for the program's columns
+        # (rstd: program row 0 of [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid))
         hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                    # [S, bd]
-        yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32) if has_y else None
-        injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32) if has_y else None
+        if has_y:
+            yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
+            injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
+            hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
         rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
-        return hc, yv, injp, rstd
+        return hc, rstd, plt.load(wn_ref.at[rows]).astype(F32)
 
     def part_load(t, k, kok):   # the down kernel's partials [S, p] of a piece of r
         return plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
     # early (Tiles1.early): the mix's operands and every piece's partials loaded before any arithmetic. As first
     # written (after the gates, a piece's partials inside its arithmetic) the stock sm_90 build issued those loads
     # only once the gates were done: memory round trips on the program's critical path
-    w = plt.load(wn_ref.at[rows]).astype(F32) if early else None
-    ahead = [(mix_loads(t), [part_load(t, k, kok) for k, kok, _, _ in tiles]) for t in toks] if early else \
+    ahead = [(mix_operands(t), [part_load(t, k, kok) for k, kok, _, _ in tiles]) for t in toks] if early else \
         [(None, None)] * len(toks)
     xs, hos = [], []
     for t, (mix, tparts) in zip(toks, ahead):      # tokens: the weight tiles are shared
@@ -391,19 +392,7 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
                 piece = piece * psc
             z = piece if z is None else z + piece
         mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
-        if mix is not None:
-            hc, yv, injp, rstd = mix
-            if has_y:
-                hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-            wn = w
-        else:                   # (the order first written: the compiled default stays the same code)
-            hc = plt.load(h_ref.at[_tok(t, s * d, rows)])                                # [S, bd]
-            if has_y:
-                yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
-                injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
-                hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-            rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
-            wn = plt.load(wn_ref.at[rows]).astype(F32)
+        hc, rstd, wn = mix if mix is not None else mix_operands(t)
         hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + wn), dt)
         xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
         hos.append(hc)
