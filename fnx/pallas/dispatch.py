@@ -77,6 +77,16 @@ VERIFIED_ON_GPU = {
     # kernels (4-layer round table, H200, commit fb693e8)
     "qsa_combine": "H200, 2026-12-04, commit 0b8e35c: tests/pallas/test_qsa.py -k \"combine or gate or "
                    "kernel_matches or qsa_layer or lowers\" (all 15)",
+    # on under auto, these three: the 4-layer round at 8K (step, draft and verify programs, FP8 + NVFP4, served
+    # heads; H200, commit d9f4565, 2026-12-05; scripts/probe_launch.py --round-variants, BENCHMARKS.md thirty-sixth
+    # session): kernel time per round against all three off, one variant each: qsa_prep -23.2 us (step -7.3),
+    # gemv_pair_many -8.1, moe_route_acts -5.9; the three with the GEMV's xfirst -51.0 us, 1691 -> 1640 us
+    "qsa_prep": "H200, 2026-12-05, commit d9f4565: tests/pallas/test_qsa_prep.py (all, the model's verify and "
+                "rollback through the kernel included)",
+    "gemv_pair_many": "H200, 2026-12-05, commit d9f4565: tests/pallas/test_gemv.py -k 'pair_many or pair_product' (the "
+                      "kernel against the two products, lowering; the wiring test's auto check was the test's own "
+                      "error, mended) and tests/pallas/test_gdn.py -k pair_product",
+    "moe_route_acts": "H200, 2026-12-05, commit d9f4565: tests/pallas/test_moe.py -k 'route_acts or route_writes'",
     "moe_route": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_experts": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_moe.py (all pass)",
     "moe_decode": "H200, 2026-12-01, commits bba8d84 (tests/pallas/test_moe.py, all 31) and 4a34368 (its 20 "

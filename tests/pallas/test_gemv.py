@@ -288,8 +288,8 @@ def test_row_tiles_per_program_give_the_same_bits(fmt, mode):
 @pytest.mark.parametrize("fmt", gp.WIDE_FORMATS)
 def test_activations_first_give_the_same_bits(fmt, monkeypatch):
     """`Tiles.xfirst` only moves where each chunk's activations are loaded: the same bits as without it, in "fma"
-    (one and three tokens, split-K, acc, row tiles) and "dot"; `FNX_GEMV_XFIRST=1` sets it on whole-K tiles only
-    (a loop's tiles keep theirs), another value is an error."""
+    (one and three tokens, split-K, acc, row tiles) and "dot"; the tile choice sets it on whole-K tiles only
+    (a loop's tiles keep theirs), `FNX_GEMV_XFIRST=0` leaves it off, another value is an error."""
     from fnx.pallas.gemv import api
     n, k = 256, 512
     key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
@@ -305,10 +305,13 @@ def test_activations_first_give_the_same_bits(fmt, monkeypatch):
                                                tiles=t, interpret=INTERPRET), np.float32)
             np.testing.assert_array_equal(run(dataclasses.replace(base, xfirst=1)), run(base),
                                           err_msg=f"{base} m={m}")
-    monkeypatch.setenv(api.XFIRST_ENV, "1")
-    for m in (1, 5):
+    monkeypatch.delenv(api.XFIRST_ENV, raising=False)
+    for m in (1, 5):          # on by default (measured), off with the knob at 0
         t = api.tiles_for("fp8", 2560, 6144, m)
         assert t.xfirst == (1 if t.mode in ("fma", "dot") else 0), t
+        monkeypatch.setenv(api.XFIRST_ENV, "0")
+        assert api.tiles_for("fp8", 2560, 6144, m).xfirst == 0
+        monkeypatch.delenv(api.XFIRST_ENV)
     monkeypatch.setenv(api.XFIRST_ENV, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
         api.tiles_for("fp8", 2560, 6144, 1)
@@ -712,7 +715,7 @@ def test_pair_many_refuses_what_it_does_not_serve():
 def test_pair_many_dispatch_and_model_wiring(monkeypatch):
     """At five tokens with tensor-core FP8 tiles `ops.linear_pair` is op "gemv_pair_many": one launch when FNX_KERNELS
     names it, both products as windows of its one buffer; the products apart on the reference (and under "auto"
-    until the kernel's compiled tests pass); the one-token op is not asked."""
+    off a GPU; on one "auto" picks the kernel, whose compiled tests passed); the one-token op is not asked."""
     from fnx.model import fuse
     k = 1024
     key = jax.random.PRNGKey(11)
@@ -721,7 +724,7 @@ def test_pair_many_dispatch_and_model_wiring(monkeypatch):
     x = jax.random.normal(jax.random.fold_in(key, 2), (1, 5, k), F32).astype(jnp.bfloat16)
     want = (ops.linear(x, q), ops.linear(x, wb))
     assert api.pair_op(x.shape, q.w.shape) == "gemv_pair_many" and api.pair_op((1, 1, k), q.w.shape) == "gemv_pair"
-    assert "gemv_pair_many" in dispatch.KNOWN_OPS and "gemv_pair_many" not in dispatch.VERIFIED_ON_GPU
+    assert "gemv_pair_many" in dispatch.KNOWN_OPS and "gemv_pair_many" in dispatch.VERIFIED_ON_GPU
     monkeypatch.setenv("FNX_KERNELS", f"gemv_pair_many={KERNEL}")
     for order in ((q, wb), (wb, q)):
         jaxpr = jax.make_jaxpr(lambda x: ops.linear_pair(x, *order))(x)
@@ -754,7 +757,10 @@ def test_pair_many_dispatch_and_model_wiring(monkeypatch):
     for g, w in zip(ops.linear_pair(x, q, wb), want):
         np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
     monkeypatch.delenv("FNX_KERNELS")
-    assert "pallas_call" not in str(jax.make_jaxpr(lambda x: ops.linear_pair(x, q, wb))(x))   # auto: apart
+    # auto: the kernel on a GPU (its compiled tests passed), the reference's products apart elsewhere (on the GPU the
+    # apart products would be GEMV kernels themselves, so the check names the pair kernel, not any pallas_call)
+    auto = str(jax.make_jaxpr(lambda x: ops.linear_pair(x, q, wb))(x))
+    assert ("fnx_gemv_pair_many" in auto) == (jax.default_backend() == "gpu")
 
 
 def test_pair_many_lowers_for_cuda_at_released_shapes():

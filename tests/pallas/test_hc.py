@@ -381,9 +381,9 @@ def test_one_token_tiles_env_replaces_the_defaults(monkeypatch):
     """FNX_HC_M1_TILES (a benchmark knob) replaces fields of the one-token tiles; an unknown field is an error."""
     monkeypatch.delenv(kernel.M1_TILES_ENV, raising=False)
     base = kernel.choose_tiles1(4, 2560, 320)
-    assert base.fold == 0
-    monkeypatch.setenv(kernel.M1_TILES_ENV, "fold=1,bd=4")
-    assert kernel.choose_tiles1(4, 2560, 320) == dataclasses.replace(base, fold=1, bd=4)
+    assert base.fold == 1 and base.early == 1     # the measured choice
+    monkeypatch.setenv(kernel.M1_TILES_ENV, "fold=0,bd=4")
+    assert kernel.choose_tiles1(4, 2560, 320) == dataclasses.replace(base, fold=0, bd=4)
     monkeypatch.setenv(kernel.M1_TILES_ENV, "folded=1")
     with pytest.raises(ValueError, match="not field=value"):
         kernel.choose_tiles1(4, 2560, 320)

@@ -627,15 +627,15 @@ def test_route_writes_the_mma_activations(m, d):
 
 
 def test_route_acts_dispatch_and_the_decode_taking_them(monkeypatch):
-    """Op "moe_route_acts": the activations from the router kernel (named) or from the XLA fusion (the reference,
-    and "auto" until the compiled tests pass) are the same bits, and the decode kernels given them (e2m1 "mma", five
+    """Op "moe_route_acts": the activations from the router kernel (named) or from the XLA fusion (the reference;
+    "auto" picks the kernel on a GPU since its compiled tests passed) are the same bits, and the decode kernels given them (e2m1 "mma", five
     flat tokens) return the bits they return computing them; the model's block passes the router's to the decode
     launch (no fusion of its own between the two)."""
     args = list(_decode_args("nvfp4", 5, 145, shared_fmt="nvfp4"))
     x = args[0]
     tiles = dataclasses.replace(DT, group=1, acc=1, wround=0, flat=1, e2m1="mma", bn=8, cw=128)
     logits = jax.random.normal(_key(72), (5, E), jnp.float32).astype(BF16)
-    assert "moe_route_acts" in dispatch.KNOWN_OPS and "moe_route_acts" not in dispatch.VERIFIED_ON_GPU
+    assert "moe_route_acts" in dispatch.KNOWN_OPS and "moe_route_acts" in dispatch.VERIFIED_ON_GPU
     assert api.decode_takes_activations(x, K, *args[3:5], args[8], tiles=tiles)
     assert not api.decode_takes_activations(x, K, *args[3:5], args[8], tiles=dataclasses.replace(tiles, e2m1="f16"))
     monkeypatch.setenv("FNX_KERNELS", f"moe_route={KERNEL},moe_route_acts={KERNEL}")

@@ -80,7 +80,9 @@ class Tiles:
                        # issued a chunk's x load only after the previous chunk's reductions and layout barriers
                        # (FP8 "fma" at one token, gdn.out_proj 2560 x 6144: 12 such rounds), one L2 round trip per
                        # chunk on the program's critical path; with it every load comes before the first barrier.
-                       # The same bits. Built 2026-12-05, not yet measured: FNX_GEMV_XFIRST=1
+                       # The same bits. The tile choice (`api.tiles_for`) sets it on every whole-K tile set since
+                       # it was measured (H200, d9f4565: the 4-layer round at 8K -15.6 us of kernel time, the step
+                       # -19.0; `FNX_GEMV_XFIRST=0` for the A/B)
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 

@@ -161,11 +161,11 @@ class Tiles1:
     fold: int = 0           # down1: 1 = the products take round(H' (1 + w)) and the stream's 1/rms multiplies each
                             # row's sum at the end (rstd is a scalar per stream), so no product waits on the norm's
                             # reductions (the stock sm_90 build put the weight loads after the first of them);
-                            # not the reference's rounding of Hn (one bf16 rounding of another value). Built
-                            # 2026-12-05, not yet measured: FNX_HC_M1_TILES=fold=1
+                            # not the reference's rounding of Hn (one bf16 rounding of another value). The
+                            # choice (`choose_tiles1`) takes it with `early` since measured (see there)
     early: int = 0          # up1: 1 = the mix's operands (H, y, inj_prev, rstd, hc_norm) and every piece's partials
                             # loaded before any arithmetic (the same bits; the stock sm_90 build issues them after
-                            # the gates otherwise). Built 2026-12-05, not yet measured: FNX_HC_M1_TILES=early=1
+                            # the gates otherwise). On in `choose_tiles1` with `fold` (measured together)
     wround: int = 1         # FP8 weights: 1 = each weight dequantized and rounded to the activation dtype, as the
                             # reference; 0 = each 128-column piece's products summed first and its block scale
                             # applied to the fp32 sum (no weight rounded, one multiply per piece instead of one per
@@ -195,7 +195,9 @@ def _choose_tiles1(s: int, d: int, r: int) -> Tiles1:
     # bd 8. The seventeenth session (H200) isolated the pair at one token: bf16 weights 26.6 us at bd 4 against 41.5
     # at bd 8 (9a1f780), FP8 weights 31.4 against 33.1, bd 2 27.4 (ac51c89). In the 48-layer step bd 4 gave HC
     # 0.992 ms against 0.965 at bd 8 the session before (noise-level), so bd 8, chosen in the step, stays
-    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8), wround=0)
+    # fold and early 1: the 4-layer round at 8K (H200, commit d9f4565, 2026-12-05) -7.0 us of kernel time, the step
+    # -10.7 (nine boundaries at one token), against both 0; early alone +0.8 / -3.5 (noise-level): the gain is fold's
+    return Tiles1(bn=bn, bd=_largest_pow2_divisor(d, 8), wround=0, fold=1, early=1)
 
 
 def _pieces(n: int, cap: int) -> list[tuple[int, int]]:
