@@ -350,12 +350,13 @@ def test_tuned_fma_tiles_are_not_used_beyond_their_token_count(monkeypatch):
     n, k = 2560, 2560
     entry = {"bn": 8, "bk": 512, "split": 1, "num_warps": 4, "num_stages": 1, "dec": "f32", "mode": "fma"}
     monkeypatch.setattr(api, "_tuned", lambda kind: {f"fp8:{n}:{k}:1": entry})
-    assert api.tiles_for("fp8", n, k, 1) == gp.Tiles(**entry)
+    fma = gp.Tiles(**entry, xfirst=1)         # whole-K tiles load their activations first (api.XFIRST_DEFAULT)
+    assert api.tiles_for("fp8", n, k, 1) == fma
     for m in (2, 5, 16):
         t = api.tiles_for("fp8", n, k, m)
         assert t is not None and t.mode == "loop", m
     monkeypatch.setattr(api, "_tuned", lambda kind: {f"fp8:{n}:{k}:1": entry, f"fp8:{n}:{k}:8": entry})
-    assert api.tiles_for("fp8", n, k, 5) == gp.Tiles(**entry)      # tuned at bucket 8 itself
+    assert api.tiles_for("fp8", n, k, 5) == fma      # tuned at bucket 8 itself
     assert api.heuristic_tiles("fp8", 320, 10240, 1).mode == "fma"
     assert api.heuristic_tiles("fp8", 320, 10240, 5).mode == "loop"
 
