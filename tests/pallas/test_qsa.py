@@ -131,6 +131,39 @@ def test_kernel_matches_reference(dtype, tiles):
     assert err < TOL[dtype], err
 
 
+def test_tile_choice_covers_every_slot_and_its_knobs(monkeypatch):
+    """`choose_tiles`: the selected slots split over about `Choice.programs` programs, every slot in exactly one
+    program's range and no program without a slot; `FNX_QSA_TILES` replaces the choice's fields (bad specs raise,
+    naming the knob); the bench's `FNX_QSA_SWEEP` variants are choices, and a variant's tiles run the kernel."""
+    from fnx.pallas.qsa import bench
+    monkeypatch.delenv(kernel.TILES_ENV, raising=False)
+    assert kernel.choose_tiles(8, 2, 2051) == kernel.Tiles(block_n=32, iters=4, n_splits=17)   # B = 8, one token
+    for rows in (1, 5, 8, 40):
+        for c in (kernel.Choice(), kernel.Choice(programs=1056), kernel.Choice(programs=4096, block_n=16),
+                  kernel.Choice(programs=1, block_n=64)):
+            t = kernel.choose_tiles(rows, 2, 2051, c)
+            span = t.block_n * t.iters
+            assert t.n_splits * span >= 2051 > (t.n_splits - 1) * span, (rows, c, t)
+            assert t.block_n == (c.block_n or 32) and t.n_splits <= max(1, -(-c.programs // (rows * 2))), (rows, c)
+    monkeypatch.setenv(kernel.TILES_ENV, "programs=1056,num_warps=8")
+    t = kernel.choose_tiles(8, 2, 2051)
+    assert (t.n_splits, t.iters, t.num_warps) == (65, 1, 8)       # 66 programs a row wanted, 65 chunks of 32
+    for bad, why in (("block_n=24", "power of"), ("programs=0", "programs"), ("splits=4", "not field=value")):
+        monkeypatch.setenv(kernel.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            kernel.choose_tiles(8, 2, 2051)
+    monkeypatch.delenv(kernel.TILES_ENV)
+    monkeypatch.setenv(bench.SWEEP_ENV, "programs=1056; block_n=16,num_stages=1")
+    assert [c for _, c in bench.sweep_choices()] == [kernel.Choice(programs=1056),
+                                                     kernel.Choice(block_n=16, num_stages=1)]
+    q, kc, vc, idx = _inputs(jnp.float32, bsz=2, length=1, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=5)
+    want = np.asarray(reference.qsa_decode_attention(q, kc, vc, idx))
+    for _, c in bench.sweep_choices():
+        t = kernel.choose_tiles(2, 2, 70, c)
+        got = np.asarray(api.qsa_decode_attention(q, kc, vc, idx, impl=KERNEL, tiles=t))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(t))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("ns", [3, 65])        # fewer splits than one combine step; more, not a power of two
 def test_combine_kernel_equals_the_jnp_merge_and_gate(dtype, ns):

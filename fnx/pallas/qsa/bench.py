@@ -3,6 +3,8 @@
 
 Impls: "pallas" (the kernel), "reference" (fnx.pallas.qsa.reference: XLA gather + einsum) and "dense_masked"
 (what fnx.model.qsa.qsa_layer does without a kernel: masked attention over the whole cache).
+`FNX_QSA_SWEEP="programs=1056;block_n=16,programs=1056;..."`: the kernel again per variant of its tile choice
+(`fnx.pallas.qsa.pallas.Choice` fields over the default), impl "pallas[spec]", after the default's case.
 Bytes floor = the K and V rows of the distinct selected tokens (per KV head) + q + out (+ the index list). Each
 query row draws its own blocks here, so at T = 5 the floor is ~5x the T = 1 floor; real verify rows share most
 blocks, which only helps the kernel (L2 reuse).
@@ -19,15 +21,30 @@ the model the state is donated)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fnx.pallas.bench import BenchCase, n_sets
+from fnx.pallas import dispatch
 from fnx.pallas.qsa import api
+from fnx.pallas.qsa import pallas as kernel
 
 HQ, HKV, HD, CR, TOPK = 24, 2, 256, 4, 512
 HI, DI = 4, 128
+
+
+SWEEP_ENV = "FNX_QSA_SWEEP"
+
+
+def sweep_choices() -> list[tuple[str, "kernel.Choice"]]:
+    """`FNX_QSA_SWEEP`'s variants of the attention kernel's tile choice: (spec, Choice) each."""
+    specs = [p.strip() for p in os.environ.get(SWEEP_ENV, "").split(";") if p.strip()]
+    return [(s, dataclasses.replace(kernel.Choice(), **dispatch.fields_override(s, kernel.Choice, SWEEP_ENV)))
+            for s in specs]
 
 
 def _indices(rng, bsz, length, ctx, topk, cr):
@@ -93,6 +110,13 @@ def cases(quick: bool) -> list[BenchCase]:
                 kernel="qsa_decode_attention", shape=shape, impl=impl,
                 fn=lambda q, k, v, i, _impl=impl: api.qsa_decode_attention(q, k, v, i, impl=_impl),
                 arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra)))
+            if impl == "pallas":
+                for spec, choice in sweep_choices():
+                    t = kernel.choose_tiles(bsz * length, HKV, n_sel, choice)
+                    out.append(BenchCase(
+                        kernel="qsa_decode_attention", shape=shape, impl=f"pallas[{spec}]",
+                        fn=lambda q, k, v, i, _t=t: api.qsa_decode_attention(q, k, v, i, impl="pallas", tiles=_t),
+                        arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra, tiles=str(t))))
         out.append(BenchCase(
             kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
             arg_sets=dense_sets, bytes=nbytes, flops=flops,

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+
+from fnx.pallas import dispatch
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands: IEEE, not TF32; bf16 operands: no effect
@@ -35,16 +38,41 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def choose_tiles(n_rows: int, hkv: int, n_sel: int, target_programs: int = 264) -> Tiles:
-    """Heuristic: enough programs (~2 per H200 SM) that one sequence fills the GPU, at least 32 slots each.
-    n_rows = B * L query tokens."""
-    block_n = 32 if n_sel >= 32 else 16
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What `choose_tiles` derives the tiles from. `FNX_QSA_TILES` ("field=value,...", read when a program is
+    traced: a benchmark knob) replaces fields of the default."""
+    programs: int = 264      # programs per launch to aim for (~2 per H200 SM): the splits are as many as fill it
+    block_n: int = 0         # selected tokens per inner step; 0: 32 (16 below 32 selected tokens)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+TILES_ENV = "FNX_QSA_TILES"
+
+
+def env_choice() -> Choice:
+    """The default `Choice` with `FNX_QSA_TILES`'s fields over it (a bad spec raises, naming the knob)."""
+    spec = os.environ.get(TILES_ENV, "").strip()
+    c = Choice(**dispatch.fields_override(spec, Choice, TILES_ENV)) if spec else Choice()
+    if c.programs < 1 or c.num_warps < 1 or c.num_stages < 1 or (c.block_n and (c.block_n < 16 or
+                                                                                 c.block_n & (c.block_n - 1))):
+        raise ValueError(f"{TILES_ENV}={spec!r}: programs, num_warps and num_stages >= 1, block_n 0 or a power of "
+                         f"two >= 16 (got {c})")
+    return c
+
+
+def choose_tiles(n_rows: int, hkv: int, n_sel: int, choice: Choice | None = None) -> Tiles:
+    """Enough programs (`choice.programs`) that one sequence fills the GPU, the selected tokens split evenly over
+    them in steps of block_n. n_rows = B * L query tokens; choice None: `env_choice()`."""
+    c = env_choice() if choice is None else choice
+    block_n = c.block_n or (32 if n_sel >= 32 else 16)
     chunks = -(-n_sel // block_n)
-    want = max(1, -(-target_programs // (n_rows * hkv)))
+    want = max(1, -(-c.programs // (n_rows * hkv)))
     n_splits = min(chunks, want)
     iters = -(-chunks // n_splits)
     n_splits = -(-chunks // iters)
-    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits)
+    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
 def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv, seq_len, hd, block_n, iters,
