@@ -202,13 +202,18 @@ def main() -> None:
     ap.add_argument("--gdn-window", action="store_true",
                     help="count the verify window's GDN kernel at m tokens (fields: WindowTiles', e.g. early=1)")
     ap.add_argument("--arch", type=int, default=90, help="the SM version to build for: 90 (H200), 120 (RTX PRO 6000)")
-    ap.add_argument("--qsa", action="store_true", help="count a QSA layer's decode kernels at m tokens, 8K context")
+    ap.add_argument("--qsa", action="store_true", help="count a QSA layer's decode kernels at m tokens, 8K context "
+                    "(fields: the combine's CombineTiles', e.g. bd=8,early=1)")
     ap.add_argument("--route", action="store_true", help="count the MoE router kernel at m tokens")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
     if args.qsa or args.route:
         tiles = "(the served defaults)"
+        if args.qsa and args.fields:        # the combine reads its knob when traced
+            from fnx.pallas.qsa import pallas as qk
+            os.environ[qk.COMBINE_TILES_ENV] = args.fields
+            tiles = str(qk.combine_tiles())
         launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
     elif args.gdn_window:
         from fnx.pallas import dispatch

@@ -2,6 +2,7 @@
 interpret mode (against fnx.pallas.qsa.reference), the model's decode path through the kernel, and the lowering
 for CUDA at the released shapes."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import jax
@@ -194,6 +195,32 @@ def test_combine_kernel_equals_the_jnp_merge_and_gate(dtype, ns):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
     with pytest.raises(ValueError, match="gate window"):
         kernel.combine_kernel(m, l_, acc, grp, dtype, gate=(buf, width - 10), interpret=INTERPRET)
+    # `CombineTiles.early` only moves loads: the same bits as without it, at 16 and 8 columns a program and shorter
+    # steps (the columns a program takes and its steps' length change no element's sum order in the kernel's source)
+    for t in (kernel.CombineTiles(early=1), kernel.CombineTiles(bd=8, early=1), kernel.CombineTiles(bd=8, splits=4),
+              kernel.CombineTiles(bd=8, splits=4, early=1)):
+        for g_ in (None, (buf, start)):
+            run = lambda tiles: np.asarray(kernel.combine_kernel(m, l_, acc, grp, dtype, gate=g_,  # noqa: E731
+                                                                 interpret=INTERPRET, tiles=tiles), np.float32)
+            ref = run(dataclasses.replace(t, early=0))
+            np.testing.assert_array_equal(run(t), ref, err_msg=str(t))
+            np.testing.assert_allclose(ref, np.asarray(plain if g_ is None else got, np.float32), **tol)
+
+
+def test_combine_tiles_knob(monkeypatch):
+    """FNX_QSA_COMBINE_TILES (a benchmark knob) replaces the combine's tile fields; bad values raise."""
+    monkeypatch.delenv(kernel.COMBINE_TILES_ENV, raising=False)
+    assert kernel.combine_tiles() == kernel.CombineTiles()
+    monkeypatch.setenv(kernel.COMBINE_TILES_ENV, "bd=8,early=1")
+    assert kernel.combine_tiles() == kernel.CombineTiles(bd=8, early=1)
+    for bad, why in (("bd=12", "power of two"), ("splits=0", "power of two"), ("width=8", "not field=value")):
+        monkeypatch.setenv(kernel.COMBINE_TILES_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            kernel.combine_tiles()
+    monkeypatch.setenv(kernel.COMBINE_TILES_ENV, "bd=64")
+    acc = jnp.zeros((1, 1, 2, 16, 32), jnp.float32)
+    with pytest.raises(ValueError, match="not a multiple of bd 64"):
+        kernel.combine_kernel(acc[..., 0], acc[..., 0], acc, 3, jnp.float32, interpret=True)
 
 
 def test_kernel_path_applies_the_gate_as_the_model():
@@ -281,9 +308,11 @@ def test_index_scores_lower_for_cuda_released_shapes(length):
 
 
 @pytest.mark.parametrize("length", [1, 5])
-def test_lowers_for_cuda_released_shapes(length):
+@pytest.mark.parametrize("combine", ["", "bd=8,early=1"])
+def test_lowers_for_cuda_released_shapes(length, combine, monkeypatch):
     """Pallas -> Triton lowering at the released shapes: 24 q heads, 2 KV heads, hd 256, 262,144-token cache,
-    2048 + 3 selected slots."""
+    2048 + 3 selected slots; the combine with its default tiles and with the load-first ones."""
+    monkeypatch.setenv(kernel.COMBINE_TILES_ENV, combine)
     sds = [jax.ShapeDtypeStruct((1, length, 24, 256), jnp.bfloat16),
            jax.ShapeDtypeStruct((1, 2, 262144, 256), jnp.bfloat16),
            jax.ShapeDtypeStruct((1, 2, 262144, 256), jnp.bfloat16),

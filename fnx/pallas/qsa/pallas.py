@@ -128,15 +128,40 @@ def combine(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-COMBINE_BD = 16        # head-dim columns per combine program
-COMBINE_SPLITS = 16    # splits per step of a combine program's walk over the partials
+@dataclasses.dataclass(frozen=True)
+class CombineTiles:
+    bd: int = 16            # head-dim columns per program (a power of two dividing hd): grid (rows, Hkv, hd / bd)
+    splits: int = 16        # splits per step of a program's walk over the partials
+    early: int = 0          # 1: every step's m and acc tiles and the gate loaded before any arithmetic. As written
+                            # first the stock sm_90 build issued each step's acc tile after the previous step's
+                            # sums and the gate after everything (one token, 8K: 47 of 79 loads after the first
+                            # barrier, 236 registers at bd 16): a memory round trip per step on the critical path
+                            # of 32 programs. With bd 8 the early tiles take half the registers. The same bits.
+                            # Built 2026-12-05, not yet measured: FNX_QSA_COMBINE_TILES=bd=8,early=1
+    num_warps: int = 4
 
 
-def _combine_kernel(m_ref, l_ref, acc_ref, *rest, ns, gp, grp, hd, hkv, gated, gate_w, gate_start, out_dtype):
-    """Program (r, g, j): query token r's heads of KV group g, head-dim columns [j*BD, (j+1)*BD): `combine` over
+COMBINE_TILES_ENV = "FNX_QSA_COMBINE_TILES"
+
+
+def combine_tiles() -> CombineTiles:
+    """The combine's tiles; `FNX_QSA_COMBINE_TILES` ("field=value,...", read when a program is traced: a benchmark
+    knob) replaces fields of the default."""
+    spec = os.environ.get(COMBINE_TILES_ENV, "").strip()
+    t = CombineTiles(**dispatch.fields_override(spec, CombineTiles, COMBINE_TILES_ENV)) if spec else CombineTiles()
+    for name in ("bd", "splits"):
+        v = getattr(t, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{COMBINE_TILES_ENV}={spec!r}: {name} must be a power of two, got {v}")
+    return t
+
+
+def _combine_kernel(m_ref, l_ref, acc_ref, *rest, ns, gp, grp, hd, hkv, gated, gate_w, gate_start, out_dtype, bd,
+                    splits, early):
+    """Program (r, g, j): query token r's heads of KV group g, head-dim columns [j*bd, (j+1)*bd): `combine` over
     the ns splits' partials (m, l [rows*Hkv*ns, Gp], acc [rows*Hkv*ns, Gp, hd], flattened), rounded to out_dtype,
     times sigmoid(gate) rounded as the model's output gate when gated (the gate read in place in its product:
-    row r's head h at column gate_start + h * 2hd + hd + c of a [rows, gate_w] buffer)."""
+    row r's head h at column gate_start + h * 2hd + hd + c of a [rows, gate_w] buffer). early: see CombineTiles."""
     gate_ref = rest[0] if gated else None
     o_ref = rest[-1]
     r, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -145,47 +170,70 @@ def _combine_kernel(m_ref, l_ref, acc_ref, *rest, ns, gp, grp, hd, hkv, gated, g
     # store its value at its place (the same bits twice: no masked store, whose masked lanes the interpreter writes
     # back as they were, racing the real lane at the same address)
     heads = jnp.minimum(jnp.arange(gp, dtype=jnp.int32), grp - 1)
-    cols = j * COMBINE_BD + jnp.arange(COMBINE_BD, dtype=jnp.int32)
+    cols = j * bd + jnp.arange(bd, dtype=jnp.int32)
     nsp = _pow2(ns)
     sp = jnp.arange(nsp, dtype=jnp.int32)
     at = (base + jnp.minimum(sp, ns - 1))[:, None] * gp + heads[None, :]                     # [nsp, Gp]
     sok = jnp.broadcast_to((sp < ns)[:, None], (nsp, gp))
     m = plt.load(m_ref.at[at], mask=sok, other=-jnp.inf)
     l_all = plt.load(l_ref.at[at], mask=sok, other=0.0)
+    cs = min(splits, nsp)
+    sc = None
+
+    def step_rows(c0):
+        """Step c0's splits c0 .. c0 + cs - 1: which exist, and their partials' rows."""
+        ids = c0 + sc
+        return ids < ns, base + jnp.minimum(ids, ns - 1)
+
+    def load_m(ok, row):                                                                      # [cs, Gp]
+        return plt.load(m_ref.at[row[:, None] * gp + heads[None, :]],
+                        mask=jnp.broadcast_to(ok[:, None], (cs, gp)), other=-jnp.inf)
+
+    def load_acc(ok, row):                                                                    # [cs, Gp, bd]
+        return plt.load(acc_ref.at[(row[:, None, None] * gp + heads[None, :, None]) * hd + cols[None, None, :]],
+                        mask=jnp.broadcast_to(ok[:, None, None], (cs, gp, bd)), other=0.0)
+
+    def load_gate(head):
+        return plt.load(gate_ref.at[r * gate_w + gate_start + head[:, None] * (2 * hd) + hd + cols[None, :]])
+
+    # (with early 0 the ops come in the order of the first version: its Triton IR is unchanged)
+    steps = range(0, ns, cs)
+    tiles = gt = None
+    if early:
+        sc = jnp.arange(cs, dtype=jnp.int32)
+        tiles = [(load_m(*rows), load_acc(*rows)) for rows in map(step_rows, steps)]
+        gt = load_gate(g * grp + heads) if gated else None
     mx = jnp.max(m, axis=0)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)                                                # [Gp]
     den = jnp.sum(jnp.exp(m - mx[None, :]) * l_all, axis=0)                                  # 0 for empty splits
-    num = jnp.zeros((gp, COMBINE_BD), F32)
-    cs = min(COMBINE_SPLITS, nsp)
-    sc = jnp.arange(cs, dtype=jnp.int32)
-    for c0 in range(0, ns, cs):                    # the splits in steps of cs: [cs, Gp, BD] tiles of acc
-        ids = c0 + sc
-        ok = ids < ns
-        row = base + jnp.minimum(ids, ns - 1)
-        mc = plt.load(m_ref.at[row[:, None] * gp + heads[None, :]],
-                      mask=jnp.broadcast_to(ok[:, None], (cs, gp)), other=-jnp.inf)          # [cs, Gp]
-        w = jnp.exp(mc - mx[None, :])
-        a = plt.load(acc_ref.at[(row[:, None, None] * gp + heads[None, :, None]) * hd + cols[None, None, :]],
-                     mask=jnp.broadcast_to(ok[:, None, None], (cs, gp, COMBINE_BD)), other=0.0)
+    num = jnp.zeros((gp, bd), F32)
+    if not early:
+        sc = jnp.arange(cs, dtype=jnp.int32)
+    for i, c0 in enumerate(steps):                 # the splits in steps of cs: [cs, Gp, bd] tiles of acc
+        rows = None if early else step_rows(c0)
+        w = jnp.exp((tiles[i][0] if early else load_m(*rows)) - mx[None, :])
+        a = tiles[i][1] if early else load_acc(*rows)
         num = num + jnp.sum(w[:, :, None] * a, axis=0)
-    o = (num / jnp.where(den > 0, den, 1.0)[:, None]).astype(out_dtype)                       # [Gp, BD]
+    o = (num / jnp.where(den > 0, den, 1.0)[:, None]).astype(out_dtype)                       # [Gp, bd]
     hq = hkv * grp
     head = g * grp + heads
     if gated:
-        gt = plt.load(gate_ref.at[r * gate_w + gate_start + head[:, None] * (2 * hd) + hd + cols[None, :]])
+        gt = gt if early else load_gate(head)
         sg = jax.nn.sigmoid(gt.astype(F32)).astype(out_dtype).astype(F32)
         o = (o.astype(F32) * sg).astype(out_dtype)
     plt.store(o_ref.at[(r * hq + head[:, None]) * hd + cols[None, :]], o)
 
 
-def combine_kernel(m, l, acc, grp: int, out_dtype, gate=None, *, interpret: bool = False):
+def combine_kernel(m, l, acc, grp: int, out_dtype, gate=None, *, interpret: bool = False,
+                   tiles: CombineTiles | None = None):
     """`combine` in one launch: m, l [rows, Hkv, ns, Gp], acc [rows, Hkv, ns, Gp, hd] -> o [rows, Hkv*grp, hd] in
     out_dtype (the first grp of the Gp padded heads), and with gate = (buffer [rows, W], start) the model's output
     gate: round(o * round(sigmoid(gate))), the gate of head h at columns start + h*2hd + hd + [0, hd) of the buffer
     (the q_proj product holds each head's query then its gate)."""
     rows, hkv, ns, gp, hd = acc.shape
-    if hd % COMBINE_BD:
-        raise ValueError(f"qsa combine: head_dim {hd} is not a multiple of {COMBINE_BD}")
+    t = tiles or combine_tiles()
+    if hd % t.bd:
+        raise ValueError(f"qsa combine: head_dim {hd} is not a multiple of bd {t.bd}")
     gated = gate is not None
     args = [m.reshape(-1), l.reshape(-1), acc.reshape(-1)]
     gate_w = gate_start = 0
@@ -197,11 +245,12 @@ def combine_kernel(m, l, acc, grp: int, out_dtype, gate=None, *, interpret: bool
                              f"{rows} rows of {hkv * grp} heads x (query, gate) of {hd}")
         args.append(buf.reshape(-1))
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=4, num_stages=1)}
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=1)}
     out = pl.pallas_call(
         functools.partial(_combine_kernel, ns=ns, gp=gp, grp=grp, hd=hd, hkv=hkv, gated=gated, gate_w=gate_w,
-                          gate_start=int(gate_start), out_dtype=out_dtype),
-        grid=(rows, hkv, hd // COMBINE_BD), in_specs=[whole] * len(args),
+                          gate_start=int(gate_start), out_dtype=out_dtype, bd=t.bd, splits=t.splits,
+                          early=t.early),
+        grid=(rows, hkv, hd // t.bd), in_specs=[whole] * len(args),
         out_specs=whole, out_shape=jax.ShapeDtypeStruct((rows * hkv * grp * hd,), out_dtype),
         interpret=interpret, name="qsa_combine", **params,
     )(*args)
