@@ -212,7 +212,9 @@ case "$part" in
     grep -E '^variant done' "$OUT/roundsweep.log"
     sed -n '/^variant  *decode kernels/,$p' "$OUT/roundsweep.log" | head -${SWEEP_LINES:-220}
     tail -3 "$OUT/roundsweep.log"
-    rm -rf "$OUT"/probe/variants/*/trace_* ;;
+    rm -rf "$OUT"/probe/variants/*/trace_*
+    # the device tool returns no folder that deep (probe/variants/LABEL/...): the tables again, one level up
+    mkdir -p "$OUT/tables" && cp "$OUT"/probe/variants/*/kernel_table_*.jsonl "$OUT/tables/" 2>/dev/null ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \
