@@ -128,7 +128,7 @@ def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tile
     `FNX_GEMV_XFIRST=0` (read when a program is traced: a benchmark knob) leaves it off."""
     t = many_override(_tiles_for(fmt, n, k, m, argmax), fmt, n, k, m)
     flag = os.environ.get(XFIRST_ENV, "").strip() or XFIRST_DEFAULT
-    if flag not in ("", "0", "1"):
+    if flag not in ("0", "1"):
         raise ValueError(f"{XFIRST_ENV}={flag!r}: 0 or 1")
     if flag == "1" and t is not None and t.mode in ("fma", "dot"):
         t = dataclasses.replace(t, xfirst=1)

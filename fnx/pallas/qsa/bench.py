@@ -21,7 +21,6 @@ the model the state is donated)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -29,7 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnx.pallas.bench import BenchCase, n_sets
-from fnx.pallas import dispatch
 from fnx.pallas.qsa import api
 from fnx.pallas.qsa import pallas as kernel
 
@@ -43,8 +41,7 @@ SWEEP_ENV = "FNX_QSA_SWEEP"
 def sweep_choices() -> list[tuple[str, "kernel.Choice"]]:
     """`FNX_QSA_SWEEP`'s variants of the attention kernel's tile choice: (spec, Choice) each."""
     specs = [p.strip() for p in os.environ.get(SWEEP_ENV, "").split(";") if p.strip()]
-    return [(s, dataclasses.replace(kernel.Choice(), **dispatch.fields_override(s, kernel.Choice, SWEEP_ENV)))
-            for s in specs]
+    return [(s, kernel.parse_choice(s, SWEEP_ENV)) for s in specs]
 
 
 def _indices(rng, bsz, length, ctx, topk, cr):

@@ -51,15 +51,20 @@ class Choice:
 TILES_ENV = "FNX_QSA_TILES"
 
 
-def env_choice() -> Choice:
-    """The default `Choice` with `FNX_QSA_TILES`'s fields over it (a bad spec raises, naming the knob)."""
-    spec = os.environ.get(TILES_ENV, "").strip()
-    c = Choice(**dispatch.fields_override(spec, Choice, TILES_ENV)) if spec else Choice()
+def parse_choice(spec: str, what: str) -> Choice:
+    """The default `Choice` with the fields of `spec` ("field=value,...") over it; a bad spec raises, naming `what`
+    (the knob it came from)."""
+    c = Choice(**dispatch.fields_override(spec, Choice, what))
     if c.programs < 1 or c.num_warps < 1 or c.num_stages < 1 or (c.block_n and (c.block_n < 16 or
                                                                                  c.block_n & (c.block_n - 1))):
-        raise ValueError(f"{TILES_ENV}={spec!r}: programs, num_warps and num_stages >= 1, block_n 0 or a power of "
+        raise ValueError(f"{what}={spec!r}: programs, num_warps and num_stages >= 1, block_n 0 or a power of "
                          f"two >= 16 (got {c})")
     return c
+
+
+def env_choice() -> Choice:
+    """`parse_choice` of `FNX_QSA_TILES` (the default when it is unset)."""
+    return parse_choice(os.environ.get(TILES_ENV, "").strip(), TILES_ENV)
 
 
 def choose_tiles(n_rows: int, hkv: int, n_sel: int, choice: Choice | None = None) -> Tiles:
