@@ -17,8 +17,9 @@ from tests.pallas.verify_round import pallas_calls
 
 # the ops built for the verify window's launches (BENCHMARKS.md, thirty-third and thirty-fourth sessions)
 NEW_OPS = ("gemv_pair_many", "gdn_window_parts", "gdn_replay_conv", "moe_route_acts", "qsa_prep")
-# and the tile fields that issue a kernel's loads first (thirty-fifth session), read when a program is traced
-NEW_TILES = {"FNX_GDN_WINDOW_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}
+# and the tile fields that issue a kernel's loads first (thirty-fifth session), read when a program is traced:
+# (without, with) each (the GEMV's is on by default since the thirty-sixth session)
+NEW_TILES = {"FNX_GDN_WINDOW_TILES": ("", "early=1"), "FNX_GEMV_XFIRST": ("0", "1")}
 
 
 def _config() -> ModelConfig:
@@ -62,11 +63,8 @@ def test_verify_window_and_rollback_with_the_new_ops_match_without(monkeypatch):
     for on in (False, True):
         monkeypatch.setenv("FNX_KERNELS", ",".join(
             f"{op}={'reference' if op in NEW_OPS and not on else KERNEL}" for op in dispatch.KNOWN_OPS))
-        for env, value in NEW_TILES.items():    # the tile fields that only move loads: the same bits
-            if on:
-                monkeypatch.setenv(env, value)
-            else:
-                monkeypatch.delenv(env, raising=False)
+        for env, values in NEW_TILES.items():    # the tile fields that only move loads: the same bits
+            monkeypatch.setenv(env, values[on])
         jax.clear_caches()
         jx = jax.make_jaxpr(verify_and_rollback)(p, st)
         launched[on], text[on] = collections.Counter(pallas_calls(jx.jaxpr.eqns)), str(jx)
