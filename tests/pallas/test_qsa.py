@@ -132,6 +132,16 @@ def test_kernel_matches_reference(dtype, tiles):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_v_first_gives_the_same_bits(dtype):
+    """`Tiles.vfirst` only moves V's gather before K's: the same bits, one step per program and several."""
+    q, kc, vc, idx = _inputs(dtype, bsz=2, length=2, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=7)
+    for t in (kernel.Tiles(block_n=16, iters=1, n_splits=5), kernel.Tiles(block_n=32, iters=2, n_splits=2)):
+        run = lambda t: np.asarray(api.qsa_decode_attention(q, kc, vc, idx, impl=KERNEL, tiles=t), np.float32)  # noqa
+        np.testing.assert_array_equal(run(dataclasses.replace(t, vfirst=1)), run(t), err_msg=str(t))
+    assert kernel.choose_tiles(1, 2, 2051, kernel.Choice(vfirst=1)).vfirst == 1
+
+
 def test_tile_choice_covers_every_slot_and_its_knobs(monkeypatch):
     """`choose_tiles`: the selected slots split over about `Choice.programs` programs, every slot in exactly one
     program's range and no program without a slot; `FNX_QSA_TILES` replaces the choice's fields (bad specs raise,
@@ -149,7 +159,8 @@ def test_tile_choice_covers_every_slot_and_its_knobs(monkeypatch):
     monkeypatch.setenv(kernel.TILES_ENV, "programs=1056,num_warps=8")
     t = kernel.choose_tiles(8, 2, 2051)
     assert (t.n_splits, t.iters, t.num_warps) == (65, 1, 8)       # 66 programs a row wanted, 65 chunks of 32
-    for bad, why in (("block_n=24", "power of"), ("programs=0", "programs"), ("splits=4", "not field=value")):
+    for bad, why in (("block_n=24", "power of"), ("programs=0", "programs"), ("vfirst=2", "vfirst 0 or 1"),
+                     ("splits=4", "not field=value")):
         monkeypatch.setenv(kernel.TILES_ENV, bad)
         with pytest.raises(ValueError, match=why):
             kernel.choose_tiles(8, 2, 2051)
@@ -308,11 +319,12 @@ def test_index_scores_lower_for_cuda_released_shapes(length):
 
 
 @pytest.mark.parametrize("length", [1, 5])
-@pytest.mark.parametrize("combine", ["", "bd=8,early=1"])
-def test_lowers_for_cuda_released_shapes(length, combine, monkeypatch):
+@pytest.mark.parametrize("loads_first", [False, True])
+def test_lowers_for_cuda_released_shapes(length, loads_first, monkeypatch):
     """Pallas -> Triton lowering at the released shapes: 24 q heads, 2 KV heads, hd 256, 262,144-token cache,
-    2048 + 3 selected slots; the combine with its default tiles and with the load-first ones."""
-    monkeypatch.setenv(kernel.COMBINE_TILES_ENV, combine)
+    2048 + 3 selected slots; the attention and the combine with their default tiles and with the load-first ones."""
+    monkeypatch.setenv(kernel.COMBINE_TILES_ENV, "bd=8,early=1" if loads_first else "")
+    monkeypatch.setenv(kernel.TILES_ENV, "vfirst=1" if loads_first else "")
     sds = [jax.ShapeDtypeStruct((1, length, 24, 256), jnp.bfloat16),
            jax.ShapeDtypeStruct((1, 2, 262144, 256), jnp.bfloat16),
            jax.ShapeDtypeStruct((1, 2, 262144, 256), jnp.bfloat16),

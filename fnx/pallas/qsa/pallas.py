@@ -32,6 +32,13 @@ class Tiles:
     n_splits: int = 64       # programs along the selected-token axis
     num_warps: int = 4
     num_stages: int = 2
+    vfirst: int = 0          # 1: each step's V gather written before its K gather. In the stock sm_90 build with one
+                             # step per program (iters 1: one token at B = 1) K's loads come first, then K's
+                             # shared-memory store and barrier, and only then V's loads (8 of 30 loads after the
+                             # first barrier: one more memory round trip per program); with V first none is late (0
+                             # of 30) and the kernel takes 56 registers instead of 80. With iters > 1 the loop is
+                             # pipelined (cp.async) and the order changes nothing. The same bits. Built 2026-12-05,
+                             # not yet measured: FNX_QSA_TILES=vfirst=1
 
 
 def _pow2(n: int) -> int:
@@ -46,6 +53,7 @@ class Choice:
     block_n: int = 0         # selected tokens per inner step; 0: 32 (16 below 32 selected tokens)
     num_warps: int = 4
     num_stages: int = 2
+    vfirst: int = 0          # see Tiles.vfirst
 
 
 TILES_ENV = "FNX_QSA_TILES"
@@ -55,10 +63,10 @@ def parse_choice(spec: str, what: str) -> Choice:
     """The default `Choice` with the fields of `spec` ("field=value,...") over it; a bad spec raises, naming `what`
     (the knob it came from)."""
     c = Choice(**dispatch.fields_override(spec, Choice, what))
-    if c.programs < 1 or c.num_warps < 1 or c.num_stages < 1 or (c.block_n and (c.block_n < 16 or
-                                                                                 c.block_n & (c.block_n - 1))):
+    if c.programs < 1 or c.num_warps < 1 or c.num_stages < 1 or c.vfirst not in (0, 1) or \
+            (c.block_n and (c.block_n < 16 or c.block_n & (c.block_n - 1))):
         raise ValueError(f"{what}={spec!r}: programs, num_warps and num_stages >= 1, block_n 0 or a power of "
-                         f"two >= 16 (got {c})")
+                         f"two >= 16, vfirst 0 or 1 (got {c})")
     return c
 
 
@@ -77,11 +85,12 @@ def choose_tiles(n_rows: int, hkv: int, n_sel: int, choice: Choice | None = None
     n_splits = min(chunks, want)
     iters = -(-chunks // n_splits)
     n_splits = -(-chunks // iters)
-    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits, num_warps=c.num_warps, num_stages=c.num_stages)
+    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits, num_warps=c.num_warps, num_stages=c.num_stages,
+                 vfirst=c.vfirst)
 
 
 def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv, seq_len, hd, block_n, iters,
-            sm_scale, grp, gp, n_sel):
+            sm_scale, grp, gp, n_sel, vfirst=0):
     bl, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     base = (bl // length * hkv + g) * seq_len
     cols = jnp.arange(hd, dtype=jnp.int32)
@@ -102,8 +111,11 @@ def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv,
         rows = base + jnp.where(valid, ix, 0)
         at = (rows[:, None], cols[None, :])          # integer-array gather (the interpreter needs both arrays)
         kv_mask = jnp.broadcast_to(valid[:, None], (block_n, hd))
+        if vfirst:                                                     # (see Tiles.vfirst)
+            v = plt.load(v_ref.at[at], mask=kv_mask, other=0.0)
         k = plt.load(k_ref.at[at], mask=kv_mask, other=0.0)          # [block_n, hd]
-        v = plt.load(v_ref.at[at], mask=kv_mask, other=0.0)
+        if not vfirst:
+            v = plt.load(v_ref.at[at], mask=kv_mask, other=0.0)
         s = jnp.dot(q, k.T, precision=HIGHEST, preferred_element_type=F32)          # [Gp, block_n]
         s = (s.astype(dt).astype(F32) * sm_scale).astype(dt).astype(F32)
         s = jnp.where(valid[None, :], s, -jnp.inf)
@@ -285,7 +297,7 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
     vf = v_cache.astype(dt).reshape(bsz * hkv * seq_len, hd)
 
     kernel = functools.partial(_kernel, length=length, hkv=hkv, seq_len=seq_len, hd=hd, block_n=t.block_n,
-                               iters=t.iters, sm_scale=hd ** -0.5, grp=grp, gp=gp, n_sel=n_sel)
+                               iters=t.iters, sm_scale=hd ** -0.5, grp=grp, gp=gp, n_sel=n_sel, vfirst=t.vfirst)
     grid = (rows, hkv, t.n_splits)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {}
