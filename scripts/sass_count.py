@@ -139,11 +139,32 @@ def gdn_window_kernels(tiles, length: int = 5) -> list[tuple[str, int, int, str]
 
 
 def qsa_kernels(m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
-    """The same for a QSA layer's decode kernels at m tokens and `ctx` context: the indexer's block top-k, the
-    sparse attention over the selection (2,048 + 3 slots) with its gated combine (24 q heads, 2 KV heads of 256)."""
+    """The same for a QSA layer's decode kernels at m tokens and `ctx` context: the prep (norms, RoPE, cache
+    writes), the indexer's block top-k, the sparse attention over the selection (2,048 + 3 slots) with its gated
+    combine (24 q heads, 2 KV heads of 256)."""
+    from fnx.config import ModelConfig
+    from fnx.model import qsa
+    from fnx.model.transformer import make_meta
+    from fnx.pallas.qsa import api as qapi
     from fnx.pallas.qsa import pallas as qk
+    cfg = ModelConfig()
+    h, hkv, hd, hi, di, cr = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_n_heads,
+                              cfg.indexer_head_dim, cfg.indexer_compress_ratio)
+    sizes = (hi * di + di, 2 * h * hd, hkv * hd, hkv * hd)
+    starts = [sum(sizes[:i]) for i in range(4)]
+
+    def prep(prod, norms, st, pos0):
+        meta = make_meta(cfg, pos0, m, BF16)
+        bcos, bsin = qsa.block_rope_tables(pos0, m, cfg, BF16)
+        return qapi.qsa_prep(*[(prod, s) for s in starts], norms, meta["cos"], meta["sin"], bcos, bsin, pos0,
+                             meta["n_valid"], st, cfg, "pallas")
+    st = {"k": S((1, hkv, ctx, hd), BF16), "v": S((1, hkv, ctx, hd), BF16),
+          "idx_blocks": S((1, ctx // cr, di), BF16), "idx_ring": S((1, cr, di), BF16)}
+    prep_args = (S((1, m, sum(sizes)), BF16), tuple(S((n,), BF16) for n in (di, di, hd, hd)), st,
+                 S((1,), jnp.int32))
+    out = _launches(jax.jit(prep).trace(*prep_args).lower(lowering_platforms=("cuda",)))
     nb = ctx // 4 + 74          # the compressed blocks plus the tail (2,122 at 8K, as the served model's)
-    out = _launches(jax.jit(lambda sc: qk.qsa_block_topk(sc, 512)).trace(S((m, nb), jnp.float32)).lower(
+    out += _launches(jax.jit(lambda sc: qk.qsa_block_topk(sc, 512)).trace(S((m, nb), jnp.float32)).lower(
         lowering_platforms=("cuda",)))
     sds = [S((1, m, 24, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, m, 2051), jnp.int32),
            S((m, 24 * 512 + 2 * 256 * 2 + 4 * 128 + 128), BF16)]
@@ -284,7 +305,8 @@ def main() -> None:
             print(f"{name}: {len(ops)} instructions, {regs.group(1) if regs else '?'} registers, {warps} warps; "
                   f"{kinds}")
             late, loads, spills = load_order(ops)
-            print(f"  global loads after the first barrier: {late} of {loads}; spills: {spills}")
+            print(f"  global loads after the first barrier: {late} of {loads}; spills: {spills}; load groups: "
+                  f"{load_groups(ops)}")
             for start, end, body in loop_bodies(sass):
                 kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(body).most_common(12))
                 print(f"  loop /*{start:04x}*/-/*{end:04x}*/: {len(body)} instructions per trip; {kinds}")
@@ -297,6 +319,20 @@ def load_order(ops: list[str]) -> tuple[int, int, int]:
     first = ops.index("BAR") if "BAR" in ops else len(ops)
     return (sum(1 for op in ops[first:] if op == "LDG"), ops.count("LDG"),
             sum(1 for op in ops if op in ("LDL", "STL")))
+
+
+def load_groups(ops: list[str]) -> int:
+    """Runs of global loads that a barrier or a global store separates, over the whole listing (every branch of a
+    kernel with several): a load after a store or barrier is issued only once the work before it is, so each run
+    is up to one memory round trip in a row on a program's path. (A kernel whose programs take different branches
+    adds its branches' runs: read it against the same kernel's other settings.)"""
+    groups, open_run = 0, False
+    for op in ops:
+        if op == "LDG" and not open_run:
+            groups, open_run = groups + 1, True
+        elif op in ("BAR", "STG"):
+            open_run = False
+    return groups
 
 
 def loop_bodies(sass: str) -> list[tuple[int, int, list[str]]]:

@@ -415,6 +415,8 @@ def test_sass_count_counts_loads_after_the_first_barrier():
     import sass_count
     assert sass_count.load_order(["LDG", "LDG", "FFMA", "BAR", "LDS", "LDG", "STL", "BAR", "LDG", "LDL"]) == (2, 4, 2)
     assert sass_count.load_order(["LDG", "FFMA", "STG"]) == (0, 1, 0)
+    assert sass_count.load_groups(["LDG", "LDG", "FFMA", "BAR", "LDG", "STG", "LDG", "LDS", "LDG", "BAR"]) == 3
+    assert sass_count.load_groups(["FFMA", "STG", "BAR"]) == 0
 
 
 def test_kernel_table_diff_matches_rows_across_compiles(tmp_path):

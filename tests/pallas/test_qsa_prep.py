@@ -104,6 +104,25 @@ def test_prep_kernel_matches_the_model(dt, length, pos, n_valid):
         assert all(np.any(knew[b][:, t] != kold[b][:, t]) for t in written)
 
 
+@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("length,pos,n_valid", [(1, (70, 13), (1, 1)), (5, (61, 94), (3, 5)), (8, (0, 89), (8, 2))])
+def test_early_loads_give_the_same_bits(dt, length, pos, n_valid, monkeypatch):
+    """`early` 1 (FNX_QSA_PREP_EARLY) only moves the loads before the stores: every output the same bits as
+    without it (one token, the verify window with a short row, eight tokens past the capacity); a bad knob value
+    raises."""
+    cfg = _cfg()
+    p, wins, st, pos0, meta = _case(cfg, dt, 2, length, pos, n_valid, cap=96, seed=length + 20)
+    outs = {}
+    for early in ("0", "1"):
+        monkeypatch.setenv(prep.EARLY_ENV, early)
+        outs[early] = jax.tree.leaves(_run_both(cfg, p, wins, st, pos0, meta)[1])
+    for a, b in zip(outs["0"], outs["1"], strict=True):
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+    monkeypatch.setenv(prep.EARLY_ENV, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        _run_both(cfg, p, wins, st, pos0, meta)
+
+
 def test_prep_kernel_keeps_the_cache_dtype():
     """Caches and blocks in float32 under a bf16 model: the kernel stores the new rows converted to their dtype, as
     the reference's scatters do."""
@@ -175,7 +194,8 @@ def test_prep_refuses_mismatched_inputs():
 
 
 @pytest.mark.parametrize("length", [1, 5])
-def test_prep_lowers_for_cuda_released_shapes(length):
+@pytest.mark.parametrize("early", [0, 1])
+def test_prep_lowers_for_cuda_released_shapes(length, early):
     """Pallas -> Triton at the released shapes: 24 query heads and 2 KV heads of 256, 4 indexer heads of 128, RoPE
     on 64 columns, a 262,144-token cache, the projections as windows of one fused product."""
     cfg = ModelConfig()
@@ -197,7 +217,8 @@ def test_prep_lowers_for_cuda_released_shapes(length):
         starts = np.cumsum([0, hi * di + di, 2 * h * hd, hkv * hd])
         st = {"k": k, "v": v, "idx_blocks": blk, "idx_ring": ring}
         return prep.qsa_prep(*[(prod, int(s)) for s in starts], (ni, ni, nd, nd), cos, cos, bcos, bcos, pos, pos,
-                             st, heads=h, kv_heads=hkv, head_dim=hd, idx_heads=hi, idx_dim=di, cr=cr, eps=1e-6)
+                             st, heads=h, kv_heads=hkv, head_dim=hd, idx_heads=hi, idx_dim=di, cr=cr, eps=1e-6,
+                             early=early)
     s = sds
     text = jax.jit(f, donate_argnums=(4, 5, 6)).trace(
         s["prod"], s["cos"], s["bcos"], s["pos"], s["k"], s["k"], s["blk"], s["ring"], s["nd"], s["ni"]

@@ -17,6 +17,7 @@ than XLA's, so a value may differ from the reference by an ulp of its rounding."
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 from fnx.pallas.qsa.api import MAX_DECODE_TOKENS as MAX_TOKENS     # decode and the MTP verify window
 
 F32 = jnp.float32
+EARLY_ENV = "FNX_QSA_PREP_EARLY"
 
 
 def nbuf_rows(length: int, cr: int) -> int:
@@ -48,21 +50,39 @@ def why_not(hd: int, di: int, rot: int, length: int, cr: int) -> str | None:
     return None
 
 
-def _norm_rope(row, w_ref, cos_ref, sin_ref, cs_base, *, n, rot, eps, dt):
-    """One row of n values: RMSNorm with (1 + w), then RoPE (rotate-half on the first rot columns, cos / sin at
-    cs_base + column of a [.., rot] table), each op rounded to dt as the model does. row(cols) -> the row's values at
-    `cols` (fp32 holding dt values)."""
+def _partner(n, rot):
+    """A row's columns and each one's rotate-half partner (itself past rot)."""
     cols = jnp.arange(n, dtype=jnp.int32)
     half = rot // 2
-    partner = jnp.where(cols < half, cols + half, jnp.where(cols < rot, cols - half, cols))
-    x, xp = row(cols), row(partner)
-    rstd = jax.lax.rsqrt(jnp.sum(x * x) / n + eps)
-    y = ((x * rstd) * (1.0 + w_ref[cols].astype(F32))).astype(dt).astype(F32)
-    yp = ((xp * rstd) * (1.0 + w_ref[partner].astype(F32))).astype(dt).astype(F32)
-    inrot = cols < rot
+    return cols, jnp.where(cols < half, cols + half, jnp.where(cols < rot, cols - half, cols))
+
+
+def _load_cos_sin(cos_ref, sin_ref, cs_base, cols, rot, inrot):
     at = cs_base + jnp.minimum(cols, rot - 1)
-    c = plt.load(cos_ref.at[at], mask=inrot, other=0.0).astype(F32)
-    s = plt.load(sin_ref.at[at], mask=inrot, other=0.0).astype(F32)
+    return (plt.load(cos_ref.at[at], mask=inrot, other=0.0).astype(F32),
+            plt.load(sin_ref.at[at], mask=inrot, other=0.0).astype(F32))
+
+
+def _norm_rope_operands(row, w_ref, cos_ref, sin_ref, cs_base, *, n, rot):
+    """Everything `_norm_rope` reads, loaded now (the `early` path: every load of a program before its arithmetic):
+    (x, x at the partners, w, w at the partners, cos, sin)."""
+    cols, partner = _partner(n, rot)
+    return (row(cols), row(partner), w_ref[cols].astype(F32), w_ref[partner].astype(F32)) + \
+        _load_cos_sin(cos_ref, sin_ref, cs_base, cols, rot, cols < rot)
+
+
+def _norm_rope(row, w_ref, cos_ref, sin_ref, cs_base, *, n, rot, eps, dt, ops=None):
+    """One row of n values: RMSNorm with (1 + w), then RoPE (rotate-half on the first rot columns, cos / sin at
+    cs_base + column of a [.., rot] table), each op rounded to dt as the model does. row(cols) -> the row's values at
+    `cols` (fp32 holding dt values). ops: `_norm_rope_operands`' values, loaded earlier (then the refs go unread)."""
+    cols, partner = _partner(n, rot)
+    half = rot // 2
+    x, xp = (ops[0], ops[1]) if ops else (row(cols), row(partner))
+    rstd = jax.lax.rsqrt(jnp.sum(x * x) / n + eps)
+    y = ((x * rstd) * (1.0 + (ops[2] if ops else w_ref[cols].astype(F32)))).astype(dt).astype(F32)
+    yp = ((xp * rstd) * (1.0 + (ops[3] if ops else w_ref[partner].astype(F32)))).astype(dt).astype(F32)
+    inrot = cols < rot
+    c, s = ops[4:] if ops else _load_cos_sin(cos_ref, sin_ref, cs_base, cols, rot, inrot)
     yp = jnp.where(cols < half, -yp, yp)
     r = ((y * c).astype(dt).astype(F32) + (yp * s).astype(dt).astype(F32)).astype(dt)
     return jnp.where(inrot, r, y.astype(dt))
@@ -72,10 +92,11 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
             pos_ref, nv_ref, ring_ref, _k_in, _v_in, _blk_in,
             q_ref, qi_ref, buf_ref, ring_out, k_ref, v_ref, blk_ref, *,
             length, h, hkv, hd, hi, di, rot, cr, cap, nbt, nbuf, eps, dt,
-            qk_w, qk_s, qg_w, qg_s, kp_w, kp_s, vp_w, vp_s):
+            qk_w, qk_s, qg_w, qg_s, kp_w, kp_s, vp_w, vp_s, early=0):
     b, j = pl.program_id(0), pl.program_id(1)
     pos0 = pos_ref[b]
     norm_rope = functools.partial(_norm_rope, eps=eps, dt=dt, rot=rot)
+    operands = functools.partial(_norm_rope_operands, rot=rot)
 
     def window(ref, width, start):                       # token l's columns of a projection product, in place
         return lambda l, col0: (lambda cols: ref[(b * length + l) * width + start + col0 + cols].astype(F32))
@@ -84,8 +105,11 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
     def _query_head():
         cols = jnp.arange(hd, dtype=jnp.int32)
         row = window(qg_ref, qg_w, qg_s)
+        ops = [operands(row(l, j * 2 * hd), qn_ref, cos_ref, sin_ref, (b * length + l) * rot, n=hd)
+               for l in range(length)] if early else None
         for l in range(length):                          # head j's query is columns [2hd j, 2hd j + hd)
-            o = norm_rope(row(l, j * 2 * hd), qn_ref, cos_ref, sin_ref, (b * length + l) * rot, n=hd)
+            o = norm_rope(row(l, j * 2 * hd), qn_ref, cos_ref, sin_ref, (b * length + l) * rot, n=hd,
+                          ops=ops[l] if early else None)
             q_ref[((b * length + l) * h + j) * hd + cols] = o
 
     @pl.when((j >= h) & (j < h + hkv))
@@ -93,23 +117,24 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
         g = j - h
         cols = jnp.arange(hd, dtype=jnp.int32)
         krow, vrow = window(kp_ref, kp_w, kp_s), window(vp_ref, vp_w, vp_s)
+        if early:
+            kops = [operands(krow(l, g * hd), kn_ref, cos_ref, sin_ref, (b * length + l) * rot, n=hd)
+                    for l in range(length)]
+            vals = [vrow(l, g * hd)(cols) for l in range(length)]
         for l in range(length):                          # positions past the capacity are dropped (mode="drop")
             t = pos0 + l
             ok = jnp.broadcast_to(t < cap, (hd,))
             at = ((b * hkv + g) * cap + jnp.minimum(t, cap - 1)) * hd + cols
-            kv = norm_rope(krow(l, g * hd), kn_ref, cos_ref, sin_ref, (b * length + l) * rot, n=hd)
+            kv = norm_rope(krow(l, g * hd), kn_ref, cos_ref, sin_ref, (b * length + l) * rot, n=hd,
+                           ops=kops[l] if early else None)
             plt.store(k_ref.at[at], kv.astype(k_ref.dtype), mask=ok)
-            plt.store(v_ref.at[at], vrow(l, g * hd)(cols).astype(v_ref.dtype), mask=ok)
+            plt.store(v_ref.at[at], (vals[l] if early else vrow(l, g * hd)(cols)).astype(v_ref.dtype), mask=ok)
 
     @pl.when(j == h + hkv)
     def _indexer():
         cols = jnp.arange(di, dtype=jnp.int32)
         qrow = window(qk_ref, qk_w, qk_s)
-        for l in range(length):
-            for e in range(hi):
-                o = norm_rope(qrow(l, e * di), qln_ref, cos_ref, sin_ref, (b * length + l) * rot, n=di)
-                qi_ref[((b * length + l) * hi + e) * di + cols] = o
-        off = pos0 % cr
+        nbb = nbuf // cr
 
         def buf_row(r):
             """Row r (dynamic) of [ring; the new raw keys at pos0 % cr; zeros], at columns `cs`."""
@@ -125,19 +150,43 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
                 return jnp.where(jnp.broadcast_to(new, cs.shape), a.astype(dt), z.astype(dt)).astype(F32)
             return at
 
+        def pooled(cs, m, rows=None):
+            """Block m's pooled key at columns cs: the mean of its cr rows (rows: those rows, loaded), rounded."""
+            acc = rows[0] if rows else buf_row(jnp.int32(m * cr))(cs)
+            for i in range(1, cr):
+                acc = acc + (rows[i] if rows else buf_row(jnp.int32(m * cr + i))(cs))
+            return (acc / cr).astype(dt).astype(F32)
+
+        if early:      # every row this program reads, before its first store (see qsa_prep's `early`)
+            qops = [[operands(qrow(l, e * di), qln_ref, cos_ref, sin_ref, (b * length + l) * rot, n=di)
+                     for e in range(hi)] for l in range(length)]
+            off = pos0 % cr
+            bufv = [buf_row(jnp.int32(r))(cols) for r in range(nbuf)]
+            ro = ((pos0 + nv_ref[b]) // cr - pos0 // cr) * cr
+            ringv = [buf_row(ro + i)(cols) for i in range(cr)]
+            # each block's operands: its pooled row from the rows above, at the partner columns from its rows read
+            # again, permuted (a register row cannot be gathered), the k norm's weights, its cos / sin
+            _, partner = _partner(di, rot)
+            kw = (kln_ref[cols].astype(F32), kln_ref[partner].astype(F32))
+            bops = [(pooled(cols, m, bufv[m * cr:(m + 1) * cr]), pooled(partner, m)) + kw +
+                    _load_cos_sin(bcos_ref, bsin_ref, (b * nbb + m) * rot, cols, rot, cols < rot)
+                    for m in range(nbb)]
+        for l in range(length):
+            for e in range(hi):
+                o = norm_rope(qrow(l, e * di), qln_ref, cos_ref, sin_ref, (b * length + l) * rot, n=di,
+                              ops=qops[l][e] if early else None)
+                qi_ref[((b * length + l) * hi + e) * di + cols] = o
+        if not early:
+            off = pos0 % cr
         for r in range(nbuf):
-            buf_ref[(b * nbuf + r) * di + cols] = buf_row(jnp.int32(r))(cols).astype(dt)
-        ro = ((pos0 + nv_ref[b]) // cr - pos0 // cr) * cr
+            buf_ref[(b * nbuf + r) * di + cols] = (bufv[r] if early else buf_row(jnp.int32(r))(cols)).astype(dt)
+        if not early:
+            ro = ((pos0 + nv_ref[b]) // cr - pos0 // cr) * cr
         for i in range(cr):
-            ring_out[(b * cr + i) * di + cols] = buf_row(ro + i)(cols).astype(dt)
-        nbb = nbuf // cr
+            ring_out[(b * cr + i) * di + cols] = (ringv[i] if early else buf_row(ro + i)(cols)).astype(dt)
         for m in range(nbb):                             # each touched block: mean of its cr rows, norm, RoPE
-            def pooled(cs, m=m):
-                acc = buf_row(jnp.int32(m * cr))(cs)
-                for i in range(1, cr):
-                    acc = acc + buf_row(jnp.int32(m * cr + i))(cs)
-                return (acc / cr).astype(dt).astype(F32)
-            o = norm_rope(pooled, kln_ref, bcos_ref, bsin_ref, (b * nbb + m) * rot, n=di)
+            o = norm_rope(functools.partial(pooled, m=m), kln_ref, bcos_ref, bsin_ref, (b * nbb + m) * rot, n=di,
+                          ops=bops[m] if early else None)
             n = pos0 // cr + m
             plt.store(blk_ref.at[(b * nbt + jnp.minimum(n, nbt - 1)) * di + cols], o.astype(blk_ref.dtype),
                       mask=jnp.broadcast_to(n < nbt, (di,)))
@@ -145,7 +194,7 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
 
 def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, *, heads: int, kv_heads: int,
              head_dim: int, idx_heads: int, idx_dim: int, cr: int, eps: float, interpret: bool = False,
-             num_warps: int = 4):
+             num_warps: int = 4, early: int | None = None):
     """The reference's contract (`fnx.model.qsa.prep`) in one launch.
 
     qk, qg, kp, vp: the projections' outputs as (buffer [B, L, W], start column) windows or arrays [B, L, n]:
@@ -153,7 +202,13 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     norms: (indexer q_layernorm [di], indexer k_layernorm [di], q_norm [hd], k_norm [hd]). cos, sin [B, L, rot]
     for the tokens; bcos, bsin [B, nbuf / cr, rot] for the touched blocks' first positions ((pos0 // cr + m) * cr).
     pos0, n_valid [B]. state: {"k", "v" [B, Hkv, T, hd], "idx_blocks" [B, T / cr, di], "idx_ring" [B, cr, di]}.
-    Returns (q [B, L, H, hd], q_idx [B, L, hi, di], new state, buf [B, nbuf, di])."""
+    Returns (q [B, L, H, hd], q_idx [B, L, hi, di], new state, buf [B, nbuf, di]).
+
+    early 1: each program reads everything it uses before its first arithmetic or store (None: `FNX_QSA_PREP_EARLY`,
+    read when a program is traced, default 0). As first written, each token's and each row's loads come after the
+    previous one's stores (a load is never moved above a store that may alias it), so the indexer's program, which
+    writes the raw-key buffer row by row, the ring and each touched block, and the head programs over several tokens
+    chain one memory round trip per row. The same bits."""
     from fnx.pallas import stacked
     from fnx.pallas.kernel_math import window_operand
     kc, vc, blocks, ring = state["k"], state["v"], state["idx_blocks"], state["idx_ring"]
@@ -193,8 +248,13 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     n_in = len(args)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=1)}
+    if early is None:
+        flag = os.environ.get(EARLY_ENV, "0").strip() or "0"
+        if flag not in ("0", "1"):
+            raise ValueError(f"{EARLY_ENV}={flag!r}: 0 or 1")
+        early = int(flag)
     kern = functools.partial(
-        _kernel, length=length, h=h, hkv=hkv, hd=hd, hi=hi, di=di, rot=rot, cr=cr, cap=cap, nbt=nbt, nbuf=nbuf,
+        _kernel, early=int(early), length=length, h=h, hkv=hkv, hd=hd, hi=hi, di=di, rot=rot, cr=cr, cap=cap, nbt=nbt, nbuf=nbuf,
         eps=float(eps), dt=dt, qk_w=wins[0][1], qk_s=wins[0][2], qg_w=wins[1][1], qg_s=wins[1][2],
         kp_w=wins[2][1], kp_s=wins[2][2], vp_w=wins[3][1], vp_s=wins[3][2])
     q, qi, buf, ring_new, kc2, vc2, blk2 = stacked.call(
