@@ -325,7 +325,9 @@ def load_groups(ops: list[str]) -> int:
     """Runs of global loads that a barrier or a global store separates, over the whole listing (every branch of a
     kernel with several): a load after a store or barrier is issued only once the work before it is, so each run
     is up to one memory round trip in a row on a program's path. (A kernel whose programs take different branches
-    adds its branches' runs: read it against the same kernel's other settings.)"""
+    adds its branches' runs: read it against the same kernel's other settings. A lower bound: a load that ptxas
+    places after arithmetic waiting on an earlier load's data is also issued only when that data arrives, and
+    counts in the same run; the MoE one-token gate/up kernel with x2d 1 shows one group so.)"""
     groups, open_run = 0, False
     for op in ops:
         if op == "LDG" and not open_run:
