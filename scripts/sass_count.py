@@ -142,27 +142,15 @@ def qsa_kernels(m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
     """The same for a QSA layer's decode kernels at m tokens and `ctx` context: the prep (norms, RoPE, cache
     writes), the indexer's block top-k, the sparse attention over the selection (2,048 + 3 slots) with its gated
     combine (24 q heads, 2 KV heads of 256)."""
-    from fnx.config import ModelConfig
-    from fnx.model import qsa
-    from fnx.model.transformer import make_meta
-    from fnx.pallas.qsa import api as qapi
+    from fnx.pallas.qsa import bench as qb
     from fnx.pallas.qsa import pallas as qk
-    cfg = ModelConfig()
-    h, hkv, hd, hi, di, cr = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_n_heads,
-                              cfg.indexer_head_dim, cfg.indexer_compress_ratio)
-    sizes = (hi * di + di, 2 * h * hd, hkv * hd, hkv * hd)
-    starts = [sum(sizes[:i]) for i in range(4)]
-
-    def prep(prod, norms, st, pos0):
-        meta = make_meta(cfg, pos0, m, BF16)
-        bcos, bsin = qsa.block_rope_tables(pos0, m, cfg, BF16)
-        return qapi.qsa_prep(*[(prod, s) for s in starts], norms, meta["cos"], meta["sin"], bcos, bsin, pos0,
-                             meta["n_valid"], st, cfg, "pallas")
+    hkv, hd, di, cr = qb.HKV, qb.HD, qb.DI, qb.CR
     st = {"k": S((1, hkv, ctx, hd), BF16), "v": S((1, hkv, ctx, hd), BF16),
           "idx_blocks": S((1, ctx // cr, di), BF16), "idx_ring": S((1, cr, di), BF16)}
-    prep_args = (S((1, m, sum(sizes)), BF16), tuple(S((n,), BF16) for n in (di, di, hd, hd)), st,
+    prep_args = (S((1, m, sum(qb.PREP_SIZES)), BF16), tuple(S((n,), BF16) for n in (di, di, hd, hd)), st,
                  S((1,), jnp.int32))
-    out = _launches(jax.jit(prep).trace(*prep_args).lower(lowering_platforms=("cuda",)))
+    out = _launches(jax.jit(lambda *a: qb.prep_call(*a, "pallas")).trace(*prep_args).lower(
+        lowering_platforms=("cuda",)))
     nb = ctx // 4 + 74          # the compressed blocks plus the tail (2,122 at 8K, as the served model's)
     out += _launches(jax.jit(lambda sc: qk.qsa_block_topk(sc, 512)).trace(S((m, nb), jnp.float32)).lower(
         lowering_platforms=("cuda",)))

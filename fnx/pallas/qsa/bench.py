@@ -163,15 +163,33 @@ def score_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
-def prep_cases(quick: bool) -> list[BenchCase]:
+PREP_SIZES = (HI * DI + DI, 2 * HQ * HD, HKV * HD, HKV * HD)   # the fused product's windows: indexer, q, k, v
+
+
+def prep_call(prod, norms, st, pos0, impl: str):
+    """A QSA layer's prep at the released widths (`ModelConfig()`) for `prod` [1, L, sum(PREP_SIZES)], the four
+    projections side by side: the model's jnp (impl "reference") or op qsa_prep's kernel reading them in place.
+    norms: (indexer q, indexer k, q, k) layer norms; st the QSA state; pos0 [1]. (scripts/sass_count.py --qsa
+    traces it too.)"""
     from fnx.config import ModelConfig
     from fnx.model import qsa
     from fnx.model.transformer import make_meta
+    cfg, bf, length = ModelConfig(), prod.dtype, prod.shape[1]
+    starts = [int(s) for s in np.cumsum((0,) + PREP_SIZES[:-1])]
+    meta = make_meta(cfg, pos0, length, bf)
+    p = {"indexer": {"q_layernorm": norms[0], "k_layernorm": norms[1]}, "q_norm": norms[2], "k_norm": norms[3]}
+    if impl == "reference":
+        prods = [prod[..., s:s + n] for s, n in zip(starts, PREP_SIZES)]
+        return qsa.prep(p, prods, st, pos0, meta["cos"], meta["sin"], meta["rope_fn"], cfg, meta["n_valid"])
+    bcos, bsin = qsa.block_rope_tables(pos0, length, cfg, bf)
+    return api.qsa_prep(*[(prod, s) for s in starts], norms, meta["cos"], meta["sin"], bcos, bsin, pos0,
+                        meta["n_valid"], st, cfg, impl)
+
+
+def prep_cases(quick: bool) -> list[BenchCase]:
     from fnx.pallas.qsa import prep
-    cfg = ModelConfig()
     cap, bf = 256, jnp.bfloat16
-    sizes = (HI * DI + DI, 2 * HQ * HD, HKV * HD, HKV * HD)
-    starts = [int(s) for s in np.cumsum((0,) + sizes[:-1])]
+    sizes = PREP_SIZES
     out = []
     for length in (1, 5):
         nbuf = prep.nbuf_rows(length, CR)
@@ -189,20 +207,9 @@ def prep_cases(quick: bool) -> list[BenchCase]:
             norms = tuple(0.1 * jax.random.normal(k, (n,), bf) for k, n in zip(jax.random.split(ks[5], 4),
                                                                                 (DI, DI, HD, HD)))
             arg_sets.append((prod, norms, st, jnp.asarray([cap // 2 + 3 * i + 1], jnp.int32)))
-
-        def run(prod, norms, st, pos0, _impl, _length=length):
-            meta = make_meta(cfg, pos0, _length, bf)
-            p = {"indexer": {"q_layernorm": norms[0], "k_layernorm": norms[1]}, "q_norm": norms[2],
-                 "k_norm": norms[3]}
-            if _impl == "reference":
-                prods = [prod[..., s:s + n] for s, n in zip(starts, sizes)]
-                return qsa.prep(p, prods, st, pos0, meta["cos"], meta["sin"], meta["rope_fn"], cfg, meta["n_valid"])
-            bcos, bsin = qsa.block_rope_tables(pos0, _length, cfg, bf)
-            return api.qsa_prep(*[(prod, s) for s in starts], norms, meta["cos"], meta["sin"], bcos, bsin, pos0,
-                                meta["n_valid"], st, cfg, _impl)
         for impl in ("pallas", "reference"):
             out.append(BenchCase(
                 kernel="qsa_prep", shape=f"B=1 T={length} cap={cap}", impl=impl,
-                fn=lambda *a, _impl=impl, _run=run: _run(*a, _impl), arg_sets=arg_sets, bytes=nbytes,
+                fn=lambda *a, _impl=impl: prep_call(*a, _impl), arg_sets=arg_sets, bytes=nbytes,
                 extra={"T": length, "note": "launch-bound: the bytes are ~60 KB a token"}))
     return out
