@@ -247,6 +247,58 @@ def test_many_tiles_knob_changes_only_several_token_tiles(monkeypatch):
         api.tiles_for("fp8", n, k, 5)
 
 
+def test_shape_tiles_knob_replaces_one_shapes_tiles(monkeypatch):
+    """`FNX_GEMV_TILES` replaces tile fields of one call shape ("fmt:N:K:Mbucket[:argmax]"), leaves every other
+    shape, token bucket and the argmax heads alone, and raises on a malformed key or tiles that do not fit."""
+    monkeypatch.delenv(api.SHAPE_TILES_ENV, raising=False)
+    n, k = 2560, 6144
+    plain = {m: api.tiles_for("fp8", n, k, m) for m in (1, 5)}
+    other = api.tiles_for("fp8", 10240, 2560, 1)
+    head = api.tiles_for("fp8", n, k, 1, argmax=True)
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=bn=8,split=4 ; bf16:256:512:8=split=2")
+    assert api.tiles_for("fp8", n, k, 1) == dataclasses.replace(plain[1], bn=8, split=4) != plain[1]
+    assert api.tiles_for("fp8", n, k, 5) == plain[5]
+    assert api.tiles_for("fp8", 10240, 2560, 1) == other
+    assert api.tiles_for("fp8", n, k, 1, argmax=True) == head
+    assert api.tiles_for("bf16", 256, 512, 7).split == 2 and api.tiles_for("bf16", 256, 512, 4).split != 2
+    for bad in ("fp8:2560:6144=split=1", "fp9:2560:6144:1=split=1", "fp8:2560:6144:3=split=1",
+                "fp8:2560:6144:1:best=split=1", "fp8:2560:x:1=split=1", "fp8:2560:6144:1"):
+        monkeypatch.setenv(api.SHAPE_TILES_ENV, bad)
+        with pytest.raises(ValueError, match="FNX_GEMV_TILES.*is not"):
+            api.tiles_for("fp8", n, k, 1)
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=bn=48")
+    with pytest.raises(ValueError, match="FNX_GEMV_TILES: fp8:2560:6144:1 tiles.*power of two"):
+        api.tiles_for("fp8", n, k, 1)
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1:argmax=split=2")
+    with pytest.raises(ValueError, match="argmax needs split 1"):
+        api.tiles_for("fp8", n, k, 1, argmax=True)
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:16=mode=fma,bk=512,bn=16,split=1,mma=bf16")
+    with pytest.raises(ValueError, match="'fma' serves at most"):
+        api.tiles_for("fp8", n, k, 16)
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=tx=1")
+    with pytest.raises(ValueError, match="not field=value"):
+        api.tiles_for("fp8", n, k, 1)
+
+
+def test_shape_tiles_knob_reaches_the_kernel(monkeypatch):
+    """The model's `linear` runs the tiles `FNX_GEMV_TILES` names: without and with split-K the same products within
+    accumulation-order noise, and the split one leaves a sum after the kernel (what the knob's A/B measures)."""
+    n, k = 128, 1024
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    w, extra, q = _weights("fp8", n, k, key)
+    x = jax.random.normal(key, (1, k), F32).astype(jnp.bfloat16)
+    outs, sums = [], []
+    for spec in ("fp8:128:1024:1=split=1,bk=512", "fp8:128:1024:1=split=2,bk=512"):
+        monkeypatch.setenv(api.SHAPE_TILES_ENV, spec)
+        f = lambda x: api.linear(x, w, fmt="fp8", scale=extra["scale"], impl=KERNEL)   # noqa: E731
+        outs.append(np.asarray(f(x), np.float32))
+        sums.append(str(jax.make_jaxpr(f)(x)).count("reduce_sum"))
+    assert sums == [0, 1]
+    ref = np.asarray(reference.linear_f32(x, quant.dequantize(q, F32)))
+    for o in outs:
+        assert np.abs(o - ref).max() <= TOL * np.abs(ref).max()
+
+
 def test_whole_k_modes_refuse_what_they_do_not_serve():
     n, k = 256, 512
     assert "split=4" in gp.check_tiles("bf16", n, k, gp.Tiles(16, 256, 4, mode="fma"))   # 128-column slices

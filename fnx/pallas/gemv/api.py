@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import pathlib
 
@@ -24,6 +25,8 @@ import numpy as np
 from fnx.pallas import dispatch, kernel_math, stacked
 from fnx.pallas.gemv import pallas as gp
 from fnx.pallas.gemv import reference
+
+log = logging.getLogger("fnx.pallas")
 
 MAX_M = 32
 FORMATS = ("bf16", "fp8", "nvfp4")
@@ -122,11 +125,56 @@ XFIRST_ENV = "FNX_GEMV_XFIRST"
 XFIRST_DEFAULT = "1"   # on since measured: H200, commit d9f4565, 2026-12-05, 4-layer round at 8K -15.6 us, step -19.0
 
 
+SHAPE_TILES_ENV = "FNX_GEMV_TILES"
+_shape_logged: set = set()
+
+
+def shape_overrides(spec: str | None = None) -> dict:
+    """`FNX_GEMV_TILES` ("KEY=field=value,...;KEY=...", KEY as in the tuned tables: "fmt:N:K:Mbucket", with
+    ":argmax" for the fused-argmax heads) parsed into {KEY: {field: value}}: a benchmark knob that replaces tile
+    fields of one call shape in a whole program (e.g. "fp8:2560:6144:1=bn=8,split=1": the GDN / QSA out_proj at one
+    token without split-K, so no XLA sum follows it), read when a program is traced. A malformed key raises."""
+    spec = os.environ.get(SHAPE_TILES_ENV, "") if spec is None else spec
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        key, eq, fields = part.partition("=")
+        bits = key.strip().split(":")
+        ok = eq and len(bits) in (4, 5) and bits[0] in FORMATS and all(b.isdigit() and int(b) > 0 for b in bits[1:4])
+        if not ok or (len(bits) == 5 and bits[4] != "argmax") or int(bits[3]) != m_bucket(int(bits[3])):
+            raise ValueError(f"{SHAPE_TILES_ENV}: {part!r} is not 'fmt:N:K:Mbucket[:argmax]=field=value,...' (fmt one "
+                             f"of {', '.join(FORMATS)}; Mbucket 1, 2, 4, 8, 16 or 32)")
+        out[key.strip()] = dispatch.fields_override(fields, gp.Tiles, SHAPE_TILES_ENV, ("dec", "mode", "mma"))
+    return out
+
+
+def shape_override(t: gp.Tiles | None, fmt: str, n: int, k: int, m: int, argmax: bool) -> gp.Tiles | None:
+    """t with the fields `FNX_GEMV_TILES` names for this call's key replaced (checked: tiles that do not fit raise,
+    saying why; logged once per key, so a sweep's log shows that the override took effect)."""
+    over = shape_overrides()
+    key = f"{fmt}:{n}:{k}:{m_bucket(m)}" + (":argmax" if argmax else "")
+    if key not in over:
+        return t
+    if t is None:
+        raise ValueError(f"{SHAPE_TILES_ENV}: {key} has no tile set to change (the kernel does not take this shape)")
+    new = dataclasses.replace(t, **over[key])
+    why = gp.check_tiles(fmt, n, k, new) or (
+        "the fused argmax needs split 1" if argmax and new.split != 1 else None) or (
+        f"mode 'fma' serves at most {gp.FMA_MAX_M} tokens" if new.mode == "fma" and m > gp.FMA_MAX_M else None)
+    if why:
+        raise ValueError(f"{SHAPE_TILES_ENV}: {key} tiles {new}: {why}")
+    if key not in _shape_logged:
+        _shape_logged.add(key)
+        log.info("fnx gemv %s: tiles %s (%s)", key, new, SHAPE_TILES_ENV)
+    return new
+
+
 def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
     """Tuned tiles for this (fmt, N, K) at M's bucket, else at the nearest tuned bucket, else the heuristic (and
-    `FNX_GEMV_MANY_TILES` over them at M > 1). `Tiles.xfirst` is set on every whole-K tile set ("fma", "dot");
-    `FNX_GEMV_XFIRST=0` (read when a program is traced: a benchmark knob) leaves it off."""
+    `FNX_GEMV_MANY_TILES` over them at M > 1, then `FNX_GEMV_TILES` for this shape). `Tiles.xfirst` is set on every
+    whole-K tile set ("fma", "dot"); `FNX_GEMV_XFIRST=0` (read when a program is traced: a benchmark knob) leaves
+    it off."""
     t = many_override(_tiles_for(fmt, n, k, m, argmax), fmt, n, k, m)
+    t = shape_override(t, fmt, n, k, m, argmax)
     flag = os.environ.get(XFIRST_ENV, "").strip() or XFIRST_DEFAULT
     if flag not in ("0", "1"):
         raise ValueError(f"{XFIRST_ENV}={flag!r}: 0 or 1")
