@@ -23,7 +23,7 @@ import pytest
 from fnx.model import moe, quant
 from fnx.pallas import dispatch, kernel_math
 from fnx.pallas.moe import api, decode_pallas, experts_pallas, reference, routing_pallas
-from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
+from tests.pallas.kernel_mode import INTERPRET, KERNEL, ops_outside_kernels  # noqa: F401
 
 E, K, D, I = 16, 4, 256, 128
 BF16 = jnp.bfloat16
@@ -1224,6 +1224,41 @@ def test_tokens_tiles_override(monkeypatch):
         monkeypatch.setenv("FNX_MOE_TOKENS_TILES", bad)
         with pytest.raises(ValueError, match=why):
             decode_pallas.default_tiles(D, I, I, "nvfp4", 5)
+
+
+def test_one_token_tiles_override(monkeypatch):
+    """FNX_MOE_M1_TILES replaces fields of the one-token defaults only (the several-token tiles stay); the model's
+    decode then runs them: group 0 with hoisted loads combines in the down kernel (no XLA sum of partials after it)
+    and gives the default tiles' values within an fp32 ulp of the sum order; a malformed value says what is wrong."""
+    monkeypatch.delenv(decode_pallas.M1_TILES_ENV, raising=False)
+    monkeypatch.delenv(decode_pallas.TOKENS_TILES_ENV, raising=False)
+    base1, base5 = (decode_pallas.default_tiles(D, I, I, "nvfp4", m) for m in (1, 5))
+    monkeypatch.setenv(decode_pallas.M1_TILES_ENV, "group=0,hoist=1")
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 1) == dataclasses.replace(base1, group=0, hoist=1)
+    assert decode_pallas.default_tiles(D, I, I, "nvfp4", 5) == base5
+    for bad, why in (("groups=0", "FNX_MOE_M1_TILES.*not field=value"), ("bn2=wide", "integer")):
+        monkeypatch.setenv(decode_pallas.M1_TILES_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            decode_pallas.default_tiles(D, I, I, "nvfp4", 1)
+    e, k = 16, 4
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    ks = jax.random.split(key, 8)
+    gate_up = quant.quantize_fp8_block(jax.random.normal(ks[0], (e, 2 * I, D), jnp.float32) * D ** -0.5)
+    down = quant.quantize_fp8_block(jax.random.normal(ks[1], (e, D, I), jnp.float32) * I ** -0.5)
+    shared = quant.quantize_fp8_block(jax.random.normal(ks[2], (D, I), jnp.float32) * I ** -0.5)
+    x = jax.random.normal(ks[3], (1, D), jnp.float32).astype(jnp.bfloat16)
+    ids = jax.random.permutation(ks[4], e)[:k].reshape(1, k).astype(jnp.int32)
+    w = jax.nn.softmax(jax.random.normal(ks[5], (1, k), jnp.float32)).astype(jnp.bfloat16)
+    sg, su = (jax.random.normal(kk, (1, I), jnp.float32).astype(jnp.bfloat16) for kk in ks[6:8])
+    ss = jnp.full((1, 1), 0.5, jnp.bfloat16)
+    outs, sums = [], []
+    for spec in ("", "group=0,hoist=1"):
+        monkeypatch.setenv(decode_pallas.M1_TILES_ENV, spec)
+        f = lambda x: api.decode(x, w, ids, gate_up, down, sg, su, ss, shared, impl=KERNEL)   # noqa: E731
+        outs.append(np.asarray(f(x), np.float32))
+        sums.append(ops_outside_kernels(f, x).count("reduce_sum"))
+    assert sums[1] == 0 < sums[0]
+    np.testing.assert_allclose(outs[1], outs[0], rtol=0, atol=2 ** -7 * np.abs(outs[0]).max())
 
 
 @pytest.mark.parametrize("fmt,m,group", [("nvfp4", 1, 0), _ext("bf16", 3, 0), _ext("fp8", 2, 4)])

@@ -1235,6 +1235,8 @@ MEASURED_TOKENS = {"nvfp4": dataclasses.replace(MEASURED["nvfp4"], flat=1, num_w
 
 
 TOKENS_TILES_ENV = "FNX_MOE_TOKENS_TILES"
+M1_TILES_ENV = "FNX_MOE_M1_TILES"      # the same for the one-token tiles (e.g. "group=0,hoist=1": the combine in the
+                                       # down kernel, no XLA sum of the partials after it; one launch fewer a layer)
 
 
 def _mma_fits(t, rows: int | None = None, cw: int | None = None, num_warps: int | None = None) -> bool:
@@ -1257,9 +1259,13 @@ def tiles_override(spec: str, what: str = TOKENS_TILES_ENV) -> dict:
 
 def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: int = 1) -> DecodeTiles:
     """The measured tiles for the expert format and `m` tokens, shrunk until they divide the (test-sized) dims.
-    Several tokens: `FNX_MOE_TOKENS_TILES` (read when a program is traced) replaces fields of the defaults."""
+    Several tokens: `FNX_MOE_TOKENS_TILES` (read when a program is traced) replaces fields of the defaults; one
+    token: `FNX_MOE_M1_TILES`."""
     t = MEASURED.get(fmt, MEASURED["fp8_block"])     # a format outside FORMATS: `check` says why not
     over = {}
+    if m == 1 and os.environ.get(M1_TILES_ENV, "").strip():
+        over = tiles_override(os.environ[M1_TILES_ENV], M1_TILES_ENV)
+        t = dataclasses.replace(t, **over)
     if m > 1:
         over = tiles_override(os.environ[TOKENS_TILES_ENV]) if os.environ.get(TOKENS_TILES_ENV) else {}
         base = MEASURED_TOKENS.get(fmt, t)
@@ -1279,9 +1285,9 @@ def default_tiles(d: int, inter: int, inter_s: int, fmt: str = "fp8_block", m: i
     while d % bn2:
         bn2 //= 2
     t = dataclasses.replace(t, bn=bn, cw=cw, bn2=bn2, cw2=cw2)
-    if t.e2m1 == "mma" and not _mma_fits(t) and not (m > 1 and "e2m1" in over):
+    if t.e2m1 == "mma" and not _mma_fits(t) and "e2m1" not in over:
         # test-sized dims: the defaults' "mma" needs tiles these dims cannot hold; the one-token decode instead
-        # (an "mma" asked for by FNX_MOE_TOKENS_TILES is kept, and `check` says why it cannot run)
+        # (an "mma" asked for by FNX_MOE_TOKENS_TILES / FNX_MOE_M1_TILES is kept, and `check` says why it cannot run)
         t = dataclasses.replace(t, e2m1=MEASURED.get(fmt, MEASURED["fp8_block"]).e2m1)
     return t
 
