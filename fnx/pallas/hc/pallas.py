@@ -247,13 +247,39 @@ def _rows_of(vals, mp: int, shape):
 def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, wround=True,
                   fold=False):
     it = iter(refs)
+    ins = _down1_inputs(it, has_y, has_inj, fp8)
+    part_ref, rstd_ref = next(it), next(it)
+    one = m == 1 or tok_grid                # one token per program (on a token grid axis: the program's token)
+
+    def store_rstd(rstd):                   # (where the one-token kernel always stored it)
+        rstd_ref[...] = rstd
+    rstds, accs = _down1_task(*ins, pl.program_id(0), pl.program_id(1),
+                              [pl.program_id(2)] if tok_grid else range(m), store_rstd if one else None,
+                              s=s, d=d, r=r, bn=bn, ch=ch, q=q, eps=eps, has_y=has_y, has_inj=has_inj, fp8=fp8,
+                              pieces=pieces, wround=wround, fold=fold)
+    if one:
+        part_ref[...] = accs[0]
+    else:                                   # blocks [1, 1, Mp] and [Mp, bn] (Mp: tokens padded to a power of two)
+        mp = rstd_ref.shape[-1]
+        rstd_ref[...] = _rows_of([v.reshape(()) for v in rstds], mp, ()).reshape(1, 1, mp)
+        part_ref[...] = _rows_of(accs, mp, (bn,))
+
+
+def _down1_inputs(it, has_y: bool, has_inj: bool, fp8: bool) -> tuple:
+    """down1's input refs (h, y, inj_prev, hc_norm, Wdown, its scales, Winj; None where absent) from `it`."""
     h_ref = next(it)
     y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
     wn_ref, wd_ref = next(it), next(it)
     sd_ref = next(it) if fp8 else None
     wi_ref = next(it) if has_inj else None
-    part_ref, rstd_ref = next(it), next(it)
-    n, j = pl.program_id(0), pl.program_id(1)
+    return h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref
+
+
+def _down1_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, toks, store_rstd, *, s, d, r, bn, ch, q,
+                eps, has_y, has_inj, fp8, pieces, wround=True, fold=False):
+    """down1's work for rows block n of [Wdown; Winj] and stream j over tokens `toks` (ints, or the program's token
+    index): (each token's rstd [1, 1], each token's bn row sums [bn]). store_rstd(rstd), where given, runs as soon as
+    the token's rstd is known (the one-token kernel stores it there)."""
     dt = h_ref.dtype
     rows = jnp.arange(bn, dtype=jnp.int32)[:, None, None]
     n_down = r // bn
@@ -285,8 +311,7 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         wn = plt.load(wn_ref.at[off], mask=ok, other=0.0).astype(F32) if fold else None
         tiles.append((col, ok, off, wt, csc if fp8 and not wround else None, wn))
     rstds, accs = [], []
-    one = m == 1 or tok_grid                # one token per program (on a token grid axis: the program's token)
-    for t in ([pl.program_id(2)] if tok_grid else range(m)):   # tokens: shared weight tiles, each its own norm
+    for t in toks:                          # tokens: shared weight tiles, each its own norm
         hcs, ss = [], None
         for col, ok, off, *_ in tiles:
             hc = plt.load(h_ref.at[_tok(t, s * d, off)], mask=ok, other=0.0).astype(F32)
@@ -315,37 +340,79 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
                 piece = jnp.sum(jnp.sum(hc * hc, axis=1, keepdims=True), axis=0, keepdims=True)  # [1, 1]
                 ss = piece if ss is None else ss + piece
         rstd = lax.rsqrt(ss / d + eps)
-        if one:
-            rstd_ref[...] = rstd            # (where the one-token kernel always stored it)
+        if store_rstd is not None:
+            store_rstd(rstd)
         acc = acc * rstd.reshape(()) if fold else products(rstd)
         rstds.append(rstd)
         accs.append(acc)
-    if one:
-        part_ref[...] = accs[0]
-    else:                                   # blocks [1, 1, Mp] and [Mp, bn] (Mp: tokens padded to a power of two)
-        mp = rstd_ref.shape[-1]
-        rstd_ref[...] = _rows_of([v.reshape(()) for v in rstds], mp, ()).reshape(1, 1, mp)
-        part_ref[...] = _rows_of(accs, mp, (bn,))
+    return rstds, accs
 
 
 def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, n_prog=0,
                 wround=True, early=False):
     it = iter(refs)
-    part_ref, rstd_ref, h_ref = next(it), next(it), next(it)
-    y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
-    wn_ref, wu_ref = next(it), next(it)
-    su_ref = next(it) if fp8 else None
+    part_ref, rstd_ref = next(it), next(it)
+    ins = _up1_inputs(it, has_y, fp8)
     x_ref = next(it)
     ho_ref = next(it) if has_y else None
     injo_ref = next(it) if has_inj else None
     i = pl.program_id(0)
-    dt = h_ref.dtype
     sj = jnp.arange(s, dtype=jnp.int32)
+    one = m == 1 or tok_grid
+    mp = 1 if one else x_ref.shape[0]
+    toks = []
+
+    def get_toks():         # the program's tokens, made where the kernel first made them (after the weight loads)
+        toks.extend([pl.program_id(1)] if tok_grid else range(m))
+        return toks
+    xs, hos = _up1_task(part_ref, rstd_ref, *ins, i, get_toks, mp, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y,
+                        fp8=fp8, pieces=pieces, m=m, tok_grid=tok_grid, n_prog=n_prog, wround=wround, early=early)
+    dt = ins[0].dtype
+    if one:
+        x_ref[...] = xs[0].astype(dt)
+        if has_y:
+            ho_ref[...] = hos[0]
+    else:                                   # blocks [Mp, bd] and [Mp, S, bd]
+        x_ref[...] = _rows_of(xs, mp, (bd,)).astype(dt)
+        if has_y:
+            ho_ref[...] = _rows_of(hos, mp, (s, bd)).astype(dt)
+    if has_inj:
+        @pl.when(i == 0)
+        def _():
+            injs = _up1_inj(part_ref, toks, sj, s=s, n_rows=n_rows, r=r, dt=dt)
+            injo_ref[...] = (injs[0] if one else _rows_of(injs, mp, (s,))).astype(dt)
+
+
+def _up1_inputs(it, has_y: bool, fp8: bool) -> tuple:
+    """up1's input refs after the partials and rstd (h, y, inj_prev, hc_norm, Wup, its scales; None where absent)."""
+    h_ref = next(it)
+    y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
+    wn_ref, wu_ref = next(it), next(it)
+    su_ref = next(it) if fp8 else None
+    return h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref
+
+
+def _up1_inj(part_ref, toks, sj, *, s, n_rows, r, dt, ld=plt.load) -> list:
+    """The injection weights 2 sigmoid(round(round(sum of the S stream partials of Winj's rows) / S)) [S] per token
+    (sj: arange(S))."""
+    injs = []
+    for t in toks:
+        pi = ld(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + r + sj[None, :])])  # [S, S]
+        vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
+        injs.append(2.0 * rnd(jax.nn.sigmoid(vi), dt))
+    return injs
+
+
+def _up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i, get_toks, mp, sj, *, s, d, r, bd,
+              n_rows, has_y, fp8, pieces, m=1, tok_grid=False, n_prog=0, wround=True, early=False, ld=plt.load):
+    """up1's work for output columns [i*bd, (i+1)*bd) of every stream over the tokens get_toks() returns (ints, or
+    the program's token index; sj: arange(S)): (each token's x [bd] in fp32, each token's H' [S, bd]). `ld` loads
+    the down kernel's partials and rstd (the one-launch kernel reads them past L1: other programs wrote them in the
+    same launch)."""
+    dt = h_ref.dtype
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
     ncb = (r + 127) // 128
-    one = m == 1 or tok_grid
-    mp = 1 if one else x_ref.shape[0]
     tiles = []
     for k0, p in pieces:                    # the weight tiles first: in flight early
         k = k0 + jnp.arange(p, dtype=jnp.int32)
@@ -363,7 +430,7 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
                 sc = plt.load(su_ref.at[rb[:, None] + k[None, :] // 128], mask=kok, other=0.0)[:, None, :]
             wt = _dequant_rows(wt, sc, dt)
         tiles.append((k, kok, wt, None))
-    toks = [pl.program_id(1)] if tok_grid else range(m)
+    toks = get_toks()
 
     def mix_operands(t):   # token t's H' (H, y, inj_prev combined), rstd and hc_norm's w for the program's columns
         # (rstd: program row 0 of [programs, S] (one token), [programs, S, Mp] (loop) or [M, programs, S] (grid))
@@ -372,11 +439,11 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
             yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
             injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
             hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-        rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
+        rstd = ld(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
         return hc, rstd, plt.load(wn_ref.at[rows]).astype(F32)
 
     def part_load(t, k, kok):   # the down kernel's partials [S, p] of a piece of r
-        return plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
+        return ld(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
     # early (Tiles1.early): the mix's operands and every piece's partials loaded before any arithmetic. As first
     # written (after the gates, a piece's partials inside its arithmetic) the stock sm_90 build issued those loads
     # only once the gates were done: memory round trips on the program's critical path
@@ -398,23 +465,7 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
         hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + wn), dt)
         xs.append(jnp.sum(rnd(mg * hn, dt), axis=0) / s)
         hos.append(hc)
-    if one:
-        x_ref[...] = xs[0].astype(dt)
-        if has_y:
-            ho_ref[...] = hos[0]
-    else:                                   # blocks [Mp, bd] and [Mp, S, bd]
-        x_ref[...] = _rows_of(xs, mp, (bd,)).astype(dt)
-        if has_y:
-            ho_ref[...] = _rows_of(hos, mp, (s, bd)).astype(dt)
-    if has_inj:
-        @pl.when(i == 0)
-        def _():
-            injs = []
-            for t in toks:
-                pi = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + r + sj[None, :])])  # [S, S]
-                vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
-                injs.append(2.0 * rnd(jax.nn.sigmoid(vi), dt))
-            injo_ref[...] = (injs[0] if one else _rows_of(injs, mp, (s,))).astype(dt)
+    return xs, hos
 
 
 def boundary_dims(h, w_down, streams: int, max_tokens: int, who: str):
