@@ -9,6 +9,8 @@ OP = "hc_boundary"            # 2..32 tokens: pallas.hc_boundary (padded MMA til
 OP_M1 = "hc_boundary_m1"      # one token: pallas.hc_boundary_m1 (two kernels, nothing between them)
 OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): few.hc_boundary_few (MMA tiles, XLA norm);
                               # Tiles1 name the earlier design (the one-token kernels over each token)
+OP_ONE = "hc_boundary_one"    # one token in one launch: one.hc_boundary_one (the two kernels' tasks, a grid barrier
+                              # between); only where FNX_KERNELS names it (not measured on a GPU yet)
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
 MAX_FEW_TOKENS = 8           # = pallas.FEW_MAX_TOKENS
 
@@ -22,11 +24,14 @@ def op_for(tokens: int) -> str:
 
 def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool = False,
            pow2_streams: bool = True) -> tuple[str, str]:
-    """(op, backend) for a boundary over `tokens` tokens. 2..MAX_FEW_TOKENS tokens: the few-token kernels
+    """(op, backend) for a boundary over `tokens` tokens. One token: OP_ONE where FNX_KERNELS names it and impl
+    names no backend, else OP_M1. 2..MAX_FEW_TOKENS tokens: the few-token kernels
     (OP_FEW, bf16 or FP8 weights, streams a power of two) when that op resolves to a kernel (named by impl or
     FNX_KERNELS; not under auto: slower in the MTP round, see dispatch.AUTO_KEEPS_REFERENCE), else the
     multi-token design (OP, dense weights only)."""
     if tokens == 1:
+        if impl in (None, "auto") and not_applicable is None and pow2_streams and one_launch():
+            return OP_ONE, dispatch.resolve(OP_ONE, None)
         return OP_M1, dispatch.resolve(OP_M1, impl, not_applicable=not_applicable)
     if tokens <= MAX_FEW_TOKENS and not_applicable is None and pow2_streams:
         b = dispatch.resolve(OP_FEW, impl)
@@ -37,6 +42,13 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
     return OP, dispatch.resolve(OP, impl, not_applicable=why)
 
 
+def one_launch() -> bool:
+    """Whether one-token boundaries run in one launch (op "hc_boundary_one" resolves to a kernel: FNX_KERNELS names
+    it; `auto` keeps the two kernels until it is measured). The model then makes the barrier's counter once per
+    program (`transformer.make_meta`)."""
+    return dispatch.resolve(OP_ONE, None) != "reference"
+
+
 def backend(impl: str | None = None, not_applicable: str | None = None, tokens: int = 1, fp8: bool = False,
             pow2_streams: bool = True) -> str:
     """The backend `hc_boundary(..., impl)` would run for `tokens` tokens ("reference", "pallas",
@@ -45,7 +57,7 @@ def backend(impl: str | None = None, not_applicable: str | None = None, tokens: 
 
 
 def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
-                impl: str | None = None, tiles=None, w_down_scale=None, w_up_scale=None):
+                impl: str | None = None, tiles=None, w_down_scale=None, w_up_scale=None, sync=None):
     """One hyper-connection boundary: combine the previous sublayer's output, then the gated residual.
 
     h [..., S*D] (stream-major); y [..., D] and inj_prev [..., S] (or both None: no combine); hc_norm [S*D];
@@ -53,6 +65,8 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     Wdown and Wup may be FP8 (float8_e4m3fn with `w_down_scale` / `w_up_scale`, one fp32 multiplier per 128x128
     block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
     no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
+    One token runs in one launch where op "hc_boundary_one" resolves to a kernel (`one.hc_boundary_one`, tiles a
+    `pallas.Tiles1` or None; `sync` its barrier's counter, `fnx.pallas.grid_sync.counter()`, or None: one is made).
     2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`):
     `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token
     (also what tiles None runs where no TilesFew fits the shapes, `few.default_tiles`).
@@ -80,6 +94,11 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_down = dequantize("fp8", w_down, w_down_scale).astype(h.dtype)
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
+    if op == OP_ONE:
+        from fnx.pallas.hc import one
+        return one.hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
+                                   sync=sync, interpret=dispatch.interpret_flag(which), tiles1=tiles,
+                                   w_down_scale=w_down_scale, w_up_scale=w_up_scale)
     from fnx.pallas.hc import few
     if op == OP_FEW and tiles is None:      # the MMA design's tiles, or the per-token kernels' where none fits
         d, r = h.shape[-1] // streams, w_down.shape[0]

@@ -392,23 +392,21 @@ def _up1_inputs(it, has_y: bool, fp8: bool) -> tuple:
     return h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref
 
 
-def _up1_inj(part_ref, toks, sj, *, s, n_rows, r, dt, ld=plt.load) -> list:
+def _up1_inj(part_ref, toks, sj, *, s, n_rows, r, dt) -> list:
     """The injection weights 2 sigmoid(round(round(sum of the S stream partials of Winj's rows) / S)) [S] per token
     (sj: arange(S))."""
     injs = []
     for t in toks:
-        pi = ld(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + r + sj[None, :])])  # [S, S]
+        pi = plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + r + sj[None, :])])  # [S, S]
         vi = rnd(rnd(jnp.sum(pi, axis=0), dt) / s, dt)
         injs.append(2.0 * rnd(jax.nn.sigmoid(vi), dt))
     return injs
 
 
 def _up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i, get_toks, mp, sj, *, s, d, r, bd,
-              n_rows, has_y, fp8, pieces, m=1, tok_grid=False, n_prog=0, wround=True, early=False, ld=plt.load):
+              n_rows, has_y, fp8, pieces, m=1, tok_grid=False, n_prog=0, wround=True, early=False):
     """up1's work for output columns [i*bd, (i+1)*bd) of every stream over the tokens get_toks() returns (ints, or
-    the program's token index; sj: arange(S)): (each token's x [bd] in fp32, each token's H' [S, bd]). `ld` loads
-    the down kernel's partials and rstd (the one-launch kernel reads them past L1: other programs wrote them in the
-    same launch)."""
+    the program's token index; sj: arange(S)): (each token's x [bd] in fp32, each token's H' [S, bd])."""
     dt = h_ref.dtype
     cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
     rows = sj[:, None] * d + cols[None, :]                                               # [S, bd] rows of Wup
@@ -439,11 +437,11 @@ def _up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref,
             yv = plt.load(y_ref.at[_tok(t, d, cols)]).astype(F32)
             injp = plt.load(inj_ref.at[_tok(t, s, sj)]).astype(F32)
             hc = (hc.astype(F32) + rnd(injp[:, None] * yv[None, :], dt)).astype(dt)
-        rstd = ld(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
+        rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
         return hc, rstd, plt.load(wn_ref.at[rows]).astype(F32)
 
     def part_load(t, k, kok):   # the down kernel's partials [S, p] of a piece of r
-        return ld(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
+        return plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
     # early (Tiles1.early): the mix's operands and every piece's partials loaded before any arithmetic. As first
     # written (after the gates, a piece's partials inside its arithmetic) the stock sm_90 build issued those loads
     # only once the gates were done: memory round trips on the program's critical path

@@ -1,0 +1,208 @@
+"""The one-token hyper-connection boundary in one launch (op "hc_boundary_one").
+
+`pallas.hc_boundary_m1` runs a boundary as two kernels because every gate of its up half needs all r values of the
+down half's output. Here one launch of P resident programs does both, with a grid-wide barrier between them
+(`fnx.pallas.grid_sync`): each program first takes the down kernel's tasks p, p + P, ... (a task is one program of
+`hc_down1`: a block of bn rows of [Wdown; Winj] over one stream), stores their partial sums and each stream's rstd,
+waits at the barrier for every program, then takes up1's tasks the same way (a task: bd output columns of every
+stream). Plain loads read the partials other programs wrote in this launch: the barrier's acquire-release atomic
+and the thread barriers after it order them after those stores (the PTX memory model; an acquire invalidates the
+SM's L1 for later loads). The tasks are the two kernels'
+own code (`pallas._down1_task`, `pallas._up1_task`), so the results are theirs bit for bit.
+
+P programs must all be resident at once: P is at most two per SM of the device (`programs`; the default) and at
+most the down tasks. A program that waits too long at the barrier (a co-residency failure) writes NaN in its x
+columns instead of hanging. The Pallas interpreter runs programs one after another, so on the CPU one launch runs
+with P = 1; `launches=2` runs the same task loops as two launches with no barrier (any P: how the tests check the
+task split on the CPU).
+
+The counter comes from the caller (`sync`, one `grid_sync.counter()` per program: the model makes one per decode
+program at one token, `transformer.make_meta`); without it this call makes its own (one launch more)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from fnx.pallas import dispatch, grid_sync, stacked
+from fnx.pallas.hc import pallas as kernel
+
+F32 = jnp.float32
+PROGRAMS_PER_SM = 2
+TILES_ENV = "FNX_HC_ONE_TILES"
+
+
+@dataclasses.dataclass(frozen=True)
+class TilesOne:
+    programs: int = 0           # resident programs P (0: PROGRAMS_PER_SM per SM of the device, at most the down tasks)
+    max_polls: int = grid_sync.MAX_POLLS
+
+
+def choose_tiles(tasks: int) -> TilesOne:
+    """The defaults for a boundary of `tasks` down tasks; `FNX_HC_ONE_TILES` ("field=value,...", read when a
+    program is traced: a benchmark knob) replaces fields."""
+    t = TilesOne()
+    spec = os.environ.get(TILES_ENV, "").strip()
+    if spec:
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesOne, TILES_ENV))
+    return t
+
+
+def sm_count() -> int | None:
+    """The first device's SM count (None where JAX does not say: the CPU)."""
+    try:
+        dev = jax.devices()[0]
+    except Exception:  # pragma: no cover
+        return None
+    n = getattr(dev, "core_count", None)
+    return int(n) if dev.platform == "gpu" and n else None
+
+
+def resolve_programs(t: TilesOne, tasks: int, interpret: bool, launches: int) -> int:
+    """P for these tiles: checked against the device (all programs must be resident at once in one launch)."""
+    if t.programs < 0:
+        raise ValueError(f"hc_boundary_one: programs={t.programs} (0 for the default, else a count)")
+    sms = sm_count()
+    if launches == 1 and interpret:
+        if t.programs not in (0, 1):
+            raise ValueError(f"hc_boundary_one: programs={t.programs} in one launch under the Pallas interpreter, "
+                             "which runs programs one after another (the barrier would wait forever): programs=1, "
+                             "or launches=2")
+        return 1
+    if t.programs == 0:
+        return min(tasks, PROGRAMS_PER_SM * sms) if sms else min(tasks, 8)
+    if launches == 1 and sms and t.programs > PROGRAMS_PER_SM * sms:
+        raise ValueError(f"hc_boundary_one: programs={t.programs} > {PROGRAMS_PER_SM} per SM of {sms} SMs: all "
+                         "of one launch's programs must be resident at once for its barrier")
+    return t.programs
+
+
+def _one_kernel(*refs, s, d, r, bn, bd, ch, q, eps, has_y, has_inj, fp8, wround, fold, early, down_pieces,
+                up_pieces, n_down_tasks, n_prog_rows, programs, phases, max_polls, interpret):
+    """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
+    it = iter(refs)
+    down_in = kernel._down1_inputs(it, has_y, has_inj, fp8)
+    wu_ref = next(it)
+    su_ref = next(it) if fp8 else None
+    if phases == "up":
+        part_ref, rstd_ref = next(it), next(it)
+    sync_ref = next(it) if phases == "both" else None
+    if phases != "down":
+        x_ref = next(it)
+        ho_ref = next(it) if has_y else None
+        injo_ref = next(it) if has_inj else None
+    if phases != "up":
+        part_ref, rstd_ref = next(it), next(it)
+    h_ref, y_ref, inj_ref, wn_ref = down_in[:4]
+    p = pl.program_id(0)
+    n_rows = n_prog_rows * bn
+    dt = h_ref.dtype
+
+    if phases != "up":
+        def down(k, carry):
+            task = p + k * programs
+
+            @pl.when(task < n_down_tasks)
+            def _():
+                n, j = task // s, task % s
+
+                def store_rstd(rstd):
+                    plt.store(rstd_ref.at[jnp.full((1, 1), n * s + j, jnp.int32)], rstd)
+                _, accs = kernel._down1_task(*down_in, n, j, [0], store_rstd, s=s, d=d, r=r, bn=bn, ch=ch, q=q,
+                                             eps=eps, has_y=has_y, has_inj=has_inj, fp8=fp8, pieces=down_pieces,
+                                             wround=wround, fold=fold)
+                plt.store(part_ref.at[j * n_rows + n * bn + jnp.arange(bn, dtype=jnp.int32)], accs[0])
+            return carry
+        lax.fori_loop(0, -(-n_down_tasks // programs), down, 0)
+    if phases == "down":
+        return
+    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret) if phases == "both" else None
+    sj = jnp.arange(s, dtype=jnp.int32)
+    n_up = d // bd
+
+    def up(k, carry):
+        i = p + k * programs
+
+        @pl.when(i < n_up)
+        def _():
+            xs, hos = kernel._up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i,
+                                       lambda: [0], 1, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y,
+                                       fp8=fp8, pieces=up_pieces, wround=wround, early=early)
+            x = xs[0] if ok is None else jnp.where(ok, xs[0], jnp.nan)
+            cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+            plt.store(x_ref.at[cols], x.astype(dt))
+            if has_y:
+                plt.store(ho_ref.at[sj[:, None] * d + cols[None, :]], hos[0].astype(dt))
+            if has_inj:
+                @pl.when(i == 0)
+                def _():
+                    injs = kernel._up1_inj(part_ref, [0], sj, s=s, n_rows=n_rows, r=r, dt=dt)
+                    plt.store(injo_ref.at[sj], injs[0].astype(dt))
+        return carry
+    lax.fori_loop(0, -(-n_up // programs), up, 0)
+
+
+def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float, sync=None,
+                    interpret: bool = False, tiles1: kernel.Tiles1 | None = None, tiles: TilesOne | None = None,
+                    launches: int = 1, w_down_scale=None, w_up_scale=None):
+    """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims) in one launch (see the
+    module's note); the arguments and results of `pallas.hc_boundary_m1`, whose tiles (`tiles1`) the tasks take,
+    plus `sync` (a `grid_sync.counter()`, or None: one is made here) and `tiles` (TilesOne). launches=2: the same
+    task loops as two launches without the barrier (tests)."""
+    dt = h.dtype
+    lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, 1, "hc_boundary_one")
+    t1 = tiles1 or kernel.choose_tiles1(s, d, r)
+    if s != kernel._pow2(s) or r % t1.bn or s % t1.bn or d % t1.bd:
+        raise ValueError(f"hc_boundary_one: S={s} (a power of two), r={r}, D={d} do not fit the tiles {t1}")
+    fp8 = kernel.check_fp8_scales("hc_boundary_one", r, sd, w_down_scale, w_up_scale)
+    if fp8 and (128 % t1.bn or 128 % t1.bd):
+        raise ValueError(f"hc_boundary_one FP8: bn={t1.bn} and bd={t1.bd} must divide the 128-row blocks")
+    if launches not in (1, 2):
+        raise ValueError(f"hc_boundary_one: launches={launches} (1, or 2 for the tests' split)")
+    has_y, has_inj = y is not None, w_inj is not None
+    n_prog_rows = r // t1.bn + (s // t1.bn if has_inj else 0)
+    n_down_tasks = n_prog_rows * s
+    t = tiles or choose_tiles(n_down_tasks)
+    programs = resolve_programs(t, n_down_tasks, interpret, launches)
+    flat = stacked.flatten
+    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
+    ch = kernel._largest_pow2_divisor(d, 128)
+    ins = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ()) + (flat(hc_norm), flat(w_down)) + (
+        (flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ()) + (flat(w_up),) + (
+        (flat(f32(w_up_scale)),) if fp8 else ())
+    scratch = [jax.ShapeDtypeStruct((s * n_prog_rows * t1.bn,), F32), jax.ShapeDtypeStruct((n_prog_rows * s,), F32)]
+    outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s * d,), dt)] if has_y else []) + (
+        [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
+    params = {} if interpret else {
+        "compiler_params": plt.CompilerParams(num_warps=t1.num_warps, num_stages=t1.num_stages)}
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    body = functools.partial(
+        _one_kernel, s=s, d=d, r=r, bn=t1.bn, bd=t1.bd, ch=ch, q=d // ch, eps=eps, has_y=has_y, has_inj=has_inj,
+        fp8=fp8, wround=bool(t1.wround), fold=bool(t1.fold), early=bool(t1.early),
+        down_pieces=tuple(kernel._down_pieces(d // ch, t1.pieces)), up_pieces=tuple(kernel._up_pieces(r, t1.pieces)),
+        n_down_tasks=n_down_tasks, n_prog_rows=n_prog_rows, programs=programs, max_polls=t.max_polls,
+        interpret=interpret)
+    name = "hc_boundary1" + ("_fp8" if fp8 else "")
+
+    def call(phases, args, out_shape):
+        return stacked.call(functools.partial(body, phases=phases), args, grid=(programs,),
+                            in_specs=[whole] * len(args), out_specs=[whole] * len(out_shape), out_shape=out_shape,
+                            interpret=interpret, name=name + ("" if phases == "both" else "_" + phases), **params)
+    if launches == 1:
+        if sync is None:
+            sync = grid_sync.counter(interpret)
+        res = call("both", ins + (sync,), outs + scratch)
+    else:
+        part, rstd = call("down", ins, scratch)
+        res = call("up", ins + (part, rstd), outs)
+    x = res[0].reshape(*lead, d)
+    h_new = res[1].reshape(h.shape) if has_y else h
+    inj = res[1 + has_y].reshape(*lead, s) if has_inj else None
+    return h_new, x, inj

@@ -1,0 +1,126 @@
+"""The one-token hyper-connection boundary in one launch (fnx/pallas/hc/one.py): its tasks are the two one-token
+kernels' own code, so its results equal `hc_boundary_m1`'s bit for bit, in one launch (one program under the
+interpreter, the barrier's atomic included) and split into two launches over several programs (the task loops'
+split, the last round's masked tasks); the model's wiring (op "hc_boundary_one", the counter made once per
+program); the CUDA lowering with the barrier's polling loop."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fnx.model import hyper, quant
+from fnx.pallas import dispatch, grid_sync
+from fnx.pallas.hc import api, one
+from fnx.pallas.hc import pallas as kernel
+from tests.pallas.kernel_mode import INTERPRET, KERNEL, ops_outside_kernels  # noqa: F401
+from tests.pallas.test_hc import _args, _inputs
+
+
+def _fp8_args(p, inject):
+    wd = quant.quantize_fp8_block(p["input_mix_weight_down"].astype(jnp.float32))
+    wu = quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32))
+    return (p["hc_norm"], wd.w, wu.w, p["block_inject_weight"] if inject else None), \
+        {"w_down_scale": wd.scale_inv, "w_up_scale": wu.scale_inv}
+
+
+def _same(got, want):
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        if w is None:
+            assert g is None, what
+            continue
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert g.shape == w.shape and np.all(np.isfinite(g)), what
+        np.testing.assert_array_equal(g, w, err_msg=what)
+
+
+CASES = [  # dtype, fp8 weights, with y (the combine), inject, m1 tiles
+    (jnp.bfloat16, True, True, True, None),
+    (jnp.float32, False, True, True, kernel.Tiles1(bn=2, bd=16, fold=0, early=0)),
+    (jnp.bfloat16, False, False, True, kernel.Tiles1(bn=4, bd=32)),
+    (jnp.bfloat16, True, True, False, kernel.Tiles1(bn=1, bd=16, pieces=False)),
+]
+
+
+@pytest.mark.parametrize("dtype,fp8,with_y,inject,t1", CASES)
+@pytest.mark.parametrize("launches,programs", [(1, 1), (2, 3), (2, 7)])
+def test_one_launch_equals_the_two_kernels(dtype, fp8, with_y, inject, t1, launches, programs):
+    if launches == 1 and not INTERPRET:
+        programs = 0                # on a GPU: the default count, two per SM (the barrier waits for them all)
+    d, r = (256, 32) if fp8 else (320, 40)      # FP8: whole 128-blocks; dense: non-power-of-two D and r (pieces)
+    h, y, inj, p = _inputs((1, 1), 4, d, r, dtype, np.random.randint(1 << 30), inject)
+    y, inj = (y, inj) if with_y else (None, None)
+    if fp8:
+        args, scales = _fp8_args(p, inject)
+    else:
+        args, scales = _args(p, inject), {}
+    want = kernel.hc_boundary_m1(h, y, inj, *args, streams=4, eps=1e-6, interpret=INTERPRET, tiles=t1, **scales)
+    got = one.hc_boundary_one(h, y, inj, *args, streams=4, eps=1e-6, interpret=INTERPRET, tiles1=t1,
+                              tiles=one.TilesOne(programs=programs), launches=launches, **scales)
+    _same(got, want)
+
+
+def test_one_launch_counts_programs_and_refuses_what_cannot_run(monkeypatch):
+    """Under the interpreter one launch has one program (more would wait forever at the barrier): named counts
+    raise, saying so; the default picks one. On a GPU the default is two programs per SM, at most the down tasks,
+    and a count the device cannot hold resident raises."""
+    assert one.resolve_programs(one.TilesOne(), 648, interpret=True, launches=1) == 1
+    with pytest.raises(ValueError, match="one after another"):
+        one.resolve_programs(one.TilesOne(programs=4), 648, interpret=True, launches=1)
+    assert one.resolve_programs(one.TilesOne(programs=4), 648, interpret=True, launches=2) == 4
+    monkeypatch.setattr(one, "sm_count", lambda: 132)
+    assert one.resolve_programs(one.TilesOne(), 648, interpret=False, launches=1) == 264
+    assert one.resolve_programs(one.TilesOne(), 100, interpret=False, launches=1) == 100
+    with pytest.raises(ValueError, match="resident at once"):
+        one.resolve_programs(one.TilesOne(programs=265), 648, interpret=False, launches=1)
+    with pytest.raises(ValueError, match="programs=-1"):
+        one.resolve_programs(one.TilesOne(programs=-1), 648, interpret=False, launches=1)
+    monkeypatch.setenv(one.TILES_ENV, "programs=64,max_polls=1000")
+    assert one.choose_tiles(648) == one.TilesOne(programs=64, max_polls=1000)
+    monkeypatch.setenv(one.TILES_ENV, "program=64")
+    with pytest.raises(ValueError, match="not field=value"):
+        one.choose_tiles(648)
+
+
+def test_model_boundary_through_one_launch(monkeypatch):
+    """FNX_KERNELS=hc_boundary_one=<kernel> routes the model's one-token boundaries through one launch each, with
+    the counter given (no counter launch of its own): the same values as the two kernels."""
+    h, y, inj, p = _inputs((1, 1), 4, 256, 32, jnp.bfloat16, np.random.randint(1 << 30))
+    monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_one={KERNEL}")
+    assert api.choose(None, None, tokens=1) == (api.OP_ONE, KERNEL)
+    assert api.choose(None, None, tokens=5)[0] != api.OP_ONE
+    sync = grid_sync.counter(INTERPRET)
+    names = []
+
+    def run(h, y, inj):
+        return hyper.boundary(p, h, y, inj, 4, 1e-6, sync=sync)
+    jaxpr = jax.make_jaxpr(run)(h, y, inj)
+    for e in jaxpr.jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            names.append(str(e.params.get("name_and_src_info", e.params.get("name", ""))))
+    assert len(names) == 1 and "hc_boundary1" in names[0], names
+    got = jax.jit(run)(h, y, inj)
+    monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_m1={KERNEL}")
+    want = jax.jit(lambda h, y, inj: hyper.boundary(p, h, y, inj, 4, 1e-6))(h, y, inj)
+    _same(got, want)
+    assert "hc_boundary_one" in dispatch.KNOWN_OPS and "hc_boundary_one" not in dispatch.VERIFIED_ON_GPU
+
+
+def test_lowers_for_cuda_released_shapes():
+    """The released widths (4 x 2560, rank 320, FP8 Wdown / Wup, Winj) in one launch of 264 programs: the Triton
+    lowering holds the barrier's polling loop (an scf.while around an acquire-release atomic)."""
+    from jax._src.lib.mlir import ir  # noqa: F401
+    import sys
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import sass_count as sc
+    t = one.TilesOne(programs=264)
+    fn = lambda *a: one.hc_boundary_one(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
+                                        tiles=t, sync=a[9])
+    args = sc._hc_args("fp8", 1) + [jax.ShapeDtypeStruct((1,), jnp.int32)]
+    kernels = sc._launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+    assert [k[0] for k in kernels] == ["hc_boundary1_fp8"]
+    text = kernels[0][3]
+    assert "scf.while" in text and "tt.atomic_rmw add, acq_rel, gpu" in text
+    assert text.count("gpu.barrier") >= 2
