@@ -137,7 +137,8 @@ def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens
     streams = hn.reshape(bsz, length, cfg.hc_count, cfg.hidden_size)
     x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
     h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
-    out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False)
+    out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False,
+                               sync=meta.get("hc_sync"))
     if at is not None:
         out = jnp.take_along_axis(out, at.astype(jnp.int32).reshape(bsz, 1, 1), axis=1)      # [B, 1, D]
     rows = params["lm_head"] if head is None else head

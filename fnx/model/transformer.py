@@ -215,9 +215,10 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
             h = h + out
     with jax.named_scope("hc"):
         if pending is None:
-            x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
+            x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps, sync=meta.get("hc_sync"))
         else:                         # the previous layer's combine and this gated residual: one boundary
-            h, x, inj = hyper.boundary(p["attn_hyper_connection"], h, pending[0], pending[1], s, eps)
+            h, x, inj = hyper.boundary(p["attn_hyper_connection"], h, pending[0], pending[1], s, eps,
+                                       sync=meta.get("hc_sync"))
     if kind == LINEAR:
         with jax.named_scope("gdn"):
             y, st["conv"], st["rec"], a = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg, n_valid,
@@ -230,7 +231,7 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
     aux.update(a)
     # the mixer's combine and the MLP's gated residual: one boundary (a single fused kernel at decode sizes)
     with jax.named_scope("hc"):
-        h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps)
+        h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps, sync=meta.get("hc_sync"))
     with jax.named_scope("moe"):
         y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
     if defer:
@@ -252,7 +253,18 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
     if n_valid is None:
         n_valid = jnp.full(pos0.shape, length, jnp.int32)
     return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
-            "n_valid": n_valid.astype(jnp.int32)}
+            "n_valid": n_valid.astype(jnp.int32), "hc_sync": hc_sync(pos0.shape[0] * length)}
+
+
+def hc_sync(tokens: int):
+    """The grid barrier's counter that every one-launch hyper-connection boundary of a program shares
+    (`fnx.pallas.grid_sync`), made once per program where one-token boundaries run in one launch (op
+    "hc_boundary_one"); else None."""
+    from fnx.pallas.hc import api as hc_api
+    if tokens != 1 or not hc_api.one_launch():
+        return None
+    from fnx.pallas import dispatch, grid_sync
+    return grid_sync.counter(dispatch.interpret_flag(dispatch.resolve(hc_api.OP_ONE, None)))
 
 
 def ple_split_point(cfg: ModelConfig) -> int | None:
@@ -437,7 +449,7 @@ def _finish(params, state, tokens, out, cfg, snapshots, collect):
     pos0 = state["pos"]
     with jax.named_scope("head"):   # the last layer's combine and the final mixer: one boundary
         h, x, _ = hyper.boundary(params["hyper_connection_mixer"], carry[0], carry[1], carry[2], cfg.hc_count,
-                                 cfg.rms_norm_eps, inject=False)
+                                 cfg.rms_norm_eps, inject=False, sync=meta.get("hc_sync"))
         logits = linear(x, params["lm_head"])
     ctx_x = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)
     width = state["ngram_ctx"].shape[1]

@@ -91,15 +91,12 @@ def test_model_boundary_through_one_launch(monkeypatch):
     assert api.choose(None, None, tokens=1) == (api.OP_ONE, KERNEL)
     assert api.choose(None, None, tokens=5)[0] != api.OP_ONE
     sync = grid_sync.counter(INTERPRET)
-    names = []
 
     def run(h, y, inj):
         return hyper.boundary(p, h, y, inj, 4, 1e-6, sync=sync)
     jaxpr = jax.make_jaxpr(run)(h, y, inj)
-    for e in jaxpr.jaxpr.eqns:
-        if e.primitive.name == "pallas_call":
-            names.append(str(e.params.get("name_and_src_info", e.params.get("name", ""))))
-    assert len(names) == 1 and "hc_boundary1" in names[0], names
+    names = _pallas_names(jaxpr.jaxpr)
+    assert names == ["hc_boundary1"], names
     got = jax.jit(run)(h, y, inj)
     monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_m1={KERNEL}")
     want = jax.jit(lambda h, y, inj: hyper.boundary(p, h, y, inj, 4, 1e-6))(h, y, inj)
@@ -115,12 +112,58 @@ def test_lowers_for_cuda_released_shapes():
     import os
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import sass_count as sc
-    t = one.TilesOne(programs=264)
-    fn = lambda *a: one.hc_boundary_one(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
-                                        tiles=t, sync=a[9])
-    args = sc._hc_args("fp8", 1) + [jax.ShapeDtypeStruct((1,), jnp.int32)]
-    kernels = sc._launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
+    kernels = sc.hc_one_kernels("fp8", one.TilesOne(programs=264))
     assert [k[0] for k in kernels] == ["hc_boundary1_fp8"]
     text = kernels[0][3]
     assert "scf.while" in text and "tt.atomic_rmw add, acq_rel, gpu" in text
     assert text.count("gpu.barrier") >= 2
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tests.conftest import load_script
+    tiny = load_script("make_tiny_checkpoint")
+    return tiny.write_checkpoint(tmp_path_factory.mktemp("hc_one") / "tiny-a", "tiny-a", seed=0)
+
+
+def _pallas_names(jaxpr) -> list[str]:
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pallas_call":
+            out.append(str(e.params["name"]))
+            continue
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", None)
+            if inner is not None:
+                out += _pallas_names(getattr(inner, "jaxpr", inner))
+    return out
+
+
+def test_model_decode_step_with_one_launch_boundaries(tiny_dir, monkeypatch):
+    """The tiny model's one-token step with its boundaries in one launch each: the same logits as with the two
+    kernels (their task code), one counter launch for the whole step, one launch per boundary."""
+    import fnx
+    from fnx.model import transformer
+    model = fnx.load(tiny_dir, dtype=jnp.bfloat16)
+    cfg = model.cfg
+    from fnx.ple import initial_context, ngram_ids
+    toks = np.asarray([[7]], np.int32)
+    ids = jnp.asarray(toks)
+    ple = None if model.ngram is None else jnp.asarray(
+        ngram_ids(initial_context(1, model.ngram), toks, model.ngram)[0], jnp.int32)
+
+    def step(params, state):
+        return transformer.step(params, state, ids, ple, cfg=cfg)[0]
+    runs = {}
+    for op in ("hc_boundary_m1", "hc_boundary_one"):
+        monkeypatch.setenv("FNX_KERNELS", f"{op}={KERNEL}")
+        jax.clear_caches()
+        state = fnx.new_state(model, 1, 8)
+        names = _pallas_names(jax.make_jaxpr(step)(model.params, state).jaxpr)
+        runs[op] = (np.asarray(jax.jit(step)(model.params, state), np.float32), names)
+    (want, two), (got, one_) = runs["hc_boundary_m1"], runs["hc_boundary_one"]
+    np.testing.assert_array_equal(got, want)
+    boundaries = sum(n.startswith("hc_down1") for n in two)
+    assert boundaries >= 2 * cfg.num_hidden_layers and sum(n.startswith("hc_up1") for n in two) == boundaries
+    assert sum(n.startswith("hc_boundary1") for n in one_) == boundaries
+    assert one_.count("fnx_grid_sync_init") == 1 and not any(n.startswith("hc_down1") for n in one_)
