@@ -9,8 +9,10 @@ value is a multiple of P whatever ran before, and one counter serves every launc
 on one stream never overlap). A copy XLA might make of it keeps that property.
 
 The barrier. Each program waits for its own threads (a CTA barrier, so their stores come before its arrival), adds 1
-with acquire-release semantics at GPU scope, and polls (an atomic add of 0) until the counter reaches the next
-multiple of P; then its threads wait for each other again. Every one of the P programs must be resident at once:
+with acquire-release semantics at GPU scope, polls with volatile loads until the counter reaches the next multiple of
+P, reads it once more with an acquire-release atomic (the acquire: the others' stores before their arrivals are
+visible to what follows; in the stock sm_90 build the atomic is followed by `CCTL.IVALL`, invalidating the SM's L1),
+and its threads wait for each other again. Every one of the P programs must be resident at once:
 P must not exceed what the GPU runs concurrently (the callers take at most two programs per SM and check it). A
 program that polls `max_polls` times without seeing the others gives up and reports it (`barrier` returns False):
 callers write NaN then, so a broken assumption shows in the results instead of hanging the device.
@@ -59,8 +61,9 @@ def barrier(ctr_ref, programs: int, max_polls: int = MAX_POLLS, interpret: bool 
     def waiting(c):
         return (c[0] < target) & (c[1] < max_polls)
 
-    def poll(c):
-        return plt.atomic_add(ctr_ref, (zero,), zero), c[1] + 1
-    seen, _ = lax.while_loop(waiting, poll, (old + 1, zero))
+    def poll(c):    # a volatile load (no L1, no fence): polls do not queue behind the arrivals' atomics
+        return plt.load(ctr_ref.at[zero], volatile=True), c[1] + 1
+    polled, _ = lax.while_loop(waiting, poll, (old + 1, zero))
+    seen = plt.atomic_add(ctr_ref, (zero,), zero)   # the acquire: what the others stored before arriving, visible
     plt.debug_barrier()                         # every thread of the program past the arrival of the others
-    return seen >= target
+    return (polled >= target) & (seen >= target)    # (the loop's result used: it is not dead code)
