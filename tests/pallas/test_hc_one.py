@@ -64,7 +64,7 @@ def test_one_launch_equals_the_two_kernels(dtype, fp8, with_y, inject, t1, launc
 def test_one_launch_counts_programs_and_refuses_what_cannot_run(monkeypatch):
     """Under the interpreter one launch has one program (more would wait forever at the barrier): named counts
     raise, saying so; the default picks one. On a GPU the default is two programs per SM, at most the down tasks;
-    a named count may take four per SM, and more raises (they could not all be resident for the barrier)."""
+    a named count may take five per SM, and more raises (they could not all be resident for the barrier)."""
     assert one.resolve_programs(one.TilesOne(), 648, interpret=True, launches=1) == 1
     with pytest.raises(ValueError, match="one after another"):
         one.resolve_programs(one.TilesOne(programs=4), 648, interpret=True, launches=1)
@@ -72,9 +72,9 @@ def test_one_launch_counts_programs_and_refuses_what_cannot_run(monkeypatch):
     monkeypatch.setattr(one, "sm_count", lambda: 132)
     assert one.resolve_programs(one.TilesOne(), 648, interpret=False, launches=1) == 264
     assert one.resolve_programs(one.TilesOne(), 100, interpret=False, launches=1) == 100
-    assert one.resolve_programs(one.TilesOne(programs=528), 648, interpret=False, launches=1) == 528
+    assert one.resolve_programs(one.TilesOne(programs=660), 648, interpret=False, launches=1) == 660
     with pytest.raises(ValueError, match="resident at once"):
-        one.resolve_programs(one.TilesOne(programs=529), 648, interpret=False, launches=1)
+        one.resolve_programs(one.TilesOne(programs=661), 648, interpret=False, launches=1)
     with pytest.raises(ValueError, match="programs=-1"):
         one.resolve_programs(one.TilesOne(programs=-1), 648, interpret=False, launches=1)
     monkeypatch.setenv(one.TILES_ENV, "programs=64,max_polls=1000")

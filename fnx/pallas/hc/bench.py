@@ -134,7 +134,7 @@ def cases(quick: bool) -> list[BenchCase]:
             from fnx.pallas.hc import few
             variants += [("few-mma", few.TilesFew()), ("few", t1), ("few-loop", dataclasses.replace(t1, tokens="loop"))]
         if m == 1:      # the one-launch boundary (op hc_boundary_one; FP8 Wdown / Wup as the model runs them):
-            # P = two programs per SM (the default), three and four
+            # P = two programs per SM (the default), three, four, and every down task its own program (<= 5 per SM)
             from fnx.pallas import dispatch
             from fnx.pallas.hc import one
             f8 = _fp8_sets(arg_sets)
@@ -143,11 +143,10 @@ def cases(quick: bool) -> list[BenchCase]:
             # its x against the two kernels' (the same task code: 0 unless the barrier let a program read too early)
             two = lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl="pallas_interpret" if interp  # noqa
                                              else "pallas", w_down_scale=a[7], w_up_scale=a[8])[1]
-            for per_sm in (0, 3, 4):
-                sms = one.sm_count() or 0
-                t = one.TilesOne(programs=per_sm * sms) if per_sm and sms else one.TilesOne()
-                if per_sm and not sms:
-                    continue
+            sms = one.sm_count() or 0
+            tasks = (r + s) // kernel.choose_tiles1(s, d, r).bn * s
+            for per_sm in ((0, 3, 4, 5) if sms else (0,)):
+                t = one.TilesOne(programs=min(per_sm * sms, tasks)) if per_sm else one.TilesOne()
                 out.append(BenchCase(
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl="one",
                     fn=lambda *a, _t=t: one.hc_boundary_one(*a[:7], streams=s, eps=1e-6, tiles=_t, interpret=interp,

@@ -11,7 +11,7 @@ SM's L1 for later loads). The tasks are the two kernels'
 own code (`pallas._down1_task`, `pallas._up1_task`), so the results are theirs bit for bit.
 
 P programs must all be resident at once: P defaults to two per SM of the device (at most the down tasks), and a
-named P (`TilesOne.programs`, `FNX_HC_ONE_TILES`) may take up to four per SM. A program that waits too long at the barrier (a co-residency failure) writes NaN in its x
+named P (`TilesOne.programs`, `FNX_HC_ONE_TILES`) may take up to five per SM. A program that waits too long at the barrier (a co-residency failure) writes NaN in its x
 columns instead of hanging. The Pallas interpreter runs programs one after another, so on the CPU one launch runs
 with P = 1; `launches=2` runs the same task loops as two launches with no barrier (any P: how the tests check the
 task split on the CPU).
@@ -36,8 +36,10 @@ from fnx.pallas.hc import pallas as kernel
 
 F32 = jnp.float32
 PROGRAMS_PER_SM = 2            # the default P per SM
-MAX_PROGRAMS_PER_SM = 4        # the most a named P may ask (the stock sm_90 build: 96 registers a thread at 4 warps,
-                               # so five programs fit an SM's registers; the polling bound catches a wrong guess)
+MAX_PROGRAMS_PER_SM = 5        # the most a named P may ask (the stock sm_90 build: 96 registers a thread at 4 warps,
+                               # so five programs fit an SM's 64K registers; the polling bound catches a wrong guess).
+                               # Why more than the default: a program walks its tasks one after another (each a memory
+                               # round trip), where the two kernels keep ~5 programs of one task each in flight per SM
 TILES_ENV = "FNX_HC_ONE_TILES"
 
 
