@@ -19,6 +19,7 @@ import shlex
 import sys
 
 ITEMIZED = ("FNX_KERNELS",)     # and every FNX_*_TILES variable: comma-separated key=value items
+BY_SHAPE = {"FNX_GEMV_TILES": "/"}   # items per call shape ("fmt:N:K:M=fields"), apart by this separator
 
 
 def load(paths: list[str]) -> list[dict]:
@@ -68,6 +69,8 @@ def wins(g: dict, min_gain: float, tol: float) -> bool:
 
 
 def _items(name: str, value: str) -> list[tuple[str, str]]:
+    if name in BY_SHAPE:
+        return [(part.split("=", 1)[0].strip(), part.strip()) for part in value.split(BY_SHAPE[name]) if part.strip()]
     if name in ITEMIZED or name.endswith("_TILES"):
         return [(part.split("=", 1)[0].strip(), part.strip()) for part in value.split(",") if part.strip()]
     return [("", value)]
@@ -85,7 +88,7 @@ def merge(winners: list[dict]) -> dict[str, str]:
     out: dict[str, list[str]] = {}
     for (name, _), (_, item) in chosen.items():
         out.setdefault(name, []).append(item)
-    return {name: ",".join(items) for name, items in out.items()}
+    return {name: BY_SHAPE.get(name, ",").join(items) for name, items in out.items()}
 
 
 def main() -> None:

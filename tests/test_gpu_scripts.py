@@ -250,16 +250,20 @@ def test_pick_winners_compares_each_sweep_with_its_own_base_and_merges_the_winne
             rec("b", "base", {}, 510, 305, 905),
             rec("b", "xla1", {"FNX_HC_FEW_TILES": "mid=xla1"}, 510, 305, 895),                  # -10: wins
             rec("b", "fold", {"FNX_HC_FEW_TILES": "pre=fold,mid=pallas"}, 509, 300, 870),        # -40: wins
-            rec("b", "m1", {"FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}, 490, 305, 905)]  # step -20
+            rec("b", "m1", {"FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}, 490, 305, 905),  # step -20
+            rec("b", "gs8", {"FNX_GEMV_TILES": "fp8:2560:6144:1=bn=8,split=1"}, 500, 305, 905),  # step -10: wins
+            rec("b", "gs4", {"FNX_GEMV_TILES": "fp8:2560:6144:1=bn=4,split=1/fp8:1280:2560:1=rows=2"},
+                505, 305, 905)]                                  # step -5: wins, its 2560 x 6144 item loses to gs8
     path = tmp_path / "probe.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     out = _run(["scripts/pick_winners.py", str(path)], tmp_path)
     won = {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln}
-    assert won == {"pair", "xla1", "fold", "m1"}, out
+    assert won == {"pair", "xla1", "fold", "m1", "gs8", "gs4"}, out
     exports = _run(["scripts/pick_winners.py", str(path), "--export"], tmp_path).splitlines()
     env = dict(line.removeprefix("export ").split("=", 1) for line in exports)
     assert env == {"FNX_KERNELS": "gemv_pair_many=pallas", "FNX_HC_FEW_TILES": "mid=pallas,pre=fold",
-                   "FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}, env
+                   "FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1",
+                   "FNX_GEMV_TILES": "fp8:2560:6144:1=bn=8,split=1/fp8:1280:2560:1=rows=2"}, env
     # a stricter threshold keeps only the larger gains
     out = _run(["scripts/pick_winners.py", str(path), "--min-gain-us", "30"], tmp_path)
     assert {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln} == {"pair", "fold"}, out

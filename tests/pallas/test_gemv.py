@@ -255,7 +255,7 @@ def test_shape_tiles_knob_replaces_one_shapes_tiles(monkeypatch):
     plain = {m: api.tiles_for("fp8", n, k, m) for m in (1, 5)}
     other = api.tiles_for("fp8", 10240, 2560, 1)
     head = api.tiles_for("fp8", n, k, 1, argmax=True)
-    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=bn=8,split=4 ; bf16:256:512:8=split=2")
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=bn=8,split=4 / bf16:256:512:8=split=2")
     assert api.tiles_for("fp8", n, k, 1) == dataclasses.replace(plain[1], bn=8, split=4) != plain[1]
     assert api.tiles_for("fp8", n, k, 5) == plain[5]
     assert api.tiles_for("fp8", 10240, 2560, 1) == other

@@ -130,13 +130,14 @@ _shape_logged: set = set()
 
 
 def shape_overrides(spec: str | None = None) -> dict:
-    """`FNX_GEMV_TILES` ("KEY=field=value,...;KEY=...", KEY as in the tuned tables: "fmt:N:K:Mbucket", with
-    ":argmax" for the fused-argmax heads) parsed into {KEY: {field: value}}: a benchmark knob that replaces tile
+    """`FNX_GEMV_TILES` ("KEY=field=value,.../KEY=...", KEY as in the tuned tables: "fmt:N:K:Mbucket", with
+    ":argmax" for the fused-argmax heads; "/" between keys, as ";" separates a round sweep's variants) parsed into
+    {KEY: {field: value}}: a benchmark knob that replaces tile
     fields of one call shape in a whole program (e.g. "fp8:2560:6144:1=bn=8,split=1": the GDN / QSA out_proj at one
     token without split-K, so no XLA sum follows it), read when a program is traced. A malformed key raises."""
     spec = os.environ.get(SHAPE_TILES_ENV, "") if spec is None else spec
     out: dict = {}
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
+    for part in filter(None, (p.strip() for p in spec.split("/"))):
         key, eq, fields = part.partition("=")
         bits = key.strip().split(":")
         ok = eq and len(bits) in (4, 5) and bits[0] in FORMATS and all(b.isdigit() and int(b) > 0 for b in bits[1:4])
