@@ -15,7 +15,8 @@ Run:
     python scripts/sass_count.py fp8 5 --gemv 16384x2560 --pair 96   # the several-token pair (gemv_pair_many)
     python scripts/sass_count.py fp8 5 pre=fold,mid=pallas --hc-few  # the few-token HC boundary's kernels
     python scripts/sass_count.py fp8 1 --hc-m1           # the one-token HC boundary's kernels (Tiles1 fields)
-    python scripts/sass_count.py fp8 1 programs=264 --hc-one  # the same in one launch (TilesOne fields)
+    python scripts/sass_count.py fp8 1 programs=264 --hc-one  # the same in one launch (TilesOne fields; at m > 1
+                                                         # tokens the few-token one, TilesFewOne fields)
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
     python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router)
 """
@@ -112,13 +113,15 @@ def hc_m1_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
     return _launches(jax.jit(fn).trace(*_hc_args(fmt, 1)).lower(lowering_platforms=("cuda",)))
 
 
-def hc_one_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
+def hc_one_kernels(fmt: str, tiles, m: int = 1) -> list[tuple[str, int, int, str]]:
     """The same for `fnx.pallas.hc.one.hc_boundary_one` (the one-token HC boundary in one launch, its grid barrier's
-    counter an argument; TilesOne `tiles`, the served Tiles1)."""
+    counter an argument; TilesOne `tiles`, the served Tiles1), or at m > 1 tokens `hc_boundary_one_few`
+    (TilesFewOne `tiles`)."""
     from fnx.pallas.hc import one
-    fn = lambda *a: one.hc_boundary_one(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa
-                                        tiles=tiles, sync=a[9])
-    args = _hc_args(fmt, 1) + [S((1,), jnp.int32)]
+    run = one.hc_boundary_one if m == 1 else one.hc_boundary_one_few
+    fn = lambda *a: run(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7], w_up_scale=a[8],  # noqa: E731
+                        tiles=tiles, sync=a[9])
+    args = _hc_args(fmt, m) + [S((1,), jnp.int32)]
     return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
 
 
@@ -218,7 +221,8 @@ def main() -> None:
     ap.add_argument("--hc-m1", action="store_true",
                     help="count the one-token HC boundary's kernels (fields: Tiles1's, e.g. bd=4; m is ignored)")
     ap.add_argument("--hc-one", action="store_true",
-                    help="count the one-token HC boundary in one launch (fields: TilesOne's, e.g. programs=264)")
+                    help="count the HC boundary in one launch (fields: TilesOne's, e.g. programs=264; at m > 1 tokens "
+                         "the few-token one's, TilesFewOne)")
     ap.add_argument("--gdn-step", action="store_true",
                     help="count the one-token GDN kernel (fields: StepTiles', e.g. block_v=32; m and fmt ignored)")
     ap.add_argument("--gdn-window", action="store_true",
@@ -262,10 +266,11 @@ def main() -> None:
     elif args.hc_one:
         from fnx.pallas import dispatch
         from fnx.pallas.hc import one
-        tiles = one.TilesOne(programs=264)
+        cls = one.TilesOne if args.m == 1 else one.TilesFewOne
+        tiles = cls(programs=264)
         if args.fields:
-            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, one.TilesOne, "fields"))
-        launches = hc_one_kernels(args.fmt, tiles)
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, cls, "fields"))
+        launches = hc_one_kernels(args.fmt, tiles, args.m)
     elif args.hc_few:
         from fnx.pallas.hc import few
         tiles = dataclasses.replace(few.TilesFew(), **few.tiles_override(args.fields)) if args.fields else \

@@ -258,13 +258,13 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
 
 def hc_sync(tokens: int):
     """The grid barrier's counter that every one-launch hyper-connection boundary of a program shares
-    (`fnx.pallas.grid_sync`), made once per program where one-token boundaries run in one launch (op
-    "hc_boundary_one"); else None."""
+    (`fnx.pallas.grid_sync`), made once per program where its boundaries (over `tokens` tokens) run in one launch
+    (ops "hc_boundary_one", "hc_boundary_few_one"); else None."""
     from fnx.pallas.hc import api as hc_api
-    if tokens != 1 or not hc_api.one_launch():
+    if not hc_api.one_launch(tokens):
         return None
     from fnx.pallas import dispatch, grid_sync
-    return grid_sync.counter(dispatch.interpret_flag(dispatch.resolve(hc_api.OP_ONE, None)))
+    return grid_sync.counter(dispatch.interpret_flag(dispatch.resolve(hc_api.one_launch_op(tokens), None)))
 
 
 def ple_split_point(cfg: ModelConfig) -> int | None:

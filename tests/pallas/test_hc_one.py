@@ -168,3 +168,90 @@ def test_model_decode_step_with_one_launch_boundaries(tiny_dir, monkeypatch):
     assert boundaries >= 2 * cfg.num_hidden_layers and sum(n.startswith("hc_up1") for n in two) == boundaries
     assert sum(n.startswith("hc_boundary1") for n in one_) == boundaries
     assert one_.count("fnx_grid_sync_init") == 1 and not any(n.startswith("hc_down1") for n in one_)
+
+
+FEW_CASES = [  # tokens, dtype, fp8 weights, with y, inject
+    (5, jnp.float32, True, True, True),
+    (2, jnp.float32, False, True, True),
+    (5, jnp.bfloat16, True, True, True),
+    (8, jnp.bfloat16, False, False, True),
+    (3, jnp.bfloat16, True, True, False),
+]
+
+
+@pytest.mark.parametrize("m,dtype,fp8,with_y,inject", FEW_CASES)
+@pytest.mark.parametrize("launches,programs", [(1, 1), (2, 3)])
+def test_few_tokens_one_launch_matches_reference(m, dtype, fp8, with_y, inject, launches, programs):
+    """2..8 tokens in one launch: the tensor-core down tasks (the 1/rms on each row's sum, as the one-token kernels'
+    `fold`) and hc_up1's tasks over the tokens, against the reference: fp32 to 1e-5 (only the order of sums and
+    where the 1/rms multiplies differ), bf16 within the HC tests' tolerance, H' bit for bit."""
+    from tests.pallas.test_hc import TOL, _close
+    if launches == 1 and not INTERPRET:
+        programs = 0
+    d, r = 256, 32
+    h, y, inj, p = _inputs((1, m), 4, d, r, dtype, np.random.randint(1 << 30), inject)
+    y, inj = (y, inj) if with_y else (None, None)
+    if fp8:
+        args, scales = _fp8_args(p, inject)
+        wd = quant.dequantize(quant.Fp8Block(args[1], scales["w_down_scale"], (128, 128)), dtype)
+        wu = quant.dequantize(quant.Fp8Block(args[2], scales["w_up_scale"], (128, 128)), dtype)
+        ref_args = (args[0], wd, wu, args[3])
+    else:
+        args, scales = _args(p, inject), {}
+        ref_args = args
+    from fnx.pallas.hc import reference
+    want = reference.hc_boundary(h, y, inj, *ref_args, streams=4, eps=1e-6)
+    got = one.hc_boundary_one_few(h, y, inj, *args, streams=4, eps=1e-6, interpret=INTERPRET, launches=launches,
+                                  tiles=one.TilesFewOne(bn=16, bk=64, bd=16, programs=programs, early=m % 2),
+                                  **scales)
+    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
+    for g, w, what in zip(got, want, ("H'", "x", "inj")):
+        if w is None:
+            assert g is None, what
+        else:
+            _close(g, w, tol, what)
+    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+
+
+def test_few_tokens_one_launch_refuses_tiles_that_do_not_fit():
+    assert one.check_few(4, 2560, 320, one.TilesFewOne()) is None
+    assert "bn=24" in one.check_few(4, 2560, 320, one.TilesFewOne(bn=24))
+    assert one.check_few(4, 32, 8, one.TilesFewOne(bk=32)) is None      # r < bn: the rows past r masked
+    assert "bk=256" in one.check_few(4, 2560, 320, one.TilesFewOne(bk=256))
+    assert "bd=3" in one.check_few(4, 2560, 320, one.TilesFewOne(bd=3))
+    assert "S=3" in one.check_few(3, 2560, 320, one.TilesFewOne())
+    h, y, inj, p = _inputs((1, 5), 4, 256, 32, jnp.bfloat16, 0)
+    with pytest.raises(ValueError, match="bn=8: a power of two in 16..128"):
+        one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
+                                tiles=one.TilesFewOne(bn=8))
+    assert one.few_tiles(2560, 320).bk == 128 and one.few_tiles(96, 8).bk == 32
+
+
+def test_model_verify_window_with_one_launch_boundaries(tiny_dir, monkeypatch):
+    """The tiny model's five-token call (an MTP verify window's shape, with rollback snapshots) with every boundary in
+    one launch (op "hc_boundary_few_one"): one counter launch, one launch per boundary, logits within bf16 noise of
+    the reference boundaries (the 1/rms multiplies each down row's sum, not Hn: not the reference's bits)."""
+    import fnx
+    from fnx.model import transformer
+    from fnx.ple import initial_context, ngram_ids
+    model = fnx.load(tiny_dir, dtype=jnp.bfloat16)
+    cfg = model.cfg
+    toks = np.asarray([[7, 3, 11, 5, 2]], np.int32)
+    ple = None if model.ngram is None else jnp.asarray(
+        ngram_ids(initial_context(1, model.ngram), toks, model.ngram)[0], jnp.int32)
+
+    def step(params, state):
+        return transformer.step(params, state, jnp.asarray(toks), ple, cfg=cfg, snapshots=True)[0]
+    runs = {}
+    for spec in ("reference", f"hc_boundary_few_one={KERNEL}"):
+        monkeypatch.setenv("FNX_KERNELS", spec)
+        jax.clear_caches()
+        state = fnx.new_state(model, 1, 16)
+        names = _pallas_names(jax.make_jaxpr(step)(model.params, state).jaxpr)
+        runs[spec] = (np.asarray(jax.jit(step)(model.params, state), np.float32), names)
+    (want, none), (got, names) = runs["reference"], runs[f"hc_boundary_few_one={KERNEL}"]
+    assert none == []
+    assert names.count("fnx_grid_sync_init") == 1
+    assert sum(n.startswith("hc_boundary_few1") for n in names) >= 2 * cfg.num_hidden_layers
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert np.all(np.isfinite(got)) and err < 3e-2, err

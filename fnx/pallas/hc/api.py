@@ -11,6 +11,8 @@ OP_FEW = "hc_boundary_few"    # 2..FEW tokens (an MTP verify window): few.hc_bou
                               # Tiles1 name the earlier design (the one-token kernels over each token)
 OP_ONE = "hc_boundary_one"    # one token in one launch: one.hc_boundary_one (the two kernels' tasks, a grid barrier
                               # between); only where FNX_KERNELS names it (not measured on a GPU yet)
+OP_FEW_ONE = "hc_boundary_few_one"   # 2..FEW tokens in one launch: one.hc_boundary_one_few (tensor-core down tasks,
+                                     # hc_up1's tasks over the tokens); only where FNX_KERNELS names it
 MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
 MAX_FEW_TOKENS = 8           # = pallas.FEW_MAX_TOKENS
 
@@ -25,7 +27,7 @@ def op_for(tokens: int) -> str:
 def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool = False,
            pow2_streams: bool = True) -> tuple[str, str]:
     """(op, backend) for a boundary over `tokens` tokens. One token: OP_ONE where FNX_KERNELS names it and impl
-    names no backend, else OP_M1. 2..MAX_FEW_TOKENS tokens: the few-token kernels
+    names no backend, else OP_M1. 2..MAX_FEW_TOKENS tokens: OP_FEW_ONE likewise, else the few-token kernels
     (OP_FEW, bf16 or FP8 weights, streams a power of two) when that op resolves to a kernel (named by impl or
     FNX_KERNELS; not under auto: slower in the MTP round, see dispatch.AUTO_KEEPS_REFERENCE), else the
     multi-token design (OP, dense weights only)."""
@@ -33,6 +35,9 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
         if impl in (None, "auto") and not_applicable is None and pow2_streams and one_launch():
             return OP_ONE, dispatch.resolve(OP_ONE, None)
         return OP_M1, dispatch.resolve(OP_M1, impl, not_applicable=not_applicable)
+    if tokens <= MAX_FEW_TOKENS and impl in (None, "auto") and not_applicable is None and pow2_streams and \
+            one_launch(tokens):
+        return OP_FEW_ONE, dispatch.resolve(OP_FEW_ONE, None)
     if tokens <= MAX_FEW_TOKENS and not_applicable is None and pow2_streams:
         b = dispatch.resolve(OP_FEW, impl)
         if b != "reference":
@@ -42,11 +47,19 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
     return OP, dispatch.resolve(OP, impl, not_applicable=why)
 
 
-def one_launch() -> bool:
-    """Whether one-token boundaries run in one launch (op "hc_boundary_one" resolves to a kernel: FNX_KERNELS names
-    it; `auto` keeps the two kernels until it is measured). The model then makes the barrier's counter once per
-    program (`transformer.make_meta`)."""
-    return dispatch.resolve(OP_ONE, None) != "reference"
+def one_launch(tokens: int = 1) -> bool:
+    """Whether boundaries over `tokens` tokens run in one launch (op "hc_boundary_one" at one token,
+    "hc_boundary_few_one" at 2..MAX_FEW_TOKENS, resolves to a kernel: FNX_KERNELS names it; `auto` keeps the
+    other designs until it is measured). The model then makes the barrier's counter once per program
+    (`transformer.make_meta`)."""
+    if tokens == 1:
+        return dispatch.resolve(OP_ONE, None) != "reference"
+    return 2 <= tokens <= MAX_FEW_TOKENS and dispatch.resolve(OP_FEW_ONE, None) != "reference"
+
+
+def one_launch_op(tokens: int) -> str:
+    """The one-launch op for a boundary over `tokens` tokens."""
+    return OP_ONE if tokens == 1 else OP_FEW_ONE
 
 
 def backend(impl: str | None = None, not_applicable: str | None = None, tokens: int = 1, fp8: bool = False,
@@ -66,7 +79,9 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
     no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
     One token runs in one launch where op "hc_boundary_one" resolves to a kernel (`one.hc_boundary_one`, tiles a
-    `pallas.Tiles1` or None; `sync` its barrier's counter, `fnx.pallas.grid_sync.counter()`, or None: one is made).
+    `pallas.Tiles1` or None; `sync` its barrier's counter, `fnx.pallas.grid_sync.counter()`, or None: one is made),
+    2..MAX_FEW_TOKENS tokens where "hc_boundary_few_one" does (`one.hc_boundary_one_few`, tiles a `one.TilesFewOne`
+    or None).
     2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`):
     `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token
     (also what tiles None runs where no TilesFew fits the shapes, `few.default_tiles`).
@@ -99,6 +114,12 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
         return one.hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
                                    sync=sync, interpret=dispatch.interpret_flag(which), tiles1=tiles,
                                    w_down_scale=w_down_scale, w_up_scale=w_up_scale)
+    if op == OP_FEW_ONE:
+        from fnx.pallas.hc import one
+        return one.hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
+                                       sync=sync, interpret=dispatch.interpret_flag(which),
+                                       tiles=tiles if isinstance(tiles, one.TilesFewOne) else None,
+                                       w_down_scale=w_down_scale, w_up_scale=w_up_scale)
     from fnx.pallas.hc import few
     if op == OP_FEW and tiles is None:      # the MMA design's tiles, or the per-token kernels' where none fits
         d, r = h.shape[-1] // streams, w_down.shape[0]

@@ -17,7 +17,15 @@ with P = 1; `launches=2` runs the same task loops as two launches with no barrie
 task split on the CPU).
 
 The counter comes from the caller (`sync`, one `grid_sync.counter()` per program: the model makes one per decode
-program at one token, `transformer.make_meta`); without it this call makes its own (one launch more)."""
+program at one token, `transformer.make_meta`); without it this call makes its own (one launch more).
+
+A few tokens (2..8, an MTP verify window: `hc_boundary_one_few`, op "hc_boundary_few_one") run the same way, with
+another down task: one (row block of bn rows, stream) task multiplies the stream's round(H' (1 + w)) of every token
+(padded to 16 MMA rows, the padding masked off) by its rows of [Wdown; Winj] on the tensor cores, chunk by chunk
+over D (a loop whose loads Triton pipelines `num_stages` deep), sums each token's H'^2 on the way and scales its
+rows' sums by the token's 1/rms at the end (the one-token kernels' `fold` arithmetic); the up tasks are `hc_up1`'s,
+walking the tokens (its "loop" mode). The XLA boundary it would replace runs the combine, the norm, the down
+kernel, its split sum, silu, the up GEMV and the mix as 7-8 launches."""
 
 from __future__ import annotations
 
@@ -33,8 +41,12 @@ from jax.experimental.pallas import triton as plt
 
 from fnx.pallas import dispatch, grid_sync, stacked
 from fnx.pallas.hc import pallas as kernel
+from fnx.pallas.kernel_math import rnd
 
 F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands (the tests' fp32 runs): IEEE products; bf16: no effect
+MP = 16                               # token rows of each MMA (the real tokens first, the rest masked)
+MAX_FEW = 8
 PROGRAMS_PER_SM = 2            # the default P per SM
 MAX_PROGRAMS_PER_SM = 5        # the most a named P may ask (the stock sm_90 build: 96 registers a thread at 4 warps,
                                # so five programs fit an SM's 64K registers; the polling bound catches a wrong guess).
@@ -194,6 +206,222 @@ def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         n_down_tasks=n_down_tasks, n_prog_rows=n_prog_rows, programs=programs, max_polls=t.max_polls,
         interpret=interpret)
     name = "hc_boundary1" + ("_fp8" if fp8 else "")
+
+    def call(phases, args, out_shape):
+        return stacked.call(functools.partial(body, phases=phases), args, grid=(programs,),
+                            in_specs=[whole] * len(args), out_specs=[whole] * len(out_shape), out_shape=out_shape,
+                            interpret=interpret, name=name + ("" if phases == "both" else "_" + phases), **params)
+    if launches == 1:
+        if sync is None:
+            sync = grid_sync.counter(interpret)
+        res = call("both", ins + (sync,), outs + scratch)
+    else:
+        part, rstd = call("down", ins, scratch)
+        res = call("up", ins + (part, rstd), outs)
+    x = res[0].reshape(*lead, d)
+    h_new = res[1].reshape(h.shape) if has_y else h
+    inj = res[1 + has_y].reshape(*lead, s) if has_inj else None
+    return h_new, x, inj
+
+
+# ---- a few tokens (2..MAX_FEW) --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TilesFewOne:
+    bn: int = 16            # rows of [Wdown; Winj] per down task (the MMA's N: >= 16, divides 128; the rows past r
+                            # masked, Winj's S rows in blocks of their own after Wdown's)
+    bk: int = 128           # columns per MMA chunk (a power of two in 16..128 dividing D: a chunk in one FP8 block;
+                            # the defaults take the largest that divides D)
+    bd: int = 8             # output columns of every stream per up task (divides D and 128)
+    num_warps: int = 4
+    num_stages: int = 2     # the down task's chunk loop: loads Triton keeps in flight ahead of the MMA
+    early: int = 0          # up tasks: 1 = every token's operands loaded before any arithmetic (hc_up1's `early`;
+                            # the stock sm_90 build: 255 registers at five tokens, against 168 without)
+    programs: int = 0       # resident programs P (0: PROGRAMS_PER_SM per SM, at most the up tasks)
+    max_polls: int = grid_sync.MAX_POLLS
+
+
+FEW_TILES_ENV = "FNX_HC_FEW_ONE_TILES"
+
+
+def few_tiles(d: int, r: int) -> TilesFewOne:
+    """TilesFewOne's defaults; `FNX_HC_FEW_ONE_TILES` ("field=value,...", read when a program is traced) replaces
+    fields."""
+    bk = 128
+    while bk > 16 and d % bk:
+        bk //= 2
+    t = TilesFewOne(bk=bk)
+    spec = os.environ.get(FEW_TILES_ENV, "").strip()
+    if spec:
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesFewOne, FEW_TILES_ENV))
+    return t
+
+
+def check_few(s: int, d: int, r: int, t: TilesFewOne) -> str | None:
+    """None when the tiles fit S streams of D at rank r, else why not."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    if not (pow2(t.bn) and 16 <= t.bn <= 128):
+        return f"bn={t.bn}: a power of two in 16..128"
+    if not (pow2(t.bk) and 16 <= t.bk <= 128) or d % t.bk:
+        return f"bk={t.bk}: a power of two in 16..128 dividing D={d}"
+    if not pow2(t.bd) or d % t.bd or 128 % t.bd:
+        return f"bd={t.bd}: a power of two dividing D={d} and 128"
+    if not pow2(s):
+        return f"S={s} streams: a power of two (the streams are a tile axis)"
+    return None
+
+
+def _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, *, m, s, d, r, bn, bk, has_y,
+                   has_inj, fp8, eps):
+    """Rows block n of [Wdown; Winj] (bn rows; the blocks past Wdown's hold Winj's S rows, the rest masked) times
+    stream j of every token: ([MP, bn] fp32 row sums scaled by each token's 1/rms, the tokens' rstd [MP])."""
+    dt = h_ref.dtype
+    sd = s * d
+    tok = jnp.arange(MP, dtype=jnp.int32)
+    treal = tok < m
+    rows = jnp.arange(bn, dtype=jnp.int32)
+    kk = jnp.arange(bk, dtype=jnp.int32)
+    n_down = -(-r // bn)
+    is_down = n < n_down
+    drow = n * bn + rows
+    irow = (n - n_down) * bn + rows
+    dok = (drow < r) & is_down
+    iok = (irow < s) & jnp.logical_not(is_down)
+    ncb = (sd + 127) // 128
+    injv = plt.load(inj_ref.at[tok * s + j], mask=treal, other=0.0).astype(F32)[:, None] if has_y else None
+
+    def chunk(c, carry):
+        acc, ss = carry
+        dcol = c * bk + kk                                  # columns within the stream
+        col = j * d + dcol                                  # columns of S*D
+        w = plt.load(wd_ref.at[drow[:, None] * sd + col[None, :]], mask=dok[:, None], other=0.0).astype(dt)
+        if has_inj:         # one of the two loads touches no memory
+            w = w + plt.load(wi_ref.at[irow[:, None] * sd + col[None, :]], mask=iok[:, None], other=0.0).astype(dt)
+        hc = plt.load(h_ref.at[tok[:, None] * sd + col[None, :]], mask=treal[:, None], other=0.0).astype(F32)
+        if has_y:
+            yv = plt.load(y_ref.at[tok[:, None] * d + dcol[None, :]], mask=treal[:, None], other=0.0).astype(F32)
+            hc = rnd(hc + rnd(yv * injv, dt), dt)
+        wn = plt.load(wn_ref.at[col]).astype(F32)
+        x = (hc * (1.0 + wn)[None, :]).astype(dt)
+        p = jnp.dot(x, w.T, precision=HIGHEST, preferred_element_type=F32)                 # [MP, bn]
+        if fp8:     # the block's rows lie in one 128-row block, the chunk in one 128-column block; Winj: 1
+            sc = plt.load(sd_ref.at[jnp.full((1, 1), (n * bn) // 128 * ncb + (j * d + c * bk) // 128, jnp.int32)],
+                          mask=jnp.full((1, 1), is_down), other=1.0)
+            p = p * sc
+        return acc + p, ss + jnp.sum(hc * hc, axis=1)
+    acc, ss = lax.fori_loop(0, d // bk, chunk, (jnp.zeros((MP, bn), F32), jnp.zeros((MP,), F32)))
+    rstd = lax.rsqrt(ss / d + eps)
+    # the rows' places in the partials [.., r + S]: Wdown's, then Winj's
+    return acc * rstd[:, None], rstd, jnp.where(is_down, drow, r + irow), dok | iok
+
+
+def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, bd, eps, has_y, has_inj, fp8, up_pieces, n_blocks, programs,
+                    phases, max_polls, interpret, early):
+    """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
+    it = iter(refs)
+    h_ref = next(it)
+    y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
+    wn_ref, wd_ref = next(it), next(it)
+    sd_ref = next(it) if fp8 else None
+    wi_ref = next(it) if has_inj else None
+    wu_ref = next(it)
+    su_ref = next(it) if fp8 else None
+    if phases == "up":
+        part_ref, rstd_ref = next(it), next(it)
+    sync_ref = next(it) if phases == "both" else None
+    if phases != "down":
+        x_ref = next(it)
+        ho_ref = next(it) if has_y else None
+        injo_ref = next(it) if has_inj else None
+    if phases != "up":
+        part_ref, rstd_ref = next(it), next(it)
+    p = pl.program_id(0)
+    dt = h_ref.dtype
+    n_rows = r + s
+    n_down_tasks = n_blocks * s
+    tok = jnp.arange(MP, dtype=jnp.int32)
+    sj = jnp.arange(s, dtype=jnp.int32)
+
+    if phases != "up":
+        def down(k, carry):
+            task = p + k * programs
+
+            @pl.when(task < n_down_tasks)
+            def _():
+                n, j = task // s, task % s
+                acc, rstd, rows, rok = _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j,
+                                                      m=m, s=s, d=d, r=r, bn=bn, bk=bk, has_y=has_y,
+                                                      has_inj=has_inj, fp8=fp8, eps=eps)
+                # part [Mp, S, r + S] and rstd [S, Mp] (row 0 of hc_up1's [programs, S, Mp]): its "loop" layouts
+                plt.store(part_ref.at[(tok[:, None] * s + j) * n_rows + rows[None, :]], acc,
+                          mask=(tok < m)[:, None] & rok[None, :])
+                plt.store(rstd_ref.at[j * mp + tok], rstd, mask=(tok < m) & (n == 0))
+            return carry
+        lax.fori_loop(0, -(-n_down_tasks // programs), down, 0)
+    if phases == "down":
+        return
+    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret) if phases == "both" else None
+    n_up = d // bd
+
+    def up(k, carry):
+        i = p + k * programs
+
+        @pl.when(i < n_up)
+        def _():
+            xs, hos = kernel._up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i,
+                                       lambda: list(range(m)), mp, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows,
+                                       has_y=has_y, fp8=fp8, pieces=up_pieces, m=m, wround=False, early=early)
+            cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+            for t in range(m):
+                x = xs[t] if ok is None else jnp.where(ok, xs[t], jnp.nan)
+                plt.store(x_ref.at[t * d + cols], x.astype(dt))
+                if has_y:
+                    plt.store(ho_ref.at[t * (s * d) + sj[:, None] * d + cols[None, :]], hos[t].astype(dt))
+            if has_inj:
+                @pl.when(i == 0)
+                def _():
+                    injs = kernel._up1_inj(part_ref, list(range(m)), sj, s=s, n_rows=n_rows, r=r, dt=dt)
+                    for t in range(m):
+                        plt.store(injo_ref.at[t * s + sj], injs[t].astype(dt))
+        return carry
+    lax.fori_loop(0, -(-n_up // programs), up, 0)
+
+
+def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float, sync=None,
+                        interpret: bool = False, tiles: TilesFewOne | None = None, launches: int = 1,
+                        w_down_scale=None, w_up_scale=None):
+    """`hc_boundary` for 2..MAX_FEW tokens (h [..., S*D]) in one launch (see the module's note): the arguments and
+    results of `pallas.hc_boundary_m1`, plus `sync` (a `grid_sync.counter()`, or None: one is made here) and
+    `tiles` (TilesFewOne). launches=2: the same task loops as two launches without the barrier (tests)."""
+    dt = h.dtype
+    lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, MAX_FEW, "hc_boundary_one_few")
+    t = tiles or few_tiles(d, r)
+    why = check_few(s, d, r, t)
+    if why:
+        raise ValueError(f"hc_boundary_one_few: S={s} D={d} r={r} do not fit {t}: {why}")
+    fp8 = kernel.check_fp8_scales("hc_boundary_one_few", r, sd, w_down_scale, w_up_scale)
+    if launches not in (1, 2):
+        raise ValueError(f"hc_boundary_one_few: launches={launches} (1, or 2 for the tests' split)")
+    has_y, has_inj = y is not None, w_inj is not None
+    n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
+    mp = kernel._pow2(m)
+    programs = resolve_programs(TilesOne(programs=t.programs), d // t.bd, interpret, launches)
+    flat = stacked.flatten
+    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
+    ins = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ()) + (flat(hc_norm), flat(w_down)) + (
+        (flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ()) + (flat(w_up),) + (
+        (flat(f32(w_up_scale)),) if fp8 else ())
+    scratch = [jax.ShapeDtypeStruct((mp * s * (r + s),), F32), jax.ShapeDtypeStruct((s * mp,), F32)]
+    outs = [jax.ShapeDtypeStruct((m * d,), dt)] + ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else []) + (
+        [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else [])
+    params = {} if interpret else {
+        "compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)}
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    body = functools.partial(
+        _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, bd=t.bd, eps=eps, has_y=has_y,
+        has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._up_pieces(r, True)), n_blocks=n_blocks,
+        programs=programs, max_polls=t.max_polls, interpret=interpret, early=bool(t.early))
+    name = "hc_boundary_few1" + ("_fp8" if fp8 else "")
 
     def call(phases, args, out_shape):
         return stacked.call(functools.partial(body, phases=phases), args, grid=(programs,),
