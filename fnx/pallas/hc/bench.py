@@ -153,6 +153,23 @@ def cases(quick: bool) -> list[BenchCase]:
                                                             w_down_scale=a[7], w_up_scale=a[8])[1],
                     arg_sets=f8, bytes=nb, flops=flops, check=two, check_tol=0.0,
                     extra={"M": m, "weights": "fp8", "tiles": f"programs={t.programs or 'default'}"}))
+        if 1 < m <= api.MAX_FEW_TOKENS:     # the few-token boundary in one launch (op hc_boundary_few_one), FP8
+            from fnx.pallas import dispatch
+            from fnx.pallas.hc import one
+            f8 = _fp8_sets(arg_sets)
+            interp = dispatch.why_unavailable("pallas") is not None
+            ref = lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl="reference",  # noqa: E731
+                                             w_down_scale=a[7], w_up_scale=a[8])[1]
+            for change in ({}, {"early": 1}, {"num_stages": 3}, {"bn": 32}):
+                t = dataclasses.replace(one.few_tiles(d, r), **change)
+                out.append(BenchCase(
+                    kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl="few-one",
+                    fn=lambda *a, _t=t: one.hc_boundary_one_few(*a[:7], streams=s, eps=1e-6, tiles=_t,
+                                                                interpret=interp, w_down_scale=a[7],
+                                                                w_up_scale=a[8])[1],
+                    arg_sets=f8, bytes=_fp8_case(m, s, d, r, f8, "pallas").bytes, flops=flops, check=ref,
+                    extra={"M": m, "weights": "fp8",
+                           "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))
         for impl, tiles in variants:
             run = "pallas" if impl.startswith("few") else impl
             out.append(BenchCase(
