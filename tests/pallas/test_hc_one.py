@@ -105,16 +105,19 @@ def test_model_boundary_through_one_launch(monkeypatch):
     assert "hc_boundary_one" in dispatch.KNOWN_OPS and "hc_boundary_one" not in dispatch.VERIFIED_ON_GPU
 
 
-def test_lowers_for_cuda_released_shapes():
-    """The released widths (4 x 2560, rank 320, FP8 Wdown / Wup, Winj) in one launch of 264 programs: the Triton
-    lowering holds the barrier's polling loop (an scf.while around an acquire-release atomic)."""
+@pytest.mark.parametrize("m", [1, 5])
+def test_one_launch_lowers_for_cuda_released_shapes(m):
+    """The released widths (4 x 2560, rank 320, FP8 Wdown / Wup, Winj) in one launch of 264 programs, at one token
+    and five: the Triton lowering holds the barrier's polling loop (an scf.while with a volatile load) and its
+    acquire-release atomics."""
     from jax._src.lib.mlir import ir  # noqa: F401
     import sys
     import os
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import sass_count as sc
-    kernels = sc.hc_one_kernels("fp8", one.TilesOne(programs=264))
-    assert [k[0] for k in kernels] == ["hc_boundary1_fp8"]
+    tiles = one.TilesOne(programs=264) if m == 1 else one.TilesFewOne(programs=264)
+    kernels = sc.hc_one_kernels("fp8", tiles, m)
+    assert [k[0] for k in kernels] == ["hc_boundary1_fp8" if m == 1 else "hc_boundary_few1_fp8"]
     text = kernels[0][3]
     assert "scf.while" in text and "tt.atomic_rmw add, acq_rel, gpu" in text
     assert text.count("gpu.barrier") >= 2
