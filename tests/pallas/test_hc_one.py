@@ -78,10 +78,10 @@ def test_one_launch_counts_programs_and_refuses_what_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="programs=-1"):
         one.resolve_programs(one.TilesOne(programs=-1), 648, interpret=False, launches=1)
     monkeypatch.setenv(one.TILES_ENV, "programs=64,max_polls=1000")
-    assert one.choose_tiles(648) == one.TilesOne(programs=64, max_polls=1000)
+    assert one.choose_tiles() == one.TilesOne(programs=64, max_polls=1000)
     monkeypatch.setenv(one.TILES_ENV, "program=64")
     with pytest.raises(ValueError, match="not field=value"):
-        one.choose_tiles(648)
+        one.choose_tiles()
 
 
 def test_model_boundary_through_one_launch(monkeypatch):

@@ -1,4 +1,4 @@
-"""The one-token hyper-connection boundary in one launch (op "hc_boundary_one").
+"""The hyper-connection boundary in one launch: one token (op "hc_boundary_one"), a few (op "hc_boundary_few_one").
 
 `pallas.hc_boundary_m1` runs a boundary as two kernels because every gate of its up half needs all r values of the
 down half's output. Here one launch of P resident programs does both, with a grid-wide barrier between them
@@ -7,14 +7,14 @@ down half's output. Here one launch of P resident programs does both, with a gri
 waits at the barrier for every program, then takes up1's tasks the same way (a task: bd output columns of every
 stream). Plain loads read the partials other programs wrote in this launch: the barrier's acquire-release atomic
 and the thread barriers after it order them after those stores (the PTX memory model; an acquire invalidates the
-SM's L1 for later loads). The tasks are the two kernels'
-own code (`pallas._down1_task`, `pallas._up1_task`), so the results are theirs bit for bit.
+SM's L1 for later loads). The tasks are the two kernels' own code (`pallas._down1_task`, `pallas._up1_task`), so the
+results are theirs bit for bit.
 
 P programs must all be resident at once: P defaults to two per SM of the device (at most the down tasks), and a
-named P (`TilesOne.programs`, `FNX_HC_ONE_TILES`) may take up to five per SM. A program that waits too long at the barrier (a co-residency failure) writes NaN in its x
-columns instead of hanging. The Pallas interpreter runs programs one after another, so on the CPU one launch runs
-with P = 1; `launches=2` runs the same task loops as two launches with no barrier (any P: how the tests check the
-task split on the CPU).
+named P (`TilesOne.programs`, `FNX_HC_ONE_TILES`) may take up to five per SM. A program that waits too long at the
+barrier (a co-residency failure) writes NaN in its x columns instead of hanging. The Pallas interpreter runs
+programs one after another, so on the CPU one launch runs with P = 1; `launches=2` runs the same task loops as two
+launches with no barrier (any P: how the tests check the task split on the CPU).
 
 The counter comes from the caller (`sync`, one `grid_sync.counter()` per program: the model makes one per decode
 program at one token, `transformer.make_meta`); without it this call makes its own (one launch more).
@@ -61,9 +61,9 @@ class TilesOne:
     max_polls: int = grid_sync.MAX_POLLS
 
 
-def choose_tiles(tasks: int) -> TilesOne:
-    """The defaults for a boundary of `tasks` down tasks; `FNX_HC_ONE_TILES` ("field=value,...", read when a
-    program is traced: a benchmark knob) replaces fields."""
+def choose_tiles() -> TilesOne:
+    """The defaults; `FNX_HC_ONE_TILES` ("field=value,...", read when a program is traced: a benchmark knob)
+    replaces fields."""
     t = TilesOne()
     spec = os.environ.get(TILES_ENV, "").strip()
     if spec:
@@ -185,7 +185,7 @@ def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
     has_y, has_inj = y is not None, w_inj is not None
     n_prog_rows = r // t1.bn + (s // t1.bn if has_inj else 0)
     n_down_tasks = n_prog_rows * s
-    t = tiles or choose_tiles(n_down_tasks)
+    t = tiles or choose_tiles()
     programs = resolve_programs(t, n_down_tasks, interpret, launches)
     flat = stacked.flatten
     f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
