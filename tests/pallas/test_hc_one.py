@@ -143,12 +143,14 @@ def _pallas_names(jaxpr) -> list[str]:
     return out
 
 
-def test_model_decode_step_with_one_launch_boundaries(tiny_dir, monkeypatch):
+@pytest.mark.parametrize("layers", ["scanned", "stacked"])
+def test_model_decode_step_with_one_launch_boundaries(tiny_dir, monkeypatch, layers):
     """The tiny model's one-token step with its boundaries in one launch each: the same logits as with the two
-    kernels (their task code), one counter launch for the whole step, one launch per boundary."""
+    kernels (their task code), one counter launch for the whole step, one launch per boundary; under lax.scan and
+    with every layer reading its weights in place in the stacks (the layout served on a GPU)."""
     import fnx
     from fnx.model import transformer
-    model = fnx.load(tiny_dir, dtype=jnp.bfloat16)
+    model = fnx.load(tiny_dir, dtype=jnp.bfloat16, layers=layers)
     cfg = model.cfg
     from fnx.ple import initial_context, ngram_ids
     toks = np.asarray([[7]], np.int32)
