@@ -264,7 +264,7 @@ def hc_sync(tokens: int):
     if not hc_api.one_launch(tokens):
         return None
     from fnx.pallas import dispatch, grid_sync
-    return grid_sync.counter(dispatch.interpret_flag(dispatch.resolve(hc_api.one_launch_op(tokens), None)))
+    return grid_sync.counter(dispatch.interpret_flag(hc_api.one_launch_backend(tokens)))
 
 
 def ple_split_point(cfg: ModelConfig) -> int | None:

@@ -36,7 +36,8 @@ BACKENDS = ("reference", "pallas", "pallas_interpret")
 # on "auto" without a word.
 KNOWN_OPS = ("gemv_bf16", "gemv_fp8", "gemv_nvfp4", "gemv_bf16_argmax", "gemv_fp8_argmax", "gemv_nvfp4_argmax",
              "gemv_pair", "gemv_pair_many", "gdn_decode", "gdn_step", "gdn_window", "gdn_window_parts",
-             "gdn_prefill", "gdn_replay_conv", "hc_boundary", "hc_boundary_m1", "hc_boundary_few", "hc_boundary_one", "hc_boundary_few_one",
+             "gdn_prefill", "gdn_replay_conv", "hc_boundary", "hc_boundary_m1", "hc_boundary_few", "hc_boundary_one",
+             "hc_boundary_few_one",
              "qsa_decode_attention", "qsa_index_scores", "qsa_block_topk", "qsa_block_topk_long", "qsa_combine",
              "qsa_prep", "moe_route", "moe_route_acts", "moe_experts", "moe_decode", "moe_grouped")
 
@@ -326,6 +327,14 @@ def env_choice(op: str) -> str | None:
         if name.strip() == op:
             choice = value.strip()
     return choice
+
+
+def named_choice(op: str) -> str | None:
+    """The backend FNX_KERNELS names for `op` by its name ("op=backend"), or None: for ops that are another design of
+    a call some other op already serves (the one-launch HC boundaries), which one backend for every op
+    (FNX_KERNELS=pallas, `force`) does not switch on."""
+    spec = os.environ.get("FNX_KERNELS", "").strip()
+    return env_choice(op) if "=" in spec else None
 
 
 def interpret_flag(backend: str) -> bool:

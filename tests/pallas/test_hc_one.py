@@ -88,9 +88,18 @@ def test_model_boundary_through_one_launch(monkeypatch):
     """FNX_KERNELS=hc_boundary_one=<kernel> routes the model's one-token boundaries through one launch each, with
     the counter given (no counter launch of its own): the same values as the two kernels."""
     h, y, inj, p = _inputs((1, 1), 4, 256, 32, jnp.bfloat16, np.random.randint(1 << 30))
+    monkeypatch.setenv("FNX_KERNELS", KERNEL)          # one backend for every op: the two kernels, as before
+    assert api.choose(None, None, tokens=1)[0] == api.OP_M1
+    monkeypatch.delenv("FNX_KERNELS")
+    with dispatch.force(KERNEL):                         # likewise
+        assert api.choose(None, None, tokens=1)[0] == api.OP_M1 and api.choose(None, None, tokens=5)[0] == api.OP_FEW
     monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_one={KERNEL}")
     assert api.choose(None, None, tokens=1) == (api.OP_ONE, KERNEL)
+    assert api.choose(KERNEL, None, tokens=1)[0] == api.OP_M1                # an impl names the two kernels' op
     assert api.choose(None, None, tokens=5)[0] != api.OP_ONE
+    monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_few_one={KERNEL}")
+    assert api.choose(None, None, tokens=5) == (api.OP_FEW_ONE, KERNEL) and api.choose(None, None, 9)[0] == api.OP
+    monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_one={KERNEL}")
     sync = grid_sync.counter(INTERPRET)
 
     def run(h, y, inj):

@@ -26,18 +26,16 @@ def op_for(tokens: int) -> str:
 
 def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool = False,
            pow2_streams: bool = True) -> tuple[str, str]:
-    """(op, backend) for a boundary over `tokens` tokens. One token: OP_ONE where FNX_KERNELS names it and impl
-    names no backend, else OP_M1. 2..MAX_FEW_TOKENS tokens: OP_FEW_ONE likewise, else the few-token kernels
+    """(op, backend) for a boundary over `tokens` tokens. Up to MAX_FEW_TOKENS tokens: the one-launch op (OP_ONE,
+    OP_FEW_ONE) where FNX_KERNELS names it by name and impl names no backend (`one_launch`). Else one token: OP_M1;
+    2..MAX_FEW_TOKENS tokens: the few-token kernels
     (OP_FEW, bf16 or FP8 weights, streams a power of two) when that op resolves to a kernel (named by impl or
     FNX_KERNELS; not under auto: slower in the MTP round, see dispatch.AUTO_KEEPS_REFERENCE), else the
     multi-token design (OP, dense weights only)."""
+    if impl in (None, "auto") and not_applicable is None and pow2_streams and one_launch(tokens):
+        return one_launch_op(tokens), one_launch_backend(tokens)
     if tokens == 1:
-        if impl in (None, "auto") and not_applicable is None and pow2_streams and one_launch():
-            return OP_ONE, dispatch.resolve(OP_ONE, None)
         return OP_M1, dispatch.resolve(OP_M1, impl, not_applicable=not_applicable)
-    if tokens <= MAX_FEW_TOKENS and impl in (None, "auto") and not_applicable is None and pow2_streams and \
-            one_launch(tokens):
-        return OP_FEW_ONE, dispatch.resolve(OP_FEW_ONE, None)
     if tokens <= MAX_FEW_TOKENS and not_applicable is None and pow2_streams:
         b = dispatch.resolve(OP_FEW, impl)
         if b != "reference":
@@ -47,19 +45,26 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
     return OP, dispatch.resolve(OP, impl, not_applicable=why)
 
 
+def one_launch_op(tokens: int) -> str | None:
+    """The one-launch op for a boundary over `tokens` tokens (None past MAX_FEW_TOKENS)."""
+    return OP_ONE if tokens == 1 else OP_FEW_ONE if 2 <= tokens <= MAX_FEW_TOKENS else None
+
+
+def one_launch_backend(tokens: int = 1) -> str | None:
+    """The backend of the one-launch boundary over `tokens` tokens where FNX_KERNELS names its op by name
+    ("hc_boundary_one=pallas", "hc_boundary_few_one=pallas"; checked that it can run here), else None: `auto`, one
+    backend for every op and `dispatch.force` keep the other designs (not yet measured on a GPU)."""
+    op = one_launch_op(tokens)
+    if op is None or dispatch.active_mesh() is not None:     # (params on a mesh: the boundaries' other designs)
+        return None
+    named = dispatch.named_choice(op)
+    return None if named is None else dispatch.resolve(op, named)
+
+
 def one_launch(tokens: int = 1) -> bool:
-    """Whether boundaries over `tokens` tokens run in one launch (op "hc_boundary_one" at one token,
-    "hc_boundary_few_one" at 2..MAX_FEW_TOKENS, resolves to a kernel: FNX_KERNELS names it; `auto` keeps the
-    other designs until it is measured). The model then makes the barrier's counter once per program
-    (`transformer.make_meta`)."""
-    if tokens == 1:
-        return dispatch.resolve(OP_ONE, None) != "reference"
-    return 2 <= tokens <= MAX_FEW_TOKENS and dispatch.resolve(OP_FEW_ONE, None) != "reference"
-
-
-def one_launch_op(tokens: int) -> str:
-    """The one-launch op for a boundary over `tokens` tokens."""
-    return OP_ONE if tokens == 1 else OP_FEW_ONE
+    """Whether boundaries over `tokens` tokens run in one launch (`one_launch_backend`). The model then makes the
+    barrier's counter once per program (`transformer.make_meta`)."""
+    return one_launch_backend(tokens) not in (None, "reference")
 
 
 def backend(impl: str | None = None, not_applicable: str | None = None, tokens: int = 1, fp8: bool = False,
