@@ -266,18 +266,15 @@ def test_shape_tiles_knob_replaces_one_shapes_tiles(monkeypatch):
         monkeypatch.setenv(api.SHAPE_TILES_ENV, bad)
         with pytest.raises(ValueError, match="FNX_GEMV_TILES.*is not"):
             api.tiles_for("fp8", n, k, 1)
-    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=bn=48")
-    with pytest.raises(ValueError, match="FNX_GEMV_TILES: fp8:2560:6144:1 tiles.*power of two"):
-        api.tiles_for("fp8", n, k, 1)
-    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1:argmax=split=2")
-    with pytest.raises(ValueError, match="argmax needs split 1"):
-        api.tiles_for("fp8", n, k, 1, argmax=True)
-    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:16=mode=fma,bk=512,bn=16,split=1,mma=bf16")
-    with pytest.raises(ValueError, match="'fma' serves at most"):
-        api.tiles_for("fp8", n, k, 16)
-    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:2560:6144:1=tx=1")
-    with pytest.raises(ValueError, match="not field=value"):
-        api.tiles_for("fp8", n, k, 1)
+    for spec, why, m, argmax in (("fp8:2560:6144:1=bn=48", "FNX_GEMV_TILES: fp8:2560:6144:1 tiles.*power of two", 1,
+                                  False),
+                                 ("fp8:2560:6144:1:argmax=split=2", "argmax needs split 1", 1, True),
+                                 ("fp8:2560:6144:16=mode=fma,bk=512,bn=16,split=1,mma=bf16", "'fma' serves at most",
+                                  16, False),
+                                 ("fp8:2560:6144:1=tx=1", "not field=value", 1, False)):
+        monkeypatch.setenv(api.SHAPE_TILES_ENV, spec)
+        with pytest.raises(ValueError, match=why):
+            api.tiles_for("fp8", n, k, m, argmax=argmax)
 
 
 def test_shape_tiles_knob_reaches_the_kernel(monkeypatch):

@@ -199,7 +199,7 @@ def test_few_tokens_one_launch_matches_reference(m, dtype, fp8, with_y, inject, 
     """2..8 tokens in one launch: the tensor-core down tasks (the 1/rms on each row's sum, as the one-token kernels'
     `fold`) and hc_up1's tasks over the tokens, against the reference: fp32 to 1e-5 (only the order of sums and
     where the 1/rms multiplies differ), bf16 within the HC tests' tolerance, H' bit for bit."""
-    from tests.pallas.test_hc import TOL, _close
+    from tests.pallas.test_hc import _check_few
     if launches == 1 and not INTERPRET:
         programs = 0
     d, r = 256, 32
@@ -218,13 +218,7 @@ def test_few_tokens_one_launch_matches_reference(m, dtype, fp8, with_y, inject, 
     got = one.hc_boundary_one_few(h, y, inj, *args, streams=4, eps=1e-6, interpret=INTERPRET, launches=launches,
                                   tiles=one.TilesFewOne(bn=16, bk=64, bd=16, programs=programs, early=m % 2),
                                   **scales)
-    tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
-    for g, w, what in zip(got, want, ("H'", "x", "inj")):
-        if w is None:
-            assert g is None, what
-        else:
-            _close(g, w, tol, what)
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    _check_few(got, want, dtype)
 
 
 def test_few_tokens_one_launch_refuses_tiles_that_do_not_fit():

@@ -100,69 +100,88 @@ def resolve_programs(t: TilesOne, tasks: int, interpret: bool, launches: int) ->
     return t.programs
 
 
-def _one_kernel(*refs, s, d, r, bn, bd, ch, q, eps, has_y, has_inj, fp8, wround, fold, early, down_pieces,
-                up_pieces, n_down_tasks, n_prog_rows, programs, phases, max_polls, interpret):
-    """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
+def _kernel_refs(refs, has_y: bool, has_inj: bool, fp8: bool, phases: str):
+    """The one-launch kernels' refs in their order: (down1's inputs, Wup, its scales, the counter (phases "both"),
+    the outputs (x, H', inj; None where absent or not this phase's), the scratch (partials, rstd: outputs of the
+    down phase, inputs of the up phase))."""
     it = iter(refs)
     down_in = kernel._down1_inputs(it, has_y, has_inj, fp8)
     wu_ref = next(it)
     su_ref = next(it) if fp8 else None
-    if phases == "up":
-        part_ref, rstd_ref = next(it), next(it)
+    scratch = (next(it), next(it)) if phases == "up" else None
     sync_ref = next(it) if phases == "both" else None
+    outs = (None, None, None)
     if phases != "down":
-        x_ref = next(it)
-        ho_ref = next(it) if has_y else None
-        injo_ref = next(it) if has_inj else None
+        outs = (next(it), next(it) if has_y else None, next(it) if has_inj else None)
     if phases != "up":
-        part_ref, rstd_ref = next(it), next(it)
+        scratch = (next(it), next(it))
+    return down_in, wu_ref, su_ref, sync_ref, outs, scratch
+
+
+def _one_kernel(*refs, s, d, r, bn, bd, ch, q, eps, has_y, has_inj, fp8, wround, fold, early, down_pieces,
+                up_pieces, n_down_tasks, n_prog_rows, programs, phases, max_polls, interpret):
+    """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
+    down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), (part_ref, rstd_ref) = _kernel_refs(
+        refs, has_y, has_inj, fp8, phases)
     h_ref, y_ref, inj_ref, wn_ref = down_in[:4]
     p = pl.program_id(0)
     n_rows = n_prog_rows * bn
-    dt = h_ref.dtype
 
     if phases != "up":
-        def down(k, carry):
-            task = p + k * programs
+        def down(task):
+            n, j = task // s, task % s
 
-            @pl.when(task < n_down_tasks)
-            def _():
-                n, j = task // s, task % s
-
-                def store_rstd(rstd):
-                    plt.store(rstd_ref.at[jnp.full((1, 1), n * s + j, jnp.int32)], rstd)
-                _, accs = kernel._down1_task(*down_in, n, j, [0], store_rstd, s=s, d=d, r=r, bn=bn, ch=ch, q=q,
-                                             eps=eps, has_y=has_y, has_inj=has_inj, fp8=fp8, pieces=down_pieces,
-                                             wround=wround, fold=fold)
-                plt.store(part_ref.at[j * n_rows + n * bn + jnp.arange(bn, dtype=jnp.int32)], accs[0])
-            return carry
-        lax.fori_loop(0, -(-n_down_tasks // programs), down, 0)
+            def store_rstd(rstd):
+                plt.store(rstd_ref.at[jnp.full((1, 1), n * s + j, jnp.int32)], rstd)
+            _, accs = kernel._down1_task(*down_in, n, j, [0], store_rstd, s=s, d=d, r=r, bn=bn, ch=ch, q=q, eps=eps,
+                                         has_y=has_y, has_inj=has_inj, fp8=fp8, pieces=down_pieces, wround=wround,
+                                         fold=fold)
+            plt.store(part_ref.at[j * n_rows + n * bn + jnp.arange(bn, dtype=jnp.int32)], accs[0])
+        _tasks(p, programs, n_down_tasks, down)
     if phases == "down":
         return
     ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret) if phases == "both" else None
-    sj = jnp.arange(s, dtype=jnp.int32)
-    n_up = d // bd
+    _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
+              injo_ref, m=1, mp=1, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
+              pieces=up_pieces, wround=wround, early=early)
 
-    def up(k, carry):
-        i = p + k * programs
 
-        @pl.when(i < n_up)
+def _tasks(p, programs: int, n_tasks: int, run):
+    """run(task) for this program's tasks p, p + programs, ... below n_tasks (a loop; the last round masked)."""
+    def body(k, carry):
+        task = p + k * programs
+
+        @pl.when(task < n_tasks)
         def _():
-            xs, hos = kernel._up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i,
-                                       lambda: [0], 1, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y,
-                                       fp8=fp8, pieces=up_pieces, wround=wround, early=early)
-            x = xs[0] if ok is None else jnp.where(ok, xs[0], jnp.nan)
-            cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
-            plt.store(x_ref.at[cols], x.astype(dt))
-            if has_y:
-                plt.store(ho_ref.at[sj[:, None] * d + cols[None, :]], hos[0].astype(dt))
-            if has_inj:
-                @pl.when(i == 0)
-                def _():
-                    injs = kernel._up1_inj(part_ref, [0], sj, s=s, n_rows=n_rows, r=r, dt=dt)
-                    plt.store(injo_ref.at[sj], injs[0].astype(dt))
+            run(task)
         return carry
-    lax.fori_loop(0, -(-n_up // programs), up, 0)
+    lax.fori_loop(0, -(-n_tasks // programs), body, 0)
+
+
+def _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
+              injo_ref, *, m, mp, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, wround, early):
+    """hc_up1's tasks (bd output columns of every stream, over the m tokens) for program p, storing each token's x,
+    H' and (task 0) inj; `ok` False (a program that gave up at the barrier): NaN in its x."""
+    dt = h_ref.dtype
+    sj = jnp.arange(s, dtype=jnp.int32)
+
+    def up(i):
+        xs, hos = kernel._up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i,
+                                   lambda: list(range(m)), mp, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y,
+                                   fp8=fp8, pieces=pieces, m=m, wround=wround, early=early)
+        cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+        for t in range(m):
+            x = xs[t] if ok is None else jnp.where(ok, xs[t], jnp.nan)
+            plt.store(x_ref.at[t * d + cols], x.astype(dt))
+            if has_y:
+                plt.store(ho_ref.at[t * (s * d) + sj[:, None] * d + cols[None, :]], hos[t].astype(dt))
+        if has_inj:
+            @pl.when(i == 0)
+            def _():
+                injs = kernel._up1_inj(part_ref, list(range(m)), sj, s=s, n_rows=n_rows, r=r, dt=dt)
+                for t in range(m):
+                    plt.store(injo_ref.at[t * s + sj], injs[t].astype(dt))
+    _tasks(p, programs, d // bd, up)
 
 
 def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float, sync=None,
@@ -187,25 +206,40 @@ def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
     n_down_tasks = n_prog_rows * s
     t = tiles or choose_tiles()
     programs = resolve_programs(t, n_down_tasks, interpret, launches)
-    flat = stacked.flatten
-    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
     ch = kernel._largest_pow2_divisor(d, 128)
-    ins = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ()) + (flat(hc_norm), flat(w_down)) + (
-        (flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ()) + (flat(w_up),) + (
-        (flat(f32(w_up_scale)),) if fp8 else ())
+    ins = _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale)
     scratch = [jax.ShapeDtypeStruct((s * n_prog_rows * t1.bn,), F32), jax.ShapeDtypeStruct((n_prog_rows * s,), F32)]
     outs = [jax.ShapeDtypeStruct((d,), dt)] + ([jax.ShapeDtypeStruct((s * d,), dt)] if has_y else []) + (
         [jax.ShapeDtypeStruct((s,), dt)] if has_inj else [])
-    params = {} if interpret else {
-        "compiler_params": plt.CompilerParams(num_warps=t1.num_warps, num_stages=t1.num_stages)}
-    whole = pl.BlockSpec(memory_space=pl.ANY)
     body = functools.partial(
         _one_kernel, s=s, d=d, r=r, bn=t1.bn, bd=t1.bd, ch=ch, q=d // ch, eps=eps, has_y=has_y, has_inj=has_inj,
         fp8=fp8, wround=bool(t1.wround), fold=bool(t1.fold), early=bool(t1.early),
         down_pieces=tuple(kernel._down_pieces(d // ch, t1.pieces)), up_pieces=tuple(kernel._up_pieces(r, t1.pieces)),
         n_down_tasks=n_down_tasks, n_prog_rows=n_prog_rows, programs=programs, max_polls=t.max_polls,
         interpret=interpret)
-    name = "hc_boundary1" + ("_fp8" if fp8 else "")
+    return _launch(body, "hc_boundary1" + ("_fp8" if fp8 else ""), ins, outs, scratch, programs=programs,
+                   launches=launches, sync=sync, interpret=interpret, num_warps=t1.num_warps,
+                   num_stages=t1.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y, has_inj=has_inj)
+
+
+def _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale) -> tuple:
+    """The kernels' inputs in their order (each flattened; a layer of a stack stays a view): h, [y, inj_prev],
+    hc_norm, Wdown, [its scales], [Winj], Wup, [its scales]."""
+    flat = stacked.flatten
+    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
+    return (flat(h),) + ((flat(y), flat(inj_prev)) if y is not None else ()) + (flat(hc_norm), flat(w_down)) + (
+        (flat(f32(w_down_scale)),) if w_down_scale is not None else ()) + (
+        (flat(w_inj),) if w_inj is not None else ()) + (flat(w_up),) + (
+        (flat(f32(w_up_scale)),) if w_up_scale is not None else ())
+
+
+def _launch(body, name, ins, outs, scratch, *, programs, launches, sync, interpret, num_warps, num_stages, h, lead,
+            d, s, has_y, has_inj):
+    """The kernel `body` over `programs` programs: one launch with the barrier (phases "both"; `sync` the counter,
+    made here when None), or (launches=2) the down phase, then the up phase reading its scratch. Returns
+    (H', x, inj) shaped as the caller's h."""
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    whole = pl.BlockSpec(memory_space=pl.ANY)
 
     def call(phases, args, out_shape):
         return stacked.call(functools.partial(body, phases=phases), args, grid=(programs,),
@@ -318,73 +352,31 @@ def _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, 
 def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, bd, eps, has_y, has_inj, fp8, up_pieces, n_blocks, programs,
                     phases, max_polls, interpret, early):
     """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
-    it = iter(refs)
-    h_ref = next(it)
-    y_ref, inj_ref = (next(it), next(it)) if has_y else (None, None)
-    wn_ref, wd_ref = next(it), next(it)
-    sd_ref = next(it) if fp8 else None
-    wi_ref = next(it) if has_inj else None
-    wu_ref = next(it)
-    su_ref = next(it) if fp8 else None
-    if phases == "up":
-        part_ref, rstd_ref = next(it), next(it)
-    sync_ref = next(it) if phases == "both" else None
-    if phases != "down":
-        x_ref = next(it)
-        ho_ref = next(it) if has_y else None
-        injo_ref = next(it) if has_inj else None
-    if phases != "up":
-        part_ref, rstd_ref = next(it), next(it)
+    down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), (part_ref, rstd_ref) = _kernel_refs(
+        refs, has_y, has_inj, fp8, phases)
+    h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref = down_in
     p = pl.program_id(0)
-    dt = h_ref.dtype
     n_rows = r + s
     n_down_tasks = n_blocks * s
     tok = jnp.arange(MP, dtype=jnp.int32)
-    sj = jnp.arange(s, dtype=jnp.int32)
 
     if phases != "up":
-        def down(k, carry):
-            task = p + k * programs
-
-            @pl.when(task < n_down_tasks)
-            def _():
-                n, j = task // s, task % s
-                acc, rstd, rows, rok = _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j,
-                                                      m=m, s=s, d=d, r=r, bn=bn, bk=bk, has_y=has_y,
-                                                      has_inj=has_inj, fp8=fp8, eps=eps)
-                # part [Mp, S, r + S] and rstd [S, Mp] (row 0 of hc_up1's [programs, S, Mp]): its "loop" layouts
-                plt.store(part_ref.at[(tok[:, None] * s + j) * n_rows + rows[None, :]], acc,
-                          mask=(tok < m)[:, None] & rok[None, :])
-                plt.store(rstd_ref.at[j * mp + tok], rstd, mask=(tok < m) & (n == 0))
-            return carry
-        lax.fori_loop(0, -(-n_down_tasks // programs), down, 0)
+        def down(task):
+            n, j = task // s, task % s
+            acc, rstd, rows, rok = _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, m=m,
+                                                  s=s, d=d, r=r, bn=bn, bk=bk, has_y=has_y, has_inj=has_inj, fp8=fp8,
+                                                  eps=eps)
+            # part [Mp, S, r + S] and rstd [S, Mp] (row 0 of hc_up1's [programs, S, Mp]): its "loop" layouts
+            plt.store(part_ref.at[(tok[:, None] * s + j) * n_rows + rows[None, :]], acc,
+                      mask=(tok < m)[:, None] & rok[None, :])
+            plt.store(rstd_ref.at[j * mp + tok], rstd, mask=(tok < m) & (n == 0))
+        _tasks(p, programs, n_down_tasks, down)
     if phases == "down":
         return
     ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret) if phases == "both" else None
-    n_up = d // bd
-
-    def up(k, carry):
-        i = p + k * programs
-
-        @pl.when(i < n_up)
-        def _():
-            xs, hos = kernel._up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i,
-                                       lambda: list(range(m)), mp, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows,
-                                       has_y=has_y, fp8=fp8, pieces=up_pieces, m=m, wround=False, early=early)
-            cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
-            for t in range(m):
-                x = xs[t] if ok is None else jnp.where(ok, xs[t], jnp.nan)
-                plt.store(x_ref.at[t * d + cols], x.astype(dt))
-                if has_y:
-                    plt.store(ho_ref.at[t * (s * d) + sj[:, None] * d + cols[None, :]], hos[t].astype(dt))
-            if has_inj:
-                @pl.when(i == 0)
-                def _():
-                    injs = kernel._up1_inj(part_ref, list(range(m)), sj, s=s, n_rows=n_rows, r=r, dt=dt)
-                    for t in range(m):
-                        plt.store(injo_ref.at[t * s + sj], injs[t].astype(dt))
-        return carry
-    lax.fori_loop(0, -(-n_up // programs), up, 0)
+    _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
+              injo_ref, m=m, mp=mp, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
+              pieces=up_pieces, wround=False, early=early)
 
 
 def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float, sync=None,
@@ -406,35 +398,14 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
     mp = kernel._pow2(m)
     programs = resolve_programs(TilesOne(programs=t.programs), d // t.bd, interpret, launches)
-    flat = stacked.flatten
-    f32 = lambda a: stacked.astype(a, F32)  # noqa: E731
-    ins = (flat(h),) + ((flat(y), flat(inj_prev)) if has_y else ()) + (flat(hc_norm), flat(w_down)) + (
-        (flat(f32(w_down_scale)),) if fp8 else ()) + ((flat(w_inj),) if has_inj else ()) + (flat(w_up),) + (
-        (flat(f32(w_up_scale)),) if fp8 else ())
+    ins = _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale)
     scratch = [jax.ShapeDtypeStruct((mp * s * (r + s),), F32), jax.ShapeDtypeStruct((s * mp,), F32)]
     outs = [jax.ShapeDtypeStruct((m * d,), dt)] + ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else []) + (
         [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else [])
-    params = {} if interpret else {
-        "compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)}
-    whole = pl.BlockSpec(memory_space=pl.ANY)
     body = functools.partial(
         _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, bd=t.bd, eps=eps, has_y=has_y,
         has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._up_pieces(r, True)), n_blocks=n_blocks,
         programs=programs, max_polls=t.max_polls, interpret=interpret, early=bool(t.early))
-    name = "hc_boundary_few1" + ("_fp8" if fp8 else "")
-
-    def call(phases, args, out_shape):
-        return stacked.call(functools.partial(body, phases=phases), args, grid=(programs,),
-                            in_specs=[whole] * len(args), out_specs=[whole] * len(out_shape), out_shape=out_shape,
-                            interpret=interpret, name=name + ("" if phases == "both" else "_" + phases), **params)
-    if launches == 1:
-        if sync is None:
-            sync = grid_sync.counter(interpret)
-        res = call("both", ins + (sync,), outs + scratch)
-    else:
-        part, rstd = call("down", ins, scratch)
-        res = call("up", ins + (part, rstd), outs)
-    x = res[0].reshape(*lead, d)
-    h_new = res[1].reshape(h.shape) if has_y else h
-    inj = res[1 + has_y].reshape(*lead, s) if has_inj else None
-    return h_new, x, inj
+    return _launch(body, "hc_boundary_few1" + ("_fp8" if fp8 else ""), ins, outs, scratch, programs=programs,
+                   launches=launches, sync=sync, interpret=interpret, num_warps=t.num_warps,
+                   num_stages=t.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y, has_inj=has_inj)
