@@ -132,11 +132,13 @@ def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens
     eps = cfg.rms_norm_eps
     meta = make_meta(cfg, state["pos"], length, dtype, n_valid)
     e = params["embed_tokens"][next_tokens]
-    e = linear(rms_norm(e, mp["pre_fc_norm_embedding"], eps), mp["fc_embedding"])
-    hn = rms_norm(hidden.astype(dtype), mp["pre_fc_norm_hidden"], eps)
-    streams = hn.reshape(bsz, length, cfg.hc_count, cfg.hidden_size)
-    x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
-    h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
+    from fnx.pallas import grid_sync
+    with grid_sync.counter_pool(meta["counters"]):      # split-K calls' counters (FNX_GEMV_FINISH), or None
+        e = linear(rms_norm(e, mp["pre_fc_norm_embedding"], eps), mp["fc_embedding"])
+        hn = rms_norm(hidden.astype(dtype), mp["pre_fc_norm_hidden"], eps)
+        streams = hn.reshape(bsz, length, cfg.hc_count, cfg.hidden_size)
+        x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
+        h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
     out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False,
                                sync=meta.get("hc_sync"))
     if at is not None:

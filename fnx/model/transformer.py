@@ -253,7 +253,20 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
     if n_valid is None:
         n_valid = jnp.full(pos0.shape, length, jnp.int32)
     return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
-            "n_valid": n_valid.astype(jnp.int32), "hc_sync": hc_sync(pos0.shape[0] * length)}
+            "n_valid": n_valid.astype(jnp.int32), "hc_sync": hc_sync(pos0.shape[0] * length),
+            "counters": counter_pool(pos0.shape[0] * length)}
+
+
+def counter_pool(tokens: int):
+    """The program's pool of counters for split-K calls that sum their splits in the kernel (`FNX_GEMV_FINISH=1`,
+    decode sizes: `fnx.pallas.gemv.api.MAX_M` tokens at most), made once per program; else None."""
+    import os
+    from fnx.pallas.gemv import api as gemv_api
+    if (os.environ.get(gemv_api.FINISH_ENV, "").strip() or "0") != "1" or tokens > gemv_api.MAX_M:
+        return None
+    from fnx.pallas import dispatch, grid_sync
+    interpret = dispatch.why_unavailable("pallas") is not None
+    return grid_sync.CounterPool(grid_sync.counter(interpret, grid_sync.POOL_SIZE))
 
 
 def hc_sync(tokens: int):
@@ -345,10 +358,15 @@ def step_back(params: dict, state: dict, tokens: jax.Array, front: dict, ple_ids
 
 def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, hi, ple_ids, ple_rows, front):
     """Segments [lo, hi) of the layer plan, continuing `front` (None: from the embedding)."""
-    bsz, length = tokens.shape
-    dtype = params["embed_tokens"].dtype
-    pos0 = state["pos"]
-    meta = make_meta(cfg, pos0, length, dtype, n_valid, ple_ids, ple_rows)
+    meta = make_meta(cfg, state["pos"], tokens.shape[1], params["embed_tokens"].dtype, n_valid, ple_ids, ple_rows)
+    from fnx.pallas import grid_sync
+    with grid_sync.counter_pool(meta["counters"]):      # split-K calls' counters (FNX_GEMV_FINISH), or None
+        return _run_segments(params, state, tokens, cfg, moe_impl, snapshots, collect, lo, hi, ple_ids, ple_rows,
+                             front, meta)
+
+
+def _run_segments(params, state, tokens, cfg, moe_impl, snapshots, collect, lo, hi, ple_ids, ple_rows, front, meta):
+    """`_run` with its per-call metadata made."""
     if front is None:
         table = _ple_table(params, cfg) if ple_ids is not None and ple_rows is None else None
         if hasattr(table, "post"):   # a ring (fnx.ple.ring): the host fetches the rows while the first layers run

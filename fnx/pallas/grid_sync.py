@@ -23,6 +23,9 @@ phases into separate launches to test P > 1 programs on the CPU."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,15 +36,64 @@ MAX_POLLS = 1 << 20          # ~0.5-1 s of polling (a wait is tens of us) before
                              # failure costs about that per launch, then shows as NaN
 
 
+ZERO_BLOCK = 1024
+
+
 def _zero_kernel(o_ref):
-    o_ref[...] = jnp.zeros((1,), jnp.int32)
+    o_ref[...] = jnp.zeros(o_ref.shape, jnp.int32)
 
 
-def counter(interpret: bool = False) -> jax.Array:
-    """A fresh int32[1] zero for `barrier`, from its own one-program launch."""
-    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=1, num_stages=1)}
-    return pl.pallas_call(_zero_kernel, out_shape=jax.ShapeDtypeStruct((1,), jnp.int32), interpret=interpret,
+def counter(interpret: bool = False, size: int = 1) -> jax.Array:
+    """A fresh int32[size] zero for `barrier` (size 1) or a `CounterPool`, from its own launch (one program per
+    ZERO_BLOCK counters)."""
+    if size != 1 and (size % ZERO_BLOCK or size & (size - 1)):
+        raise ValueError(f"grid_sync.counter: size={size} (1, or a power of two multiple of {ZERO_BLOCK})")
+    block = min(size, ZERO_BLOCK)
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=1 if size == 1 else 4,
+                                                                         num_stages=1)}
+    return pl.pallas_call(_zero_kernel, out_shape=jax.ShapeDtypeStruct((size,), jnp.int32), interpret=interpret,
+                          grid=(size // block,), out_specs=pl.BlockSpec((block,), lambda i: (i,)),
                           name="fnx_grid_sync_init", **params)()
+
+
+POOL_SIZE = 1 << 16
+
+
+class CounterPool:
+    """int32 counters for kernels that finish a split-K sum in place (`fnx.pallas.gemv.pallas.finish_tile`): one
+    zeroed buffer per decode program (`counter(size=POOL_SIZE)`) and, at trace time, a region of it for each call
+    (`take`). A call adds its split count S to each counter of its region, so the region stays a multiple of S for
+    the same call site's next run (a scanned layer's call runs once per layer on one region); distinct call sites
+    never share counters, so two launches that XLA might run side by side cannot mix counts."""
+
+    def __init__(self, buf: jax.Array):
+        self.buf, self.used = buf, 0
+
+    def take(self, n: int) -> int:
+        """The first of n fresh counters."""
+        if self.used + n > self.buf.shape[0]:
+            raise ValueError(f"counter pool exhausted: {self.used} + {n} of {self.buf.shape[0]} counters (a program "
+                             "with more split-K calls than POOL_SIZE provides for)")
+        base, self.used = self.used, self.used + n
+        return base
+
+
+_POOL: contextvars.ContextVar = contextvars.ContextVar("fnx_counter_pool", default=None)
+
+
+@contextlib.contextmanager
+def counter_pool(pool: CounterPool | None):
+    """Within the block, the kernels traced take their counters from `pool` (None: none)."""
+    token = _POOL.set(pool)
+    try:
+        yield pool
+    finally:
+        _POOL.reset(token)
+
+
+def current_pool() -> CounterPool | None:
+    """The counter pool of the program being traced (`counter_pool`), or None."""
+    return _POOL.get()
 
 
 def barrier(ctr_ref, programs: int, max_polls: int = MAX_POLLS, interpret: bool = False):

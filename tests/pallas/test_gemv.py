@@ -849,3 +849,86 @@ def test_tokens_below_the_tile_need_no_padded_copy(fmt, tiles):
     y = np.asarray(f(x), np.float32)
     assert y.shape == (m, n)
     assert np.abs(y - np.asarray(ref)).max() <= TOL * np.abs(np.asarray(ref)).max()
+
+
+@pytest.mark.parametrize("t,m", [(gp.Tiles(32, 128, 4), 3), (gp.Tiles(16, 256, 2, mode="fma", num_stages=1), 1),
+                                 (gp.Tiles(16, 128, 2, mode="dot", num_stages=1, rows=2), 5),
+                                 pytest.param(gp.Tiles(32, 128, 8), 1, marks=pytest.mark.extended)])
+def test_split_sum_in_the_kernel_equals_the_split_order_sum(t, m):
+    """Split-K tiles with the sum in the kernel (`finish_tile`: the last of a row tile's split programs, by an atomic
+    count, sums the partials): the partials' sum in split order, exactly, for every tile mode; the counters it
+    advances by S stay multiples of S for the next call; no XLA sum after the kernel."""
+    n, k = 128, 1024
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    w, extra, q = _weights("fp8", n, k, key)
+    x = jax.random.normal(key, (m, k), F32).astype(jnp.bfloat16)
+    ctr = jnp.zeros((64,), jnp.int32)
+    base = 7
+    f = lambda x, c: gp.gemv(x, w, extra["scale"], fmt="fp8", tiles=t, interpret=INTERPRET, counters=c,  # noqa
+                             finish_base=base)
+    got = np.asarray(f(x, ctr), np.float32)
+    assert "reduce_sum" not in ops_outside_kernels(f, x, ctr)
+    parts = np.asarray(jax.jit(lambda x: _partials("fp8", x, w, extra, t))(x), np.float32)
+    want = parts[0]
+    for p_ in parts[1:]:
+        want = want + p_
+    np.testing.assert_array_equal(got, np.asarray(jnp.asarray(want[:m]).astype(jnp.bfloat16), np.float32))
+    with pytest.raises(ValueError, match="split-K tiles"):
+        gp.gemv(x, w, extra["scale"], fmt="fp8", tiles=dataclasses.replace(t, split=1), interpret=INTERPRET,
+                counters=ctr, finish_base=0)
+    with pytest.raises(ValueError, match=r"int32 counters \[63 \+ "):
+        gp.gemv(x, w, extra["scale"], fmt="fp8", tiles=t, interpret=INTERPRET, counters=ctr, finish_base=63)
+
+
+def _partials(fmt, x, w, extra, t):
+    """The kernel's split partials [S, Mp, N] fp32 (the sum left undone), for the tests' own split-order sum."""
+    from fnx.pallas.gemv.pallas import _kernel, _padded_m, _wide_kernel
+    import functools as ft
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+    m, k = x.shape
+    n = w.shape[0]
+    mp = _padded_m(m, t.mode)
+    kern = ft.partial(_kernel, fmt=fmt, t=t, k=k, out_dtype=F32, argmax=False, mp=mp) if t.mode == "loop" else \
+        ft.partial(_wide_kernel, fmt=fmt, t=t, k=k, m=m, out_dtype=F32, argmax=False)
+    params = {} if INTERPRET else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
+                                                                         num_stages=t.num_stages)}
+    return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((t.split, mp, n), F32),
+                          grid=(n // (t.bn * t.rows), t.split), interpret=INTERPRET, **params)(
+        x, w, extra["scale"].astype(F32))
+
+
+def test_split_sum_in_the_kernel_through_the_api(monkeypatch):
+    """`FNX_GEMV_FINISH=1` with a counter pool in scope (the model's, per program): `linear` and the several-token
+    pair run their split sums in the kernel, each call on counters of its own (the pool hands out regions), the
+    values those of the XLA sum within its order; without the knob, or without a pool, the XLA sum as before."""
+    from fnx.pallas import grid_sync
+    n, k = 256, 1024
+    key = jax.random.PRNGKey(np.random.SeedSequence().entropy % (2**31))
+    w, extra, q = _weights("fp8", n, k, key)
+    w2 = (jax.random.normal(key, (40, k), F32) * 0.03).astype(jnp.bfloat16)
+    x = jax.random.normal(key, (5, k), F32).astype(jnp.bfloat16)
+    monkeypatch.setenv(api.SHAPE_TILES_ENV, "fp8:256:1024:8=bn=32,bk=128,split=4,mode=loop")
+
+    def run(x):
+        pool = grid_sync.CounterPool(grid_sync.counter(INTERPRET, 1024))
+        with grid_sync.counter_pool(pool):
+            y = api.linear(x, w, fmt="fp8", scale=extra["scale"], impl=KERNEL)
+            a, b = api.linear_pair(x, w, extra["scale"], w2, impl=KERNEL)
+        return (y, a, b), pool.used
+    monkeypatch.setenv(api.FINISH_ENV, "0")
+    want, used0 = run(x)
+    sums0 = ops_outside_kernels(lambda x: run(x)[0], x).count("reduce_sum")
+    monkeypatch.setenv(api.FINISH_ENV, "1")
+    got, used1 = run(x)
+    sums1 = ops_outside_kernels(lambda x: run(x)[0], x).count("reduce_sum")
+    assert used0 == 0 and used1 == 256 // 32 + 256 // 32 + 3 and sums1 == 0 < sums0
+    for g, w_ in zip(got, want):
+        g, w_ = np.asarray(g, np.float32), np.asarray(w_, np.float32)
+        assert g.shape == w_.shape
+        np.testing.assert_allclose(g, w_, rtol=0, atol=2 ** -7 * np.abs(w_).max())
+    with pytest.raises(ValueError, match="counter pool exhausted"):
+        grid_sync.CounterPool(jnp.zeros((8,), jnp.int32)).take(9)
+    monkeypatch.setenv(api.FINISH_ENV, "2")
+    with pytest.raises(ValueError, match="FNX_GEMV_FINISH='2'"):
+        api.finish_pool()

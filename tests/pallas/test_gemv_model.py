@@ -47,3 +47,47 @@ def test_fp8_dense_through_the_kernel_vs_bf16(tiny_dir, monkeypatch):
     # rounds each dequantized weight to bf16). Bounds: the measured values with ~40% headroom.
     assert kl < 3e-2 and top1 >= 0.8
     assert 0 < kernel_vs_ref < 5.5e-2          # > 0: the kernel really ran for some projections
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_split_sum_counter_pool_is_in_scope_for_every_layer(tiny_dir, monkeypatch, tokens):
+    """`FNX_GEMV_FINISH=1`: the decode program makes one counter pool (one zeroing launch) and every linear layer
+    traced for it (the scanned layers included) sees that pool in scope (where the GEMV kernels
+    take their split-sum counters); the tiny model's products do not split K (too narrow), so its logits are the
+    same. Without the knob: no pool, no launch."""
+    from fnx.model import transformer
+    from fnx.pallas import grid_sync
+    from fnx.pallas.gemv import api
+    from fnx.ple import initial_context, ngram_ids
+    model = fnx.load(tiny_dir, dtype=jnp.bfloat16, quant="fp8")
+    cfg = model.cfg
+    toks = np.asarray([[7, 3, 11, 5, 2][:tokens]], np.int32)
+    ple = None if model.ngram is None else jnp.asarray(
+        ngram_ids(initial_context(1, model.ngram), toks, model.ngram)[0], jnp.int32)
+    seen = []
+    real = api.linear
+
+    def spy(*a, **kw):
+        seen.append(grid_sync.current_pool())
+        return real(*a, **kw)
+    monkeypatch.setattr(api, "linear", spy)
+
+    def step(params, state):
+        return transformer.step(params, state, jnp.asarray(toks), ple, cfg=cfg, snapshots=tokens > 1)[0]
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(api.FINISH_ENV, flag)
+        jax.clear_caches()          # (the knob is read when a program is traced)
+        seen.clear()
+        state = fnx.new_state(model, 1, 16)
+        text = str(jax.make_jaxpr(step)(model.params, state))
+        pools = {id(p) for p in seen if p is not None}
+        out[flag] = np.asarray(jax.jit(step)(model.params, state), np.float32)
+        if flag == "0":
+            assert not pools and "fnx_grid_sync_init" not in text
+        else:
+            layer_calls = [p for p in seen if p is not None]
+            assert len(pools) == 1 and len(layer_calls) >= cfg.num_hidden_layers, (len(pools), len(layer_calls))
+            assert text.count("fnx_grid_sync_init") == 1
+            assert seen[-1] is None             # the head runs after the layers' scope
+    np.testing.assert_array_equal(out["1"], out["0"])

@@ -121,6 +121,20 @@ def many_override(t: gp.Tiles | None, fmt: str, n: int, k: int, m: int) -> gp.Ti
     return new
 
 
+FINISH_ENV = "FNX_GEMV_FINISH"
+
+
+def finish_pool():
+    """The counter pool split-K calls take their in-kernel split sum's counters from (`FNX_GEMV_FINISH=1`, read when
+    a program is traced: a benchmark knob; the model makes the pool once per decode program,
+    `transformer.make_meta`), or None: the split sum stays an XLA reduction after the kernel."""
+    flag = os.environ.get(FINISH_ENV, "").strip() or "0"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{FINISH_ENV}={flag!r}: 0 or 1")
+    from fnx.pallas import grid_sync
+    return grid_sync.current_pool() if flag == "1" else None
+
+
 XFIRST_ENV = "FNX_GEMV_XFIRST"
 XFIRST_DEFAULT = "1"   # on since measured: H200, commit d9f4565, 2026-12-05, 4-layer round at 8K -15.6 us, step -19.0
 
@@ -275,8 +289,10 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
         aux = (scale,) if fmt == "fp8" else (scale, scale_2) if fmt == "nvfp4" else ()
         return gm.partitioned(fmt, dispatch.interpret_flag(backend))(x2, w, *aux).reshape(*lead, -1)
     t = tiles_for(fmt, w.shape[0], k, x2.shape[0])
+    pool = finish_pool() if t.split > 1 else None
+    fin = {} if pool is None else {"counters": pool.buf, "finish_base": pool.take(w.shape[0] // t.bn)}
     y = gp.gemv(x2, w, scale, scale_2, fmt=fmt, tiles=t, interpret=dispatch.interpret_flag(backend),
-                k=None if x_cols is None else k)
+                k=None if x_cols is None else k, **fin)
     return y.reshape(*lead, -1)
 
 
@@ -425,6 +441,14 @@ def linear_pair(x: jax.Array, w1: jax.Array, scale1: jax.Array, w2: jax.Array, *
     if op == PAIR_MANY_OP:
         n1 = w1.shape[0]
         t = tiles_for("fp8", n1, k, x2.shape[0])
+        pool = finish_pool() if t.split > 1 else None
+        if pool is not None:        # the split sum in the kernel: the product itself, windows of it
+            tiles_n = n1 // t.bn + -(-w2.shape[0] // gp.PAIR_MANY_BN2)
+            buf = gp.gemv_pair_many(x2, w1, scale1, w2, tiles=t, interpret=interpret, counters=pool.buf,
+                                    finish_base=pool.take(tiles_n)).reshape(*lead, -1)
+            if windows:
+                return (buf, 0), (buf, n1)
+            return buf[..., :n1], buf[..., n1:n1 + w2.shape[0]]
         if windows and partials and t.split > 1:
             raw = gp.gemv_pair_many(x2, w1, scale1, w2, tiles=t, interpret=interpret, partials=True)
             buf = kernel_math.Partials(raw, x2.shape[0], lead, x.dtype)

@@ -106,9 +106,10 @@ def _e2m1_bf16(codes):
     return lax.bitcast_convert_type(bits.astype(jnp.uint16), BF16)
 
 
-def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
+def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool, fin=None):
     """A program's [Mp, BN] fp32 result: its rows of the output (split s), or with `argmax` its tile's best column
-    per token (max, index; ties -> lowest column)."""
+    per token (max, index; ties -> lowest column). `fin` (`finish_tile`'s): then the last of the tile's split
+    programs to store sums the splits into the final output."""
     if argmax:
         mx_ref, ix_ref = outs
         best = jnp.max(acc, axis=1)
@@ -117,6 +118,42 @@ def _store(acc, outs, n, s, row0, bn, out_dtype, argmax: bool):
         mx_ref[n, :] = best
     else:
         outs[0][s, :, pl.ds(row0, bn)] = acc.astype(out_dtype)
+        if fin is not None:
+            finish_tile(outs[0], fin, n, row0, bn)
+
+
+# Split-K without a sum kernel after it ("finish"): each program stores its split's partial [Mp, BN] as before, then
+# adds 1 to its row tile's counter (an acquire-release atomic at GPU scope, after a CTA barrier so that all its
+# threads' stores come first); the program that sees the count reach a multiple of S is the tile's last, and sums
+# the S partials in split order into the output [Mp, N] (its plain loads come after its acquire, which in the stock
+# sm_90 build invalidates the SM's L1: `fnx.pallas.grid_sync`). Counters come from a per-program pool
+# (`grid_sync.CounterPool`): each call adds exactly S to each of its tiles' counters, so they stay multiples of S.
+# The same arithmetic as the XLA sum it replaces, in split order (XLA's reduce may add in another order).
+
+def finish_tile(part_ref, fin, tile, col0, width):
+    """The split-K finish for row tile `tile` (columns [col0, col0 + width) of the output): fin = (counters ref,
+    output ref [Mp, N], the call's first counter, S, interpret)."""
+    ctr_ref, y_ref, base, split, interpret = fin
+    if not interpret:
+        pltriton.debug_barrier()
+    old = pltriton.atomic_add(ctr_ref, (jnp.int32(base) + tile,), jnp.int32(1))
+
+    @pl.when(old % split == split - 1)
+    def _():
+        acc = part_ref[0, :, pl.ds(col0, width)]
+        for i in range(1, split):
+            acc = acc + part_ref[i, :, pl.ds(col0, width)]
+        y_ref[:, pl.ds(col0, width)] = acc.astype(y_ref.dtype)
+
+
+def _finish_refs(rest, argmax: bool, finish):
+    """(the kernel's other refs, its outputs, `finish_tile`'s fin or None) from the refs after x and w: with
+    `finish` = (first counter, S, interpret) the counters come before the outputs and the summed output after the
+    partials."""
+    if finish is None:
+        outs = rest[-2:] if argmax else rest[-1:]
+        return rest[:len(rest) - len(outs)], outs, None
+    return rest[:-3], rest[-2:-1], (rest[-3], rest[-1], *finish)
 
 
 MMA_TYPES = ("bf16", "f16")
@@ -187,9 +224,9 @@ def _xrows(x_ref, mp: int, c0, width: int):
     return x_ref[rows, cols]
 
 
-def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool, mp: int, n=None, s=None):
-    outs = rest[-2:] if argmax else rest[-1:]
-    rest = rest[:len(rest) - len(outs)]
+def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: bool, mp: int, n=None, s=None,
+            finish=None):
+    rest, outs, fin = _finish_refs(rest, argmax, finish)
     if fmt == "fp8":
         (s_ref,) = rest
     elif fmt == "nvfp4":
@@ -239,7 +276,7 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
         acc = acc.T
     if fmt == "nvfp4":
         acc = acc * g_ref[pl.ds(row0, t.bn)][None, :]
-    _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax)
+    _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax, fin)
 
 
 def _chunk_width(fmt: str, t: Tiles) -> int:
@@ -249,14 +286,14 @@ def _chunk_width(fmt: str, t: Tiles) -> int:
 
 
 def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dtype, argmax: bool, n=None,
-                 ks=None):
+                 ks=None, finish=None):
     """One program: `t.rows` row tiles of BN output rows, each over the whole K axis. A tile's K/BK chunk loads are
     unrolled and all issued before its arithmetic (a looped program waits one DRAM latency per step); with
     several row tiles the next tile's loads are issued before the current tile's arithmetic. FP8: a tile's rows
     sit in one 128-row block, so "fma" folds the block scales into the activation (x * s per column, fp32) and
     "dot" scales each 128-column partial. x has its M rows: `_xrows` loads the padded tile "dot"
     needs; "fma" reads the M rows alone."""
-    outs = rest[-2:] if argmax else rest[-1:]
+    rest, outs, fin = _finish_refs(rest, argmax, finish)
     s_ref = rest[0] if fmt == "fp8" else None
     prog = pl.program_id(0) if n is None else n   # given: a caller that read it outside a branch (gemv_pair)
     if ks is None:
@@ -282,7 +319,7 @@ def _wide_kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, m: int, out_dt
             pending = load(prog * t.rows + r + 1)       # in flight during this tile's arithmetic
         tile_id = prog * t.rows + r
         acc = _wide_tile(x_ref, ws, ss, fmt=fmt, t=t, m=m, mp=mp, cw=cw, nk=nk, k0=k0)
-        _store(acc, outs, tile_id, ks, tile_id * t.bn, t.bn, out_dtype, argmax)
+        _store(acc, outs, tile_id, ks, tile_id * t.bn, t.bn, out_dtype, argmax, fin)
 
 
 def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, nk: int, k0=0):
@@ -375,13 +412,15 @@ def _check_wide(fmt: str, n: int, k: int, t: Tiles) -> str | None:
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "tiles", "interpret", "argmax", "k"))
+@functools.partial(jax.jit, static_argnames=("fmt", "tiles", "interpret", "argmax", "k", "finish_base"))
 def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: bool = False,
-         argmax: bool = False, k: int | None = None):
+         argmax: bool = False, k: int | None = None, counters=None, finish_base: int | None = None):
     """x [M, K] bf16/f32 with M <= 32; w per `fmt`; returns y [M, N] in x.dtype, or with `argmax` the greedy
     ids [M] int32 of the fp32 logits (never written out: each program keeps its tile's best column).
     k: the product's K when x is wider (bf16 / FP8 weights): x [M, W >= k], its first k columns read in place (a
-    window of a wider buffer, with no slice kernel before the launch)."""
+    window of a wider buffer, with no slice kernel before the launch).
+    finish_base (split-K tiles): the split sum in the kernel (`finish_tile`), the row tiles' counters
+    counters[finish_base:finish_base + N / BN] (int32, multiples of the split: `grid_sync.CounterPool`)."""
     m, wx = x.shape
     if k is None:
         k = wx
@@ -413,6 +452,11 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
         out_shape = (jax.ShapeDtypeStruct((n // t.bn, mp), F32), jax.ShapeDtypeStruct((n // t.bn, mp), jnp.int32))
     else:
         out_shape = jax.ShapeDtypeStruct((t.split, mp, n), out_dtype)
+    if finish_base is not None:
+        _check_finish(t, argmax, counters, finish_base, n // t.bn)
+        kern = functools.partial(kern, finish=(finish_base, t.split, interpret))
+        args = args + (counters,)
+        out_shape = (out_shape, jax.ShapeDtypeStruct((mp, n), x.dtype))
     out = stacked.call(
         kern, args,
         out_shape=out_shape,
@@ -425,9 +469,21 @@ def gemv(x, w, scale=None, scale_2=None, *, fmt: str, tiles: Tiles, interpret: b
         mx, ix = out
         best = jnp.argmax(mx[:, :m], axis=0)            # first (lowest-column) tile among equal maxima
         return jnp.take_along_axis(ix[:, :m], best[None], axis=0)[0]
+    if finish_base is not None:
+        return out[1][:m]
     if t.split == 1:
         return out[0, :m]
     return jnp.sum(out[:, :m], axis=0).astype(x.dtype)
+
+
+def _check_finish(t: Tiles, argmax: bool, counters, base: int, tiles: int):
+    if argmax or t.split < 2:
+        raise ValueError(f"gemv: the in-kernel split sum needs split-K tiles without the argmax (split={t.split}, "
+                         f"argmax={argmax})")
+    if counters is None or counters.dtype != jnp.int32 or counters.ndim != 1 or not 0 <= base <= \
+            counters.shape[0] - tiles:
+        raise ValueError(f"gemv: the in-kernel split sum needs int32 counters [{base} + {tiles}] (grid_sync."
+                         f"CounterPool), got {None if counters is None else (counters.dtype, counters.shape)}")
 
 
 # ---- a pair of products of one activation in one launch -----------------------------------------------------------
@@ -536,19 +592,20 @@ def pair_many_side(n2: int, k: int, split: int) -> int | None:
     return next((c for c in (256, 128, 64, 32, 16) if ks % c == 0 and ks // c <= 64), None)
 
 
-def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, out_ref, *, t: Tiles, k: int, m: int, mp: int, n1: int,
-                      n2: int, n2_prog: int, cw2: int, out_dtype):
+def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, *outs, t: Tiles, k: int, m: int, mp: int, n1: int,
+                      n2: int, n2_prog: int, cw2: int, out_dtype, finish=None):
+    out_ref = outs[-1] if finish is None else outs[-2]    # finish: (counters, partials, the summed product)
     pid = pl.program_id(0)          # the program ids are read here, outside the branches
     s = pl.program_id(1) if t.mode == "loop" or t.split > 1 else 0
 
     @pl.when(pid >= n2_prog)
     def _():
         if t.mode == "loop":
-            _kernel(x_ref, w1_ref, s1_ref, out_ref, fmt="fp8", t=t, k=k, out_dtype=out_dtype, argmax=False, mp=mp,
-                    n=pid - n2_prog, s=s)
+            _kernel(x_ref, w1_ref, s1_ref, *outs, fmt="fp8", t=t, k=k, out_dtype=out_dtype, argmax=False, mp=mp,
+                    n=pid - n2_prog, s=s, finish=finish)
         else:
-            _wide_kernel(x_ref, w1_ref, s1_ref, out_ref, fmt="fp8", t=t, k=k, m=m, out_dtype=out_dtype,
-                         argmax=False, n=pid - n2_prog, ks=s)
+            _wide_kernel(x_ref, w1_ref, s1_ref, *outs, fmt="fp8", t=t, k=k, m=m, out_dtype=out_dtype,
+                         argmax=False, n=pid - n2_prog, ks=s, finish=finish)
 
     @pl.when(pid < n2_prog)
     def _():
@@ -572,15 +629,20 @@ def _pair_many_kernel(x_ref, w1_ref, s1_ref, w2_ref, out_ref, *, t: Tiles, k: in
             return acc
         acc = lax.fori_loop(0, ks // cw2, chunk, jnp.zeros((mp, bn2), F32))
         out_ref[s, :, pl.ds(n1 + pid * bn2, bn2)] = acc.astype(out_dtype)
+        if finish is not None:      # the narrow rows' tiles after the FP8 product's
+            finish_tile(out_ref, (outs[0], outs[-1], *finish), n1 // t.bn + pid, n1 + pid * bn2, bn2)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "partials"))
-def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False, partials: bool = False):
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret", "partials", "finish_base"))
+def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False, partials: bool = False,
+                   counters=None, finish_base: int | None = None):
     """x @ [dequant(W1); W2].T in one launch for 2..32 tokens: x [M, K], W1 float8_e4m3fn [N1, K] with its 128x128
     block scales under tensor-core tiles ("loop" or "dot", any split), W2 bf16 [N2, K] with N2 <= PAIR_SIDE_MAX_N.
     Returns one product [M, N1 + N2p] in x.dtype: columns [0, N1) the FP8 product, [N1, N1 + N2) the narrow one
     (N2p = N2 rounded up to 16; the rest padding). `partials` with split-K tiles: the kernel's fp32 partials
-    [S, Mp, N1 + N2p] as they are (for a consumer that sums them where it reads them: `kernel_math.Partials`)."""
+    [S, Mp, N1 + N2p] as they are (for a consumer that sums them where it reads them: `kernel_math.Partials`).
+    finish_base (split-K tiles): the split sum in the kernel (`finish_tile`), counters[finish_base:finish_base +
+    N1 / BN + ceil(N2 / 16)] (the FP8 product's row tiles, then the narrow product's)."""
     m, k = x.shape
     n1, n2 = w1.shape[0], w2.shape[0]
     t = tiles
@@ -599,16 +661,27 @@ def gemv_pair_many(x, w1, scale1, w2, *, tiles: Tiles, interpret: bool = False, 
     width = n1 + n2_prog * PAIR_MANY_BN2
     out_dtype = x.dtype if t.split == 1 else F32
     two_axes = t.mode == "loop" or t.split > 1
+    args = (x.astype(BF16), w1, stacked.astype(scale1, F32), w2)
+    out_shape = jax.ShapeDtypeStruct((t.split, mp, width), out_dtype)
+    finish = None
+    if finish_base is not None:
+        if partials:
+            raise ValueError("gemv_pair_many: partials or the in-kernel split sum, not both")
+        _check_finish(t, False, counters, finish_base, n1 // t.bn + n2_prog)
+        finish = (finish_base, t.split, interpret)
+        args, out_shape = args + (counters,), (out_shape, jax.ShapeDtypeStruct((mp, width), x.dtype))
     out = stacked.call(
         functools.partial(_pair_many_kernel, t=t, k=k, m=m, mp=mp, n1=n1, n2=n2, n2_prog=n2_prog, cw2=cw2,
-                          out_dtype=out_dtype),
-        (x.astype(BF16), w1, stacked.astype(scale1, F32), w2),
-        out_shape=jax.ShapeDtypeStruct((t.split, mp, width), out_dtype),
+                          out_dtype=out_dtype, finish=finish),
+        args,
+        out_shape=out_shape,
         grid=(n2_prog + n1 // (t.bn * t.rows),) + ((t.split,) if two_axes else ()),
         compiler_params=pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name=f"fnx_gemv_pair_many_fp8_{t.mode}",
     )
+    if finish is not None:
+        return out[1][:m]
     if t.split == 1:
         return out[0, :m]
     if partials:
