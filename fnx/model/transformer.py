@@ -258,11 +258,14 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
 
 
 def counter_pool(tokens: int):
-    """The program's pool of counters for split-K calls that sum their splits in the kernel (`FNX_GEMV_FINISH=1`,
-    decode sizes: `fnx.pallas.gemv.api.MAX_M` tokens at most), made once per program; else None."""
+    """The program's pool of counters for kernels that finish their sums in place (`FNX_GEMV_FINISH=1`: split-K
+    GEMVs; `FNX_MOE_FINISH=1`: the MoE decode's combine), at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
+    most), made once per program; else None."""
     import os
     from fnx.pallas.gemv import api as gemv_api
-    if (os.environ.get(gemv_api.FINISH_ENV, "").strip() or "0") != "1" or tokens > gemv_api.MAX_M:
+    from fnx.pallas.moe import api as moe_api
+    on = [(os.environ.get(env, "").strip() or "0") == "1" for env in (gemv_api.FINISH_ENV, moe_api.FINISH_ENV)]
+    if not any(on) or tokens > gemv_api.MAX_M:
         return None
     from fnx.pallas import dispatch, grid_sync
     interpret = dispatch.why_unavailable("pallas") is not None

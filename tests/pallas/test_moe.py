@@ -1495,3 +1495,34 @@ def test_experts_blocks_lower_for_cuda():
     lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), "fp8"), _spec((512, 2560, 640), "fp8"),
                                 S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("fmt,m,tiles_change", [("nvfp4", 1, {}), ("fp8", 1, {}),
+                                                 _ext("bf16", 3, {"flat": 0, "group": 2})])
+def test_decode_combine_in_the_kernel(fmt, m, tiles_change, monkeypatch):
+    """`FNX_MOE_FINISH=1` with a counter pool in scope: the down kernel's last program per column tile (an atomic
+    count of the tile's group programs) sums the routed partials in group order, rounds, adds the shared term: the
+    XLA combine's values within its order (an fp32 ulp of the sum before one bf16 rounding), and no XLA sum after the
+    kernel; the counters taken from the pool. Tiles without group partials combine as before."""
+    from fnx.pallas import grid_sync
+    x, w, ids, gate_up, down, sg, su, ss, shared = _decode_args(fmt, m, 70 + m,
+                                                                shared_fmt="bf16" if fmt == "nvfp4" else None)
+    tiles = dataclasses.replace(DT, **{"group": 1, "e2m1": "f16" if fmt == "nvfp4" else "int", **tiles_change})
+
+    def run(x):
+        pool = grid_sync.CounterPool(grid_sync.counter(INTERPRET, 1024))
+        with grid_sync.counter_pool(pool):
+            y = api.decode(x, w, ids, gate_up, down, sg, su, ss, shared, impl=KERNEL, tiles=tiles)
+        return y, pool.used
+    monkeypatch.setenv(api.FINISH_ENV, "0")
+    want, used0 = run(x)
+    monkeypatch.setenv(api.FINISH_ENV, "1")
+    got, used1 = run(x)
+    assert used0 == 0 and used1 == D // tiles.bn2
+    assert "reduce_sum" not in ops_outside_kernels(lambda x: run(x)[0], x)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2 ** -7 * np.abs(want).max())
+    with pytest.raises(ValueError, match="needs its grid"):
+        decode_pallas.moe_decode(x, w, ids, gate_up, down, sg, su, ss, shared, interpret=INTERPRET,
+                                 tiles=dataclasses.replace(tiles, tok=1, group=0), counters=jnp.zeros((64,), jnp.int32),
+                                 finish_base=0)

@@ -7,6 +7,8 @@ limit, tiles that do not fit the quantization blocks); under impl=None/"auto" th
 
 from __future__ import annotations
 
+import os
+
 import logging
 
 import jax
@@ -143,8 +145,30 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
                                for a, n in ((s_gate, i_s), (s_up, i_s), (s_sig, 1)))
         gate_up, down, shared_down = stacked.materialize_tree((gate_up, down, shared_down))
         return reference.decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down)
+    fin = {}
+    pool = finish_pool()
+    if pool is not None:
+        t = tiles or decode_pallas.default_tiles(x.shape[1], down.shape[-1], shared_down.shape[-1],
+                                                 reference.weight_format(gate_up), x.shape[0])
+        if t.group and not (t.flat and x.shape[0] > 1) and not t.tok and not t.persist2:
+            fin = {"counters": pool.buf, "finish_base": pool.take(x.shape[1] // t.bn2)}
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
-                                    interpret=dispatch.interpret_flag(backend), tiles=tiles, x_acts=x_acts)
+                                    interpret=dispatch.interpret_flag(backend), tiles=tiles, x_acts=x_acts, **fin)
+
+
+FINISH_ENV = "FNX_MOE_FINISH"
+
+
+def finish_pool():
+    """The counter pool the decode's down kernel takes its combine's counters from (`FNX_MOE_FINISH=1`, read when a
+    program is traced: a benchmark knob; the model makes the pool once per decode program, `transformer.make_meta`),
+    or None: the combine stays an XLA fusion after the kernel. Tiles whose down kernel has no group partials (group
+    0, `tok`), flat slots at several tokens, or resident programs (`persist2`) combine as they do without it."""
+    flag = os.environ.get(FINISH_ENV, "").strip() or "0"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{FINISH_ENV}={flag!r}: 0 or 1")
+    from fnx.pallas import grid_sync
+    return grid_sync.current_pool() if flag == "1" else None
 
 
 # Expert formats whose prefill blocks run the Pallas kernels under "auto", by measurement on the H200 (released

@@ -894,9 +894,12 @@ def _down_persist_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *re
 
 def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, m, k, n_slots, sp,
                  inter, inter_s, bn, cw, group, e2m1, offs, meta, hoist, wround, gsum=False, acc_tiles=False,
-                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, mma2=0, mma_asm=True):
+                 tmajor=False, branch=True, dot=0, flat_slots=False, x2d=False, mma2=0, mma_asm=True, finish=None):
     if meta:
         own_ref, hit_ref, coef_ref, *rest = rest
+    if finish is not None:      # (counters, the partials, the combined output) after the weights
+        *rest, ctr_ref, y_ref, o_ref = rest
+        rest = (*rest, y_ref)
     dn_refs, sh_refs, y_ref = rest[:n_w], rest[n_w:-1], rest[-1]
     dt = sg_ref.dtype
     c0 = pl.program_id(0) * bn
@@ -1052,6 +1055,28 @@ def _down_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt,
     def _():
         for i, sh in enumerate(shared()):
             y_ref[gi, i, pl.ds(c0, bn)] = sh
+    if finish is not None:
+        _finish_combine(y_ref, o_ref, ctr_ref, finish, n_groups, m, c0, bn, dt)
+
+
+def _finish_combine(y_ref, o_ref, ctr_ref, finish, n_groups, m, c0, bn, dt):
+    """The combine in the kernel (`moe_decode`'s finish_base): the column tile's last program, by an atomic count of
+    its n_groups + 1 programs (the counters a `grid_sync.CounterPool` region), sums the routed partials in group order,
+    rounds, adds the shared term and rounds (the XLA combine's arithmetic, in group order); see
+    `fnx.pallas.gemv.pallas.finish_tile` for the memory ordering."""
+    base, interpret = finish
+    rows = n_groups + 1
+    if not interpret:
+        plgpu.debug_barrier()
+    old = plgpu.atomic_add(ctr_ref, (jnp.int32(base) + pl.program_id(0),), jnp.int32(1))
+
+    @pl.when(old % rows == rows - 1)
+    def _():
+        for i in range(m):
+            acc = y_ref[0, i, pl.ds(c0, bn)]
+            for g in range(1, n_groups):
+                acc = acc + y_ref[g, i, pl.ds(c0, bn)]
+            o_ref[i, pl.ds(c0, bn)] = (rnd(acc, dt) + y_ref[n_groups, i, pl.ds(c0, bn)]).astype(o_ref.dtype)
 
 
 def _down_tok_kernel(ids_ref, rw_ref, act_ref, sg_ref, su_ref, ssig_ref, *rest, fmt, sfmt, n_w, k, n_slots, sp,
@@ -1313,11 +1338,14 @@ def window_array(a, size: int, m: int) -> jax.Array:
 
 
 def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, interpret: bool = False,
-               tiles: DecodeTiles | None = None, x_acts=None) -> jax.Array:
+               tiles: DecodeTiles | None = None, x_acts=None, counters=None, finish_base: int | None = None
+               ) -> jax.Array:
     """x [M, D]; w [M, K] (x.dtype), ids [M, K] int32; s_gate, s_up [M, I_s], s_sig [M, 1] (x.dtype), each an
     array or a window (buffer [M, W], start column) read in place; gate_up [E, 2I, D], down [E, D, I], shared_down
     [D, I_s] -> the MoE block's output [M, D] (x.dtype). x_acts: `mma_activations(x)` made already (the router's
-    programs can write it), taken by e2m1 "mma" instead of its own XLA fusion; other decodes ignore it."""
+    programs can write it), taken by e2m1 "mma" instead of its own XLA fusion; other decodes ignore it.
+    finish_base (tiles with a group, owner slots, not persistent): the combine in the down kernel (`_finish_combine`),
+    on counters[finish_base:finish_base + D / bn2] (int32 multiples of the group rows: `grid_sync.CounterPool`)."""
     m, d = x.shape
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
@@ -1379,6 +1407,10 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
         act, *meta = act
     if tiles.mma2 == 2:     # kernel 2's "mma" operand: kernel 1's rows as fp16 pairs and each slot's 2^-s, once
         act = mma_activations(act.reshape(n_slots, inter))
+    if finish_base is not None and (tiles.tok or tiles.persist2):
+        raise ValueError(f"moe_decode: the combine in the down kernel needs its grid of (column tile, group) "
+                         f"programs, not tok / persist2 tiles ({tiles})")
+    fin = None
     if tiles.tok:
         return stacked.call(
             functools.partial(_down_tok_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), k=k, n_slots=n_slots, sp=sp,
@@ -1405,19 +1437,32 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
             name="moe_decode_down_persist",
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages))
     else:
+        args2 = (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3)
+        y_shape = jax.ShapeDtypeStruct(out_shape, F32 if g else dt)
+        if finish_base is not None:
+            why = None if g and not flat and counters is not None and counters.dtype == jnp.int32 and \
+                0 <= finish_base <= counters.shape[0] - d // tiles.bn2 else \
+                f"tiles {tiles} (a group, owner slots), int32 counters [{finish_base} + {d // tiles.bn2}]"
+            if why:
+                raise ValueError(f"moe_decode: the combine in the down kernel needs {why}")
+            fin = (finish_base, interpret)
+            args2 = args2 + (counters,)
+            y_shape = (y_shape, jax.ShapeDtypeStruct((m, d), dt))
         y = stacked.call(
             functools.partial(_down_kernel, fmt=fmt2, sfmt=fmt3, n_w=len(w2), m=km, k=k, n_slots=n_slots, sp=sp,
                               inter=inter, inter_s=inter_s, bn=tiles.bn2, cw=tiles.cw2, group=g, e2m1=e2m1_down,
                               offs=(og, ou, os_), meta=bool(tiles.meta), hoist=bool(tiles.hoist),
                               wround=bool(tiles.wround), gsum=bool(tiles.gsum), acc_tiles=bool(tiles.acc),
                               tmajor=bool(tiles.tmajor), branch=tiles.branch in (1, 3), dot=tiles.dot,
-                              flat_slots=flat, x2d=x2d, mma2=tiles.mma2, mma_asm=not interpret),
-            (flat_ids, rw, act, sg.astype(dt), su.astype(dt), ss.astype(dt), *meta, *w2, *w3),
-            out_shape=jax.ShapeDtypeStruct(out_shape, F32 if g else dt),
+                              flat_slots=flat, x2d=x2d, mma2=tiles.mma2, mma_asm=not interpret, finish=fin),
+            args2,
+            out_shape=y_shape,
             grid=(d // tiles.bn2, n_groups + n_shared) if g else (d // tiles.bn2,),
             interpret=interpret, name="moe_decode_down",
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps2, num_stages=tiles.stages),
         )
+    if fin is not None:
+        return y[1]
     if not g:
         return y
     if flat:    # token t's groups are rows [t*K/g, (t+1)*K/g): its terms in k order, then its shared term
