@@ -1,6 +1,7 @@
-"""A grid-wide barrier for Pallas kernels on the Triton lowering: one launch doing work that needs all of an earlier
-phase's results (the hyper-connection boundary's gates need every row of its down projection), where otherwise two
-launches would.
+"""Counters shared by the programs of one launch, for Pallas kernels on the Triton lowering: a grid-wide barrier (one
+launch doing work that needs all of an earlier phase's results: the hyper-connection boundary's gates need every row
+of its down projection, where otherwise two launches would), and per-tile counts by which the last of a tile's
+programs finishes a sum the others wrote (split-K GEMVs, the MoE combine: `CounterPool`).
 
 The counter. `counter(interpret)` makes an int32[1] zero with a one-program kernel: a buffer of its own (an XLA
 constant could be folded into, or shared with, another zero). Kernels take it as an input and add to it with
@@ -13,7 +14,8 @@ with acquire-release semantics at GPU scope, polls with volatile loads until the
 P, reads it once more with an acquire-release atomic (the acquire: the others' stores before their arrivals are
 visible to what follows; in the stock sm_90 build the atomic is followed by `CCTL.IVALL`, invalidating the SM's L1),
 and its threads wait for each other again. Every one of the P programs must be resident at once:
-P must not exceed what the GPU runs concurrently (the callers take at most two programs per SM and check it). A
+P must not exceed what the GPU runs concurrently (the callers take two programs per SM by default, at most five when
+named, and check it). A
 program that polls `max_polls` times without seeing the others gives up and reports it (`barrier` returns False):
 callers write NaN then, so a broken assumption shows in the results instead of hanging the device.
 
