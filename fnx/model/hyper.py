@@ -43,35 +43,33 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: i
                           pow2_streams=streams & (streams - 1) == 0) != "reference"
 
 
-def _kernel_call(p, h, y, inj, streams, eps, inject, impl, sync=None):
+def _kernel_call(p, h, y, inj, streams, eps, inject, impl):
     wd, wu = p["input_mix_weight_down"], p["input_mix_weight_up"]
     scales = {}
     if _fp8_ok(wd):
         scales = {"w_down_scale": wd.scale_inv, "w_up_scale": wu.scale_inv}
         wd, wu = wd.w, wu.w
     return hc_api.hc_boundary(h, y, inj, p["hc_norm"], wd, wu, p["block_inject_weight"] if inject else None,
-                              streams=streams, eps=eps, impl=impl, sync=sync, **scales)
+                              streams=streams, eps=eps, impl=impl, **scales)
 
 
 def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, eps: float, inject: bool = True,
-             impl: str | None = None, sync=None):
+             impl: str | None = None):
     """combine(h, y, inj) then gated_residual on the result, fused into one kernel call at decode.
-    Returns (h' [..., S*D], x [..., D], inj' [..., S] or None without `inject`). sync: the grid barrier's counter
-    for a one-launch boundary (`fnx.pallas.grid_sync`; the model's meta["hc_sync"]), or None."""
+    Returns (h' [..., S*D], x [..., D], inj' [..., S] or None without `inject`)."""
     if _kernel_ok(p, h, inject, impl, streams):
-        return _kernel_call(p, h, y, inj, streams, eps, inject, impl, sync)
+        return _kernel_call(p, h, y, inj, streams, eps, inject, impl)
     h = combine(h, y, inj)
     out = gated_residual(p, h, streams, eps, inject, impl="reference")
     return (h,) + (out if inject else (out, None))
 
 
-def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None,
-                   sync=None):
+def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None):
     """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S].
     Decode-sized calls whose `impl` (fnx.pallas.dispatch, ops "hc_boundary_m1" / "hc_boundary") resolves to a kernel run
     fnx.pallas.hc; otherwise the jnp below, which is the reference."""
     if _kernel_ok(p, h, inject, impl, streams):
-        _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl, sync)
+        _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl)
         return (x, inj) if inject else x
     d = h.shape[-1] // streams
     hn = rms_norm(h, p["hc_norm"], eps, group=d)

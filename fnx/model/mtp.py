@@ -133,14 +133,13 @@ def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens
     meta = make_meta(cfg, state["pos"], length, dtype, n_valid)
     e = params["embed_tokens"][next_tokens]
     from fnx.pallas import grid_sync
-    with grid_sync.counter_pool(meta["counters"]):      # split-K calls' counters (FNX_GEMV_FINISH), or None
+    with grid_sync.counter_pool(meta["counters"]):      # the program's counters (`transformer.counter_pool`)
         e = linear(rms_norm(e, mp["pre_fc_norm_embedding"], eps), mp["fc_embedding"])
         hn = rms_norm(hidden.astype(dtype), mp["pre_fc_norm_hidden"], eps)
         streams = hn.reshape(bsz, length, cfg.hc_count, cfg.hidden_size)
         x = (linear(streams, mp["fc_hidden"]) + e[:, :, None, :]).reshape(bsz, length, cfg.hc_dim)
         h, st, _, _ = decoder_layer(cfg, INDEXED, False, mp["layer"], state["layer"], x, meta, moe_impl)
-    out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False,
-                               sync=meta.get("hc_sync"))
+        out = hyper.gated_residual(mp["hyper_connection_mixer"], h, cfg.hc_count, eps, inject=False)
     if at is not None:
         out = jnp.take_along_axis(out, at.astype(jnp.int32).reshape(bsz, 1, 1), axis=1)      # [B, 1, D]
     rows = params["lm_head"] if head is None else head

@@ -215,10 +215,9 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
             h = h + out
     with jax.named_scope("hc"):
         if pending is None:
-            x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps, sync=meta.get("hc_sync"))
+            x, inj = hyper.gated_residual(p["attn_hyper_connection"], h, s, eps)
         else:                         # the previous layer's combine and this gated residual: one boundary
-            h, x, inj = hyper.boundary(p["attn_hyper_connection"], h, pending[0], pending[1], s, eps,
-                                       sync=meta.get("hc_sync"))
+            h, x, inj = hyper.boundary(p["attn_hyper_connection"], h, pending[0], pending[1], s, eps)
     if kind == LINEAR:
         with jax.named_scope("gdn"):
             y, st["conv"], st["rec"], a = gdn.gdn_layer(p["linear_attn"], x, st["conv"], st["rec"], cfg, n_valid,
@@ -231,7 +230,7 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
     aux.update(a)
     # the mixer's combine and the MLP's gated residual: one boundary (a single fused kernel at decode sizes)
     with jax.named_scope("hc"):
-        h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps, sync=meta.get("hc_sync"))
+        h, x, inj = hyper.boundary(p["mlp_hyper_connection"], h, y, inj, s, eps)
     with jax.named_scope("moe"):
         y, _, ids = moe.moe_block(p["mlp"], x, cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl)
     if defer:
@@ -253,34 +252,24 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
     if n_valid is None:
         n_valid = jnp.full(pos0.shape, length, jnp.int32)
     return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
-            "n_valid": n_valid.astype(jnp.int32), "hc_sync": hc_sync(pos0.shape[0] * length),
-            "counters": counter_pool(pos0.shape[0] * length)}
+            "n_valid": n_valid.astype(jnp.int32), "counters": counter_pool(pos0.shape[0] * length)}
 
 
 def counter_pool(tokens: int):
-    """The program's pool of counters for kernels that finish their sums in place (`FNX_GEMV_FINISH=1`: split-K
-    GEMVs; `FNX_MOE_FINISH=1`: the MoE decode's combine), at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
-    most), made once per program; else None."""
-    import os
-    from fnx.pallas.gemv import api as gemv_api
-    from fnx.pallas.moe import api as moe_api
-    on = [(os.environ.get(env, "").strip() or "0") == "1" for env in (gemv_api.FINISH_ENV, moe_api.FINISH_ENV)]
-    if not any(on) or tokens > gemv_api.MAX_M:
-        return None
+    """The program's pool of counters (`fnx.pallas.grid_sync.CounterPool`, made once per program; in scope while its
+    layers and head are traced) where a kernel counts its programs: split-K GEMVs that sum in place
+    (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
+    (ops "hc_boundary_one" / "hc_boundary_few_one" named); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
+    most). Else None."""
     from fnx.pallas import dispatch, grid_sync
+    from fnx.pallas.gemv import api as gemv_api
+    from fnx.pallas.hc import api as hc_api
+    from fnx.pallas.moe import api as moe_api
+    on = grid_sync.knob(gemv_api.FINISH_ENV) or grid_sync.knob(moe_api.FINISH_ENV) or hc_api.one_launch(tokens)
+    if not on or tokens > gemv_api.MAX_M:
+        return None
     interpret = dispatch.why_unavailable("pallas") is not None
     return grid_sync.CounterPool(grid_sync.counter(interpret, grid_sync.POOL_SIZE))
-
-
-def hc_sync(tokens: int):
-    """The grid barrier's counter that every one-launch hyper-connection boundary of a program shares
-    (`fnx.pallas.grid_sync`), made once per program where its boundaries (over `tokens` tokens) run in one launch
-    (ops "hc_boundary_one", "hc_boundary_few_one"); else None."""
-    from fnx.pallas.hc import api as hc_api
-    if not hc_api.one_launch(tokens):
-        return None
-    from fnx.pallas import dispatch, grid_sync
-    return grid_sync.counter(dispatch.interpret_flag(hc_api.one_launch_backend(tokens)))
 
 
 def ple_split_point(cfg: ModelConfig) -> int | None:
@@ -363,7 +352,7 @@ def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, 
     """Segments [lo, hi) of the layer plan, continuing `front` (None: from the embedding)."""
     meta = make_meta(cfg, state["pos"], tokens.shape[1], params["embed_tokens"].dtype, n_valid, ple_ids, ple_rows)
     from fnx.pallas import grid_sync
-    with grid_sync.counter_pool(meta["counters"]):      # split-K calls' counters (FNX_GEMV_FINISH), or None
+    with grid_sync.counter_pool(meta["counters"]):      # the program's counters (`counter_pool`), or None
         return _run_segments(params, state, tokens, cfg, moe_impl, snapshots, collect, lo, hi, ple_ids, ple_rows,
                              front, meta)
 
@@ -468,9 +457,11 @@ def _unrolled_layer(cfg, i, p, st, carry, meta, moe_impl, snapshots, new_segment
 def _finish(params, state, tokens, out, cfg, snapshots, collect):
     carry, meta = out["carry"], out["meta"]
     pos0 = state["pos"]
-    with jax.named_scope("head"):   # the last layer's combine and the final mixer: one boundary
+    from fnx.pallas import grid_sync
+    # the last layer's combine and the final mixer: one boundary (the program's counters in scope, as the layers')
+    with jax.named_scope("head"), grid_sync.counter_pool(meta["counters"]):
         h, x, _ = hyper.boundary(params["hyper_connection_mixer"], carry[0], carry[1], carry[2], cfg.hc_count,
-                                 cfg.rms_norm_eps, inject=False, sync=meta.get("hc_sync"))
+                                 cfg.rms_norm_eps, inject=False)
         logits = linear(x, params["lm_head"])
     ctx_x = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)
     width = state["ngram_ctx"].shape[1]

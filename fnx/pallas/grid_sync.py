@@ -4,7 +4,8 @@ of its down projection, where otherwise two launches would), and per-tile counts
 programs finishes a sum the others wrote (split-K GEMVs, the MoE combine: `CounterPool`).
 
 The counter. `counter(interpret)` makes an int32[1] zero with a one-program kernel: a buffer of its own (an XLA
-constant could be folded into, or shared with, another zero). Kernels take it as an input and add to it with
+constant could be folded into, or shared with, another zero); a decode program's launches take theirs from its
+`CounterPool` instead (one counter per call site). Kernels take it as an input and add to it with
 atomics, which XLA does not see: each launch adds exactly its program count P per barrier, so between launches the
 value is a multiple of P whatever ran before, and one counter serves every launch of a program in turn (launches
 on one stream never overlap). A copy XLA might make of it keeps that property.
@@ -98,17 +99,31 @@ def current_pool() -> CounterPool | None:
     return _POOL.get()
 
 
-def barrier(ctr_ref, programs: int, max_polls: int = MAX_POLLS, interpret: bool = False):
-    """Wait until all `programs` programs of this launch have arrived (see the module's note). Returns a bool
-    scalar: True, or False where this program gave up after `max_polls` polls. `interpret`: the kernel runs under
-    the Pallas interpreter (one program; no thread barriers there)."""
+def knob(env: str) -> bool:
+    """Whether the 0/1 knob `env` (read when a program is traced) is on; another value raises."""
+    import os
+    flag = os.environ.get(env, "").strip() or "0"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{env}={flag!r}: 0 or 1")
+    return flag == "1"
+
+
+def pool_if(env: str) -> CounterPool | None:
+    """The program's counter pool where the knob `env` is on (the finish knobs), else None."""
+    return current_pool() if knob(env) else None
+
+
+def barrier(ctr_ref, programs: int, max_polls: int = MAX_POLLS, interpret: bool = False, index: int = 0):
+    """Wait until all `programs` programs of this launch have arrived (see the module's note), counting on
+    ctr_ref[index]. Returns a bool scalar: True, or False where this program gave up after `max_polls` polls.
+    `interpret`: the kernel runs under the Pallas interpreter (one program; no thread barriers there)."""
     if interpret and programs != 1:
         raise ValueError(f"grid barrier over {programs} programs under the Pallas interpreter, which runs them one "
                          "after another: it would wait forever (one program, or the phases as separate launches)")
     if not interpret:
         plt.debug_barrier()                     # the program's threads: their earlier stores before the arrival
-    zero = jnp.int32(0)
-    old = plt.atomic_add(ctr_ref, (zero,), jnp.int32(1))
+    zero, at = jnp.int32(0), jnp.int32(index)
+    old = plt.atomic_add(ctr_ref, (at,), jnp.int32(1))
     if programs == 1:
         return old >= 0                         # nothing to wait for (and the interpreter runs no spin loop)
     target = (old // programs + 1) * programs
@@ -117,8 +132,8 @@ def barrier(ctr_ref, programs: int, max_polls: int = MAX_POLLS, interpret: bool 
         return (c[0] < target) & (c[1] < max_polls)
 
     def poll(c):    # a volatile load (no L1, no fence): polls do not queue behind the arrivals' atomics
-        return plt.load(ctr_ref.at[zero], volatile=True), c[1] + 1
+        return plt.load(ctr_ref.at[at], volatile=True), c[1] + 1
     polled, _ = lax.while_loop(waiting, poll, (old + 1, zero))
-    seen = plt.atomic_add(ctr_ref, (zero,), zero)   # the acquire: what the others stored before arriving, visible
+    seen = plt.atomic_add(ctr_ref, (at,), zero)     # the acquire: what the others stored before arriving, visible
     plt.debug_barrier()                         # every thread of the program past the arrival of the others
     return (polled >= target) & (seen >= target)    # (the loop's result used: it is not dead code)

@@ -86,7 +86,7 @@ def test_one_launch_counts_programs_and_refuses_what_cannot_run(monkeypatch):
 
 def test_model_boundary_through_one_launch(monkeypatch):
     """FNX_KERNELS=hc_boundary_one=<kernel> routes the model's one-token boundaries through one launch each, with
-    the counter given (no counter launch of its own): the same values as the two kernels."""
+    the counter taken from the program's pool (no counter launch of its own): the same values as the two kernels."""
     h, y, inj, p = _inputs((1, 1), 4, 256, 32, jnp.bfloat16, np.random.randint(1 << 30))
     monkeypatch.setenv("FNX_KERNELS", KERNEL)          # one backend for every op: the two kernels, as before
     assert api.choose(None, None, tokens=1)[0] == api.OP_M1
@@ -100,10 +100,9 @@ def test_model_boundary_through_one_launch(monkeypatch):
     monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_few_one={KERNEL}")
     assert api.choose(None, None, tokens=5) == (api.OP_FEW_ONE, KERNEL) and api.choose(None, None, 9)[0] == api.OP
     monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_one={KERNEL}")
-    sync = grid_sync.counter(INTERPRET)
-
-    def run(h, y, inj):
-        return hyper.boundary(p, h, y, inj, 4, 1e-6, sync=sync)
+    def run(h, y, inj):         # the counter from the program's pool (the model's, per decode program)
+        with grid_sync.counter_pool(grid_sync.CounterPool(jnp.zeros((8,), jnp.int32))):
+            return hyper.boundary(p, h, y, inj, 4, 1e-6)
     jaxpr = jax.make_jaxpr(run)(h, y, inj)
     names = _pallas_names(jaxpr.jaxpr)
     assert names == ["hc_boundary1"], names

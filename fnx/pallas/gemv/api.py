@@ -128,11 +128,8 @@ def finish_pool():
     """The counter pool split-K calls take their in-kernel split sum's counters from (`FNX_GEMV_FINISH=1`, read when
     a program is traced: a benchmark knob; the model makes the pool once per decode program,
     `transformer.make_meta`), or None: the split sum stays an XLA reduction after the kernel."""
-    flag = os.environ.get(FINISH_ENV, "").strip() or "0"
-    if flag not in ("0", "1"):
-        raise ValueError(f"{FINISH_ENV}={flag!r}: 0 or 1")
     from fnx.pallas import grid_sync
-    return grid_sync.current_pool() if flag == "1" else None
+    return grid_sync.pool_if(FINISH_ENV)
 
 
 XFIRST_ENV = "FNX_GEMV_XFIRST"

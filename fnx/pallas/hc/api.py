@@ -62,8 +62,8 @@ def one_launch_backend(tokens: int = 1) -> str | None:
 
 
 def one_launch(tokens: int = 1) -> bool:
-    """Whether boundaries over `tokens` tokens run in one launch (`one_launch_backend`). The model then makes the
-    barrier's counter once per program (`transformer.make_meta`)."""
+    """Whether boundaries over `tokens` tokens run in one launch (`one_launch_backend`). The model's decode programs
+    then hold a counter pool for their barriers (`transformer.make_meta`)."""
     return one_launch_backend(tokens) not in (None, "reference")
 
 
@@ -75,7 +75,7 @@ def backend(impl: str | None = None, not_applicable: str | None = None, tokens: 
 
 
 def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
-                impl: str | None = None, tiles=None, w_down_scale=None, w_up_scale=None, sync=None):
+                impl: str | None = None, tiles=None, w_down_scale=None, w_up_scale=None):
     """One hyper-connection boundary: combine the previous sublayer's output, then the gated residual.
 
     h [..., S*D] (stream-major); y [..., D] and inj_prev [..., S] (or both None: no combine); hc_norm [S*D];
@@ -84,9 +84,9 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
     no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
     One token runs in one launch where op "hc_boundary_one" resolves to a kernel (`one.hc_boundary_one`, tiles a
-    `pallas.Tiles1` or None; `sync` its barrier's counter, `fnx.pallas.grid_sync.counter()`, or None: one is made),
-    2..MAX_FEW_TOKENS tokens where "hc_boundary_few_one" does (`one.hc_boundary_one_few`, tiles a `one.TilesFewOne`
-    or None).
+    `pallas.Tiles1` or None), 2..MAX_FEW_TOKENS tokens where "hc_boundary_few_one" does (`one.hc_boundary_one_few`,
+    tiles a `one.TilesFewOne` or None): their barrier's counter one of the program's `grid_sync.CounterPool`
+    (in scope while the model traces a decode program), or a counter of its own (one launch more).
     2..MAX_FEW_TOKENS tokens run the few-token kernels when op "hc_boundary_few" resolves to a kernel (`choose`):
     `few.hc_boundary_few` (tiles None or `few.TilesFew`), or with `pallas.Tiles1` the one-token kernels per token
     (also what tiles None runs where no TilesFew fits the shapes, `few.default_tiles`).
@@ -114,17 +114,19 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_down = dequantize("fp8", w_down, w_down_scale).astype(h.dtype)
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
-    if op == OP_ONE:
+    if op in (OP_ONE, OP_FEW_ONE):
+        from fnx.pallas import grid_sync
         from fnx.pallas.hc import one
-        return one.hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
-                                   sync=sync, interpret=dispatch.interpret_flag(which), tiles1=tiles,
-                                   w_down_scale=w_down_scale, w_up_scale=w_up_scale)
-    if op == OP_FEW_ONE:
-        from fnx.pallas.hc import one
+        pool = grid_sync.current_pool()
+        sync = {} if pool is None else {"sync": pool.buf, "sync_index": pool.take(1)}
+        if op == OP_ONE:
+            return one.hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
+                                       interpret=dispatch.interpret_flag(which), tiles1=tiles,
+                                       w_down_scale=w_down_scale, w_up_scale=w_up_scale, **sync)
         return one.hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
-                                       sync=sync, interpret=dispatch.interpret_flag(which),
+                                       interpret=dispatch.interpret_flag(which),
                                        tiles=tiles if isinstance(tiles, one.TilesFewOne) else None,
-                                       w_down_scale=w_down_scale, w_up_scale=w_up_scale)
+                                       w_down_scale=w_down_scale, w_up_scale=w_up_scale, **sync)
     from fnx.pallas.hc import few
     if op == OP_FEW and tiles is None:      # the MMA design's tiles, or the per-token kernels' where none fits
         d, r = h.shape[-1] // streams, w_down.shape[0]

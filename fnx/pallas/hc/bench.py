@@ -135,11 +135,13 @@ def cases(quick: bool) -> list[BenchCase]:
             variants += [("few-mma", few.TilesFew()), ("few", t1), ("few-loop", dataclasses.replace(t1, tokens="loop"))]
         if m == 1:      # the one-launch boundary (op hc_boundary_one; FP8 Wdown / Wup as the model runs them):
             # P = two programs per SM (the default), three, four, and every down task its own program (<= 5 per SM)
-            from fnx.pallas import dispatch
+            from fnx.pallas import dispatch, grid_sync
             from fnx.pallas.hc import one
-            f8 = _fp8_sets(arg_sets)
-            nb = _fp8_case(m, s, d, r, f8, "pallas").bytes
             interp = dispatch.why_unavailable("pallas") is not None
+            # each argument set with its barrier counter, as the model's calls take one from the program's pool (a
+            # counter made inside the timed function would add its launch to every application)
+            f8 = [a + (grid_sync.counter(interp),) for a in _fp8_sets(arg_sets)]
+            nb = _fp8_case(m, s, d, r, f8, "pallas").bytes
             # its x against the two kernels' (the same task code: 0 unless the barrier let a program read too early)
             two = lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl="pallas_interpret" if interp  # noqa
                                              else "pallas", w_down_scale=a[7], w_up_scale=a[8])[1]
@@ -150,14 +152,14 @@ def cases(quick: bool) -> list[BenchCase]:
                 out.append(BenchCase(
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl="one",
                     fn=lambda *a, _t=t: one.hc_boundary_one(*a[:7], streams=s, eps=1e-6, tiles=_t, interpret=interp,
-                                                            w_down_scale=a[7], w_up_scale=a[8])[1],
+                                                            w_down_scale=a[7], w_up_scale=a[8], sync=a[9])[1],
                     arg_sets=f8, bytes=nb, flops=flops, check=two, check_tol=0.0,
                     extra={"M": m, "weights": "fp8", "tiles": f"programs={t.programs or 'default'}"}))
         if 1 < m <= api.MAX_FEW_TOKENS:     # the few-token boundary in one launch (op hc_boundary_few_one), FP8
-            from fnx.pallas import dispatch
+            from fnx.pallas import dispatch, grid_sync
             from fnx.pallas.hc import one
-            f8 = _fp8_sets(arg_sets)
             interp = dispatch.why_unavailable("pallas") is not None
+            f8 = [a + (grid_sync.counter(interp),) for a in _fp8_sets(arg_sets)]     # (as the one-token cases)
             ref = lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl="reference",  # noqa: E731
                                              w_down_scale=a[7], w_up_scale=a[8])[1]
             for change in ({}, {"early": 1}, {"num_stages": 3}, {"bn": 32}):
@@ -166,7 +168,7 @@ def cases(quick: bool) -> list[BenchCase]:
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl="few-one",
                     fn=lambda *a, _t=t: one.hc_boundary_one_few(*a[:7], streams=s, eps=1e-6, tiles=_t,
                                                                 interpret=interp, w_down_scale=a[7],
-                                                                w_up_scale=a[8])[1],
+                                                                w_up_scale=a[8], sync=a[9])[1],
                     arg_sets=f8, bytes=_fp8_case(m, s, d, r, f8, "pallas").bytes, flops=flops, check=ref,
                     extra={"M": m, "weights": "fp8",
                            "tiles": ",".join(f"{k}={v}" for k, v in change.items()) or "default"}))

@@ -16,8 +16,9 @@ barrier (a co-residency failure) writes NaN in its x columns instead of hanging.
 programs one after another, so on the CPU one launch runs with P = 1; `launches=2` runs the same task loops as two
 launches with no barrier (any P: how the tests check the task split on the CPU).
 
-The counter comes from the caller (`sync`, one `grid_sync.counter()` per program: the model makes one per decode
-program at one token, `transformer.make_meta`); without it this call makes its own (one launch more).
+The counter comes from the caller (`sync` and `sync_index`: the api takes one of the decode program's
+`grid_sync.CounterPool`, which the model makes once per program, `transformer.make_meta`); without it this call makes
+its own (one launch more).
 
 A few tokens (2..8, an MTP verify window: `hc_boundary_one_few`, op "hc_boundary_few_one") run the same way, with
 another down task: one (row block of bn rows, stream) task multiplies the stream's round(H' (1 + w)) of every token
@@ -119,7 +120,7 @@ def _kernel_refs(refs, has_y: bool, has_inj: bool, fp8: bool, phases: str):
 
 
 def _one_kernel(*refs, s, d, r, bn, bd, ch, q, eps, has_y, has_inj, fp8, wround, fold, early, down_pieces,
-                up_pieces, n_down_tasks, n_prog_rows, programs, phases, max_polls, interpret):
+                up_pieces, n_down_tasks, n_prog_rows, programs, phases, max_polls, interpret, sync_index):
     """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
     down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), (part_ref, rstd_ref) = _kernel_refs(
         refs, has_y, has_inj, fp8, phases)
@@ -140,7 +141,7 @@ def _one_kernel(*refs, s, d, r, bn, bd, ch, q, eps, has_y, has_inj, fp8, wround,
         _tasks(p, programs, n_down_tasks, down)
     if phases == "down":
         return
-    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret) if phases == "both" else None
+    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index) if phases == "both" else None
     _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
               injo_ref, m=1, mp=1, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
               pieces=up_pieces, wround=wround, early=early)
@@ -184,12 +185,13 @@ def _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref
     _tasks(p, programs, d // bd, up)
 
 
-def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float, sync=None,
-                    interpret: bool = False, tiles1: kernel.Tiles1 | None = None, tiles: TilesOne | None = None,
-                    launches: int = 1, w_down_scale=None, w_up_scale=None):
+def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
+                    sync=None, sync_index: int = 0, interpret: bool = False, tiles1: kernel.Tiles1 | None = None,
+                    tiles: TilesOne | None = None, launches: int = 1, w_down_scale=None, w_up_scale=None):
     """`hc_boundary` for one token (h [..., S*D] with one token in its leading dims) in one launch (see the
     module's note); the arguments and results of `pallas.hc_boundary_m1`, whose tiles (`tiles1`) the tasks take,
-    plus `sync` (a `grid_sync.counter()`, or None: one is made here) and `tiles` (TilesOne). launches=2: the same
+    plus `sync` (int32 counters, the barrier's at `sync_index`: a `grid_sync.CounterPool`'s, or None: one is made
+    here) and `tiles` (TilesOne). launches=2: the same
     task loops as two launches without the barrier (tests)."""
     dt = h.dtype
     lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, 1, "hc_boundary_one")
@@ -216,10 +218,11 @@ def hc_boundary_one(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: in
         fp8=fp8, wround=bool(t1.wround), fold=bool(t1.fold), early=bool(t1.early),
         down_pieces=tuple(kernel._down_pieces(d // ch, t1.pieces)), up_pieces=tuple(kernel._up_pieces(r, t1.pieces)),
         n_down_tasks=n_down_tasks, n_prog_rows=n_prog_rows, programs=programs, max_polls=t.max_polls,
-        interpret=interpret)
+        interpret=interpret, sync_index=sync_index)
     return _launch(body, "hc_boundary1" + ("_fp8" if fp8 else ""), ins, outs, scratch, programs=programs,
-                   launches=launches, sync=sync, interpret=interpret, num_warps=t1.num_warps,
-                   num_stages=t1.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y, has_inj=has_inj)
+                   launches=launches, sync=sync, sync_index=sync_index, interpret=interpret,
+                   num_warps=t1.num_warps, num_stages=t1.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y,
+                   has_inj=has_inj)
 
 
 def _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale) -> tuple:
@@ -233,8 +236,8 @@ def _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_s
         (flat(f32(w_up_scale)),) if w_up_scale is not None else ())
 
 
-def _launch(body, name, ins, outs, scratch, *, programs, launches, sync, interpret, num_warps, num_stages, h, lead,
-            d, s, has_y, has_inj):
+def _launch(body, name, ins, outs, scratch, *, programs, launches, sync, sync_index, interpret, num_warps, num_stages,
+            h, lead, d, s, has_y, has_inj):
     """The kernel `body` over `programs` programs: one launch with the barrier (phases "both"; `sync` the counter,
     made here when None), or (launches=2) the down phase, then the up phase reading its scratch. Returns
     (H', x, inj) shaped as the caller's h."""
@@ -248,6 +251,8 @@ def _launch(body, name, ins, outs, scratch, *, programs, launches, sync, interpr
     if launches == 1:
         if sync is None:
             sync = grid_sync.counter(interpret)
+        if not 0 <= sync_index < sync.shape[0]:
+            raise ValueError(f"{name}: the barrier's counter {sync_index} is outside the counters {sync.shape}")
         res = call("both", ins + (sync,), outs + scratch)
     else:
         part, rstd = call("down", ins, scratch)
@@ -350,7 +355,7 @@ def _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, 
 
 
 def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, bd, eps, has_y, has_inj, fp8, up_pieces, n_blocks, programs,
-                    phases, max_polls, interpret, early):
+                    phases, max_polls, interpret, early, sync_index):
     """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
     down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), (part_ref, rstd_ref) = _kernel_refs(
         refs, has_y, has_inj, fp8, phases)
@@ -373,18 +378,18 @@ def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, bd, eps, has_y, has_inj, fp8,
         _tasks(p, programs, n_down_tasks, down)
     if phases == "down":
         return
-    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret) if phases == "both" else None
+    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index) if phases == "both" else None
     _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
               injo_ref, m=m, mp=mp, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
               pieces=up_pieces, wround=False, early=early)
 
 
-def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float, sync=None,
-                        interpret: bool = False, tiles: TilesFewOne | None = None, launches: int = 1,
-                        w_down_scale=None, w_up_scale=None):
+def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
+                        sync=None, sync_index: int = 0, interpret: bool = False, tiles: TilesFewOne | None = None,
+                        launches: int = 1, w_down_scale=None, w_up_scale=None):
     """`hc_boundary` for 2..MAX_FEW tokens (h [..., S*D]) in one launch (see the module's note): the arguments and
-    results of `pallas.hc_boundary_m1`, plus `sync` (a `grid_sync.counter()`, or None: one is made here) and
-    `tiles` (TilesFewOne). launches=2: the same task loops as two launches without the barrier (tests)."""
+    results of `pallas.hc_boundary_m1`, plus `sync` / `sync_index` (as `hc_boundary_one`'s) and `tiles`
+    (TilesFewOne). launches=2: the same task loops as two launches without the barrier (tests)."""
     dt = h.dtype
     lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, MAX_FEW, "hc_boundary_one_few")
     t = tiles or few_tiles(d, r)
@@ -405,7 +410,8 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     body = functools.partial(
         _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, bd=t.bd, eps=eps, has_y=has_y,
         has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._up_pieces(r, True)), n_blocks=n_blocks,
-        programs=programs, max_polls=t.max_polls, interpret=interpret, early=bool(t.early))
+        programs=programs, max_polls=t.max_polls, interpret=interpret, early=bool(t.early), sync_index=sync_index)
     return _launch(body, "hc_boundary_few1" + ("_fp8" if fp8 else ""), ins, outs, scratch, programs=programs,
-                   launches=launches, sync=sync, interpret=interpret, num_warps=t.num_warps,
-                   num_stages=t.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y, has_inj=has_inj)
+                   launches=launches, sync=sync, sync_index=sync_index, interpret=interpret,
+                   num_warps=t.num_warps, num_stages=t.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y,
+                   has_inj=has_inj)

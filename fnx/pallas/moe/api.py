@@ -7,8 +7,6 @@ limit, tiles that do not fit the quantization blocks); under impl=None/"auto" th
 
 from __future__ import annotations
 
-import os
-
 import logging
 
 import jax
@@ -164,11 +162,8 @@ def finish_pool():
     program is traced: a benchmark knob; the model makes the pool once per decode program, `transformer.make_meta`),
     or None: the combine stays an XLA fusion after the kernel. Tiles whose down kernel has no group partials (group
     0, `tok`), flat slots at several tokens, or resident programs (`persist2`) combine as they do without it."""
-    flag = os.environ.get(FINISH_ENV, "").strip() or "0"
-    if flag not in ("0", "1"):
-        raise ValueError(f"{FINISH_ENV}={flag!r}: 0 or 1")
     from fnx.pallas import grid_sync
-    return grid_sync.current_pool() if flag == "1" else None
+    return grid_sync.pool_if(FINISH_ENV)
 
 
 # Expert formats whose prefill blocks run the Pallas kernels under "auto", by measurement on the H200 (released
