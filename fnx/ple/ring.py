@@ -445,9 +445,13 @@ class RingStore(RowStore):
         diff = (aband - done) & 0xFFFFFFFF          # the later of the two, wrap-safe (as the kernel's int32 a - b)
         seq = ((aband if 0 < diff < 2**31 else done) + 1) & 0xFFFFFFFF
         ids = np.asarray(ids).reshape(-1).astype(np.uint64)
-        self._pairs[:len(ids)] = np.uint64(seq) | (ids << np.uint64(32))
-        self._header[0] = np.uint64(seq) | (np.uint64(len(ids)) << np.uint64(32))
+        self._emu_pairs(seq, ids)
+        self._header[0] = np.uint64(seq) | (np.uint64(len(ids)) << np.uint64(32))   # published after the pairs
         return np.full((1,), np.uint32(seq).view(np.int32), np.int32)
+
+    def _emu_pairs(self, seq: int, ids):
+        """The post kernel's pair stores (seq | id << 32), before it publishes the header."""
+        self._pairs[:len(ids)] = np.uint64(seq) | (ids << np.uint64(32))
 
     def _emu_wait(self, ticket, n: int):
         seq = int(np.asarray(ticket).reshape(-1)[0]) & 0xFFFFFFFF

@@ -137,15 +137,14 @@ def test_ring_torn_ids_are_zero_rows_and_an_error(table, consts):
     check (policy fail); the thread keeps serving the next request."""
     with open_store(table["ckpt"], "ring", consts=consts, layer=1, emulate=True, deadline_s=0.05,
                     gpu_timeout_s=2.0) as store:
-        real_post, tear = store._emu_post, [True]
+        real_pairs, tear = store._emu_pairs, [True]
 
-        def torn(ids):
-            t = real_post(ids)
-            if tear:
-                store._pairs[3] = np.uint64(0)            # one pair left from before
-            return t
+        def torn(seq, ids):
+            real_pairs(seq, ids)
+            if tear:                                      # before the header is published: the host thread
+                store._pairs[3] = np.uint64(0)            # never sees the whole request (one pair left from before)
 
-        store._emu_post = torn                            # (before the first trace: the callback binds it)
+        store._emu_pairs = torn
         got = np.asarray(store.rows_device(_ids(consts, seed=5)))
         assert not got.any() and store.stats["ring_torn"] == 1
         with pytest.raises(PleFetchError, match="not all written"):
