@@ -324,7 +324,7 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
             print(f"# engine decode, {slots} slots, {label}: {ms:.3f} ms per step, {out[key + '_tok_s']:.0f} tok/s"
                   + extra, flush=True)
             eng.close()
-            del eng
+            eng = None                          # its buffers go before the next engine is made
     return out
 
 
@@ -485,7 +485,9 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
     if ledger_calls:
         res["ledger_mtp_round"] = ledger.profile(rnd, ledger_calls)
     res["mtp_round_floor_ms"] = (floors["verify"] + k * floors["draft"]) / PEAK_BW * 1e3
-    del holder, mh, state
+    holder.clear()                         # the states' buffers go before the prefill's
+    mh.clear()
+    del state
     print(json.dumps({"layers": cfg.num_hidden_layers, "decode_ms": res["decode_ms"],
                       "decode_chained_ms": res["decode_chained_ms"],
                       "decode_floor_ms": res["decode_floor_ms"], "mtp_round_ms": res["mtp_round_ms"],
@@ -516,7 +518,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
                 res["ledger_prefill"] = dict(ledger.profile(pre, 1), tokens=c)
         except jax.errors.JaxRuntimeError as exc:  # recorded, not hidden: the run goes on to the next context
             res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
-        del st_box
+        st_box.clear()
     if engine_tokens:
         if mesh is not None or quant != "bf16":
             raise SystemExit("--engine runs on one device with bf16 weights")

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import fnx  # noqa: E402
 from fnx.model.api import Model  # noqa: E402
 from fnx.model.transformer import init_state, step  # noqa: E402
-from fnx.ple import NgramConstants, initial_context, ngram_ids  # noqa: E402
+from fnx.ple import initial_context, ngram_ids  # noqa: E402
 
 DEFAULT_CKPT = ROOT / "checkpoints" / "fnx-mini"
 RESULTS = ROOT / "benchmarks" / "results" / "eval_quality.jsonl"

@@ -33,7 +33,6 @@ Both wrappers return exactly what the wrapped function returns; the forward pass
 from __future__ import annotations
 
 import argparse
-import glob
 import gzip
 import hashlib
 import json

@@ -8,7 +8,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, pid = sys.argv[1], int(sys.argv[2])
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid, local_device_ids=[0, 1])
 import numpy as np, jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P, Mesh, AxisType
+from jax.sharding import NamedSharding, PartitionSpec as P
 from fnx import parallel
 mesh, _ = parallel.as_mesh("tp=2,ep=2")
 assert jax.process_count() == 2 and len(jax.devices()) == 4
