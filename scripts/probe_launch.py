@@ -289,6 +289,13 @@ def main():
 
     if args.unroll_stacked and args.no_scan:
         raise SystemExit("--unroll-stacked runs the scanned layout's stacks unrolled: drop --no-scan")
+    compiles: dict[str, list] = {}       # XLA backend compiles by function name: [count, seconds] (the last record)
+
+    def on_compile(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            c = compiles.setdefault(str(kw.get("fun_name", "?")), [0, 0.0])
+            c[0], c[1] = c[0] + 1, c[1] + duration
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
     cfg = bd.bench_config(args.layers, args.tiny, scan=not args.no_scan).replace(unroll_stacked=args.unroll_stacked)
     dtype = jnp.bfloat16
     params = bd.random_tree(param_shapes(cfg, dtype), jax.random.PRNGKey(0), dtype)
@@ -330,15 +337,24 @@ def main():
         with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def report_compiles():
+        """The XLA compiles of the run by function (each program once per setting: a second compile of a program
+        is device time spent twice)."""
+        emit({"part": "compiles", "seconds": round(sum(v[1] for v in compiles.values()), 2),
+              "by_function": {k_: [n, round(t, 2)]
+                              for k_, (n, t) in sorted(compiles.items(), key=lambda kv: -kv[1][1])}})
+
     main_parts = not args.only_variants     # --only-variants: the setup, then the variants alone
     if main_parts:
-        text = step_j.lower(params, hold["s"], one, pid).compile().as_text()
+        # compiled once: its HLO, and the executable every call below runs (a jitted call would compile it again)
+        cstep = step_j.lower(params, hold["s"], one, pid).compile()
+        text = cstep.as_text()
         with open(os.path.join(args.out, f"decode_hlo_{tag}.txt"), "w") as f:
             f.write(text)
         emit({"part": "decode hlo", **hlo_report(text)})
 
     def dec():   # positions advance (no per-call rewind: that would add a jitted op of host time to each call)
-        logits, hold["s"], _, _ = step_j(params, hold["s"], one, pid)
+        logits, hold["s"], _, _ = cstep(params, hold["s"], one, pid)
         jax.block_until_ready(logits)
 
     timed = bd.timeit
@@ -434,7 +450,7 @@ def main():
         hold["s"] = st["s"]
 
     if args.io != "stable" and main_parts:
-        dispatch_timings(step_j)
+        dispatch_timings(cstep)
     if args.io != "plain" and main_parts:
         stable_io_timings()
     if args.kernel_variants and main_parts:
@@ -491,7 +507,7 @@ def main():
               "busy_ms_per_call": led["busy_ms_per_call"],
               "host_ms_per_call_by_event": host_events(trace, args.calls, top=args.host_top)})
     if args.dispatch_only:
-        return
+        return report_compiles()
 
     def variant_programs() -> dict:
         """The programs under the present settings, each lowered and compiled once (the calls run the compiled
@@ -503,11 +519,17 @@ def main():
             logits, hold["s"], _, _ = cs(params, hold["s"], one, pid)
             jax.block_until_ready(logits)
         progs = {"decode": (run_step, cs.as_text())}
-        if args.no_round:
-            return progs
-        dj = jax.jit(lambda params, mparams, m, hid, pt, cnt, sp, keys, head, hot: _jit_draft(
-            params, mparams, m, hid, pt, cnt, sp, keys, cfg, "auto", k, head=head, hot=hot, greedy=True),
-            donate_argnums=(2,))
+        if not args.no_round:
+            progs.update(round_programs())
+        return progs
+
+    def round_programs() -> dict:
+        """The draft and verify programs under the present settings, each lowered and compiled once:
+        {name: (call, optimized HLO text)}. The draft runs once here, so verify has drafts."""
+        def draft_program(params, mparams, m, hid, pt, cnt, sp, keys, head, hot):
+            return _jit_draft(params, mparams, m, hid, pt, cnt, sp, keys, cfg, "auto", k, head=head, hot=hot,
+                              greedy=True)
+        dj = jax.jit(draft_program, donate_argnums=(2,))
 
         def dargs():
             return (params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32), jnp.ones((1,), jnp.int32), sp, keys,
@@ -520,8 +542,9 @@ def main():
             parts["d"], parts["q"] = drafts, q
             jax.block_until_ready(drafts)
         run_draft()
-        vj = jax.jit(lambda params, s, v, ok, pk, q, sp, keys: _jit_verify(
-            params, s, v, ok, pk, q, sp, keys, cfg, "auto", 0, greedy=True), donate_argnums=(1,))
+        def verify_program(params, s, v, ok, pk, q, sp, keys):
+            return _jit_verify(params, s, v, ok, pk, q, sp, keys, cfg, "auto", 0, greedy=True)
+        vj = jax.jit(verify_program, donate_argnums=(1,))
 
         def vargs():
             return (params, hold["s"], jnp.concatenate([one, parts["d"]], axis=1), jnp.ones((1,), bool), pk,
@@ -532,9 +555,7 @@ def main():
             out = cv(*vargs())
             hold["s"] = out[0]
             jax.block_until_ready(out[1])
-        progs["draft"] = (run_draft, cd.as_text())
-        progs["verify"] = (run_verify, cv.as_text())
-        return progs
+        return {"draft": (run_draft, cd.as_text()), "verify": (run_verify, cv.as_text())}
 
     def run_variants():
         """--round-variants: each variant's programs compiled afresh under its settings (one compile each: the
@@ -594,7 +615,7 @@ def main():
     if args.no_round:
         if variants:
             run_variants()
-        return
+        return report_compiles()
     k = args.k
     mstate = dict(init_mtp_state(cfg, 1, cap, dtype), pos=jnp.full((1,), ctx, jnp.int32))
     sp = SamplingArrays.stack([SamplingParams()])
@@ -604,38 +625,21 @@ def main():
     pk = jnp.zeros((1, k + 1, heads), jnp.int32) if cfg.ple_layer_ids else None
     parts = {}
 
-    def draft():
-        m, drafts, q = _jit_draft(params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32),
-                                  jnp.ones((1,), jnp.int32), sp, keys, cfg, "auto", k, head=dhead, hot=hot, greedy=True)
-        mh["m"] = m
-        parts["d"], parts["q"] = drafts, q
-        jax.block_until_ready(drafts)
-
-    def verify():
-        v = jnp.concatenate([one, parts["d"]], axis=1)
-        s, toks, _, _, _ = _jit_verify(params, hold["s"], v, jnp.ones((1,), bool), pk, parts["q"], sp, keys, cfg, "auto", 0,
-                                       greedy=True)
-        hold["s"] = s
-        jax.block_until_ready(toks)
-
-    if args.kernel_table and main_parts:   # the round's two programs, each matched to its own optimized HLO
-        draft_args = (params, mp, mh["m"], hid, jnp.ones((1, k + 1), jnp.int32), jnp.ones((1,), jnp.int32), sp, keys,
-                      cfg, "auto", k)
-        draft_hlo = _jit_draft.lower(*draft_args, head=dhead, hot=hot, greedy=True).compile().as_text()
-        draft()
-        verify_args = (params, hold["s"], jnp.concatenate([one, parts["d"]], axis=1), jnp.ones((1,), bool), pk,
-                       parts["q"], sp, keys, cfg, "auto", 0)
-        verify_hlo = _jit_verify.lower(*verify_args, greedy=True).compile().as_text()
-        write_table(draft, draft_hlo, f"draft_{tag}", "draft", top=25)
-        write_table(verify, verify_hlo, f"verify_{tag}", "verify", top=40)
-    for name, fn in (("draft", draft), ("verify", verify)) if main_parts else ():
-        ms = timed(fn, args.reps)
-        led, g = profiled(name, fn)
-        emit({"part": name, "ms": ms, "kernels_per_call": led["launches_per_call"],
-              "busy_ms_per_call": led["busy_ms_per_call"],
-              "families": {f: round(v["ms_per_call"], 3) for f, v in led["families"].items()}, **g})
+    if main_parts:   # the round's two programs, each compiled once (its calls and its kernel table's HLO)
+        rp = round_programs()
+        if args.kernel_table:
+            write_table(rp["draft"][0], rp["draft"][1], f"draft_{tag}", "draft", top=25)
+            write_table(rp["verify"][0], rp["verify"][1], f"verify_{tag}", "verify", top=40)
+        for name in ("draft", "verify"):
+            fn = rp[name][0]
+            ms = timed(fn, args.reps)
+            led, g = profiled(name, fn)
+            emit({"part": name, "ms": ms, "kernels_per_call": led["launches_per_call"],
+                  "busy_ms_per_call": led["busy_ms_per_call"],
+                  "families": {f: round(v["ms_per_call"], 3) for f, v in led["families"].items()}, **g})
     if variants:
         run_variants()
+    report_compiles()
 
 
 if __name__ == "__main__":

@@ -195,7 +195,11 @@ def test_probe_launch_writes_every_part(tmp_path):
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     parts = [r["part"] for r in recs]
     assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "decode",
-                     "kernel table", "kernel table", "draft", "verify"]
+                     "kernel table", "kernel table", "draft", "verify", "compiles"]
+    # each program compiled once: its kernel table's HLO and its calls share one executable (the step twice: the
+    # FNX_KERNELS=reference variant is a program of its own)
+    by = recs[-1]["by_function"]
+    assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (2, 1, 1), by
     assert [r.get("program") for r in recs if r["part"] == "kernel table"] == ["decode", "draft", "verify"]
     for r in (r for r in recs if r["part"] == "kernel table"):
         assert r["kernels_per_call"] == 0 and (tmp_path / r["file"]).exists()   # no device lanes on a CPU
@@ -217,7 +221,9 @@ def test_probe_launch_round_variants(tmp_path):
                    "--only-variants", "--round-variants",
                    "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
-    assert {r["part"] for r in recs} == {"round variant", "kernel table"}     # --only-variants: nothing else
+    assert {r["part"] for r in recs} == {"round variant", "kernel table", "compiles"}  # --only-variants: no other
+    by = recs[-1]["by_function"]                                                   # one compile a program a variant
+    assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (2, 2, 2), by
     var = [r for r in recs if r["part"] == "round variant"]
     assert [(r["variant"], r["settings"]) for r in var] == [
         ("base", {}), ("m1", {"FNX_KERNELS": "hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"})]
