@@ -123,7 +123,8 @@ def quantize_leaf(path, leaf, quant: str):
         return leaf
     if quant == "fp8+nvfp4" and "experts" in names:
         return chunked(_jitted(q.quantize_nvfp4), leaf)
-    if online_fp8(names, "fp8-head" if FP8_HEAD else "fp8"):
+    # mtp=True: fc_embedding / fc_hidden, paths of the MTP tree alone (the loader quantizes them too)
+    if online_fp8(names, "fp8-head" if FP8_HEAD else "fp8", mtp=True):
         return chunked(_jitted(q.quantize_fp8_block), leaf)
     return leaf
 

@@ -109,12 +109,34 @@ class TreeBuilder:
         return {**self.top, "segments": segments}
 
 
-def online_fp8(path: tuple[str, ...], quant: str | None = "fp8") -> bool:
-    """Whether online quantization `quant` ("fp8", "fp8-head", None) turns the param at `path` into FP8 blocks."""
+# the MTP layer's own input projections (MODEL_SPEC.md 10.1): FP8 blocks under the online quantization too, as in
+# the FP8 and NVFP4 releases (every draft step reads them: 2 x 2560 x 2560)
+MTP_ONLINE_FP8 = (("fc_embedding",), ("fc_hidden",))
+
+
+def online_fp8(path: tuple[str, ...], quant: str | None = "fp8", mtp: bool = False) -> bool:
+    """Whether online quantization `quant` ("fp8", "fp8-head", None) turns the param at `path` into FP8 blocks.
+    mtp: `path` is in the MTP layer's tree (`fnx.model.mtp.mtp_params`), where fc_embedding / fc_hidden are too."""
     from fnx.checkpoint.hf import ONLINE_FP8, ONLINE_QUANT
     if quant not in ONLINE_QUANT:
         return False
-    return any(path[-len(s):] == s for s in ONLINE_FP8) or (quant == "fp8-head" and tuple(path) == ("lm_head",))
+    path = tuple(path)
+    return (any(path[-len(s):] == s for s in ONLINE_FP8) or (quant == "fp8-head" and path == ("lm_head",))
+            or (mtp and path in MTP_ONLINE_FP8))
+
+
+def mtp_value(w, spec, quant: str | None, block=(128, 128)):
+    """One `mtp.*` tensor as `Loaded.mtp` keeps it: as stored (a host array or a quantized weight), or, under an
+    online quantization, FP8 blocks on the device where the trunk's same projection is quantized (the decoder
+    layer's projections and experts, the HC mixer's down / up) and for fc_embedding / fc_hidden."""
+    from fnx.checkpoint.hf import translate
+    value = _stored(w, spec)
+    if q.is_quantized(value) or quant is None or getattr(value, "ndim", 0) < 2:
+        return value
+    t = translate(w.name[len("mtp."):])
+    if t.kind == "param" and online_fp8(t.path, quant, mtp=True):
+        return _quantize_fp8(_put(value), tuple(block))
+    return value
 
 
 def _stored(w, spec) -> object:
@@ -272,7 +294,7 @@ def stream_plan(plan, dtype=jnp.bfloat16, quant: str | None = None, ngram_table:
         bar.close()
     assert not fused and not tables, (list(fused), list(tables))
 
-    mtp = {w.name: _stored(w, spec) for w in plan.mtp}
+    mtp = {w.name: mtp_value(w, spec, quant, spec.block) for w in plan.mtp}
     params = builder.params()
     jax.block_until_ready(params)
     seconds = time.perf_counter() - t0

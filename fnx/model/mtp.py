@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnx.config import INDEXED, ModelConfig
-from fnx.model import hyper
+from fnx.model import hyper, quant
 from fnx.model.ops import linear, rms_norm
 from fnx.model.transformer import _hc_shapes, _layer_state, decoder_layer, layer_param_shapes, make_meta
 
@@ -36,10 +36,24 @@ def mtp_param_shapes(cfg: ModelConfig) -> dict:
             "layer": layer}
 
 
+def _leaf(name: str, value, shape: tuple, dtype):
+    """One MTP weight as a device leaf: a dense array cast to `dtype`; a quantized weight (FP8 blocks from an FP8 /
+    NVFP4 release or the online quantization, NVFP4) kept in its format, its arrays on the device. Either must
+    have the config's shape."""
+    got = tuple(getattr(value, "shape", ()))
+    if got != tuple(shape):
+        raise MtpError(f"{name} has shape {got}, the config expects {tuple(shape)}")
+    if quant.is_quantized(value):
+        return jax.tree.map(jnp.asarray, value)
+    if isinstance(value, jax.Array):
+        return value.astype(jnp.dtype(dtype))
+    return jnp.asarray(np.asarray(value).astype(np.dtype(jnp.dtype(dtype))))
+
+
 def mtp_params(cfg: ModelConfig, raw: dict, dtype) -> dict:
-    """The `mtp.*` tensors (raw HF names -> host arrays, as `fnx.load` keeps them) as a params tree. A tree
-    already in that layout (a nested dict of arrays, e.g. random weights for a benchmark) is checked leaf by leaf
-    against the config's shapes and returned in `dtype`."""
+    """The `mtp.*` tensors (raw HF names -> host arrays or quantized weights, as `fnx.load` keeps them) as a params
+    tree. A tree already in that layout (a nested dict of arrays, e.g. random weights for a benchmark) is checked
+    leaf by leaf against the config's shapes. Dense weights are cast to `dtype`; quantized ones keep their format."""
     from fnx.checkpoint.hf import translate
     if not raw:
         raise MtpError("this checkpoint has no mtp.* tensors: speculative decoding with the MTP layer needs them")
@@ -66,13 +80,10 @@ def mtp_params(cfg: ModelConfig, raw: dict, dtype) -> dict:
         if not isinstance(node, tuple):
             extra.append(name)
             continue
-        arr = np.asarray(arr)
-        if tuple(arr.shape) != node:
-            raise MtpError(f"{name} has shape {tuple(arr.shape)}, the config expects {node}")
         cur = tree
         for p in path[:-1]:
             cur = cur.setdefault(p, {})
-        cur[path[-1]] = jnp.asarray(arr.astype(np.dtype(jnp.dtype(dtype))))
+        cur[path[-1]] = _leaf(name, arr, node, dtype)
     if extra:
         raise MtpError(f"unexpected mtp tensors: {sorted(extra)[:10]}")
     missing = []
@@ -104,10 +115,7 @@ def _checked_tree(want: dict, tree: dict, dtype, prefix: str = "") -> dict:
         if isinstance(shape, dict):
             out[k] = _checked_tree(shape, tree[k], dtype, name)
             continue
-        leaf = tree[k]
-        if tuple(getattr(leaf, "shape", ())) != tuple(shape):
-            raise MtpError(f"{name} has shape {tuple(getattr(leaf, 'shape', ()))}, the config expects {tuple(shape)}")
-        out[k] = jnp.asarray(leaf, jnp.dtype(dtype))
+        out[k] = _leaf(name, tree[k], shape, dtype)
     return out
 
 

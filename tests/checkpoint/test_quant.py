@@ -10,6 +10,7 @@ import pytest
 
 import fnx
 from fnx.checkpoint import load_checkpoint
+from fnx.engine.sampling import SamplingParams
 from fnx.model import quant
 from tests.checkpoint import writers
 from tests.checkpoint.writers import fro, rel_max
@@ -215,3 +216,43 @@ def test_moe_paths_read_quantized_experts(kind):
         got = fn(qgu, qdn, x, idx)
         assert got.shape == (t, k, d)
         np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+def _mtp_logits(model, raw):
+    """The MTP layer's logits at five positions of two rows (random hidden states and next tokens), its params made
+    from `raw` (`Loaded.mtp`-style tensors)."""
+    from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
+    cfg = model.cfg
+    mp = mtp_params(cfg, raw, np.float32)
+    rng = np.random.default_rng(1)
+    hidden = jnp.asarray(rng.standard_normal((2, 5, cfg.hc_dim)), jnp.float32)
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    logits, _, _ = mtp_step(model.params, mp, init_mtp_state(cfg, 2, 32, jnp.float32), hidden, toks, cfg=cfg)
+    return mp, np.asarray(logits)
+
+
+@pytest.mark.parametrize("which", ["fp8", "nvfp4", "online-fp8"])
+def test_quantized_mtp_layer_drafts(which, src, fp8_dirs, nvfp4_dirs):
+    """The MTP layer of an FP8 or NVFP4 release (its projections in FP8 blocks), and under the online FP8
+    quantization (the trunk's quantized projections and fc_embedding / fc_hidden): its params keep the FP8 blocks,
+    its logits equal the float layer's with the same (dequantized) weights, and speculative greedy decoding gives
+    the plain tokens."""
+    path, kw = {"fp8": (fp8_dirs[0], {}), "nvfp4": (nvfp4_dirs[0], {}), "online-fp8": (src, {"quant": "fp8"})}[which]
+    model, out = _model(path, **kw)
+    for name in ("fc_hidden.weight", "fc_embedding.weight", "layers.0.self_attn.q_proj.weight",
+                 "layers.0.mlp.shared_expert.down_proj.weight", "hyper_connection_mixer.input_mix_weight_up.weight"):
+        assert isinstance(out.mtp["mtp." + name], quant.Fp8Block), name
+    if which == "online-fp8":
+        assert isinstance(out.mtp["mtp.layers.0.mlp.experts.gate_up_proj"], quant.Fp8Block)
+    for name in ("pre_fc_norm_hidden.weight", "layers.0.mlp.gate.weight", "hyper_connection_mixer.hc_norm.weight"):
+        assert not quant.is_quantized(out.mtp["mtp." + name]), name
+    mp, logits = _mtp_logits(model, out.mtp)
+    assert isinstance(mp["fc_hidden"], quant.Fp8Block) and isinstance(mp["layer"]["self_attn"]["o_proj"],
+                                                                       quant.Fp8Block)
+    dense = {k: quant.dequantize_np(v) if quant.is_quantized(v) else v for k, v in out.mtp.items()}
+    _, want = _mtp_logits(model, dense)
+    assert rel_max(logits, want) < 1e-5
+    prompts = [list(range(3, 20)), list(range(5, 15))]
+    sp = SamplingParams(ignore_eos=True)
+    plain = fnx.generate(model, prompts, max_new_tokens=8, sampling=sp)
+    assert fnx.generate(model, prompts, max_new_tokens=8, sampling=sp, speculative=2) == plain
