@@ -75,8 +75,10 @@ def test_one_launch_counts_programs_and_refuses_what_cannot_run(monkeypatch):
     assert one.resolve_programs(one.TilesOne(programs=660), 648, interpret=False, launches=1) == 660
     with pytest.raises(ValueError, match="resident at once"):
         one.resolve_programs(one.TilesOne(programs=661), 648, interpret=False, launches=1)
-    with pytest.raises(ValueError, match="programs=-1"):
+    with pytest.raises(ValueError, match="^hc_boundary_one: programs=-1"):
         one.resolve_programs(one.TilesOne(programs=-1), 648, interpret=False, launches=1)
+    with pytest.raises(ValueError, match="^hc_boundary_few_one: programs=661"):   # the errors name the caller's op
+        one.resolve_programs(one.TilesOne(programs=661), 160, False, 1, "hc_boundary_few_one")
     monkeypatch.setenv(one.TILES_ENV, "programs=64,max_polls=1000")
     assert one.choose_tiles() == one.TilesOne(programs=64, max_polls=1000)
     monkeypatch.setenv(one.TILES_ENV, "program=64")

@@ -82,21 +82,22 @@ def sm_count() -> int | None:
     return int(n) if dev.platform == "gpu" and n else None
 
 
-def resolve_programs(t: TilesOne, tasks: int, interpret: bool, launches: int) -> int:
-    """P for these tiles: checked against the device (all programs must be resident at once in one launch)."""
+def resolve_programs(t: TilesOne, tasks: int, interpret: bool, launches: int, op: str = "hc_boundary_one") -> int:
+    """P for these tiles: checked against the device (all programs must be resident at once in one launch). op: the
+    op the errors name."""
     if t.programs < 0:
-        raise ValueError(f"hc_boundary_one: programs={t.programs} (0 for the default, else a count)")
+        raise ValueError(f"{op}: programs={t.programs} (0 for the default, else a count)")
     sms = sm_count()
     if launches == 1 and interpret:
         if t.programs not in (0, 1):
-            raise ValueError(f"hc_boundary_one: programs={t.programs} in one launch under the Pallas interpreter, "
+            raise ValueError(f"{op}: programs={t.programs} in one launch under the Pallas interpreter, "
                              "which runs programs one after another (the barrier would wait forever): programs=1, "
                              "or launches=2")
         return 1
     if t.programs == 0:
         return min(tasks, PROGRAMS_PER_SM * sms) if sms else min(tasks, 8)
     if launches == 1 and sms and t.programs > MAX_PROGRAMS_PER_SM * sms:
-        raise ValueError(f"hc_boundary_one: programs={t.programs} > {MAX_PROGRAMS_PER_SM} per SM of {sms} SMs: "
+        raise ValueError(f"{op}: programs={t.programs} > {MAX_PROGRAMS_PER_SM} per SM of {sms} SMs: "
                          "all of one launch's programs must be resident at once for its barrier")
     return t.programs
 
@@ -402,7 +403,7 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     has_y, has_inj = y is not None, w_inj is not None
     n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
     mp = kernel._pow2(m)
-    programs = resolve_programs(TilesOne(programs=t.programs), d // t.bd, interpret, launches)
+    programs = resolve_programs(TilesOne(programs=t.programs), d // t.bd, interpret, launches, "hc_boundary_few_one")
     ins = _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale)
     scratch = [jax.ShapeDtypeStruct((mp * s * (r + s),), F32), jax.ShapeDtypeStruct((s * mp,), F32)]
     outs = [jax.ShapeDtypeStruct((m * d,), dt)] + ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else []) + (
