@@ -454,8 +454,8 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         s = holder["s"]
         verify = jnp.concatenate([one, drafts], axis=1)
         pi, pr = ple(1, k + 1)
-        s, toks, n_acc, _, _ = _jit_verify(sparams, s, verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp,
-                                           keys, cfg, moe, 0, greedy=True)
+        s, toks, n_acc, _, _, _ = _jit_verify(sparams, s, verify, jnp.ones((1,), bool), pr if pi is None else pi, q,
+                                              sp, keys, cfg, moe, 0, greedy=True)
         holder["s"] = s
         jax.block_until_ready(toks)
     res["mtp_round_ms"] = timeit(rnd, reps)
@@ -475,7 +475,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             mh["m"], drafts, q = _jit_draft(sparams, smp, mh["m"], h_d, pair_d, count_d, sp, kk, cfg, moe, k,
                                             head=dhead, hot=hot, greedy=True)
             verify, _ = _jit_verify_window(pend_d, drafts, None, None)
-            holder["s"], toks, n_acc, hidden, _ = _jit_verify(
+            holder["s"], toks, n_acc, hidden, _, _ = _jit_verify(
                 sparams, holder["s"], verify, jnp.ones((1,), bool), pr if pi is None else pi, q, sp, kk, cfg, moe, 0,
                 greedy=True)
             prev = (hidden, toks, n_acc)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from fnx.engine.spec import accept, accept_greedy
+from fnx.engine.spec import accept, accept_greedy, commit_window, penalized_window
 from fnx.engine.sampling import (SamplingArrays, SamplingParams, filtered_logprobs, greedy_tokens, row_keys, sample,
                                  top_logprobs)
 from fnx.model.api import Model, ple_input, ple_split
@@ -274,9 +274,6 @@ class Engine:
         if need > self.capacity:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) needs {need} "
                              f"positions, more than this engine's context capacity of {self.capacity}")
-        if self.spec and params.uses_penalties:
-            raise ValueError("repetition/presence/frequency penalties are not implemented together with "
-                             "speculative decoding; run this request without speculation")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -520,7 +517,9 @@ class Engine:
         self.model.ple_store.consume_pending()
         return flagged
 
-    def _bucket(self, n: int) -> int:
+    def prefill_bucket(self, n: int) -> int:
+        """The token length a prefill chunk of n prompt tokens is padded to (one compiled program per length):
+        the next power of two from 16, at most the prefill chunk."""
         b = 16
         while b < n:
             b *= 2
@@ -530,7 +529,7 @@ class Engine:
         start = req.prefilled
         chunk = req.prompt[start:start + min(self.prefill_chunk, budget)]
         n = len(chunk)
-        length = self._bucket(n)
+        length = self.prefill_bucket(n)
         tokens = np.zeros((1, length), np.int32)
         tokens[0, :n] = chunk
         hist = self._context_tail(req.history, start)
@@ -710,10 +709,17 @@ class Engine:
             self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, sp, keys, self.cfg, self.moe_impl,
             k, self.draft_head, self.hot, greedy=greedy)
         nlp = _n_logprobs(reqs)
+        # a row with penalties: the verify program penalizes each window position and updates seen / counts (rows
+        # without them never read theirs, so a round without any leaves them as they are: one program fewer)
+        penalized = any(r.params.uses_penalties for r in reqs)
 
         def run_verify(verify, ple, cb=None, front=None):
-            return _jit_verify(self.model.params, self.state, verify, active, ple, q_lp, sp, keys,
-                               self.cfg, self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front)
+            pen = (self.seen, self.out_counts) if penalized else None
+            out = _jit_verify(self.model.params, self.state, verify, active, ple, q_lp, sp, keys,
+                              self.cfg, self.moe_impl, nlp, greedy=greedy, ple_cb=cb, front=front, pen=pen)
+            if penalized:
+                self.seen, self.out_counts = out[5]
+            return out[:5]
 
         if self.model.ple_store is None:
             # the verify window [pending, drafts] and its n-gram ids are built on the device: the verify program
@@ -1028,27 +1034,32 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     return mstate, jnp.stack(draft_toks, 1), None if greedy else jnp.stack(draft_lps, 1)
 
 
-@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy", "ple_cb"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy", "ple_cb"),
+         donate_argnames=("state", "pen"))
 def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_impl, n_logprobs, greedy=False,
-                ple_cb=None, front=None):
+                ple_cb=None, front=None, pen=None):
     """Target on [pending, d_1..d_k]; speculative rejection sampling (greedy rows: longest matching prefix);
-    rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs).
-    greedy (every row at temperature 0; q_lp may be None): the same tokens and counts from the target's argmax
-    and the longest matching prefix, without the filtered distributions (a sort over the vocabulary per
-    position) or any random draw."""
+    rollback to the accepted length. Returns (state, tokens [B, k+1] (first a+1 valid), a [B], hidden, logprobs,
+    pen). greedy (every row at temperature 0; q_lp may be None): the same tokens and counts from the target's
+    argmax and the longest matching prefix, without the filtered distributions (a sort over the vocabulary per
+    position) or any random draw. pen: None, or (seen, counts) [B, V] when a row has penalties: each position's
+    logits are penalized with its history (`spec.penalized_window`) and the emitted tokens join it (returned)."""
     width = verify.shape[1]
     k = width - 1
     n_valid = jnp.where(active, width, 0).astype(jnp.int32)
     logits, full, hidden, aux = _step_any(params, state, verify, ple, front, ple_cb, cfg=cfg, moe_impl=moe_impl,
                                           n_valid=n_valid, snapshots=True)
+    target = logits if pen is None else penalized_window(logits, sp, *pen, verify[:, 1:])
     if greedy:
-        toks, n_acc = accept_greedy(logits, verify[:, 1:])
+        toks, n_acc = accept_greedy(target, verify[:, 1:])
     else:
-        p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(logits)
+        p_lp = jax.vmap(lambda lg: filtered_logprobs(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(target)
         subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)
         toks, n_acc = accept(p_lp, q_lp, verify[:, 1:], subkeys[:, k])
     n_keep = jnp.where(active, n_acc + 1, 0)
     state = rollback(cfg, full, aux, n_keep)
     chosen, vals, ids = jax.vmap(lambda lg, t: top_logprobs(lg, t, n_logprobs), in_axes=(1, 1), out_axes=1)(
         logits, toks)
-    return state, toks, n_acc, hidden, (chosen, vals, ids)
+    if pen is not None:
+        pen = commit_window(*pen, toks, n_acc, active)
+    return state, toks, n_acc, hidden, (chosen, vals, ids), pen

@@ -2,12 +2,42 @@
 target's are p_1..p_{k+1}. Draft i is accepted with probability min(1, p_i(d_i) / q_i(d_i)); at the first
 rejection the replacement is drawn from max(0, p_i - q_i) renormalised; after k acceptances a bonus token is drawn
 from p_{k+1}. The emitted tokens are distributed exactly as sampling from p one token at a time. Greedy rows have
-one-hot p and q, which makes this the longest matching prefix plus the target's own next token."""
+one-hot p and q, which makes this the longest matching prefix plus the target's own next token.
+
+Penalties (repetition / presence / frequency) act on p: position j of the window is penalized with the history it
+follows, the tokens emitted before the round and the drafts d_1..d_j (`penalized_window`); the emitted tokens then
+join that history (`commit_window`). q (the drafter's distribution) carries none: acceptance stays exact, only
+its rate depends on how far the penalties move p."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from fnx.engine.sampling import SamplingArrays, apply_penalties
+
+
+def penalized_window(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, counts: jax.Array,
+                     drafts: jax.Array) -> jax.Array:
+    """logits [B, k+1, V] -> fp32 with each position's penalties. seen [B, V] bool / counts [B, V] int32: the
+    prompt and the tokens emitted so far (counts: emitted only); position j follows those and drafts[:, :j]."""
+    bsz, width = logits.shape[:2]
+    rows = jnp.arange(bsz)
+    out = []
+    for j in range(width):
+        out.append(apply_penalties(logits[:, j].astype(jnp.float32), sp, seen, counts))
+        if j + 1 < width:
+            seen = seen.at[rows, drafts[:, j]].set(True)
+            counts = counts.at[rows, drafts[:, j]].add(1)
+    return jnp.stack(out, axis=1)
+
+
+def commit_window(seen: jax.Array, counts: jax.Array, toks: jax.Array, n_acc: jax.Array, active: jax.Array):
+    """seen / counts with each active row's emitted tokens toks[:, :n_acc + 1] added (repeats counted)."""
+    bsz, width = toks.shape
+    emit = (jnp.arange(width)[None, :] <= n_acc[:, None]) & active[:, None]
+    rows = jnp.broadcast_to(jnp.arange(bsz)[:, None], toks.shape)
+    return seen.at[rows, toks].max(emit), counts.at[rows, toks].add(emit.astype(counts.dtype))
 
 
 def accept_greedy(logits: jax.Array, drafts: jax.Array):

@@ -53,8 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prompt tokens per prefill step; longer prompts are prefilled in chunks interleaved with "
                         "decode steps of the running requests")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="MTP speculative decoding with K draft tokens per round (1..8; 0: off). Requests with "
-                        "repetition/presence/frequency penalties are refused while it is on")
+                   help="MTP speculative decoding with K draft tokens per round (1..8; 0: off); lossless for "
+                        "every sampling setting, penalties included (they apply to the target's distribution)")
     p.add_argument("--quant", choices=["fp8", "fp8-head"], default=None,
                    help="online weight-only quantization while loading a BF16 checkpoint: fp8 (the dense "
                         "projections and experts in FP8 128x128 blocks), fp8-head (those and the lm_head)")

@@ -35,18 +35,27 @@ class _CompileCounter(logging.Handler):
             log.warning("compiled %s after warm-up in %s s (a request waited on it)", m.group(1), m.group(2))
 
 
-def warmup_plan(engine: Engine) -> list[tuple[int, int]]:
-    """(prompt length, logprobs) of the warm-up requests: one prompt per prefill bucket length, each with and
-    without top logprobs (the engine compiles separate programs for n_logprobs 0 and > 0, see `LOGPROBS_BUCKET`).
-    Each request generates 2 tokens, so the batched decode step (or the MTP draft + verify round) runs too."""
-    lengths, b = [], 16
+def warmup_plan(engine: Engine) -> list[tuple[int, int, int]]:
+    """(prompt length, logprobs, max_tokens) of the warm-up requests: one prompt per prefill bucket length a request
+    can reach, each with and without top logprobs (the engine compiles separate programs for n_logprobs 0 and > 0,
+    see `LOGPROBS_BUCKET`). Each request generates 2 tokens where the capacity leaves room, so the batched decode
+    step (or the MTP draft + verify round) runs too. A prompt must leave its tokens and the engine's reserve within
+    the capacity: with a capacity below the prefill chunk, the buckets no prompt reaches are not warmed, and the
+    longest one that is gets the longest prompt that fits (one token generated if two do not fit)."""
+    longest = engine.capacity - engine.reserve - 1          # the longest prompt a request may have (max_tokens 1)
+    if longest < 1:
+        raise ValueError(f"a context capacity of {engine.capacity} leaves no room for a prompt: the engine reserves "
+                         f"{engine.reserve} positions a request (speculative rounds, overlap); raise --capacity")
+    plan, b = [], 16
     while True:
-        n = min(b, engine.prefill_chunk)
-        lengths.append(n)
-        if n >= engine.prefill_chunk:
+        top = min(b, engine.prefill_chunk)
+        n = min(top, longest)
+        if engine.prefill_bucket(n) == engine.prefill_bucket(top):    # some prompt reaches this bucket
+            plan.append((n, min(2, engine.capacity - engine.reserve - n)))
+        if top >= engine.prefill_chunk or n < top:
             break
         b *= 2
-    return [(n, lp) for lp in (0, LOGPROBS_BUCKET) for n in lengths]
+    return [(n, lp, mt) for lp in (0, LOGPROBS_BUCKET) for n, mt in plan]
 
 
 # Top-logprobs requests all run with this many (trimmed per request by the API layer), so that only two
@@ -167,25 +176,34 @@ class EngineThread(threading.Thread):
         eng = self.engine
         t0 = time.perf_counter()
         vocab = eng.cfg.vocab_size
-        for n, lp in warmup_plan(eng) if self.warmup else []:
+        for n, lp, max_tokens in warmup_plan(eng) if self.warmup else []:
             t = time.perf_counter()
             prompt = [(7 * i + 1) % vocab for i in range(n)]
-            rid = eng.submit(prompt, SamplingParams(max_tokens=2, logprobs=lp, ignore_eos=True),
+            rid = eng.submit(prompt, SamplingParams(max_tokens=max_tokens, logprobs=lp, ignore_eos=True),
                              request_id=f"warmup-{n}-{lp}")
             while eng.has_work():
                 eng.step()
-            self.warmup_log.append(f"prefill bucket {n:>5} tokens, logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
-            del rid
-        for lp in (0, LOGPROBS_BUCKET) if self.warmup else []:
-            # the plan's requests are greedy; a batch with a sampled row runs other programs (the decode step
-            # without its argmax-only shortcut; the speculative draft without the fused argmax): warm those too
-            t = time.perf_counter()
-            eng.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.7, seed=0, logprobs=lp, ignore_eos=True),
-                       request_id=f"warmup-sampled-{lp}")
-            while eng.has_work():
-                eng.step()
-            self.warmup_log.append(f"sampled {'speculative round' if getattr(eng, 'spec', None) else 'decode'}, "
+            self.warmup_log.append(f"prefill bucket {eng.prefill_bucket(n):>5} tokens ({n}-token prompt), "
                                    f"logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
+            del rid
+        spec = bool(getattr(eng, "spec", None))
+        # the plan's requests are greedy; a batch with a sampled row runs other programs (the decode step without
+        # its argmax-only shortcut; the speculative draft without the fused argmax), and so does a speculative
+        # round with penalties (each window position penalized): warm those too
+        variants = [(0.7, 1.0)] + ([(0.0, 1.1), (0.7, 1.1)] if spec else [])
+        for lp in (0, LOGPROBS_BUCKET) if self.warmup else []:
+            for temperature, penalty in variants:
+                t = time.perf_counter()
+                room = eng.capacity - eng.reserve                # prompt + generated (warmup_plan: >= 2)
+                prompt = [1, 2, 3][:min(3, room - 1)]
+                eng.submit(prompt, SamplingParams(max_tokens=min(3, room - len(prompt)), temperature=temperature,
+                                                  seed=0, logprobs=lp, repetition_penalty=penalty, ignore_eos=True),
+                           request_id=f"warmup-{temperature}-{penalty}-{lp}")
+                while eng.has_work():
+                    eng.step()
+                self.warmup_log.append(
+                    f"{'sampled' if temperature else 'greedy'} {'speculative round' if spec else 'decode'}"
+                    f"{' with penalties' if penalty != 1 else ''}, logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
         self.warmup_seconds = time.perf_counter() - t0
         for k in ("drafted", "accepted", "rounds", "decode_steps", "prefill_tokens", "row_rounds"):
             if k in eng.stats:

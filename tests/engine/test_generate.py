@@ -327,6 +327,70 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
     assert sync["r2"][2] is None and 4 <= len(sync["r2"][0]) < 9        # aborted after a round past 4 tokens
 
 
+def test_speculative_rounds_with_penalties_are_lossless(tiny_models):
+    """Repetition / presence / frequency penalties under MTP speculation: greedy rows with penalties emit what the
+    plain engine emits for them (each window position penalized with the drafts before it), beside rows without
+    penalties in the same batch and slot reuse; sampled rows with penalties run overlapped as synchronously (the
+    same seeded tokens), and the penalties move the greedy text (they act)."""
+    model, _ = tiny_models("tiny-c")
+    rng = np.random.default_rng(33)
+    eos = model.cfg.ple_eos_token_id
+    prompts = [list(map(int, rng.integers(0, eos, size=n))) for n in (7, 12, 5)]
+    pen = dict(repetition_penalty=1.6, presence_penalty=0.6, frequency_penalty=0.4, ignore_eos=True)
+    greedy = [(prompts[0], SamplingParams(max_tokens=16, **pen)),
+              (prompts[1], SamplingParams(max_tokens=12, ignore_eos=True)),
+              (prompts[2], SamplingParams(max_tokens=14, repetition_penalty=2.0, ignore_eos=True))]
+    plain = _run_engine(Engine(model, max_slots=2, capacity=96, prefill_chunk=8), greedy)
+    spec = Engine(model, max_slots=2, capacity=96, prefill_chunk=8, speculative=SpeculativeConfig(k=3))
+    got = _run_engine(spec, greedy)
+    # (this tiny model's MTP layer is random, so its drafts are rarely accepted: tests/quality/test_fnx_mini.py
+    # runs the same comparison where windows are accepted)
+    assert {r: v[0] for r, v in got.items()} == {r: v[0] for r, v in plain.items()}
+    unpenalized = fnx.generate(model, [prompts[0]], max_new_tokens=16, sampling=SamplingParams(ignore_eos=True))[0]
+    assert got["r0"][0] != unpenalized
+    sampled = [(prompts[0], SamplingParams(max_tokens=10, temperature=0.8, seed=4, **pen)),
+               (prompts[1], SamplingParams(max_tokens=9, temperature=1.1, seed=6, presence_penalty=1.0))]
+    runs = [_run_engine(Engine(model, max_slots=2, capacity=96, prefill_chunk=8, overlap=o,
+                               speculative=SpeculativeConfig(k=2)), sampled) for o in (False, True)]
+    assert {r: v[0] for r, v in runs[0].items()} == {r: v[0] for r, v in runs[1].items()}
+    assert [len(v[0]) for v in runs[0].values()] == [10, 9]
+
+
+def test_penalized_window_and_commit_follow_the_history():
+    """`spec.penalized_window`: position j is penalized as one plain step would be after the drafts before it;
+    `commit_window` adds each active row's emitted tokens (repeats counted), nothing for inactive rows."""
+    from fnx.engine.sampling import SamplingArrays, apply_penalties
+    from fnx.engine.spec import commit_window, penalized_window
+    rng = np.random.default_rng(2)
+    b, w, v = 3, 4, 11
+    logits = jnp.asarray(rng.standard_normal((b, w, v)), jnp.float32)
+    seen = jnp.asarray(rng.random((b, v)) < 0.3)
+    counts = jnp.asarray(rng.integers(0, 3, (b, v)) * np.asarray(seen), jnp.int32)
+    drafts = jnp.asarray([[1, 1, 5], [2, 3, 4], [0, 9, 0]], jnp.int32)
+    sp = SamplingArrays.stack([SamplingParams(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2),
+                               SamplingParams(), SamplingParams(repetition_penalty=0.7, frequency_penalty=1.0)])
+    got = np.asarray(penalized_window(logits, sp, seen, counts, drafts))
+    s, c = np.asarray(seen).copy(), np.asarray(counts).copy()
+    for j in range(w):
+        want = np.asarray(apply_penalties(logits[:, j], sp, jnp.asarray(s), jnp.asarray(c)))
+        np.testing.assert_array_equal(got[:, j], want)
+        if j < w - 1:
+            for r in range(b):
+                s[r, int(drafts[r, j])] = True
+                c[r, int(drafts[r, j])] += 1
+    np.testing.assert_array_equal(got[1], np.asarray(logits[1]))          # no penalties: the logits as they are
+    toks = jnp.asarray([[4, 4, 7, 0], [1, 2, 3, 5], [6, 6, 6, 6]], jnp.int32)
+    n_acc, active = jnp.asarray([2, 0, 3]), jnp.asarray([True, True, False])
+    s2, c2 = commit_window(seen, counts, toks, n_acc, active)
+    want_s, want_c = np.asarray(seen).copy(), np.asarray(counts).copy()
+    for r, emitted in ((0, [4, 4, 7]), (1, [1])):
+        for t in emitted:
+            want_s[r, t] = True
+            want_c[r, t] += 1
+    np.testing.assert_array_equal(np.asarray(s2), want_s)
+    np.testing.assert_array_equal(np.asarray(c2), want_c)
+
+
 def test_mtp_head_at_one_position_per_row_equals_the_full_head(tiny_models):
     """`mtp_step(at=...)` (the drafter's catch-up: only each row's last valid position feeds the first draft) gives
     those rows' logits of the full-window head, the same state and the same hidden; with head_fn as well."""

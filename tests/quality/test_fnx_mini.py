@@ -106,3 +106,17 @@ def test_mtp_acceptance(model, tokenizer):
     eng = Engine(model, max_slots=4, capacity=128, prefill_chunk=64, speculative=4)
     fnx.generate(model, prompts, max_new_tokens=32, sampling=SamplingParams(temperature=0.0), engine=eng)
     assert eng.acceptance_length > 1.5, eng.acceptance_length
+
+
+def test_mtp_with_penalties_is_lossless_and_accepted(model):
+    """The checkpoint's default sampling has repetition_penalty 1.1 (generation_config.json): speculative greedy
+    rounds with it, and with a frequency penalty strong enough that a window's own accepted drafts change the
+    target's choice further on (without each position's drafts in its history, one of these prompts diverged),
+    emit the plain engine's tokens, with windows accepted."""
+    prompts = [list(map(int, d[:32])) for d in heldout_sample(n_docs=4, length=32)]
+    for pen in (dict(repetition_penalty=1.1), dict(frequency_penalty=2.0)):
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, **pen)
+        plain = fnx.generate(model, prompts, max_new_tokens=32, sampling=sp)
+        eng = Engine(model, max_slots=4, capacity=128, prefill_chunk=64, speculative=3)
+        assert fnx.generate(model, prompts, max_new_tokens=32, sampling=sp, engine=eng) == plain, pen
+        assert eng.acceptance_length > 1.5, (pen, eng.acceptance_length)

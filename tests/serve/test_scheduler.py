@@ -130,3 +130,28 @@ def test_engine_failure_fails_requests_not_the_server():
     worker.join(5)
     assert out[-1].finished and out[-1].finish_reason == "error"
     assert isinstance(worker.failed, RuntimeError)
+
+
+def _plan(capacity, reserve, chunk):
+    from fnx.engine import Engine
+    from fnx.serve.worker import warmup_plan
+    eng = SimpleNamespace(capacity=capacity, reserve=reserve, prefill_chunk=chunk)
+    eng.prefill_bucket = lambda n: Engine.prefill_bucket(eng, n)
+    plan = warmup_plan(eng)
+    assert [p for p in plan if p[1] == 0] == [(n, 0, mt) for n, lp, mt in plan if lp] and len(plan) % 2 == 0
+    return [(n, mt) for n, lp, mt in plan if lp == 0]
+
+
+def test_warmup_plan_reaches_every_bucket_a_prompt_can():
+    """One warm-up prompt per prefill bucket a request can reach within the capacity (prompt + generated + the
+    engine's reserve): the full ladder when the chunk fits; the longest prompt that fits in the last reachable
+    bucket (one token generated when two do not fit); a capacity with no room for a prompt is refused by name."""
+    assert _plan(4096, 5, 512) == [(16, 2), (32, 2), (64, 2), (128, 2), (256, 2), (512, 2)]
+    assert _plan(512, 5, 512) == [(16, 2), (32, 2), (64, 2), (128, 2), (256, 2), (506, 1)]   # 506 + 1 + 5 = 512
+    assert _plan(200, 5, 512) == [(16, 2), (32, 2), (64, 2), (128, 2), (194, 1)]
+    assert _plan(136, 5, 512) == [(16, 2), (32, 2), (64, 2), (128, 2), (130, 1)]            # 129-130: bucket 256
+    assert _plan(133, 5, 512) == [(16, 2), (32, 2), (64, 2), (127, 1)]                       # 128 + 1 + 5 > 133
+    assert _plan(20, 11, 100) == [(8, 1)]
+    assert _plan(300, 3, 100) == [(16, 2), (32, 2), (64, 2), (100, 2)]                       # a chunk of 100
+    with pytest.raises(ValueError, match="capacity of 8 leaves no room for a prompt.*reserves 11"):
+        _plan(8, 11, 512)

@@ -30,8 +30,9 @@ def _compiles_after_warmup(base: str) -> float:
 
 
 def test_speculative_server_equals_the_plain_one_and_compiles_nothing_new(spec, server):
-    """Greedy text equal to the plain server's over many rounds (streamed and not); sampled and logprob requests
-    and two at once run only programs the warm-up compiled; the acceptance metric moves."""
+    """Greedy text equal to the plain server's over many rounds (streamed and not), with penalties too; sampled,
+    logprob and penalized requests and two at once run only programs the warm-up compiled; the acceptance metric
+    moves."""
     before = _compiles_after_warmup(spec.base)
     kw = dict(model=MODEL, prompt="Speculate over several rounds, please", max_tokens=16, temperature=0,
               extra_body={"ignore_eos": True})
@@ -41,12 +42,15 @@ def test_speculative_server_equals_the_plain_one_and_compiles_nothing_new(spec, 
     streamed = "".join(c.choices[0].text for c in _client(spec.base).completions.create(stream=True, **kw))
     assert streamed == plain.choices[0].text
     c = _client(spec.base)
-    for temperature, logprobs in ((0.8, None), (0.8, 3), (0, 2)):
+    for temperature, logprobs, pen in ((0.8, None, 0), (0.8, 3, 0), (0, 2, 0), (0, None, 0.5), (0.8, 2, 0.5)):
         r = c.completions.create(model=MODEL, prompt="sampled rounds", max_tokens=10, temperature=temperature,
-                                 seed=4, logprobs=logprobs, extra_body={"ignore_eos": True})
+                                 seed=4, logprobs=logprobs, frequency_penalty=pen, extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 10
         if logprobs:
             assert len(r.choices[0].logprobs.top_logprobs) == 10
+    pen = dict(kw, frequency_penalty=1.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.2})
+    assert (_client(spec.base).completions.create(**pen).choices[0].text
+            == _client(server.base).completions.create(**pen).choices[0].text)   # penalties: lossless too
     with httpx.Client(timeout=120) as a, httpx.Client(timeout=120) as b:     # two requests in two slots at once
         body = dict(model=MODEL, prompt="together", max_tokens=9, temperature=0, ignore_eos=True, stream=True)
         with a.stream("POST", f"{spec.base}/v1/completions", json=body) as r1, \
