@@ -182,15 +182,16 @@ def test_pages_lost_after_open_give_zero_rows_not_sigbus(table, consts, tmp_path
 
 @pytest.mark.parametrize("policy", ["fail", "degrade"])
 def test_fetch_past_its_deadline_is_zero_filled(table, consts, policy):
-    store = open_store(table["raw"], "pageable", consts=consts, policy=policy, deadline_s=0.05)
+    # a deadline that an ordinary read meets on a loaded CI machine too, and a read stuck far past it
+    store = open_store(table["raw"], "pageable", consts=consts, policy=policy, deadline_s=0.3)
     ids = _ids(consts, seed=6)
     want = reference_rows(table["table"], table["scale"], ids)
     np.testing.assert_array_equal(store.rows(ids).view(np.uint16), want.view(np.uint16))
     slow = store._gather
-    store._gather = lambda uniq: (time.sleep(0.5), slow(uniq))[1]  # a read stuck far past the deadline
+    store._gather = lambda uniq: (time.sleep(2.5), slow(uniq))[1]
     start = time.perf_counter()
     fetch = store.fetch(ids)
-    assert time.perf_counter() - start < 0.4
+    assert time.perf_counter() - start < 2.0
     assert fetch.missing.all() and not np.any(fetch.rows.astype(np.float32))
     assert "deadline" in str(fetch.error) and store.stats["deadline_misses"] == 1
     store._gather = slow
