@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -18,7 +18,7 @@ from starlette.routing import Route
 from fnx.engine import SamplingParams
 from fnx.serve.metrics import Metrics
 from fnx.serve.page import CHAT_PAGE
-from fnx.serve.protocol import APIError, Sampling, get, integer, parse_body, sampling_fields
+from fnx.serve.protocol import MAX_CHOICES, APIError, Sampling, get, integer, parse_body, sampling_fields
 from fnx.serve.scheduler import QueueFull, RequestStream, Scheduler, Unavailable
 from fnx.serve.text import ChatParser, StopStrings, starts_in_reasoning
 from fnx.tokenizer import TemplateError, Tokenizer, TokenizerError
@@ -95,6 +95,60 @@ async def _submit(st: ServerState, prompt: list[int], params: SamplingParams) ->
         raise APIError(400, msg, code=code) from None
 
 
+async def _submit_all(st: ServerState, jobs: list[tuple[list[int], SamplingParams]]) -> list[RequestStream]:
+    """One engine request per choice; if one is refused (a full queue), those already queued are cancelled and the
+    whole request fails with that error."""
+    streams: list[RequestStream] = []
+    try:
+        for prompt, params in jobs:
+            streams.append(await _submit(st, prompt, params))
+    except APIError:
+        for stream in streams:
+            st.scheduler.abort(stream.id)
+        raise
+    return streams
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The engine parameters of a prompt's n choices: with a seed, choice j samples with seed + j (reproducible,
+    and not n copies of one sample); without one, each draws its own."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=(params.seed + j) % 2**32) for j in range(n)]
+
+
+async def _merged(gens: list):
+    """(i, item) from several async generators as their items come; an exception in one ends the merge with it."""
+    if len(gens) == 1:
+        async for x in gens[0]:
+            yield 0, x
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, gen):
+        try:
+            async for x in gen:
+                await queue.put((i, x))
+            await queue.put((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, e))
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    left = len(gens)
+    try:
+        while left:
+            i, x = await queue.get()
+            if x is done:
+                left -= 1
+            elif isinstance(x, Exception):
+                raise x
+            else:
+                yield i, x
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 async def _pieces(st: ServerState, stream: RequestStream, stops: StopStrings, want_lp: bool):
     """Engine outputs -> Pieces: detokenised (never half a character), cut at stop strings."""
     detok = st.tokenizer.detokenizer()
@@ -121,28 +175,47 @@ async def _pieces(st: ServerState, stream: RequestStream, stops: StopStrings, wa
         yield Piece(released, out.token_ids, lps)
 
 
-def _usage(stream: RequestStream) -> dict:
-    return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.generated,
-            "total_tokens": stream.prompt_tokens + stream.generated}
+def _usage(streams: list[RequestStream], n: int) -> dict:
+    """Token counts of a response: each prompt once (its n choices share it), every choice's generated tokens."""
+    prompt = sum(s.prompt_tokens for s in streams[::n])
+    generated = sum(s.generated for s in streams)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-async def _run_to_end(request: Request, st: ServerState, stream: RequestStream, gen):
-    """Drain `gen` for a non-streaming response, cancelling the request if the client goes away first."""
+async def _run_to_end(request: Request, st: ServerState, streams: list[RequestStream], gens: list) -> list[list]:
+    """Drain every choice's generator for a non-streaming response (together), cancelling the requests if the
+    client goes away first or one of them fails."""
+    def abort_all():
+        for stream in streams:
+            st.scheduler.abort(stream.id)
+
     async def watch():
         while True:
             msg = await request.receive()
             if msg["type"] == "http.disconnect":
-                st.scheduler.abort(stream.id)
+                abort_all()
                 return
-    watcher = asyncio.create_task(watch())
-    try:
+
+    async def drain(gen):
         return [p async for p in gen]
+    watcher = asyncio.create_task(watch())
+    tasks = [asyncio.create_task(drain(g)) for g in gens]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+        if failed is not None:
+            abort_all()                                    # the other choices end too (their errors are not news)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise failed.exception()
+        return [t.result() for t in tasks]
     finally:
         watcher.cancel()
-        st.scheduler.abort(stream.id)
+        for t in tasks:
+            t.cancel()
+        abort_all()
 
 
-def _sse(st: ServerState, stream: RequestStream, chunks):
+def _sse(st: ServerState, streams: list[RequestStream], chunks):
     async def body():
         try:
             async for chunk in chunks:
@@ -150,7 +223,8 @@ def _sse(st: ServerState, stream: RequestStream, chunks):
         except APIError as e:
             yield f"data: {json.dumps(e.body())}\n\n"
         finally:
-            st.scheduler.abort(stream.id)      # a no-op when finished; cancels when the client went away
+            for stream in streams:              # a no-op when finished; cancels when the client went away
+                st.scheduler.abort(stream.id)
         yield "data: [DONE]\n\n"
     return StreamingResponse(body(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -169,23 +243,37 @@ def _top_n(body: dict, chat: bool) -> int | None:
 
 # ---- /v1/completions -------------------------------------------------------------------------------------------
 
-def _completion_prompt(st: ServerState, body: dict) -> list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
+def _one_prompt(st: ServerState, p, where: str) -> list[int] | None:
+    """A prompt as token ids (a string, or an array of token ids), or None when `p` is neither."""
     if isinstance(p, str):
         if not p:
-            raise APIError(400, "`prompt` is empty", param="prompt")
+            raise APIError(400, f"{where} is empty", param="prompt")
         return st.tokenizer.encode(p, add_special_tokens=True)
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
         bad = [t for t in p if not 0 <= t < st.vocab]
         if bad:
-            raise APIError(400, f"`prompt` token ids must lie in [0, {st.vocab}), got {bad[0]}", param="prompt")
+            raise APIError(400, f"{where}'s token ids must lie in [0, {st.vocab}), got {bad[0]}", param="prompt")
         return list(p)
-    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
-        raise APIError(400, f"`prompt` holds {len(p)} prompts; this server takes one prompt per request",
-                       param="prompt")
-    raise APIError(400, "`prompt` must be a non-empty string or a non-empty array of token ids", param="prompt")
+    return None
+
+
+def _completion_prompts(st: ServerState, body: dict) -> list[list[int]]:
+    """`prompt`: a string, an array of token ids, or an array of either (several prompts, a choice each)."""
+    p = body.get("prompt")
+    one = _one_prompt(st, p, "`prompt`")
+    if one is not None:
+        return [one]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        out = []
+        for i, x in enumerate(p):
+            ids = _one_prompt(st, x, f"`prompt[{i}]`")
+            if ids is None:
+                raise APIError(400, f"`prompt[{i}]` must be a non-empty string or a non-empty array of token ids",
+                               param="prompt")
+            out.append(ids)
+        return out
+    raise APIError(400, "`prompt` must be a non-empty string, a non-empty array of token ids, or an array of those",
+                   param="prompt")
 
 
 def _completion_logprobs(st: ServerState, ids: list[int], lps: list[dict], top_n: int, offset: int):
@@ -211,45 +299,51 @@ async def completions(request: Request):
             raise APIError(400, "`suffix` is not supported by this server", param="suffix")
         s = sampling_fields(body, st.defaults, st.vocab)
         top_n = _top_n(body, chat=False)
-        prompt = _completion_prompt(st, body)
-        params = _engine_params(st, s, len(prompt), top_n)
-        stream = await _submit(st, prompt, params)
+        prompts = _completion_prompts(st, body)
+        if len(prompts) * s.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={s.n} choices is more than the {MAX_CHOICES} one request "
+                                f"may ask for", param="n")
+        jobs = [(prompt, params) for prompt in prompts
+                for params in _choice_params(_engine_params(st, s, len(prompt), top_n), s.n)]
+        streams = await _submit_all(st, jobs)
     except APIError as e:
         return _err(e)
-    rid, created = stream.id, int(time.time())
-    pieces = _pieces(st, stream, StopStrings(s.stop), top_n is not None)
+    rid, created = streams[0].id, int(time.time())
+    gens = [_pieces(st, stream, StopStrings(s.stop), top_n is not None) for stream in streams]
 
-    def chunk(text, lp, finish):
+    def choice(i, text, lp, finish):
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    def chunk(choices):
         return {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                "choices": choices}
 
     if s.stream:
         async def chunks():
-            offset = 0
-            async for p in pieces:
+            offsets = [0] * len(streams)
+            async for i, p in _merged(gens):
                 lp = None
                 if top_n is not None:
-                    lp, offset = _completion_logprobs(st, p.token_ids, p.logprobs, top_n, offset)
+                    lp, offsets[i] = _completion_logprobs(st, p.token_ids, p.logprobs, top_n, offsets[i])
                 if p.text or lp:
-                    yield chunk(p.text, lp, None)
+                    yield chunk([choice(i, p.text, lp, None)])
                 if p.finish_reason:
-                    yield chunk("", None, p.finish_reason)
+                    yield chunk([choice(i, "", None, p.finish_reason)])
             if s.include_usage:
-                yield {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                       "choices": [], "usage": _usage(stream)}
-        return _sse(st, stream, chunks())
+                yield dict(chunk([]), usage=_usage(streams, s.n))
+        return _sse(st, streams, chunks())
     try:
-        parts = await _run_to_end(request, st, stream, pieces)
+        results = await _run_to_end(request, st, streams, gens)
     except APIError as e:
         return _err(e)
-    text = "".join(p.text for p in parts)
-    lp = None
-    if top_n is not None:
-        lp, _ = _completion_logprobs(st, [t for p in parts for t in p.token_ids],
-                                     [x for p in parts for x in p.logprobs], top_n, 0)
-    out = chunk(text, lp, parts[-1].finish_reason if parts else "stop")
-    out["usage"] = _usage(stream)
-    return JSONResponse(out)
+    choices = []
+    for i, parts in enumerate(results):
+        lp = None
+        if top_n is not None:
+            lp, _ = _completion_logprobs(st, [t for p in parts for t in p.token_ids],
+                                         [x for p in parts for x in p.logprobs], top_n, 0)
+        choices.append(choice(i, "".join(p.text for p in parts), lp, parts[-1].finish_reason if parts else "stop"))
+    return JSONResponse(dict(chunk(choices), usage=_usage(streams, s.n)))
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------------------------
@@ -334,65 +428,68 @@ async def chat_completions(request: Request):
         if not prompt:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
         params = _engine_params(st, s, len(prompt), top_n)
-        stream = await _submit(st, prompt, params)
+        streams = await _submit_all(st, [(prompt, p) for p in _choice_params(params, s.n)])
     except APIError as e:
         return _err(e)
-    rid, created = "chatcmpl-" + stream.id.split("-", 1)[1], int(time.time())
-    parser = ChatParser(reasoning=st.reasoning, in_reasoning=st.reasoning and starts_in_reasoning(text),
-                        tools=bool(tools))
-    pieces = _pieces(st, stream, StopStrings(s.stop), top_n is not None)
+    rid, created = "chatcmpl-" + streams[0].id.split("-", 1)[1], int(time.time())
+    in_reasoning = st.reasoning and starts_in_reasoning(text)
+    parsers = [ChatParser(reasoning=st.reasoning, in_reasoning=in_reasoning, tools=bool(tools)) for _ in streams]
+    gens = [_pieces(st, stream, StopStrings(s.stop), top_n is not None) for stream in streams]
 
-    def chunk(delta, lp, finish):
+    def chunk(i, delta, lp, finish):
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+                "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
     if s.stream:
         async def chunks():
-            yield chunk({"role": "assistant", "content": ""}, None, None)
-            n_calls = 0
-            pending_lp: list[dict] = []
-            async for p in pieces:
+            for i in range(len(streams)):
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+            n_calls = [0] * len(streams)
+            pending_lp: list[list[dict]] = [[] for _ in streams]
+            async for i, p in _merged(gens):
                 if top_n is not None:
-                    pending_lp += _chat_logprobs(st, p.token_ids, p.logprobs, top_n)
-                events = parser.feed(p.text) + (parser.finish() if p.finish_reason else [])
+                    pending_lp[i] += _chat_logprobs(st, p.token_ids, p.logprobs, top_n)
+                events = parsers[i].feed(p.text) + (parsers[i].finish() if p.finish_reason else [])
                 for kind, val in events:
                     if kind == "tool_call":
-                        delta = {"tool_calls": [{"index": n_calls, **val}]}
-                        n_calls += 1
+                        delta = {"tool_calls": [{"index": n_calls[i], **val}]}
+                        n_calls[i] += 1
                     else:
                         delta = {"reasoning_content" if kind == "reasoning" else "content": val}
-                    yield chunk(delta, {"content": pending_lp} if pending_lp else None, None)
-                    pending_lp = []
+                    yield chunk(i, delta, {"content": pending_lp[i]} if pending_lp[i] else None, None)
+                    pending_lp[i] = []
                 if p.finish_reason:
-                    finish = "tool_calls" if n_calls and p.finish_reason == "stop" else p.finish_reason
-                    yield chunk({}, {"content": pending_lp} if pending_lp else None, finish)
+                    finish = "tool_calls" if n_calls[i] and p.finish_reason == "stop" else p.finish_reason
+                    yield chunk(i, {}, {"content": pending_lp[i]} if pending_lp[i] else None, finish)
             if s.include_usage:
                 yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                       "choices": [], "usage": _usage(stream)}
-        return _sse(st, stream, chunks())
+                       "choices": [], "usage": _usage(streams, s.n)}
+        return _sse(st, streams, chunks())
     try:
-        parts = await _run_to_end(request, st, stream, pieces)
+        results = await _run_to_end(request, st, streams, gens)
     except APIError as e:
         return _err(e)
-    events = parser.feed("".join(p.text for p in parts)) + parser.finish()
-    content = "".join(v for k, v in events if k == "content")
-    reasoning = "".join(v for k, v in events if k == "reasoning")
-    calls = [v for k, v in events if k == "tool_call"]
-    message = {"role": "assistant", "content": content if content or not calls else None}
-    if reasoning:
-        message["reasoning_content"] = reasoning
-    if calls:
-        message["tool_calls"] = calls
-    finish = parts[-1].finish_reason if parts else "stop"
-    if calls and finish == "stop":
-        finish = "tool_calls"
-    lp = None
-    if top_n is not None:
-        lp = {"content": _chat_logprobs(st, [t for p in parts for t in p.token_ids],
-                                        [x for p in parts for x in p.logprobs], top_n)}
+    choices = []
+    for i, (parts, parser) in enumerate(zip(results, parsers)):
+        events = parser.feed("".join(p.text for p in parts)) + parser.finish()
+        content = "".join(v for k, v in events if k == "content")
+        reasoning = "".join(v for k, v in events if k == "reasoning")
+        calls = [v for k, v in events if k == "tool_call"]
+        message = {"role": "assistant", "content": content if content or not calls else None}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        finish = parts[-1].finish_reason if parts else "stop"
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        lp = None
+        if top_n is not None:
+            lp = {"content": _chat_logprobs(st, [t for p in parts for t in p.token_ids],
+                                            [x for p in parts for x in p.logprobs], top_n)}
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                         "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
-                         "usage": _usage(stream)})
+                         "choices": choices, "usage": _usage(streams, s.n)})
 
 
 # ---- the rest --------------------------------------------------------------------------------------------------

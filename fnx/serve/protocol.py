@@ -98,13 +98,16 @@ class Sampling:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    n: int = 1
+
+
+# choices one request may ask for (`n` times the prompts of a completion): each is a request of its own in the
+# engine's queue
+MAX_CHOICES = 64
 
 
 def sampling_fields(body: dict, defaults: dict, vocab: int) -> Sampling:
-    n = integer(body, "n", 1)
-    if n != 1:
-        raise APIError(400, f"`n` must be 1: this server returns one choice per request (got {n}); send n "
-                            f"separate requests instead", param="n")
+    n = integer(body, "n", 1, lo=1, hi=MAX_CHOICES)
     if get(body, "best_of", (int,), 1) != 1:
         raise APIError(400, "`best_of` other than 1 is not supported", param="best_of")
     if get(body, "logit_bias", (dict,), {}):
@@ -148,4 +151,5 @@ def sampling_fields(body: dict, defaults: dict, vocab: int) -> Sampling:
         ignore_eos=get(body, "ignore_eos", (bool,), False),
         stream=stream,
         include_usage=bool(get(stream_options, "include_usage", (bool,), False)),
+        n=n,
     )

@@ -165,3 +165,46 @@ def test_tools_in_the_conversation(client, tok):
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}])] + messages[2:],
         tools=tools)
     assert r.usage.prompt_tokens == len(tok.encode(want))
+
+
+def test_n_choices_and_several_prompts(client):
+    """`n` choices and several prompts in one completion request: one engine request each, choice i * n + j for
+    prompt i's choice j; each equals the same request sent alone (a seed gives choice j the seed + j); streamed
+    chunks carry their choice's index and add up to the same texts; the prompt counts once in the usage."""
+    kw = dict(model=MODEL, max_tokens=8, temperature=0.9, seed=7, extra_body={"ignore_eos": True})
+    prompts = ["Several prompts", "in one request"]
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for i, p in enumerate(prompts):
+        for j in range(2):
+            alone = client.completions.create(prompt=p, **dict(kw, seed=7 + j)).choices[0]
+            assert r.choices[2 * i + j].text == alone.text and r.choices[2 * i + j].finish_reason == "length"
+    alone_usage = [client.completions.create(prompt=p, **kw).usage for p in prompts]
+    assert r.usage.prompt_tokens == sum(u.prompt_tokens for u in alone_usage)
+    assert r.usage.completion_tokens == 4 * 8
+    texts = ["", "", "", ""]
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    greedy = client.completions.create(prompt=[[5, 6, 7], "tokens and text"], max_tokens=5, temperature=0,
+                                       model=MODEL)
+    assert [c.index for c in greedy.choices] == [0, 1] and all(c.text for c in greedy.choices)
+
+
+def test_chat_n_choices(client):
+    """`n` chat choices, streamed and not: seeded, choice j equals the request alone with seed + j."""
+    kw = dict(model=MODEL, messages=CHAT, max_tokens=6, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    for j in range(3):
+        alone = client.chat.completions.create(**dict(kw, seed=11 + j)).choices[0].message
+        assert r.choices[j].message.model_dump() == alone.model_dump()     # content, reasoning, tool calls
+    got = {}
+    roles = set()
+    for chunk in client.chat.completions.create(n=3, stream=True, **kw):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            got[c.index] = got.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0, 1, 2} and [got[j] for j in range(3)] == [c.message.content for c in r.choices]

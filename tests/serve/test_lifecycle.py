@@ -108,8 +108,14 @@ def test_queue_full_gets_429(small):
     while httpx.get(f"{small.base}/health").json()["in_flight"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, max_tokens=2), timeout=30)
-    assert r.status_code == 200
+    # n = 3 choices where one slot and one queue place hold two: refused whole, the two queued choices cancelled
+    r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, n=3), timeout=30)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    while httpx.get(f"{small.base}/health").json()["in_flight"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    r = httpx.post(f"{small.base}/v1/completions", json=dict(LONG, stream=False, max_tokens=2, n=2), timeout=30)
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1]
 
 
 def test_sigterm_finishes_running_requests_and_exits_0(small):

@@ -117,7 +117,7 @@ def test_request_checks():
         parse_body(b"\xff\xfe{}")
     assert "UTF-8" in e.value.message
     for body, param in [({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-                        ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"n": 3}, "n"),
+                        ({"max_tokens": -3}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
                         ({"temperature": "hot"}, "temperature"), ({"seed": 1.5}, "seed"), ({"stop": [1]}, "stop"),
                         ({"temperature": True}, "temperature")]:
         with pytest.raises(APIError) as e:
