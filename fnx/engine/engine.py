@@ -26,7 +26,8 @@ from fnx.engine.sampling import (SamplingArrays, SamplingParams, filtered_logpro
                                  top_logprobs)
 from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
-from fnx.model.ops import linear_argmax
+from fnx.model import hyper
+from fnx.model.ops import linear, linear_argmax
 from fnx.model.transformer import (front_inputs, init_state, rollback, slot_put, slot_take, step, step_back,
                                    step_front)
 from fnx.ple import initial_context, ngram_ids
@@ -85,6 +86,9 @@ class Output:
     logprobs: list[dict] = field(default_factory=list)   # per token: {"logprob", "top": [(id, logprob), ...]}
     finished: bool = False
     finish_reason: str | None = None                      # "stop" | "length" | "abort" | "error"
+    # with the first token of a request that asked for them (`SamplingParams.prompt_logprobs`): one entry per
+    # prompt token, None for the first (nothing precedes it), else {"logprob", "top"} as above
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -100,6 +104,7 @@ class Request:
     pending: int | None = None           # sampled, not yet run through the target
     mtp_hidden: object = None            # [n, S*D] target hidden rows awaiting the MTP layer
     mtp_tokens: list[int] = field(default_factory=list)
+    prompt_lps: list[dict] = field(default_factory=list)  # prompt logprobs of the chunks prefilled so far
     done: bool = False
     drafted: int = 0
     accepted: int = 0
@@ -544,6 +549,18 @@ class Engine:
         req.prefilled += n
         self.stats["prefill_tokens"] += n
         final = req.prefilled == len(req.prompt)
+        # prompt logprobs: position j predicts prompt token start + j + 1; the last prompt position's token is the
+        # first one generated (its logprob comes with it)
+        nt = 0 if req.params.prompt_logprobs is None else n - 1 if final else n
+        if nt > 0:
+            targets = np.zeros((1, length), np.int32)
+            targets[0, :nt] = req.prompt[start + 1:start + 1 + nt]
+            chosen, vals, ids = _to_host(_jit_prompt_logprobs(self.model.params, hidden, jnp.asarray(targets),
+                                                              self.cfg, MAX_LOGPROBS))
+            top_n = req.params.prompt_logprobs
+            req.prompt_lps += [{"logprob": float(chosen[0, j]),
+                                "top": [(int(i), float(v)) for i, v in zip(ids[0, j, :top_n], vals[0, j, :top_n])]}
+                               for j in range(nt)]
         if self.spec:  # the MTP layer reads pairs (H_t, x_{t+1}); the last pair of the prompt waits for x_P
             pairs = n - 1 if final else n
             nxt = np.zeros((1, length), np.int32)
@@ -561,7 +578,11 @@ class Engine:
             last_logits, sp, keys, self.seen, self.out_counts, jnp.asarray([req.slot]),
             _n_logprobs([req]))
         lp_info = _to_host(lp_info)
-        return [self._emit(req, [int(tok[0])], [_lp(lp_info, 0, 0, req.params.logprobs)])]
+        out = self._emit(req, [int(tok[0])], [_lp(lp_info, 0, 0, req.params.logprobs)])
+        if req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = [None] + req.prompt_lps
+            req.prompt_lps = []
+        return [out]
 
     def _emit(self, req: Request, toks: list[int], lps: list[dict]) -> Output:
         out = Output(req.id, [], [])
@@ -870,6 +891,18 @@ def _jit_mtp_prefill(params, mp, mstate, slot, hidden, next_tokens, n_valid, cfg
     sub = jax.tree.map(take, mstate)
     _, sub, _ = mtp_step(params, mp, sub, hidden, next_tokens, cfg=cfg, n_valid=n_valid, moe_impl=moe_impl)
     return jax.tree.map(lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0), mstate, sub)
+
+
+@partial(jax.jit, static_argnames=("cfg", "n_top"))
+def _jit_prompt_logprobs(params, hidden, targets, cfg, n_top):
+    """A prefill chunk's prompt logprobs from its multi-stream hidden rows [1, L, S*D] (what the step returns): the
+    final mixer and the lm_head over every position (the step itself keeps only the last row's logits), then each
+    position's log-probability of `targets` [1, L] (the next prompt token) and the n_top most likely."""
+    x = hyper.gated_residual(params["hyper_connection_mixer"], hidden, cfg.hc_count, cfg.rms_norm_eps, inject=False)
+    lp = jax.nn.log_softmax(linear(x, params["lm_head"]).astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
+    vals, ids = lax.top_k(lp, max(n_top, 1))
+    return chosen, vals[..., :n_top], ids[..., :n_top]
 
 
 @jax.jit

@@ -28,6 +28,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0                   # top-n logprobs to return with each token (0: only the chosen one)
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first: None) and top n
 
     def __post_init__(self):
         def bad(field_name, value, why):
@@ -55,6 +56,8 @@ class SamplingParams:
             bad("max_tokens", self.max_tokens, "must be a positive integer")
         if not 0 <= self.logprobs <= 20:
             bad("logprobs", self.logprobs, "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", self.prompt_logprobs, "must be None or in [0, 20]")
 
     @property
     def greedy(self) -> bool:

@@ -47,6 +47,7 @@ class Piece:
     token_ids: list[int]
     logprobs: list[dict]
     finish_reason: str | None = None
+    prompt_logprobs: list | None = None   # with a request's first piece, when it asked for them
 
 
 def _err(e: APIError) -> JSONResponse:
@@ -164,15 +165,16 @@ async def _pieces(st: ServerState, stream: RequestStream, stops: StopStrings, wa
             text += detok.flush()
         released, hit = stops.feed(text)
         lps = out.logprobs if want_lp else []
+        plp = out.prompt_logprobs
         if hit:
             st.scheduler.abort(stream.id, reason="stop")
-            yield Piece(released, out.token_ids, lps, "stop")
+            yield Piece(released, out.token_ids, lps, "stop", plp)
             return
         if out.finished:
             yield Piece(released + stops.flush(), out.token_ids, lps,
-                        "length" if out.finish_reason == "length" else "stop")
+                        "length" if out.finish_reason == "length" else "stop", plp)
             return
-        yield Piece(released, out.token_ids, lps)
+        yield Piece(released, out.token_ids, lps, None, plp)
 
 
 def _usage(streams: list[RequestStream], n: int) -> dict:
@@ -257,12 +259,13 @@ def _one_prompt(st: ServerState, p, where: str) -> list[int] | None:
     return None
 
 
-def _completion_prompts(st: ServerState, body: dict) -> list[list[int]]:
-    """`prompt`: a string, an array of token ids, or an array of either (several prompts, a choice each)."""
+def _completion_prompts(st: ServerState, body: dict) -> list[tuple[list[int], str | None]]:
+    """`prompt`: a string, an array of token ids, or an array of either (several prompts, a choice each), as
+    (token ids, the string or None)."""
     p = body.get("prompt")
     one = _one_prompt(st, p, "`prompt`")
     if one is not None:
-        return [one]
+        return [(one, p if isinstance(p, str) else None)]
     if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
         out = []
         for i, x in enumerate(p):
@@ -270,19 +273,21 @@ def _completion_prompts(st: ServerState, body: dict) -> list[list[int]]:
             if ids is None:
                 raise APIError(400, f"`prompt[{i}]` must be a non-empty string or a non-empty array of token ids",
                                param="prompt")
-            out.append(ids)
+            out.append((ids, x if isinstance(x, str) else None))
         return out
     raise APIError(400, "`prompt` must be a non-empty string, a non-empty array of token ids, or an array of those",
                    param="prompt")
 
 
-def _completion_logprobs(st: ServerState, ids: list[int], lps: list[dict], top_n: int, offset: int):
+def _completion_logprobs(st: ServerState, ids: list[int], lps: list[dict | None], top_n: int, offset: int):
+    """The legacy `logprobs` object of tokens `ids`; an entry None (an echoed prompt's first token) has none."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for t, lp in zip(ids, lps):
         s = st.tokenizer.token_text(t)
         tokens.append(s)
-        token_lps.append(lp.get("logprob"))
-        tops.append({st.tokenizer.token_text(i): v for i, v in lp.get("top", [])[:top_n]} if top_n else None)
+        token_lps.append(None if lp is None else lp.get("logprob"))
+        tops.append({st.tokenizer.token_text(i): v for i, v in lp.get("top", [])[:top_n]}
+                    if top_n and lp is not None else None)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
@@ -293,8 +298,7 @@ async def completions(request: Request):
     try:
         body = parse_body(await request.body())
         _check_model(st, body)
-        if get(body, "echo", (bool,), False):
-            raise APIError(400, "`echo` is not supported by this server", param="echo")
+        echo = get(body, "echo", (bool,), False)
         if get(body, "suffix", (str,), None):
             raise APIError(400, "`suffix` is not supported by this server", param="suffix")
         s = sampling_fields(body, st.defaults, st.vocab)
@@ -303,12 +307,19 @@ async def completions(request: Request):
         if len(prompts) * s.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={s.n} choices is more than the {MAX_CHOICES} one request "
                                 f"may ask for", param="n")
-        jobs = [(prompt, params) for prompt in prompts
-                for params in _choice_params(_engine_params(st, s, len(prompt), top_n), s.n)]
+        jobs = []
+        for prompt, _ in prompts:
+            params = _engine_params(st, s, len(prompt), top_n)
+            if echo and top_n is not None:       # the echoed prompt's tokens with their logprobs
+                params = replace(params, prompt_logprobs=top_n)
+            jobs += [(prompt, p) for p in _choice_params(params, s.n)]
         streams = await _submit_all(st, jobs)
     except APIError as e:
         return _err(e)
     rid, created = streams[0].id, int(time.time())
+    # echo: each choice's text (and logprobs) start with its prompt's
+    echoed = [(ids, text if text is not None else st.tokenizer.decode(ids, skip_special_tokens=False))
+              for ids, text in prompts for _ in range(s.n)] if echo else None
     gens = [_pieces(st, stream, StopStrings(s.stop), top_n is not None) for stream in streams]
 
     def choice(i, text, lp, finish):
@@ -321,12 +332,18 @@ async def completions(request: Request):
     if s.stream:
         async def chunks():
             offsets = [0] * len(streams)
+            started = [False] * len(streams)
             async for i, p in _merged(gens):
-                lp = None
+                lp, text = None, p.text
+                ids, lps = p.token_ids, p.logprobs
+                if echoed is not None and not started[i]:
+                    text = echoed[i][1] + text
+                    ids, lps = echoed[i][0] + ids, (p.prompt_logprobs or []) + lps
+                started[i] = True
                 if top_n is not None:
-                    lp, offsets[i] = _completion_logprobs(st, p.token_ids, p.logprobs, top_n, offsets[i])
-                if p.text or lp:
-                    yield chunk([choice(i, p.text, lp, None)])
+                    lp, offsets[i] = _completion_logprobs(st, ids, lps, top_n, offsets[i])
+                if text or lp:
+                    yield chunk([choice(i, text, lp, None)])
                 if p.finish_reason:
                     yield chunk([choice(i, "", None, p.finish_reason)])
             if s.include_usage:
@@ -338,11 +355,15 @@ async def completions(request: Request):
         return _err(e)
     choices = []
     for i, parts in enumerate(results):
+        text, ids, lps = "".join(p.text for p in parts), [t for p in parts for t in p.token_ids], \
+            [x for p in parts for x in p.logprobs]
+        if echoed is not None:
+            text, ids = echoed[i][1] + text, echoed[i][0] + ids
+            lps = ((parts[0].prompt_logprobs if parts else None) or []) + lps
         lp = None
         if top_n is not None:
-            lp, _ = _completion_logprobs(st, [t for p in parts for t in p.token_ids],
-                                         [x for p in parts for x in p.logprobs], top_n, 0)
-        choices.append(choice(i, "".join(p.text for p in parts), lp, parts[-1].finish_reason if parts else "stop"))
+            lp, _ = _completion_logprobs(st, ids, lps, top_n, 0)
+        choices.append(choice(i, text, lp, parts[-1].finish_reason if parts else "stop"))
     return JSONResponse(dict(chunk(choices), usage=_usage(streams, s.n)))
 
 

@@ -179,8 +179,10 @@ class EngineThread(threading.Thread):
         for n, lp, max_tokens in warmup_plan(eng) if self.warmup else []:
             t = time.perf_counter()
             prompt = [(7 * i + 1) % vocab for i in range(n)]
-            rid = eng.submit(prompt, SamplingParams(max_tokens=max_tokens, logprobs=lp, ignore_eos=True),
-                             request_id=f"warmup-{n}-{lp}")
+            # with logprobs, the echoed prompt's logprobs too (`/v1/completions` with `echo`: a small program per
+            # prefill bucket, `engine._jit_prompt_logprobs`)
+            rid = eng.submit(prompt, SamplingParams(max_tokens=max_tokens, logprobs=lp, ignore_eos=True,
+                                                    prompt_logprobs=lp or None), request_id=f"warmup-{n}-{lp}")
             while eng.has_work():
                 eng.step()
             self.warmup_log.append(f"prefill bucket {eng.prefill_bucket(n):>5} tokens ({n}-token prompt), "

@@ -437,3 +437,29 @@ def test_mtp_params_accept_a_built_tree(tiny_models):
         mtp_params(model.cfg, {k: v for k, v in tree.items() if k != "fc_embedding"}, np.float32)
     with pytest.raises(MtpError, match="unexpected mtp tensors"):
         mtp_params(model.cfg, dict(tree, extra=tree["fc_hidden"]), np.float32)
+
+
+@pytest.mark.parametrize("spec", [None, 2])
+def test_prompt_logprobs_equal_the_forward_pass(tiny_models, spec):
+    """`SamplingParams.prompt_logprobs`: with the request's first token, one entry per prompt token (None for the
+    first), each the log-softmax of the forward pass's logits at the position before it, and its top n; across
+    prefill chunks (the chunk's last position scores the next chunk's first token), beside a request without them,
+    plain and speculative."""
+    model, _ = tiny_models("tiny-c")
+    rng = np.random.default_rng(12)
+    prompt = list(map(int, rng.integers(0, model.cfg.ple_eos_token_id, size=37)))
+    eng = Engine(model, max_slots=2, capacity=96, prefill_chunk=16, speculative=spec)
+    eng.submit(prompt, SamplingParams(max_tokens=3, prompt_logprobs=2), request_id="a")
+    eng.submit(prompt[:9], SamplingParams(max_tokens=3), request_id="b")
+    first = {}
+    while eng.has_work():
+        for o in eng.step():
+            first.setdefault(o.request_id, o)
+    plp = first["a"].prompt_logprobs
+    assert first["b"].prompt_logprobs is None and len(plp) == len(prompt) and plp[0] is None
+    lp = np.asarray(jax.nn.log_softmax(np.asarray(fnx.forward(model, np.asarray([prompt])), np.float32)[0], axis=-1))
+    np.testing.assert_allclose([e["logprob"] for e in plp[1:]], [lp[j, prompt[j + 1]] for j in range(36)],
+                               rtol=0, atol=1e-5)
+    for j in (1, 16, 17, 36):
+        ids = [i for i, _ in plp[j]["top"]]
+        assert len(ids) == 2 and ids == list(np.argsort(-lp[j - 1], kind="stable")[:2])

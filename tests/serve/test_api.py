@@ -141,13 +141,15 @@ def _compiles_after_warmup(base: str) -> float:
 
 
 def test_warmup_covers_greedy_and_sampled_requests(server, client):
-    """Greedy and sampled requests, with and without top logprobs, run only programs the start-up warm-up compiled
-    (an all-greedy batch runs its own argmax-only decode program)."""
+    """Greedy and sampled requests, with and without top logprobs, and echo's prompt logprobs run only programs the
+    start-up warm-up compiled (an all-greedy batch runs its own argmax-only decode program)."""
     before = _compiles_after_warmup(server.base)
     for temperature in (0, 0.8):
         for logprobs in (None, 3):
             client.completions.create(model=MODEL, prompt="warm programs", max_tokens=4, temperature=temperature,
                                       seed=1, logprobs=logprobs)
+    for n_words in (2, 30):                                        # echo's prompt logprobs, two prefill buckets
+        client.completions.create(model=MODEL, prompt="warm " * n_words, max_tokens=1, logprobs=1, echo=True)
     assert _compiles_after_warmup(server.base) == before
 
 
@@ -208,3 +210,33 @@ def test_chat_n_choices(client):
                 roles.add(c.index)
             got[c.index] = got.get(c.index, "") + (c.delta.content or "")
     assert roles == {0, 1, 2} and [got[j] for j in range(3)] == [c.message.content for c in r.choices]
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, serve_checkpoint, tok):
+    """`echo` with `logprobs` (what lm-eval's loglikelihood requests send: echo, logprobs 1, max_tokens 1): the
+    text starts with the prompt, `token_logprobs` holds None for the first prompt token and then each prompt
+    token's log-probability given the ones before it (equal to the forward pass's log-softmax), then the generated
+    tokens'; streamed the same; several prompts each echo their own."""
+    import jax
+    model = fnx.load(serve_checkpoint, dtype=np.float32)
+    prompt = "The capital of France is Paris, and"
+    ids = tok.encode(prompt, add_special_tokens=True)
+    lp = np.asarray(jax.nn.log_softmax(np.asarray(fnx.forward(model, np.asarray([ids])))[0], axis=-1))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+    got = c.logprobs.token_logprobs
+    assert len(got) == len(ids) + 1 and got[0] is None and c.logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(got[1:len(ids)], [lp[j, ids[j + 1]] for j in range(len(ids) - 1)], rtol=0, atol=2e-5)
+    assert c.logprobs.tokens[:len(ids)] == [tok.token_text(t) for t in ids]
+    for j in range(1, len(ids)):                                  # top-1: the most likely token at each position
+        (best, v), = c.logprobs.top_logprobs[j].items()
+        assert v == pytest.approx(float(lp[j - 1].max()), abs=2e-5)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == c.text
+    assert [x for ch in streamed if ch.choices and ch.choices[0].logprobs
+            for x in ch.choices[0].logprobs.token_logprobs] == got
+    plain = client.completions.create(model=MODEL, prompt=[prompt, ids[1:]], max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    assert plain.choices[1].text.startswith(tok.decode(ids[1:], skip_special_tokens=False))
