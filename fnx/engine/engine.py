@@ -893,16 +893,31 @@ def _jit_mtp_prefill(params, mp, mstate, slot, hidden, next_tokens, n_valid, cfg
     return jax.tree.map(lambda a, s: jax.lax.dynamic_update_slice_in_dim(a, s, slot, axis=0), mstate, sub)
 
 
+PROMPT_LP_ROWS = 512   # positions whose [rows, vocab] logprobs exist at once (the released vocabulary: 0.5 GB)
+
+
 @partial(jax.jit, static_argnames=("cfg", "n_top"))
 def _jit_prompt_logprobs(params, hidden, targets, cfg, n_top):
     """A prefill chunk's prompt logprobs from its multi-stream hidden rows [1, L, S*D] (what the step returns): the
     final mixer and the lm_head over every position (the step itself keeps only the last row's logits), then each
-    position's log-probability of `targets` [1, L] (the next prompt token) and the n_top most likely."""
-    x = hyper.gated_residual(params["hyper_connection_mixer"], hidden, cfg.hc_count, cfg.rms_norm_eps, inject=False)
-    lp = jax.nn.log_softmax(linear(x, params["lm_head"]).astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0]
-    vals, ids = lax.top_k(lp, max(n_top, 1))
-    return chosen, vals[..., :n_top], ids[..., :n_top]
+    position's log-probability of `targets` [1, L] (the next prompt token) and the n_top most likely; in blocks of
+    PROMPT_LP_ROWS positions, so a long chunk never holds all its logits."""
+    length = hidden.shape[1]
+    rows = min(length, PROMPT_LP_ROWS)
+    blocks = -(-length // rows)
+    pad = blocks * rows - length
+    h = jnp.pad(hidden[0], ((0, pad), (0, 0))).reshape(blocks, 1, rows, hidden.shape[-1])
+    t = jnp.pad(targets[0], (0, pad)).reshape(blocks, 1, rows)
+
+    def block(args):
+        hb, tb = args
+        x = hyper.gated_residual(params["hyper_connection_mixer"], hb, cfg.hc_count, cfg.rms_norm_eps, inject=False)
+        lp = jax.nn.log_softmax(linear(x, params["lm_head"]).astype(jnp.float32), axis=-1)
+        vals, ids = lax.top_k(lp, max(n_top, 1))
+        return jnp.take_along_axis(lp, tb[..., None], axis=-1)[..., 0], vals[..., :n_top], ids[..., :n_top]
+    chosen, vals, ids = lax.map(block, (h, t))
+    flat = lambda a: a.reshape(1, blocks * rows, *a.shape[3:])[:, :length]  # noqa: E731
+    return flat(chosen), flat(vals), flat(ids)
 
 
 @jax.jit
