@@ -20,16 +20,18 @@ from fnx.engine.sampling import SamplingArrays, apply_penalties
 def penalized_window(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, counts: jax.Array,
                      drafts: jax.Array) -> jax.Array:
     """logits [B, k+1, V] -> fp32 with each position's penalties. seen [B, V] bool / counts [B, V] int32: the
-    prompt and the tokens emitted so far (counts: emitted only); position j follows those and drafts[:, :j]."""
-    bsz, width = logits.shape[:2]
-    rows = jnp.arange(bsz)
-    out = []
-    for j in range(width):
-        out.append(apply_penalties(logits[:, j].astype(jnp.float32), sp, seen, counts))
-        if j + 1 < width:
-            seen = seen.at[rows, drafts[:, j]].set(True)
-            counts = counts.at[rows, drafts[:, j]].add(1)
-    return jnp.stack(out, axis=1)
+    prompt and the tokens emitted so far (counts: emitted only); position j follows those and drafts[:, :j]. One
+    elementwise pass over the window (each position's draft counts as a running sum of one-hot rows), not k + 1
+    updates of [B, V] arrays one after another."""
+    vocab = logits.shape[-1]
+    onehot = (drafts[:, :, None] == jnp.arange(vocab, dtype=drafts.dtype)).astype(counts.dtype)      # [B, k, V]
+    before = jnp.concatenate([jnp.zeros_like(onehot[:, :1]), jnp.cumsum(onehot, axis=1)], axis=1)  # [B, k+1, V]
+    flat = lambda a: a.reshape(-1, vocab)                                                         # noqa: E731
+    width = logits.shape[1]
+    rows = jax.tree.map(lambda a: jnp.repeat(a, width, axis=0), sp)          # each row's parameters per position
+    out = apply_penalties(flat(logits.astype(jnp.float32)), rows, flat(seen[:, None] | (before > 0)),
+                          flat(counts[:, None] + before))
+    return out.reshape(logits.shape)
 
 
 def commit_window(seen: jax.Array, counts: jax.Array, toks: jax.Array, n_acc: jax.Array, active: jax.Array):
