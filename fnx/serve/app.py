@@ -411,6 +411,27 @@ def _chat_logprobs(st: ServerState, ids: list[int], lps: list[dict], top_n: int)
     return out
 
 
+def _render_chat(st: ServerState, body: dict, messages: list[dict], tools, add_generation_prompt: bool) -> str:
+    """The conversation through the chat template (`chat_template_kwargs`, `reasoning_effort`); a template that
+    refuses or fails is the request's error."""
+    kwargs = dict(get(body, "chat_template_kwargs", (dict,), {}))
+    effort = get(body, "reasoning_effort", (str,), None)
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    for reserved in ("messages", "tools", "add_generation_prompt"):
+        kwargs.pop(reserved, None)
+    try:
+        return st.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                **kwargs)
+    except TemplateError as e:
+        raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+    except TokenizerError as e:
+        raise APIError(400, str(e), param="messages") from None
+    except Exception as e:  # a template that fails on unexpected input: still the request's fault
+        raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                       param="messages") from None
+
+
 async def chat_completions(request: Request):
     st: ServerState = request.app.state.fnx
     try:
@@ -430,21 +451,7 @@ async def chat_completions(request: Request):
         if rf and rf.get("type") not in (None, "text"):
             raise APIError(400, f"`response_format` {rf.get('type')!r} is not supported (no constrained decoding)",
                            param="response_format")
-        kwargs = dict(get(body, "chat_template_kwargs", (dict,), {}))
-        effort = get(body, "reasoning_effort", (str,), None)
-        if effort is not None:
-            kwargs.setdefault("reasoning_effort", effort)
-        for reserved in ("messages", "tools", "add_generation_prompt"):
-            kwargs.pop(reserved, None)
-        try:
-            text = st.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
-        except TemplateError as e:
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-        except TokenizerError as e:
-            raise APIError(400, str(e), param="messages") from None
-        except Exception as e:  # a template that fails on unexpected input: still the request's fault
-            raise APIError(400, f"the chat template could not render these messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+        text = _render_chat(st, body, messages, tools, add_generation_prompt=True)
         prompt = st.tokenizer.encode(text, add_special_tokens=False)
         if not prompt:
             raise APIError(400, "the rendered chat prompt is empty", param="messages")
@@ -513,6 +520,47 @@ async def chat_completions(request: Request):
                          "choices": choices, "usage": _usage(streams, s.n)})
 
 
+# ---- /tokenize, /detokenize (the server's own tokenizer, as vLLM's endpoints of these names) ----------------------
+
+async def tokenize(request: Request):
+    """{"prompt": text[, "add_special_tokens": true]} or {"messages": [...][, "add_generation_prompt": true,
+    "tools", "chat_template_kwargs"]} -> {"count", "max_model_len", "tokens"}: the ids a completion or a chat
+    request with these fields would run."""
+    st: ServerState = request.app.state.fnx
+    try:
+        body = parse_body(await request.body())
+        _check_model(st, body)
+        if "messages" in body:
+            text = _render_chat(st, body, _messages(body), get(body, "tools", (list,), None),
+                                get(body, "add_generation_prompt", (bool,), True))
+            ids = st.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            p = get(body, "prompt", (str,), None)
+            if p is None:
+                raise APIError(400, "give `prompt` (a string) or `messages`", param="prompt")
+            ids = st.tokenizer.encode(p, add_special_tokens=get(body, "add_special_tokens", (bool,), True))
+    except APIError as e:
+        return _err(e)
+    return JSONResponse({"count": len(ids), "max_model_len": st.capacity, "tokens": ids})
+
+
+async def detokenize(request: Request):
+    """{"tokens": [ids]} -> {"prompt": text} (special tokens kept)."""
+    st: ServerState = request.app.state.fnx
+    try:
+        body = parse_body(await request.body())
+        _check_model(st, body)
+        ids = get(body, "tokens", (list,), None)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "`tokens` must be an array of token ids", param="tokens")
+        bad = [t for t in ids if not 0 <= t < st.vocab]
+        if bad:
+            raise APIError(400, f"`tokens` must lie in [0, {st.vocab}), got {bad[0]}", param="tokens")
+    except APIError as e:
+        return _err(e)
+    return JSONResponse({"prompt": st.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
 # ---- the rest --------------------------------------------------------------------------------------------------
 
 async def models(request: Request):
@@ -567,6 +615,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
     ], exception_handlers={404: _not_found, 405: _not_found, 500: _internal}, lifespan=lifespan)
     app.state.fnx = state
     return app

@@ -29,8 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m fnx.serve",
         description="Serve a Qwen3.8-Flash-Next (qwen4_exp) checkpoint over an OpenAI-compatible HTTP API: "
-                    "/v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /health, "
-                    "/metrics (Prometheus) and a chat page at /.",
+                    "/v1/completions, /v1/chat/completions (both with SSE streaming), /v1/models, /tokenize, "
+                    "/detokenize, /health, /metrics (Prometheus) and a chat page at /.",
         formatter_class=_Help)
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="HF checkpoint directory: config.json, *.safetensors, tokenizer.json (+ tokenizer_config.json "

@@ -240,3 +240,24 @@ def test_echo_with_logprobs_scores_the_prompt(client, serve_checkpoint, tok):
     plain = client.completions.create(model=MODEL, prompt=[prompt, ids[1:]], max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
     assert plain.choices[1].text.startswith(tok.decode(ids[1:], skip_special_tokens=False))
+
+
+def test_tokenize_and_detokenize(server, client, tok):
+    """POST /tokenize gives the ids a completion (`prompt`) or a chat request (`messages`) runs: the same counts as
+    their usage; /detokenize turns ids back into text; bad input gets a 400 naming the field."""
+    base = server.base
+    prompt = "Tokenize this, please: Café 中文"
+    r = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": prompt}).json()
+    assert r["tokens"] == tok.encode(prompt, add_special_tokens=True) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == CAPACITY
+    used = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    assert used == r["count"]
+    chat = httpx.post(f"{base}/tokenize", json={"model": MODEL, "messages": CHAT}).json()
+    assert chat["count"] == client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage.prompt_tokens
+    back = httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json()["prompt"]
+    assert back.endswith(prompt)
+    for path, body, param in [("/tokenize", {"prompt": 3}, "prompt"), ("/tokenize", {}, "prompt"),
+                              ("/detokenize", {"tokens": [1, -2]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/tokenize", {"model": "other", "prompt": "x"}, "model")]:
+        bad = httpx.post(f"{base}{path}", json=body)
+        assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, (path, body)
