@@ -22,8 +22,8 @@ from jax import lax
 import numpy as np
 
 from fnx.engine.spec import accept, accept_greedy, commit_window, penalized_window
-from fnx.engine.sampling import (SamplingArrays, SamplingParams, filtered_logprobs, greedy_tokens, row_keys, sample,
-                                 top_logprobs)
+from fnx.engine.sampling import (SamplingArrays, SamplingParams, apply_logit_bias, filtered_logprobs, greedy_tokens,
+                                 row_keys, sample, top_logprobs)
 from fnx.model.api import Model, ple_input, ple_split
 from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
 from fnx.model import hyper
@@ -275,6 +275,8 @@ class Engine:
             raise ValueError(f"a prompt must be a non-empty list of token ids, got {prompt.dtype} {prompt.shape}")
         if prompt.min() < 0 or prompt.max() >= self.cfg.vocab_size:
             raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+        if params.logit_bias and max(t for t, _ in params.logit_bias) >= self.cfg.vocab_size:
+            raise ValueError(f"logit_bias token ids must lie in [0, {self.cfg.vocab_size})")
         need = prompt.size + params.max_tokens + self.reserve
         if need > self.capacity:
             raise ValueError(f"prompt ({prompt.size} tokens) + max_tokens ({params.max_tokens}) needs {need} "
@@ -1098,6 +1100,8 @@ def _jit_verify(params, state, verify, active, ple, q_lp, sp, keys, cfg, moe_imp
     logits, full, hidden, aux = _step_any(params, state, verify, ple, front, ple_cb, cfg=cfg, moe_impl=moe_impl,
                                           n_valid=n_valid, snapshots=True)
     target = logits if pen is None else penalized_window(logits, sp, *pen, verify[:, 1:])
+    if sp.bias_ids.shape[-1]:                      # a row with a logit_bias: every position's logits get it
+        target = jax.vmap(lambda lg: apply_logit_bias(lg.astype(jnp.float32), sp), in_axes=1, out_axes=1)(target)
     if greedy:
         toks, n_acc = accept_greedy(target, verify[:, 1:])
     else:

@@ -29,6 +29,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0                   # top-n logprobs to return with each token (0: only the chosen one)
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob (the first: None) and top n
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to its logit
 
     def __post_init__(self):
         def bad(field_name, value, why):
@@ -58,6 +59,15 @@ class SamplingParams:
             bad("logprobs", self.logprobs, "must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad("prompt_logprobs", self.prompt_logprobs, "must be None or in [0, 20]")
+        if not isinstance(self.logit_bias, tuple) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", self.logit_bias, f"must be a tuple of at most {MAX_LOGIT_BIAS} (token id, bias) pairs")
+        for pair in self.logit_bias:
+            ok = isinstance(pair, tuple) and len(pair) == 2
+            if not ok or not isinstance(pair[0], (int, np.integer)) or pair[0] < 0 or isinstance(pair[0], bool):
+                bad("logit_bias", pair, "must hold (token id >= 0, bias) pairs")
+            if not (isinstance(pair[1], (int, float, np.floating, np.integer)) and np.isfinite(pair[1])
+                    and -100 <= pair[1] <= 100):
+                bad("logit_bias", pair, "must hold biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -68,10 +78,16 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+# a request's logit_bias entries at most (OpenAI's limit); a batch with any has [B, MAX_LOGIT_BIAS] bias arrays, a
+# batch without any [B, 0] ones, so its programs carry no bias op at all
+MAX_LOGIT_BIAS = 300
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingArrays:
-    """SamplingParams of B rows as arrays [B]."""
+    """SamplingParams of B rows as arrays [B] (the logit bias as [B, 0 or MAX_LOGIT_BIAS] ids and values, padded
+    with (0, 0.0))."""
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
@@ -79,13 +95,30 @@ class SamplingArrays:
     repetition_penalty: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
+    bias_ids: jax.Array
+    bias_vals: jax.Array
 
     @classmethod
     def stack(cls, params: list[SamplingParams]) -> "SamplingArrays":
         col = lambda name, dt: jnp.asarray(np.array([getattr(p, name) for p in params], dt))  # noqa: E731
+        width = MAX_LOGIT_BIAS if any(p.logit_bias for p in params) else 0
+        ids, vals = np.zeros((len(params), width), np.int32), np.zeros((len(params), width), np.float32)
+        for r, p in enumerate(params):
+            for j, (t, b) in enumerate(p.logit_bias):
+                ids[r, j], vals[r, j] = t, b
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
                    col("min_p", np.float32), col("repetition_penalty", np.float32),
-                   col("presence_penalty", np.float32), col("frequency_penalty", np.float32))
+                   col("presence_penalty", np.float32), col("frequency_penalty", np.float32),
+                   jnp.asarray(ids), jnp.asarray(vals))
+
+
+def apply_logit_bias(logits: jax.Array, sp: SamplingArrays) -> jax.Array:
+    """logits [B, V] f32 with each row's logit_bias added (the padding adds 0.0 to token 0). A batch without any
+    bias (arrays [B, 0]) gets the logits as they are: no op in its program."""
+    if sp.bias_ids.shape[-1] == 0:
+        return logits
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, sp.bias_ids].add(sp.bias_vals)
 
 
 def apply_penalties(logits: jax.Array, sp: SamplingArrays, seen: jax.Array, out_counts: jax.Array) -> jax.Array:
@@ -132,7 +165,7 @@ def sample(logits: jax.Array, sp: SamplingArrays, keys: jax.Array, seen=None, ou
     logits = logits.astype(F32)
     if seen is not None:
         logits = apply_penalties(logits, sp, seen, out_counts)
-    lp = filtered_logprobs(logits, sp)
+    lp = filtered_logprobs(apply_logit_bias(logits, sp), sp)
     tok = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, lp).astype(jnp.int32)
     return tok, lp
 
@@ -144,7 +177,7 @@ def greedy_tokens(logits: jax.Array, sp: SamplingArrays, seen=None, out_counts=N
     logits = logits.astype(F32)
     if seen is not None:
         logits = apply_penalties(logits, sp, seen, out_counts)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.argmax(apply_logit_bias(logits, sp), axis=-1).astype(jnp.int32)
 
 
 def top_logprobs(logits: jax.Array, chosen: jax.Array, n: int):

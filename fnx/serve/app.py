@@ -77,7 +77,7 @@ def _engine_params(st: ServerState, s: Sampling, prompt_len: int, top_n: int | N
         return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                               repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                               frequency_penalty=s.frequency_penalty, seed=s.seed, max_tokens=max_tokens,
-                              stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
+                              stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, logit_bias=s.logit_bias,
                               logprobs=0 if top_n is None or top_n == 0 else LOGPROBS_BUCKET)
     except ValueError as e:
         raise APIError(400, str(e), param=str(e).split(" ")[0]) from None

@@ -7,6 +7,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from fnx.engine.sampling import MAX_LOGIT_BIAS
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
@@ -99,6 +101,7 @@ class Sampling:
     stream: bool = False
     include_usage: bool = False
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 # choices one request may ask for (`n` times the prompts of a completion): each is a request of its own in the
@@ -110,8 +113,21 @@ def sampling_fields(body: dict, defaults: dict, vocab: int) -> Sampling:
     n = integer(body, "n", 1, lo=1, hi=MAX_CHOICES)
     if get(body, "best_of", (int,), 1) != 1:
         raise APIError(400, "`best_of` other than 1 is not supported", param="best_of")
-    if get(body, "logit_bias", (dict,), {}):
-        raise APIError(400, "`logit_bias` is not supported by this server", param="logit_bias")
+    bias = []
+    for key, value in get(body, "logit_bias", (dict,), {}).items():
+        try:
+            tid = int(key)
+        except ValueError:
+            tid = -1
+        if not 0 <= tid < vocab or str(tid) != key.strip():
+            raise APIError(400, f"`logit_bias` keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(400, f"`logit_bias` values must be numbers in [-100, 100], got {json.dumps(value)[:40]} "
+                                f"for {key}", param="logit_bias")
+        bias.append((tid, float(value)))
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"`logit_bias` takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                       param="logit_bias")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -152,4 +168,5 @@ def sampling_fields(body: dict, defaults: dict, vocab: int) -> Sampling:
         stream=stream,
         include_usage=bool(get(stream_options, "include_usage", (bool,), False)),
         n=n,
+        logit_bias=tuple(bias),
     )

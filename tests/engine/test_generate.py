@@ -463,3 +463,29 @@ def test_prompt_logprobs_equal_the_forward_pass(tiny_models, spec):
     for j in (1, 16, 17, 36):
         ids = [i for i, _ in plp[j]["top"]]
         assert len(ids) == 2 and ids == list(np.argsort(-lp[j - 1], kind="stable")[:2])
+
+
+@pytest.mark.parametrize("spec", [None, 2])
+def test_logit_bias(tiny_models, spec):
+    """`SamplingParams.logit_bias`: +100 on a token makes greedy decoding emit it every step, -100 on what greedy
+    picks moves it elsewhere; a row without a bias in the same batch emits what it emits alone (plain and
+    speculative: the verify window's positions get the bias too); the jitted generator applies it as well."""
+    model, _ = tiny_models("tiny-c")
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(0, model.cfg.ple_eos_token_id, size=n))) for n in (9, 14)]
+    free = fnx.generate(model, prompts, max_new_tokens=6, sampling=SamplingParams(ignore_eos=True))
+    eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=16, speculative=spec)
+    reqs = [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((17, 100.0),))),
+            (prompts[1], SamplingParams(max_tokens=6, ignore_eos=True))]
+    got = _run_engine(eng, reqs)
+    assert got["r0"][0] == [17] * 6 and got["r1"][0] == free[1]
+    banned = tuple((t, -100.0) for t in set(free[0]))
+    moved = _run_engine(eng, [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=banned))])
+    assert not set(moved["r0"][0]) & set(free[0])
+    gen = jax.jit(fnx.engine.generate_fn(model, 4, SamplingParams(ignore_eos=True, logit_bias=((17, 100.0),))))
+    toks, _ = gen(jnp.asarray(prompts[0]), 0)
+    assert list(np.asarray(toks)[:4]) == [17] * 4
+    with pytest.raises(ValueError, match="logit_bias token ids"):
+        eng.submit([1, 2], SamplingParams(logit_bias=((model.cfg.vocab_size, 1.0),)))
+    with pytest.raises(ValueError, match="biases in"):
+        SamplingParams(logit_bias=((3, 101.0),))

@@ -261,3 +261,16 @@ def test_tokenize_and_detokenize(server, client, tok):
                               ("/tokenize", {"model": "other", "prompt": "x"}, "model")]:
         bad = httpx.post(f"{base}{path}", json=body)
         assert bad.status_code in (400, 404) and bad.json()["error"]["param"] == param, (path, body)
+
+
+def test_logit_bias(client, tok):
+    """`logit_bias` (token id strings -> [-100, 100]): +100 on one token makes a greedy completion that token
+    throughout, in both endpoints, streamed too."""
+    tid = tok.encode(" the")[0]
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, logit_bias={str(tid): 100}, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt="Bias this", logprobs=0, **kw)
+    assert r.choices[0].logprobs.tokens == [tok.token_text(tid)] * 5
+    chat = client.chat.completions.create(messages=CHAT, logprobs=True, **kw)
+    assert [c.token for c in chat.choices[0].logprobs.content] == [tok.token_text(tid)] * 5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt="Bias this", stream=True, **kw))
+    assert streamed == r.choices[0].text
