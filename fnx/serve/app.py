@@ -63,6 +63,13 @@ def _check_model(st: ServerState, body: dict):
                             f"(see GET /v1/models)", param="model", code="model_not_found")
 
 
+async def _body(st: ServerState, request: Request) -> dict:
+    """The request's JSON body, checked, for this server's model."""
+    body = parse_body(await request.body())
+    _check_model(st, body)
+    return body
+
+
 def _engine_params(st: ServerState, s: Sampling, prompt_len: int, top_n: int | None) -> SamplingParams:
     max_tokens = s.max_tokens
     room = st.capacity - prompt_len - st.reserve
@@ -296,8 +303,7 @@ def _completion_logprobs(st: ServerState, ids: list[int], lps: list[dict | None]
 async def completions(request: Request):
     st: ServerState = request.app.state.fnx
     try:
-        body = parse_body(await request.body())
-        _check_model(st, body)
+        body = await _body(st, request)
         echo = get(body, "echo", (bool,), False)
         if get(body, "suffix", (str,), None):
             raise APIError(400, "`suffix` is not supported by this server", param="suffix")
@@ -435,8 +441,7 @@ def _render_chat(st: ServerState, body: dict, messages: list[dict], tools, add_g
 async def chat_completions(request: Request):
     st: ServerState = request.app.state.fnx
     try:
-        body = parse_body(await request.body())
-        _check_model(st, body)
+        body = await _body(st, request)
         s = sampling_fields(body, st.defaults, st.vocab)
         top_n = _top_n(body, chat=True)
         messages = _messages(body)
@@ -528,8 +533,7 @@ async def tokenize(request: Request):
     request with these fields would run."""
     st: ServerState = request.app.state.fnx
     try:
-        body = parse_body(await request.body())
-        _check_model(st, body)
+        body = await _body(st, request)
         if "messages" in body:
             text = _render_chat(st, body, _messages(body), get(body, "tools", (list,), None),
                                 get(body, "add_generation_prompt", (bool,), True))
@@ -548,8 +552,7 @@ async def detokenize(request: Request):
     """{"tokens": [ids]} -> {"prompt": text} (special tokens kept)."""
     st: ServerState = request.app.state.fnx
     try:
-        body = parse_body(await request.body())
-        _check_model(st, body)
+        body = await _body(st, request)
         ids = get(body, "tokens", (list,), None)
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise APIError(400, "`tokens` must be an array of token ids", param="tokens")
