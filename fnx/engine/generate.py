@@ -157,7 +157,8 @@ def generate_jit(model: Model, prompt_ids, max_new_tokens: int, sampling: Sampli
     fn = generate_fn(model, max_new_tokens, sampling, prefill_chunk)
     seeds = jnp.asarray(seed, jnp.uint32) + jnp.arange(prompt.shape[0], dtype=jnp.uint32)
     return _jit_core(fn.params, jnp.asarray(prompt), seeds, SamplingArrays.stack([fn.sp] * prompt.shape[0]),
-                     jnp.asarray(fn.stops), fn.tables, cfg=fn.cfg, max_new=fn.max_new, chunk=fn.chunk)
+                     jnp.asarray(fn.stops), fn.tables, cfg=fn.cfg, max_new=fn.max_new, chunk=fn.chunk,
+                     penalties=fn.sp.uses_penalties)
 
 
 class _GenerateFn:
@@ -184,7 +185,7 @@ class _GenerateFn:
     def batched(self, prompt, seeds):
         return _generate_core(self.params, prompt, seeds, SamplingArrays.stack([self.sp] * prompt.shape[0]),
                               jnp.asarray(self.stops), self.tables, cfg=self.cfg, max_new=self.max_new,
-                              chunk=self.chunk)
+                              chunk=self.chunk, penalties=self.sp.uses_penalties)
 
 
 def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | None = None,
@@ -195,11 +196,7 @@ def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | No
         gen = fnx.engine.generate_fn(model, 16, fnx.SamplingParams(temperature=1.0))
         toks, lengths = jax.jit(jax.vmap(gen))(prompts, jnp.arange(len(prompts)))   # prompts [N, P]
     """
-    sampling = sampling or SamplingParams()
-    if sampling.uses_penalties:
-        raise ValueError("the jitted generator does not apply repetition/presence/frequency penalties; "
-                         "use generate()")
-    return _GenerateFn(model, max_new_tokens, sampling, prefill_chunk)
+    return _GenerateFn(model, max_new_tokens, sampling or SamplingParams(), prefill_chunk)
 
 
 def _prefill(params, state, prompt, tables, cfg, chunk):
@@ -219,31 +216,42 @@ def _prefill(params, state, prompt, tables, cfg, chunk):
     return run(state, prompt[:, n_scan * (chunk or 0):])
 
 
-def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new, chunk=PREFILL_CHUNK):
+def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new, chunk=PREFILL_CHUNK, penalties=False):
+    """penalties: keep each row's seen tokens (prompt and output) and output counts and penalize with them, as the
+    engine does (static: a program without them carries neither)."""
     bsz, plen = prompt.shape
+    rows = jnp.arange(bsz)
     state = init_state(cfg, bsz, plen + max_new, params["embed_tokens"].dtype)
     logits, state = _prefill(params, state, prompt, tables, cfg, chunk)
-    tok, _ = sample(logits[:, -1], sp, row_keys(seeds, jnp.zeros((bsz,), jnp.uint32)))
+    vocab = logits.shape[-1]
+    hist = None
+    if penalties:
+        hist = (jnp.zeros((bsz, vocab), bool).at[rows[:, None], prompt].set(True), jnp.zeros((bsz, vocab), jnp.int32))
+    tok, _ = sample(logits[:, -1], sp, row_keys(seeds, jnp.zeros((bsz,), jnp.uint32)), *(hist or ()))
+    if penalties:
+        hist = (hist[0].at[rows, tok].set(True), hist[1].at[rows, tok].add(1))
     out = jnp.full((bsz, max_new), -1, jnp.int32).at[:, 0].set(tok)
     done = jnp.isin(tok, stops)
 
     def cond(c):
-        i, _, _, _, done = c
+        i, _, _, _, done, _ = c
         return (i < max_new) & ~jnp.all(done)
 
     def body(c):
-        i, state, tok, out, done = c
+        i, state, tok, out, done, hist = c
         ids = ngram_ids_device(state["ngram_ctx"], tok[:, None], tables) if tables is not None else None
         logits, state, _, _ = step(params, state, tok[:, None], ids, cfg=cfg,
                                    n_valid=jnp.where(done, 0, 1).astype(jnp.int32))
-        nxt, _ = sample(logits[:, 0], sp, row_keys(seeds, jnp.full((bsz,), i, jnp.uint32)))
+        nxt, _ = sample(logits[:, 0], sp, row_keys(seeds, jnp.full((bsz,), i, jnp.uint32)), *(hist or ()))
+        if hist is not None:
+            hist = (hist[0].at[rows, nxt].max(~done), hist[1].at[rows, nxt].add((~done).astype(jnp.int32)))
         nxt = jnp.where(done, -1, nxt)
         out = out.at[:, i].set(nxt)
         done = done | jnp.isin(nxt, stops)
-        return i + 1, state, jnp.maximum(nxt, 0), out, done
+        return i + 1, state, jnp.maximum(nxt, 0), out, done, hist
 
-    _, _, _, out, _ = jax.lax.while_loop(cond, body, (jnp.asarray(1), state, tok, out, done))
+    _, _, _, out, _, _ = jax.lax.while_loop(cond, body, (jnp.asarray(1), state, tok, out, done, hist))
     return out, jnp.sum(out >= 0, axis=1)
 
 
-_jit_core = jax.jit(_generate_core, static_argnames=("cfg", "max_new", "chunk"))
+_jit_core = jax.jit(_generate_core, static_argnames=("cfg", "max_new", "chunk", "penalties"))

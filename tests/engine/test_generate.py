@@ -94,6 +94,12 @@ def test_generate_jit_equals_engine(tiny_models):
     assert np.asarray(chunked).tolist() == np.asarray(toks).tolist()
     with pytest.raises(ValueError, match="prefill_chunk must be"):
         fnx.generate_jit(model, prompts, 9, prefill_chunk=0)
+    # penalties: the seen tokens (prompt and output) and the output counts carried through the loop, as the engine
+    # keeps them (greedy, so the tokens must be the engine's), and they change the text
+    pen = SamplingParams(ignore_eos=True, repetition_penalty=1.8, presence_penalty=0.7, frequency_penalty=0.5)
+    toks_pen, _ = fnx.generate_jit(model, prompts, 9, pen)
+    assert np.asarray(toks_pen).tolist() == fnx.generate(model, prompts, max_new_tokens=9, sampling=pen)
+    assert np.asarray(toks_pen).tolist() != np.asarray(toks).tolist()
 
 
 def test_stream_and_stops(tiny_models):
