@@ -610,8 +610,16 @@ class Engine:
         steady batch would otherwise pay seven host-to-device copies per step)."""
         key = tuple(params)
         if self._sp_cache is None or self._sp_cache[0] != key:
-            self._sp_cache = (key, SamplingArrays.stack(params))
+            sp = SamplingArrays.stack(params)
+            # the MTP drafter's copy without the logit bias (it drafts from its own distribution; a bias would
+            # only make another compiled draft program)
+            draft = sp if sp.bias_ids.shape[-1] == 0 else SamplingArrays.stack(params, bias=False)
+            self._sp_cache = (key, sp, draft)
         return self._sp_cache[1]
+
+    def _draft_sampling_arrays(self) -> SamplingArrays:
+        """The drafter's sampling arrays of the batch `_sampling_arrays` last built."""
+        return self._sp_cache[2]
 
     def _row_inputs(self, reqs: list[Request], queued=frozenset()):
         """A decode step's per-row inputs as one [5, slots] uint32 array (one host-to-device copy, handed to the
@@ -729,7 +737,8 @@ class Engine:
         hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
             *prev_out, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
-            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, sp, keys, self.cfg, self.moe_impl,
+            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, self._draft_sampling_arrays(), keys,
+            self.cfg, self.moe_impl,
             k, self.draft_head, self.hot, greedy=greedy)
         nlp = _n_logprobs(reqs)
         # a row with penalties: the verify program penalizes each window position and updates seen / counts (rows

@@ -480,11 +480,15 @@ def test_logit_bias(tiny_models, spec):
     rng = np.random.default_rng(3)
     prompts = [list(map(int, rng.integers(0, model.cfg.ple_eos_token_id, size=n))) for n in (9, 14)]
     free = fnx.generate(model, prompts, max_new_tokens=6, sampling=SamplingParams(ignore_eos=True))
+    from fnx.engine import engine as eng_mod
     eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=16, speculative=spec)
+    _run_engine(eng, [(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))])     # no bias yet
+    drafts = eng_mod._jit_draft._cache_size()
     reqs = [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((17, 100.0),))),
             (prompts[1], SamplingParams(max_tokens=6, ignore_eos=True))]
     got = _run_engine(eng, reqs)
     assert got["r0"][0] == [17] * 6 and got["r1"][0] == free[1]
+    assert eng_mod._jit_draft._cache_size() == drafts          # the drafter's arrays carry no bias: no new program
     banned = tuple((t, -100.0) for t in set(free[0]))
     moved = _run_engine(eng, [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=banned))])
     assert not set(moved["r0"][0]) & set(free[0])
