@@ -617,8 +617,10 @@ class Engine:
             self._sp_cache = (key, sp, draft)
         return self._sp_cache[1]
 
-    def _draft_sampling_arrays(self) -> SamplingArrays:
-        """The drafter's sampling arrays of the batch `_sampling_arrays` last built."""
+    def _draft_sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
+        """The MTP drafter's sampling arrays of the batch `params` (built with, and cached beside, the verify
+        program's by `_sampling_arrays`)."""
+        self._sampling_arrays(params)
         return self._sp_cache[2]
 
     def _row_inputs(self, reqs: list[Request], queued=frozenset()):
@@ -737,9 +739,8 @@ class Engine:
         hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
             *prev_out, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
-            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, self._draft_sampling_arrays(), keys,
-            self.cfg, self.moe_impl,
-            k, self.draft_head, self.hot, greedy=greedy)
+            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, self._draft_sampling_arrays(params),
+            keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
         nlp = _n_logprobs(reqs)
         # a row with penalties: the verify program penalizes each window position and updates seen / counts (rows
         # without them never read theirs, so a round without any leaves them as they are: one program fewer)
