@@ -66,6 +66,11 @@ VERIFIED_ON_GPU = {
                        "(all 4, 'loop'), both layouts ('grid' and 'loop', 8 cases) at commit 0400fd0",
     "gdn_prefill": "H200, 2026-12-02, commit 0400fd0: tests/pallas/test_gdn.py -k chunk (the chunk-scan kernel "
                    "against the reference, and the chunked prefill through it against token-by-token decoding)",
+    # the one-launch boundaries (hc/one.py) run only where FNX_KERNELS names them (hc.api.one_launch_backend)
+    "hc_boundary_one": "H200, 2026-12-05, commit afb092f: tests/pallas/test_hc_one.py -k one_launch (the one launch "
+                       "against the two kernels, bit for bit; the model's decode step and verify window through it)",
+    "hc_boundary_few_one": "H200, 2026-12-05, commit afb092f: tests/pallas/test_hc_one.py -k one_launch (2-8 tokens "
+                           "against the reference)",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
@@ -124,6 +129,9 @@ AUTO_KEEPS_REFERENCE = {
     # 31 us per boundary, commits 2b161d1 / 0400fd0)
     # gdn_prefill is on: with "tf32x3" products the chunk pass took 0.42 / 3.07 ms for 1K / 8K tokens against 0.69 /
     # 5.01 ms for XLA's scan (H200, commit 89aa848; the "ieee" products of the first kernel took 6.73 / 53.1 ms)
+    "hc_boundary_one": "measured slower: 12.2 us per one-token boundary in one launch against 8.6 for the two "
+                       "kernels; the 4-layer step at 8K 571.2 us of kernel time in 76 kernels against 537.1 in 84 "
+                       "(H200, commit afb092f, BENCHMARKS.md thirty-ninth session). Only FNX_KERNELS names it",
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",

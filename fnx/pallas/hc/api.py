@@ -53,7 +53,8 @@ def one_launch_op(tokens: int) -> str | None:
 def one_launch_backend(tokens: int = 1) -> str | None:
     """The backend of the one-launch boundary over `tokens` tokens where FNX_KERNELS names its op by name
     ("hc_boundary_one=pallas", "hc_boundary_few_one=pallas"; checked that it can run here), else None: `auto`, one
-    backend for every op and `dispatch.force` keep the other designs (not yet measured on a GPU)."""
+    backend for every op and `dispatch.force` keep the other designs (one token: measured slower on the H200,
+    dispatch.AUTO_KEEPS_REFERENCE; a few: not yet measured)."""
     op = one_launch_op(tokens)
     if op is None or dispatch.active_mesh() is not None:     # (params on a mesh: the boundaries' other designs)
         return None
