@@ -191,21 +191,28 @@ class EngineThread(threading.Thread):
         spec = bool(getattr(eng, "spec", None))
         # the plan's requests are greedy; a batch with a sampled row runs other programs (the decode step without
         # its argmax-only shortcut; the speculative draft without the fused argmax), and so does a speculative
-        # round with penalties (each window position penalized): warm those too
-        variants = [(0.7, 1.0)] + ([(0.0, 1.1), (0.7, 1.1)] if spec else [])
+        # round with penalties (each window position penalized), and a batch with a logit_bias row (the bias
+        # arrays are [slots, MAX_LOGIT_BIAS] then, [slots, 0] without: the sampling after prefill, the decode step
+        # and the verify program each compile a biased variant; the drafter never takes the bias): warm those too,
+        # so that no request's options make every running stream wait for a compile
+        variants = [(0.7, 1.0, False)] + ([(0.0, 1.1, False), (0.7, 1.1, False)] if spec else [])
+        variants += [(t, p, True) for t, p, _ in [(0.0, 1.0, False)] + variants]
+        bias = ((min(5, vocab - 1), 1.0),)
         for lp in (0, LOGPROBS_BUCKET) if self.warmup else []:
-            for temperature, penalty in variants:
+            for temperature, penalty, biased in variants:
                 t = time.perf_counter()
                 room = eng.capacity - eng.reserve                # prompt + generated (warmup_plan: >= 2)
                 prompt = [1, 2, 3][:min(3, room - 1)]
                 eng.submit(prompt, SamplingParams(max_tokens=min(3, room - len(prompt)), temperature=temperature,
-                                                  seed=0, logprobs=lp, repetition_penalty=penalty, ignore_eos=True),
-                           request_id=f"warmup-{temperature}-{penalty}-{lp}")
+                                                  seed=0, logprobs=lp, repetition_penalty=penalty, ignore_eos=True,
+                                                  logit_bias=bias if biased else ()),
+                           request_id=f"warmup-{temperature}-{penalty}-{lp}{'-bias' if biased else ''}")
                 while eng.has_work():
                     eng.step()
                 self.warmup_log.append(
                     f"{'sampled' if temperature else 'greedy'} {'speculative round' if spec else 'decode'}"
-                    f"{' with penalties' if penalty != 1 else ''}, logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
+                    f"{' with penalties' if penalty != 1 else ''}{' with a logit bias' if biased else ''}, "
+                    f"logprobs {lp:>2}: {time.perf_counter() - t:.2f} s")
         self.warmup_seconds = time.perf_counter() - t0
         for k in ("drafted", "accepted", "rounds", "decode_steps", "prefill_tokens", "row_rounds"):
             if k in eng.stats:

@@ -141,8 +141,8 @@ def _compiles_after_warmup(base: str) -> float:
 
 
 def test_warmup_covers_greedy_and_sampled_requests(server, client):
-    """Greedy and sampled requests, with and without top logprobs, and echo's prompt logprobs run only programs the
-    start-up warm-up compiled (an all-greedy batch runs its own argmax-only decode program)."""
+    """Greedy and sampled requests, with and without top logprobs, echo's prompt logprobs and a logit_bias run only
+    programs the start-up warm-up compiled (an all-greedy batch runs its own argmax-only decode program)."""
     before = _compiles_after_warmup(server.base)
     for temperature in (0, 0.8):
         for logprobs in (None, 3):
@@ -150,6 +150,11 @@ def test_warmup_covers_greedy_and_sampled_requests(server, client):
                                       seed=1, logprobs=logprobs)
     for n_words in (2, 30):                                        # echo's prompt logprobs, two prefill buckets
         client.completions.create(model=MODEL, prompt="warm " * n_words, max_tokens=1, logprobs=1, echo=True)
+    for temperature in (0, 0.8):                                   # a logit_bias: the biased programs
+        for logprobs in (None, 2):
+            r = client.completions.create(model=MODEL, prompt="warm biased programs", max_tokens=3, seed=1,
+                                          temperature=temperature, logprobs=logprobs, logit_bias={"11": 3.0})
+            assert r.usage.completion_tokens >= 1
     assert _compiles_after_warmup(server.base) == before
 
 

@@ -31,7 +31,7 @@ def _compiles_after_warmup(base: str) -> float:
 
 def test_speculative_server_equals_the_plain_one_and_compiles_nothing_new(spec, server):
     """Greedy text equal to the plain server's over many rounds (streamed and not), with penalties too; sampled,
-    logprob and penalized requests and two at once run only programs the warm-up compiled; the acceptance metric
+    logprob, penalized and logit-biased requests and two at once run only programs the warm-up compiled; the acceptance metric
     moves."""
     before = _compiles_after_warmup(spec.base)
     kw = dict(model=MODEL, prompt="Speculate over several rounds, please", max_tokens=16, temperature=0,
@@ -42,9 +42,12 @@ def test_speculative_server_equals_the_plain_one_and_compiles_nothing_new(spec, 
     streamed = "".join(c.choices[0].text for c in _client(spec.base).completions.create(stream=True, **kw))
     assert streamed == plain.choices[0].text
     c = _client(spec.base)
-    for temperature, logprobs, pen in ((0.8, None, 0), (0.8, 3, 0), (0, 2, 0), (0, None, 0.5), (0.8, 2, 0.5)):
+    for temperature, logprobs, pen, bias in ((0.8, None, 0, None), (0.8, 3, 0, None), (0, 2, 0, None),
+                                             (0, None, 0.5, None), (0.8, 2, 0.5, None), (0, None, 0, {"11": 2.0}),
+                                             (0.8, 2, 0.5, {"11": 2.0})):
         r = c.completions.create(model=MODEL, prompt="sampled rounds", max_tokens=10, temperature=temperature,
-                                 seed=4, logprobs=logprobs, frequency_penalty=pen, extra_body={"ignore_eos": True})
+                                 seed=4, logprobs=logprobs, frequency_penalty=pen, logit_bias=bias,
+                                 extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 10
         if logprobs:
             assert len(r.choices[0].logprobs.top_logprobs) == 10
