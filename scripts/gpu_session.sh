@@ -203,7 +203,9 @@ case "$part" in
   roundsweep)   # ROUND_VARIANTS ('LABEL: FNX_ENV=VALUE ...;LABEL2: ...', the first the baseline, e.g. 'base: ;
                 # pair: FNX_KERNELS=gemv_pair_many=pallas'): roundtable's 4-layer step, draft and verify programs at
                 # ROUND_CTX compiled and profiled once per variant in one process (the model is built once), the
-                # kernels and kernel time per program call, and each variant's kernel diff against the first
+                # kernels and kernel time per program call, each program's wall time per call over 20 calls launched
+                # back to back (launch gaps and host time in; `pick_winners.py --by chained`), and each variant's
+                # kernel diff against the first
                 timeout ${SWEEP_S:-540} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse \
       --context ${ROUND_CTX:-8192} --kernel-table --reps 2 --calls 3 --chains 1 --label roundsweep --out "$OUT/probe" \
       ${ROUND_ARGS:---fp8-head --draft-vocab 32768 --draft-fp8} --only-variants \

@@ -1,7 +1,8 @@
 """Which settings of a `--round-variants` sweep (`scripts/probe_launch.py`, `gpu_session.sh roundsweep`) won, and
 the winners' settings merged into one environment for the next run (the 48-layer `full` part).
 
-Each variant is compared with its own sweep's first variant (the baseline) by kernel time per program call: the
+Each variant is compared with its own sweep's first variant (the baseline) by kernel time per program call (or, with
+`--by chained`, by the wall time per call of back-to-back calls, which `probe_launch.py --variant-chain` records): the
 MTP round (draft + verify) and the decode step. A variant wins when it cuts either by at least --min-gain-us and
 makes neither worse by more than --tolerance-us. Winners' settings are merged item by item: FNX_KERNELS by op, the
 tile knobs (`FNX_*_TILES`) by field, other variables whole; where two winners set one item differently, the one with
@@ -35,13 +36,23 @@ def load(paths: list[str]) -> list[dict]:
     return recs
 
 
-def busy(rec: dict, program: str) -> float | None:
+METRICS = {"kernel": "busy_us_per_call", "chained": "chained_us_per_call"}
+
+
+def busy(rec: dict, program: str, by: str = "kernel") -> float | None:
+    """A program's time per call in `rec`: kernel time ("kernel"), or the wall time per call of back-to-back calls
+    ("chained", launch gaps and host time included; `probe_launch.py --variant-chain`)."""
     p = rec["programs"].get(program)
-    return None if p is None else p["busy_us_per_call"]
+    if p is None:
+        return None
+    if METRICS[by] not in p:
+        raise SystemExit(f"variant {rec['variant']!r}: its {program} record has no {METRICS[by]} (a sweep run "
+                         "without --variant-chain has kernel times only: --by kernel)")
+    return p[METRICS[by]]
 
 
-def gains(recs: list[dict]) -> list[dict]:
-    """Per non-baseline variant: its gains in us against its sweep's baseline (positive: less kernel time)."""
+def gains(recs: list[dict], by: str = "kernel") -> list[dict]:
+    """Per non-baseline variant: its gains in us against its sweep's baseline (positive: less time, by `by`)."""
     by_sweep: dict[str, list[dict]] = {}
     for r in recs:
         by_sweep.setdefault(r.get("sweep", "?"), []).append(r)
@@ -56,7 +67,7 @@ def gains(recs: list[dict]) -> list[dict]:
                 continue
             g = {"sweep": sweep, "variant": r["variant"], "settings": r["settings"]}
             for prog in ("decode", "draft", "verify"):
-                a, b = busy(base, prog), busy(r, prog)
+                a, b = busy(base, prog, by), busy(r, prog, by)
                 g[prog] = None if a is None or b is None else round(a - b, 2)
             g["round"] = None if g["draft"] is None or g["verify"] is None else round(g["draft"] + g["verify"], 2)
             out.append(g)
@@ -97,11 +108,14 @@ def main() -> None:
     ap.add_argument("--min-gain-us", type=float, default=3.0, help="kernel time a winner saves at least (us per call)")
     ap.add_argument("--tolerance-us", type=float, default=2.0, help="how much worse the other program may get")
     ap.add_argument("--export", action="store_true", help="print only the merged settings as shell export lines")
+    ap.add_argument("--by", choices=tuple(METRICS), default="kernel",
+                    help="kernel: kernel time per call (the profiler's); chained: wall time per call of calls launched "
+                         "back to back (launches and host time included: what a launch-removing variant saves)")
     args = ap.parse_args()
     recs = load(args.files)
     if not recs:
         raise SystemExit(f"no 'round variant' records in {args.files}")
-    gs = gains(recs)
+    gs = gains(recs, args.by)
     winners = [g for g in gs if wins(g, args.min_gain_us, args.tolerance_us)]
     merged = merge(winners)
     if args.export:
@@ -109,7 +123,8 @@ def main() -> None:
             print(f"export {name}={shlex.quote(value)}")
         return
     fmt = lambda v: "-" if v is None else f"{v:+.1f}"  # noqa: E731
-    print(f"{'variant':16s} {'step':>8s} {'draft':>8s} {'verify':>8s} {'round':>8s}  won  settings  (us saved per call)")
+    print(f"{'variant':16s} {'step':>8s} {'draft':>8s} {'verify':>8s} {'round':>8s}  won  settings  (us saved per call, "
+          f"{args.by} time)")
     for g in gs:
         mark = "yes" if g in winners else ""
         sets = " ".join(f"{k}={v}" for k, v in g["settings"].items())

@@ -65,22 +65,40 @@ def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def variant_summary(rows: list[dict]) -> list[str]:
-    """The variants' kernels and kernel time per program call, and each against the first variant."""
+    """The variants' kernels and kernel time per program call, and each against the first variant; with chained
+    timings (--variant-chain) also the step's and the round's wall time per call of back-to-back calls."""
     programs = [p for p in ("decode", "draft", "verify") if any(p in r["programs"] for r in rows)]
     head = f"{'variant':18s}" + "".join(f"{p + ' kernels / us':>24s}" for p in programs)
-    if "draft" in programs and "verify" in programs:
+    both = "draft" in programs and "verify" in programs
+    chained = all("chained_us_per_call" in v for r in rows for v in r["programs"].values())
+    if both:
         head += f"{'round us':>12s}{'vs first':>10s}"
+    if chained:   # wall time per call of back-to-back calls (--variant-chain): launch gaps and host time included
+        head += f"{'step chained':>14s}{'vs first':>10s}" + (f"{'round chained':>15s}{'vs first':>10s}" if both else "")
     lines = [head]
-    first = None
+    first, first_c = None, {}
     for r in rows:
         line = f"{r['variant'][:18]:18s}"
         for p in programs:
             v = r["programs"].get(p)
             line += f"{v['kernels_per_call']:>12.0f} / {v['busy_us_per_call']:9.1f}" if v else f"{'-':>24s}"
-        if "draft" in programs and "verify" in programs:
+        if both:
             rnd = r["programs"]["draft"]["busy_us_per_call"] + r["programs"]["verify"]["busy_us_per_call"]
             first = rnd if first is None else first
             line += f"{rnd:12.1f}{rnd - first:+10.1f}"
+        if chained:
+            got = {"step": r["programs"]["decode"]["chained_us_per_call"] if "decode" in r["programs"] else None}
+            if both:
+                got["round"] = (r["programs"]["draft"]["chained_us_per_call"]
+                                + r["programs"]["verify"]["chained_us_per_call"])
+            for name, width in (("step", 14), ("round", 15)):
+                if name not in got:
+                    continue
+                if got[name] is None:
+                    line += f"{'-':>{width}s}{'':10s}"
+                    continue
+                first_c.setdefault(name, got[name])
+                line += f"{got[name]:{width}.1f}{got[name] - first_c[name]:+10.1f}"
         lines.append(line)
     return lines
 
@@ -264,6 +282,9 @@ def main():
                          "its settings, their kernels and kernel time per call (with --kernel-table, tables under "
                          "--out/variants/LABEL and a diff of each against the first variant), and a summary, e.g. "
                          "'base: ; pair: FNX_KERNELS=gemv_pair_many=pallas'")
+    ap.add_argument("--variant-chain", type=int, default=20,
+                    help="with --round-variants: each program also timed over N calls launched back to back (the "
+                         "median of max(3, --chains) runs; launch gaps and host time included; 0: not timed)")
     ap.add_argument("--only-variants", action="store_true",
                     help="with --round-variants: skip the other parts (the first variant is the baseline)")
     args = ap.parse_args()
@@ -314,7 +335,8 @@ def main():
     ctx, heads = args.context, cfg.ngram_heads
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
     cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8
-                      + len(variants) * (2 * args.calls + 6)) * (args.k + 2)
+                      + len(variants) * (2 * args.calls + 6 + (max(3, args.chains) + 1) * args.variant_chain)
+                      ) * (args.k + 2)
     state = init_state(cfg, 1, cap, dtype)
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
     one = jnp.ones((1, 1), jnp.int32)
@@ -515,9 +537,11 @@ def main():
         sj = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
         cs = sj.lower(params, hold["s"], one, pid).compile()
 
-        def run_step():
+        def run_step(block=True):
             logits, hold["s"], _, _ = cs(params, hold["s"], one, pid)
-            jax.block_until_ready(logits)
+            if block:
+                jax.block_until_ready(logits)
+            return logits
         progs = {"decode": (run_step, cs.as_text())}
         if not args.no_round:
             progs.update(round_programs())
@@ -536,11 +560,13 @@ def main():
                     dhead, hot)
         cd = dj.lower(*dargs()).compile()
 
-        def run_draft():
+        def run_draft(block=True):
             m, drafts, q = cd(*dargs())
             mh["m"] = m
             parts["d"], parts["q"] = drafts, q
-            jax.block_until_ready(drafts)
+            if block:
+                jax.block_until_ready(drafts)
+            return drafts
         run_draft()
         def verify_program(params, s, v, ok, pk, q, sp, keys):
             return _jit_verify(params, s, v, ok, pk, q, sp, keys, cfg, "auto", 0, greedy=True)
@@ -551,11 +577,27 @@ def main():
                     parts["q"], sp, keys)
         cv = vj.lower(*vargs()).compile()
 
-        def run_verify():
+        def run_verify(block=True):
             out = cv(*vargs())
             hold["s"] = out[0]
-            jax.block_until_ready(out[1])
+            if block:
+                jax.block_until_ready(out[1])
+            return out[1]
         return {"draft": (run_draft, cd.as_text()), "verify": (run_verify, cv.as_text())}
+
+    def chained_timing(fn) -> dict:
+        """`--variant-chain` calls of a program launched back to back (one wait, after the last), `max(3, --chains)`
+        times: the median wall time per call, launch gaps and host time included (the kernel table's time leaves
+        them out, and a variant that removes launches is judged by this), and every run's."""
+        fn(block=True)                                           # warm (the executable is compiled already)
+        runs = []
+        for _ in range(max(3, args.chains)):
+            t = time.perf_counter()
+            for _ in range(args.variant_chain - 1):
+                fn(block=False)
+            fn(block=True)
+            runs.append((time.perf_counter() - t) / args.variant_chain * 1e6)
+        return {"chained_us_per_call": round(float(np.median(runs)), 2), "chained_us_all": [round(r, 2) for r in runs]}
 
     def run_variants():
         """--round-variants: each variant's programs compiled afresh under its settings (one compile each: the
@@ -587,10 +629,13 @@ def main():
                         "busy_us_per_call": round(led["busy_ms_per_call"] * 1e3, 2),
                         "families": {f: [v["kernels_per_call"], round(v["ms_per_call"] * 1e3, 2)]
                                      for f, v in led["families"].items()}}
+                    if args.variant_chain:
+                        rec["programs"][program].update(chained_timing(fn))
                 emit({"part": "round variant", **rec})
                 rows.append(rec)
                 print(f"variant done {label}: " + ", ".join(
                     f"{p} {v['kernels_per_call']:.0f} kernels {v['busy_us_per_call']:.1f} us"
+                    + (f" (chained {v['chained_us_per_call']:.1f} us)" if "chained_us_per_call" in v else "")
                     for p, v in rec["programs"].items()), flush=True)
             finally:
                 for name, value in saved.items():

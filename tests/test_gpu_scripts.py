@@ -218,7 +218,7 @@ def test_probe_launch_round_variants(tmp_path):
     too), profiled, a table per program and variant, and the summary against the first variant."""
     stdout = _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "1", "--calls", "1",
                    "--chains", "1", "--context", "100", "--draft-vocab", "64", "--kernel-table", "--out", str(tmp_path),
-                   "--only-variants", "--round-variants",
+                   "--variant-chain", "2", "--only-variants", "--round-variants",
                    "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     assert {r["part"] for r in recs} == {"round variant", "kernel table", "compiles"}  # --only-variants: no other
@@ -230,6 +230,9 @@ def test_probe_launch_round_variants(tmp_path):
     ops = [{p: v["hlo_launch_ops"] for p, v in r["programs"].items()} for r in var]
     assert set(ops[0]) == {"decode", "draft", "verify"}
     assert ops[1]["decode"] > ops[0]["decode"], ops        # the interpreted kernels are in the step's program
+    for r in var:     # each program also timed over back-to-back calls (3 runs of 2 calls: max(3, --chains))
+        for prog, v in r["programs"].items():
+            assert v["chained_us_per_call"] > 0 and len(v["chained_us_all"]) == 3, (r["variant"], prog, v)
     tables = [r for r in recs if r["part"] == "kernel table" and r.get("variant")]
     assert [(r["variant"], r["program"]) for r in tables] == [(v, p) for v in ("base", "m1")
                                                               for p in ("decode", "draft", "verify")]
@@ -238,6 +241,8 @@ def test_probe_launch_round_variants(tmp_path):
     assert [ln.split()[2] for ln in lines if ln.startswith("variant done ")] == ["base:", "m1:"]
     head = next(i for i, ln in enumerate(lines) if re.match(r"variant +decode kernels / us", ln))
     assert lines[head + 1].split()[0] == "base" and lines[head + 2].split()[0] == "m1"
+    assert "step chained" in lines[head] and "round chained" in lines[head]
+    assert len(lines[head + 2].split()) == 1 + 3 * 3 + 2 + 4   # label, 3 x "kernels / us", round, 2 x chained
     assert "== verify: m1 against base" in stdout
 
 
@@ -273,6 +278,24 @@ def test_pick_winners_compares_each_sweep_with_its_own_base_and_merges_the_winne
     # a stricter threshold keeps only the larger gains
     out = _run(["scripts/pick_winners.py", str(path), "--min-gain-us", "30"], tmp_path)
     assert {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln} == {"pair", "fold"}, out
+    # --by chained: the wall time per call of back-to-back calls decides (a variant that removes launches may add
+    # kernel time and still win); records without it are refused by name
+    bad = subprocess.run([sys.executable, "scripts/pick_winners.py", str(path), "--by", "chained"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no chained_us_per_call" in bad.stderr and "--by kernel" in bad.stderr, bad.stderr
+
+    def chained(label, busy_step, chained_step, settings):
+        r = rec("c", label, settings, busy_step, 300, 900)
+        for prog, v in r["programs"].items():
+            v["chained_us_per_call"] = chained_step if prog == "decode" else v["busy_us_per_call"] + 100
+        return r
+    path.write_text("\n".join(json.dumps(r) for r in (
+        chained("base", 537, 700, {}), chained("mf", 539, 680, {"FNX_MOE_FINISH": "1"}),
+        chained("one", 571, 720, {"FNX_KERNELS": "hc_boundary_one=pallas"}))) + "\n")
+    assert {ln.split()[0] for ln in _run(["scripts/pick_winners.py", str(path)], tmp_path).splitlines()
+            if "  yes  " in ln} == set()
+    out = _run(["scripts/pick_winners.py", str(path), "--by", "chained"], tmp_path)
+    assert {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln} == {"mf"} and "chained time" in out, out
 
 
 @pytest.mark.parametrize("spec,why", [("base", "must be 'LABEL: ENV=VALUE"), ("a: ; a: FNX_X=1", "given twice"),
