@@ -189,9 +189,10 @@ case "$part" in
                 # (op_name, fused opcodes): 4 layers, FP8 dense + NVFP4 experts, fused projections, at ROUND_CTX
                 # (8192: issue 8's round target); where the round's "other XLA" and cuBLAS time comes from (a library
                 # kernel carries its instruction in the table's hlo_op). ROUND_ARGS default: the served heads.
+                # ROUND_PREFILL=N: also one N-token prefill chunk's table (kernel_table_prefillN_*)
                 # ROUND_BASE=<committed prefix>: a per-program diff against those tables (scripts/kernel_table_diff.py)
     timeout ${ROUND_S:-200} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse --context ${ROUND_CTX:-8192} \
-      --kernel-table --reps 5 --calls 3 --chains 2 --label roundtable --out "$OUT/probe" \
+      --kernel-table --reps 5 --calls 3 --chains 2 --label roundtable --out "$OUT/probe" ${ROUND_PREFILL:+--prefill-table $ROUND_PREFILL} \
       ${ROUND_ARGS:---fp8-head --draft-vocab 32768 --draft-fp8} > "$OUT/roundtable.log" 2>&1
     grep -E '"part": "(kernel table|draft|verify|decode)"' "$OUT/roundtable.log" | cut -c1-260
     grep -E '^ +[0-9.]+ us' "$OUT/roundtable.log" | head -70

@@ -264,6 +264,9 @@ def main():
                          "instruction it comes from, its op_name and fused opcodes) to --out/kernel_table_*.jsonl; "
                          "without --no-round / --dispatch-only also the MTP round's draft and verify programs "
                          "(kernel_table_draft_* / kernel_table_verify_*)")
+    ap.add_argument("--prefill-table", type=int, default=0, metavar="N",
+                    help="also list every kernel of one N-token prefill chunk (the step at [1, N]) matched to its HLO "
+                         "(kernel_table_prefill<N>_*.jsonl; needs --kernel-table)")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile --calls decode steps and list the host-side events per call (launch, command "
                          "buffer update, thunks)")
@@ -291,6 +294,8 @@ def main():
     variants = parse_variants(args.round_variants) if args.round_variants else []
     if variants and args.dispatch_only:
         raise SystemExit("--round-variants profiles each program: drop --dispatch-only")
+    if args.prefill_table and not args.kernel_table:
+        raise SystemExit("--prefill-table lists a prefill chunk's kernels in a kernel table: add --kernel-table")
     if args.only_variants and not variants:
         raise SystemExit("--only-variants runs the --round-variants alone: give them")
     os.makedirs(args.out, exist_ok=True)
@@ -516,8 +521,25 @@ def main():
                   f"{row.get('op', '?'):22s} {row.get('op_name', '')[-70:]}", flush=True)
         return led
 
+    def prefill_table(n: int):
+        """Every kernel of one prefill chunk of `n` tokens (the step at [1, n], as the engine and bench_decode.py
+        prefill), matched to its HLO, to kernel_table_prefill<n>_<tag>.jsonl: where a prefill's "other XLA" time
+        comes from. Its own state, positions 0, n, 2n, ... (one chunk after another, no rewind)."""
+        box = {"s": init_state(cfg, 1, n * (args.calls + 2) + 64, dtype)}
+        toks = jnp.ones((1, n), jnp.int32)
+        ids = jnp.zeros((1, n, heads), jnp.int32) if cfg.ple_layer_ids else None
+        compiled = step_j.lower(params, box["s"], toks, ids).compile()
+
+        def pre():
+            logits, box["s"], _, _ = compiled(params, box["s"], toks, ids)
+            jax.block_until_ready(logits)
+        write_table(pre, compiled.as_text(), f"prefill{n}_{tag}", "prefill", top=40, extra={"tokens": n})
+        box.clear()
+
     if args.kernel_table and main_parts:
         write_table(dec, text, tag, "decode")
+    if args.prefill_table and main_parts:
+        prefill_table(args.prefill_table)
     if args.host_profile and main_parts:
         # host-side events of one profiled decode step (XLA runs command buffers while profiling only with
         # --xla_enable_command_buffers_during_profiling=true in XLA_FLAGS: set it to see graph launch / update)

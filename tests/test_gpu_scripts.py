@@ -188,19 +188,22 @@ def test_gemv_tuner_compiles_in_batches_and_keeps_a_cut_shape(tmp_path, monkeypa
 def test_probe_launch_writes_every_part(tmp_path):
     """scripts/probe_launch.py on a tiny unscanned model: the HLO, dispatch and decode records (on the CPU there are
     no device kernels, so the gap fields are zero; the parts and the trace file must exist). The draft and verify
-    parts use the engine's greedy programs, tested in tests/engine."""
+    parts use the engine's greedy programs, tested in tests/engine. --prefill-table: one 16-token chunk's table (the
+    step compiled a third time, at [1, 16])."""
     _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "2", "--calls", "1",
           "--chains", "2", "--kernel-variants", "reference", "--kernel-table", "--context", "100",
-          "--draft-vocab", "64", "--out", str(tmp_path)], tmp_path)
+          "--draft-vocab", "64", "--prefill-table", "16", "--out", str(tmp_path)], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     parts = [r["part"] for r in recs]
-    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "decode",
-                     "kernel table", "kernel table", "draft", "verify", "compiles"]
+    assert parts == ["decode hlo", "decode dispatch", "variant hlo", "decode dispatch", "kernel table", "kernel table",
+                     "decode", "kernel table", "kernel table", "draft", "verify", "compiles"]
     # each program compiled once: its kernel table's HLO and its calls share one executable (the step twice: the
     # FNX_KERNELS=reference variant is a program of its own)
     by = recs[-1]["by_function"]
-    assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (2, 1, 1), by
-    assert [r.get("program") for r in recs if r["part"] == "kernel table"] == ["decode", "draft", "verify"]
+    assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (3, 1, 1), by
+    assert [r.get("program") for r in recs if r["part"] == "kernel table"] == ["decode", "prefill", "draft", "verify"]
+    assert [r.get("tokens") for r in recs if r["part"] == "kernel table"] == [None, 16, None, None]   # --prefill-table
+    assert (tmp_path / "kernel_table_prefill16_default_4l_bf16_ctx100_draft64.jsonl").exists()
     for r in (r for r in recs if r["part"] == "kernel table"):
         assert r["kernels_per_call"] == 0 and (tmp_path / r["file"]).exists()   # no device lanes on a CPU
     assert all(r["context"] == 100 and r["draft_vocab"] == 64 for r in recs)   # the drafter's hot-token head
