@@ -259,13 +259,16 @@ def counter_pool(tokens: int):
     """The program's pool of counters (`fnx.pallas.grid_sync.CounterPool`, made once per program; in scope while its
     layers and head are traced) where a kernel counts its programs: split-K GEMVs that sum in place
     (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
-    (ops "hc_boundary_one" / "hc_boundary_few_one" named); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
+    (ops "hc_boundary_one" / "hc_boundary_few_one" named), the GDN step's in-place conv window
+    (`FNX_GDN_STEP_TILES=cinplace=1`); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
     most). Else None."""
     from fnx.pallas import dispatch, grid_sync
     from fnx.pallas.gemv import api as gemv_api
     from fnx.pallas.hc import api as hc_api
     from fnx.pallas.moe import api as moe_api
-    on = grid_sync.knob(gemv_api.FINISH_ENV) or grid_sync.knob(moe_api.FINISH_ENV) or hc_api.one_launch(tokens)
+    from fnx.pallas.gdn import pallas as gdn_kernel
+    on = (grid_sync.knob(gemv_api.FINISH_ENV) or grid_sync.knob(moe_api.FINISH_ENV) or hc_api.one_launch(tokens)
+          or gdn_kernel.conv_in_place())
     if not on or tokens > gemv_api.MAX_M:
         return None
     interpret = dispatch.why_unavailable("pallas") is not None

@@ -288,6 +288,41 @@ def test_step_early_loads_give_the_same_bits(dtype, bv, monkeypatch):
         kernel.default_step_tiles(1, 48, 128)
 
 
+@pytest.mark.parametrize("dtype,bv", [(jnp.float32, None), (jnp.bfloat16, 4), (jnp.float32, 2)])
+def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
+    """StepTiles.cinplace: the conv window written over conv_state (aliased), a key head's q / k rows by the last of
+    its HV/HK x dv/BV readers at a counter: the same bits as the default's o, conv window and state (and the
+    reference's window). Under a decode program's counter pool it takes its counters there (a region per call);
+    FNX_GDN_STEP_TILES=cinplace=1 sets it and makes the model's decode programs build that pool."""
+    from fnx.pallas import grid_sync
+    from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn.pallas import StepTiles
+    from fnx.model import transformer
+    kw = step_inputs(seed(), dtype=dtype)
+    dv = kw["norm_w"].shape[0]
+    base = StepTiles(block_v=bv or dv, num_warps=4)
+    want = _step(KERNEL, kw, "silu", tiles=base)
+    got = _step(KERNEL, kw, "silu", tiles=dataclasses.replace(base, cinplace=1))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(_step("reference", kw, "silu")[1],
+                                                                             np.float32))
+
+    def pooled(d):
+        pool = grid_sync.CounterPool(jnp.zeros((64,), jnp.int32))
+        with grid_sync.counter_pool(pool):
+            out = api.gdn_step(**d, impl=KERNEL, key_heads=2, eps=1e-6, act="silu",
+                               tiles=dataclasses.replace(base, cinplace=1))
+        assert pool.used == 3 * 2                               # B x key heads counters, taken at trace time
+        return out
+    for g, w in zip(jax.jit(pooled)(kw), want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    assert not kernel.conv_in_place() and transformer.counter_pool(1) is None
+    monkeypatch.setenv(kernel.STEP_TILES_ENV, "cinplace=1")
+    assert kernel.conv_in_place() and kernel.default_step_tiles(1, 48, 128).cinplace == 1
+    assert isinstance(transformer.counter_pool(1), grid_sync.CounterPool)
+
+
 @pytest.mark.parametrize("impl", ["reference", KERNEL])
 def test_step_reads_windows_of_wider_products(impl):
     """qkv, z, b and a as windows (buffer [B, 1, W], start) into products with other columns around them (the fused
@@ -483,9 +518,11 @@ def test_step_bad_inputs_are_clear_errors():
         api.gdn_step(**step_inputs(jax.random.key(0), dk=24), impl=KERNEL, key_heads=2, eps=1e-6, act="sigmoid")
 
 
-@pytest.mark.parametrize("bsz,bv,early", [(1, 128, 0), (1, 32, 0), (8, 128, 0), (1, 128, 1)])
-def test_step_lowers_for_cuda(bsz, bv, early):
-    """gdn_step's Triton lowering at the released GDN widths (16 key / 48 value heads of 128, conv of 4 taps)."""
+@pytest.mark.parametrize("bsz,bv,early,cinplace", [(1, 128, 0, 0), (1, 32, 0, 0), (8, 128, 0, 0), (1, 128, 1, 0),
+                                                  (1, 128, 0, 1), (8, 32, 0, 1)])
+def test_step_lowers_for_cuda(bsz, bv, early, cinplace):
+    """gdn_step's Triton lowering at the released GDN widths (16 key / 48 value heads of 128, conv of 4 taps); with
+    cinplace the conv window's output aliases its input and the counters' atomic is in the kernel."""
     from fnx.pallas.gdn import pallas as kernel
     from fnx.pallas.gdn.pallas import StepTiles
     hk, hv, d, taps = 16, 48, 128, 4
@@ -496,14 +533,17 @@ def test_step_lowers_for_cuda(bsz, bv, early):
             sds((bsz, taps - 1, c), bf), sds((c, taps), bf), sds((hv,), jnp.float32), sds((hv,), bf), sds((d,), bf),
             sds((bsz, hv, d, d), jnp.float32), sds((bsz,), jnp.int32))
     f = lambda *a: kernel.gdn_step(*a, key_heads=hk, eps=1e-6, act="sigmoid", inplace=True,  # noqa: E731
-                                   tiles=StepTiles(block_v=bv, early=early))
+                                   tiles=StepTiles(block_v=bv, early=early, cinplace=cinplace))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "gdn_step" in text
+    if cinplace:      # the conv window (argument 2) is also output 2; the counters' buffer comes from its own launch
+        assert "fnx_grid_sync_init" in text
 
 
 def test_model_decode_through_the_step_kernel(monkeypatch, tmp_path):
     """tiny-b (dk 16 != dv 8, 4 value heads on 2 key heads), fp32: prefill then 12 one-token calls with every GDN
-    decode token through the gdn_step kernel, against the reference ops (measured: 4.6e-7 relative)."""
+    decode token through the gdn_step kernel, against the reference ops (measured: 4.6e-7 relative); with the conv
+    window in place (FNX_GDN_STEP_TILES=cinplace=1, counters from the decode program's pool) the same logits."""
     import fnx
     from tests.conftest import load_script
     from tests.model.conftest import prefill_then_decode, rel_err
@@ -514,6 +554,10 @@ def test_model_decode_through_the_step_kernel(monkeypatch, tmp_path):
     monkeypatch.setenv("FNX_KERNELS", f"gdn_step={KERNEL}")
     jax.clear_caches()
     got = prefill_then_decode(model, ids, 8, 32)
+    monkeypatch.setenv("FNX_GDN_STEP_TILES", "cinplace=1")        # the conv window in place: the same values
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(prefill_then_decode(model, ids, 8, 32)), np.asarray(got))
+    monkeypatch.delenv("FNX_GDN_STEP_TILES")
     monkeypatch.delenv("FNX_KERNELS")
     jax.clear_caches()
     err = rel_err(got, want)

@@ -222,9 +222,27 @@ class StepTiles:
                             # weight after the recurrence: memory round trips in a row on each program's critical
                             # path (48 programs at B = 1). The same bits. Built 2026-12-05, not yet measured:
                             # FNX_GDN_STEP_TILES=early=1
+    cinplace: int = 0       # 1 = the conv window updated in place (its output aliases conv_state): each program
+                            # writes its own v channels' rows; a key head's q / k rows, which all of its HV/HK x
+                            # dv/BV programs read, are written by the last of them to arrive at a per-head counter
+                            # (acquire-release atomic after a CTA barrier, `fnx.pallas.grid_sync`; the program's
+                            # counters from the decode program's pool, else a fresh buffer). Default 0: the window
+                            # goes to a new buffer, which XLA then copies into the donated state (one memcpy kernel
+                            # per GDN layer and step, 36 of a 48-layer step's 51). The same bits. Built 2026-12-05,
+                            # not yet run on a GPU: FNX_GDN_STEP_TILES=cinplace=1
 
 
 STEP_TILES_ENV = "FNX_GDN_STEP_TILES"
+
+
+def conv_in_place() -> bool:
+    """Whether FNX_GDN_STEP_TILES asks for `StepTiles.cinplace` (read when a program is traced: the decode program
+    then makes its counter pool, `fnx.model.transformer.counter_pool`)."""
+    spec = os.environ.get(STEP_TILES_ENV)
+    if not spec:
+        return False
+    from fnx.pallas import dispatch
+    return bool(dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV).get("cinplace", 0))
 
 
 def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
@@ -248,8 +266,11 @@ def _env_tiles(t, env: str, dv: int):
 
 
 def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_ref, z_ref, nw_ref, s_ref,
-                 o_ref, sout_ref, cout_ref, *, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt, win, early=False):
+                 *rest, conv_dim, taps, hk, dk, dv, bv, rep, eps, act, dt, win, early=False, cin=None):
     # win: (row width, start column) of qkv, z, b, a in the buffers they are read from (fused products: in place)
+    # cin: StepTiles.cinplace's (first counter, readers per key head, interpret); its counters ref comes before the
+    # outputs, and cout_ref is conv_ref's buffer (aliased)
+    ctr_ref, (o_ref, sout_ref, cout_ref) = (rest[0], rest[1:]) if cin is not None else (None, rest)
     (wq, sq), (wz, sz), (wb, sb), (wa, sa) = win
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
@@ -297,12 +318,27 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
     q, qch, qnew = conv(kh * dk, dk, lq)
     k, kch, knew = conv(hk * dk + kh * dk, dk, lk)
     v, vch, vnew = conv(2 * hk * dk + h * dv + j * bv, bv, lv)
-    store_window(vch, vnew)
+    if cin is None:
+        store_window(vch, vnew)
 
-    @pl.when((h % rep == 0) & (j == 0))
-    def _():
-        store_window(qch, qnew)
-        store_window(kch, knew)
+        @pl.when((h % rep == 0) & (j == 0))
+        def _():
+            store_window(qch, qnew)
+            store_window(kch, knew)
+    else:
+        # in place: every thread's window loads done before any row of the window is overwritten (the v rows are
+        # this program's alone); the key head's q / k rows by the last of its readers to arrive, after the others
+        # have loaded theirs (they arrived after their loads; the acquire-release add orders the stores after)
+        base, readers, interpret = cin
+        if not interpret:
+            pltriton.debug_barrier()
+        store_window(vch, vnew)
+        old = pltriton.atomic_add(ctr_ref, (jnp.int32(base) + bi * hk + kh,), jnp.int32(1))
+
+        @pl.when(old % readers == readers - 1)
+        def _():
+            store_window(qch, qnew)
+            store_window(kch, knew)
 
     # (the operands from `pre`, or each read where it is used: the conditionals keep the default's order of reads)
     beta = rnd(jax.nn.sigmoid((pre[0] if early else b_ref[bi * wb + sb + h]).astype(F32)), dt)
@@ -327,8 +363,9 @@ def _step_kernel(nv_ref, qkv_ref, conv_ref, cw_ref, b_ref, a_ref, alog_ref, dtb_
 def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_valid, *, key_heads: int, eps: float,
              act: str, tiles: StepTiles | None = None, inplace: bool = False, interpret: bool = False):
     """See `fnx.pallas.gdn.api.gdn_step` (shapes are checked there). qkv, z, b and a: arrays or windows
-    (buffer [B, 1, W], start column), see `kernel_math.window_operand`. inplace: the new recurrent state is written over `rec`
-    (input_output_aliases; donate it, or XLA copies it first)."""
+    (buffer [B, 1, W], start column), see `kernel_math.window_operand`. inplace: the new recurrent state is written
+    over `rec` (input_output_aliases; donate it, or XLA copies it first). `StepTiles.cinplace`: the conv window too
+    (over `conv_state`), its counters from the program's `grid_sync.CounterPool` where one is in scope."""
     bsz = rec.shape[0]
     conv_dim, taps = conv_w.shape
     hv, dv = a_log.shape[0], norm_w.shape[0]
@@ -353,11 +390,28 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
                                rep=hv // key_heads, eps=float(eps), act=act, dt=dt,
                                win=tuple((buf.shape[2], start) for buf, start in ops), early=bool(t.early))
     (qb, _), (zb, zs), (bb, _), (ab, _) = ops
+    args = (n_valid.astype(jnp.int32), flat(qb), flat(conv_state), stacked.flatten(conv_w), flat(bb), flat(ab),
+            a_log, dt_bias, flat(zb), norm_w, rec)
+    aliases = {10: 1} if inplace else {}
+    if t.cinplace:
+        # the conv window in place (StepTiles.cinplace): one counter per (sequence, key head) for the q / k rows'
+        # last reader, from the decode program's pool (a region per call site, kept a multiple of the readers by
+        # each launch), else a fresh zeroed buffer of its own
+        from fnx.pallas import grid_sync
+        pool, n_ctr = grid_sync.current_pool(), bsz * key_heads
+        if pool is not None:
+            ctrs, base = pool.buf, pool.take(n_ctr)
+        elif n_ctr <= grid_sync.ZERO_BLOCK:
+            ctrs, base = grid_sync.counter(interpret, grid_sync.ZERO_BLOCK), 0
+        else:
+            raise ValueError(f"gdn_step with cinplace: {n_ctr} counters (B x key heads) outside a decode program's "
+                             f"counter pool, at most {grid_sync.ZERO_BLOCK}")
+        kernel = functools.partial(kernel, cin=(base, (hv // key_heads) * (dv // bv), interpret))
+        args, in_specs = args + (ctrs,), in_specs + [whole]
+        aliases[2] = 2
     o, rec, conv = stacked.call(
-        kernel, (n_valid.astype(jnp.int32), flat(qb), flat(conv_state), stacked.flatten(conv_w), flat(bb), flat(ab),
-                 a_log, dt_bias, flat(zb), norm_w, rec),
-        grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={10: 1} if inplace else {}, interpret=interpret, name="gdn_step", **params,
+        kernel, args, grid=(bsz, hv, dv // bv), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases, interpret=interpret, name="gdn_step", **params,
     )   # conv_w, a_log, dt_bias and norm_w may be layers of stacks (fnx.pallas.stacked): read in place
     if bv != dv:                                            # the norm over whole heads, after the kernel
         o = rms_norm_gated(o, take_window(zb[:, 0], zs, hv * dv).reshape(bsz, hv, dv), stacked.materialize(norm_w),
