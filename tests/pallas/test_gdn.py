@@ -267,6 +267,19 @@ def test_step_equals_the_model_ops(dtype, act, bv):
     assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
 
 
+def _step_field_same_bits(dtype, bv, **fields):
+    """The step kernel with StepTiles `fields` set against the default tiles (BV columns, or whole heads) on one
+    draw: the same bits in o, the conv window and the state. Returns (inputs, default tiles, default's, variant's)."""
+    from fnx.pallas.gdn.pallas import StepTiles
+    kw = step_inputs(seed(), dtype=dtype)
+    base = StepTiles(block_v=bv or kw["norm_w"].shape[0], num_warps=4)
+    want = _step(KERNEL, kw, "silu", tiles=base)
+    got = _step(KERNEL, kw, "silu", tiles=dataclasses.replace(base, **fields))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    return kw, base, want, got
+
+
 @pytest.mark.parametrize("dtype,bv", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, 4)])
 def test_step_early_loads_give_the_same_bits(dtype, bv, monkeypatch):
     """StepTiles.early (every operand loaded before the arithmetic) is the same arithmetic: the same bits as the
@@ -274,13 +287,7 @@ def test_step_early_loads_give_the_same_bits(dtype, bv, monkeypatch):
     error)."""
     from fnx.pallas.gdn import pallas as kernel
     from fnx.pallas.gdn.pallas import StepTiles
-    kw = step_inputs(seed(), dtype=dtype)
-    dv = kw["norm_w"].shape[0]
-    base = StepTiles(block_v=bv or dv, num_warps=4)
-    want = _step(KERNEL, kw, "silu", tiles=base)
-    got = _step(KERNEL, kw, "silu", tiles=dataclasses.replace(base, early=1))
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    _step_field_same_bits(dtype, bv, early=1)
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "early=1")
     assert kernel.default_step_tiles(1, 48, 128) == StepTiles(block_v=128, num_warps=4, early=1)
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "erly=1")
@@ -296,15 +303,8 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
     FNX_GDN_STEP_TILES=cinplace=1 sets it and makes the model's decode programs build that pool."""
     from fnx.pallas import grid_sync
     from fnx.pallas.gdn import pallas as kernel
-    from fnx.pallas.gdn.pallas import StepTiles
     from fnx.model import transformer
-    kw = step_inputs(seed(), dtype=dtype)
-    dv = kw["norm_w"].shape[0]
-    base = StepTiles(block_v=bv or dv, num_warps=4)
-    want = _step(KERNEL, kw, "silu", tiles=base)
-    got = _step(KERNEL, kw, "silu", tiles=dataclasses.replace(base, cinplace=1))
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    kw, base, want, got = _step_field_same_bits(dtype, bv, cinplace=1)
     np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(_step("reference", kw, "silu")[1],
                                                                              np.float32))
 
