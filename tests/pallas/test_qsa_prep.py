@@ -108,16 +108,23 @@ def test_prep_kernel_matches_the_model(dt, length, pos, n_valid):
 @pytest.mark.parametrize("length,pos,n_valid", [(1, (70, 13), (1, 1)), (5, (61, 94), (3, 5)), (8, (0, 89), (8, 2))])
 def test_early_loads_give_the_same_bits(dt, length, pos, n_valid, monkeypatch):
     """`early` 1 (FNX_QSA_PREP_EARLY) only moves the loads before the stores: every output the same bits as
-    without it (one token, the verify window with a short row, eight tokens past the capacity); a bad knob value
-    raises."""
+    without it (one token, the verify window with a short row, eight tokens past the capacity); with the ring in
+    place too (FNX_QSA_PREP_RING_INPLACE: the new ring written over the old one's buffer), the same bits again; the
+    ring in place without the early loads is refused, and a bad knob value raises."""
     cfg = _cfg()
     p, wins, st, pos0, meta = _case(cfg, dt, 2, length, pos, n_valid, cap=96, seed=length + 20)
     outs = {}
-    for early in ("0", "1"):
+    for early, ring in (("0", "0"), ("1", "0"), ("1", "1")):
         monkeypatch.setenv(prep.EARLY_ENV, early)
-        outs[early] = jax.tree.leaves(_run_both(cfg, p, wins, st, pos0, meta)[1])
-    for a, b in zip(outs["0"], outs["1"], strict=True):
-        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+        monkeypatch.setenv(prep.RING_ENV, ring)
+        outs[early + ring] = jax.tree.leaves(_run_both(cfg, p, wins, st, pos0, meta)[1])
+    for got in ("10", "11"):
+        for a, b in zip(outs["00"], outs[got], strict=True):
+            np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+    monkeypatch.setenv(prep.EARLY_ENV, "0")
+    with pytest.raises(ValueError, match="needs the early loads"):
+        _run_both(cfg, p, wins, st, pos0, meta)
+    monkeypatch.setenv(prep.RING_ENV, "0")
     monkeypatch.setenv(prep.EARLY_ENV, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
         _run_both(cfg, p, wins, st, pos0, meta)
@@ -194,10 +201,11 @@ def test_prep_refuses_mismatched_inputs():
 
 
 @pytest.mark.parametrize("length", [1, 5])
-@pytest.mark.parametrize("early", [0, 1])
-def test_prep_lowers_for_cuda_released_shapes(length, early):
+@pytest.mark.parametrize("early,in_place", [(0, 0), (1, 0), (1, 1)])
+def test_prep_lowers_for_cuda_released_shapes(length, early, in_place):
     """Pallas -> Triton at the released shapes: 24 query heads and 2 KV heads of 256, 4 indexer heads of 128, RoPE
-    on 64 columns, a 262,144-token cache, the projections as windows of one fused product."""
+    on 64 columns, a 262,144-token cache, the projections as windows of one fused product; in_place 1: the ring
+    in place."""
     cfg = ModelConfig()
     h, hkv, hd, hi, di, cr = 24, 2, 256, 4, 128, 4
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.indexer_n_heads,
@@ -218,7 +226,7 @@ def test_prep_lowers_for_cuda_released_shapes(length, early):
         st = {"k": k, "v": v, "idx_blocks": blk, "idx_ring": ring}
         return prep.qsa_prep(*[(prod, int(s)) for s in starts], (ni, ni, nd, nd), cos, cos, bcos, bcos, pos, pos,
                              st, heads=h, kv_heads=hkv, head_dim=hd, idx_heads=hi, idx_dim=di, cr=cr, eps=1e-6,
-                             early=early)
+                             early=early, ring_inplace=in_place)
     s = sds
     text = jax.jit(f, donate_argnums=(4, 5, 6)).trace(
         s["prod"], s["cos"], s["bcos"], s["pos"], s["k"], s["k"], s["blk"], s["ring"], s["nd"], s["ni"]
@@ -254,7 +262,8 @@ def test_prep_reads_stacked_norms_in_place():
 def test_model_verify_and_rollback_through_the_prep_kernel(monkeypatch, tmp_path):
     """tiny-b in fp32: a prompt, then a five-token verify window (`snapshots=True`, one row with 4 valid tokens)
     and `rollback` to 2 and 5 kept tokens, with every QSA layer's prep through the kernel, against the model's jnp:
-    the logits and every state leaf agree within the norms' reordered sums (measured ~1e-7 of their scale)."""
+    the logits and every state leaf agree within the norms' reordered sums (measured ~1e-7 of their scale); with the
+    early loads and the ring in place, the kernel's own bits."""
     from tests.pallas.verify_round import tiny_verify_round
     run = tiny_verify_round(tmp_path, seed=2, rng_seed=1, prompt_len=9, n_valid=[5, 4], n_keep=[2, 5])
     calls = []
@@ -264,7 +273,13 @@ def test_model_verify_and_rollback_through_the_prep_kernel(monkeypatch, tmp_path
     assert not calls
     monkeypatch.setenv("FNX_KERNELS", f"qsa_prep={KERNEL}")
     got_lg, got_st = run()
-    monkeypatch.delenv("FNX_KERNELS")
+    monkeypatch.setenv(prep.EARLY_ENV, "1")                 # the early loads with the ring in place: the same bits
+    monkeypatch.setenv(prep.RING_ENV, "1")
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(run()), jax.tree.leaves((got_lg, got_st)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for env in ("FNX_KERNELS", prep.EARLY_ENV, prep.RING_ENV):
+        monkeypatch.delenv(env)
     jax.clear_caches()
     assert calls, "the verify window did not run the prep kernel"
     leaves = list(zip(jax.tree.leaves((got_lg, got_st)), jax.tree.leaves((want_lg, want_st)), strict=True))

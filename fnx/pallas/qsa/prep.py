@@ -28,6 +28,14 @@ from fnx.pallas.qsa.api import MAX_DECODE_TOKENS as MAX_TOKENS     # decode and 
 
 F32 = jnp.float32
 EARLY_ENV = "FNX_QSA_PREP_EARLY"
+RING_ENV = "FNX_QSA_PREP_RING_INPLACE"     # 1: the new ring over the old one's buffer (needs early 1), see qsa_prep
+
+
+def _flag(env: str) -> int:
+    flag = os.environ.get(env, "0").strip() or "0"
+    if flag not in ("0", "1"):
+        raise ValueError(f"{env}={flag!r}: 0 or 1")
+    return int(flag)
 
 
 def nbuf_rows(length: int, cr: int) -> int:
@@ -92,7 +100,7 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
             pos_ref, nv_ref, ring_ref, _k_in, _v_in, _blk_in,
             q_ref, qi_ref, buf_ref, ring_out, k_ref, v_ref, blk_ref, *,
             length, h, hkv, hd, hi, di, rot, cr, cap, nbt, nbuf, eps, dt,
-            qk_w, qk_s, qg_w, qg_s, kp_w, kp_s, vp_w, vp_s, early=0):
+            qk_w, qk_s, qg_w, qg_s, kp_w, kp_s, vp_w, vp_s, early=0, ring_sync=False):
     b, j = pl.program_id(0), pl.program_id(1)
     pos0 = pos_ref[b]
     norm_rope = functools.partial(_norm_rope, eps=eps, dt=dt, rot=rot)
@@ -182,6 +190,8 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
             buf_ref[(b * nbuf + r) * di + cols] = (bufv[r] if early else buf_row(jnp.int32(r))(cols)).astype(dt)
         if not early:
             ro = ((pos0 + nv_ref[b]) // cr - pos0 // cr) * cr
+        if ring_sync:     # the ring in place: every thread's loads of the old ring (all above, `early`) done first
+            plt.debug_barrier()
         for i in range(cr):
             ring_out[(b * cr + i) * di + cols] = (ringv[i] if early else buf_row(ro + i)(cols)).astype(dt)
         for m in range(nbb):                             # each touched block: mean of its cr rows, norm, RoPE
@@ -194,7 +204,7 @@ def _kernel(qk_ref, qg_ref, kp_ref, vp_ref, qln_ref, kln_ref, qn_ref, kn_ref, co
 
 def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, *, heads: int, kv_heads: int,
              head_dim: int, idx_heads: int, idx_dim: int, cr: int, eps: float, interpret: bool = False,
-             num_warps: int = 4, early: int | None = None):
+             num_warps: int = 4, early: int | None = None, ring_inplace: int | None = None):
     """The reference's contract (`fnx.model.qsa.prep`) in one launch.
 
     qk, qg, kp, vp: the projections' outputs as (buffer [B, L, W], start column) windows or arrays [B, L, n]:
@@ -208,7 +218,13 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     read when a program is traced, default 0). As first written, each token's and each row's loads come after the
     previous one's stores (a load is never moved above a store that may alias it), so the indexer's program, which
     writes the raw-key buffer row by row, the ring and each touched block, and the head programs over several tokens
-    chain one memory round trip per row. The same bits."""
+    chain one memory round trip per row. The same bits.
+
+    ring_inplace 1 (None: `FNX_QSA_PREP_RING_INPLACE`, default 0; needs early 1): the new ring is written over the
+    state's (input_output_aliases), so no copy kernel follows the launch (the default writes it to a new buffer, which
+    XLA copies into the donated state: one memcpy per QSA layer and step). Only the indexer program reads the ring,
+    and with `early` it reads all of it before its first store; a CTA barrier before the ring's stores makes every
+    thread's loads come first. The same bits."""
     from fnx.pallas import stacked
     from fnx.pallas.kernel_math import window_operand
     kc, vc, blocks, ring = state["k"], state["v"], state["idx_blocks"], state["idx_ring"]
@@ -249,17 +265,20 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=1)}
     if early is None:
-        flag = os.environ.get(EARLY_ENV, "0").strip() or "0"
-        if flag not in ("0", "1"):
-            raise ValueError(f"{EARLY_ENV}={flag!r}: 0 or 1")
-        early = int(flag)
+        early = _flag(EARLY_ENV)
+    if ring_inplace is None:
+        ring_inplace = _flag(RING_ENV)
+    if ring_inplace and not early:
+        raise ValueError(f"qsa_prep: the ring in place ({RING_ENV}=1) needs the early loads ({EARLY_ENV}=1): "
+                         "without them the indexer program reads ring rows after storing others")
     kern = functools.partial(
-        _kernel, early=int(early), length=length, h=h, hkv=hkv, hd=hd, hi=hi, di=di, rot=rot, cr=cr, cap=cap, nbt=nbt, nbuf=nbuf,
+        _kernel, early=int(early), ring_sync=bool(ring_inplace) and not interpret, length=length, h=h, hkv=hkv, hd=hd, hi=hi, di=di, rot=rot, cr=cr, cap=cap, nbt=nbt, nbuf=nbuf,
         eps=float(eps), dt=dt, qk_w=wins[0][1], qk_s=wins[0][2], qg_w=wins[1][1], qg_s=wins[1][2],
         kp_w=wins[2][1], kp_s=wins[2][2], vp_w=wins[3][1], vp_s=wins[3][2])
     q, qi, buf, ring_new, kc2, vc2, blk2 = stacked.call(
         kern, args, grid=(bsz, h + hkv + 1), in_specs=[whole] * n_in, out_specs=[whole] * len(out_shape),
-        out_shape=out_shape, input_output_aliases={n_in - 3: 4, n_in - 2: 5, n_in - 1: 6},
+        out_shape=out_shape,
+        input_output_aliases={n_in - 3: 4, n_in - 2: 5, n_in - 1: 6, **({n_in - 4: 3} if ring_inplace else {})},
         interpret=interpret, name="qsa_prep", **params)
     st = {"k": kc2.reshape(kc.shape), "v": vc2.reshape(vc.shape), "idx_blocks": blk2.reshape(blocks.shape),
           "idx_ring": ring_new.reshape(ring.shape)}
