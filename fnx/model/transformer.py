@@ -252,15 +252,15 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
     if n_valid is None:
         n_valid = jnp.full(pos0.shape, length, jnp.int32)
     return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
-            "n_valid": n_valid.astype(jnp.int32), "counters": counter_pool(pos0.shape[0] * length)}
+            "n_valid": n_valid.astype(jnp.int32), "counters": counter_pool(pos0.shape[0] * length, length)}
 
 
-def counter_pool(tokens: int):
+def counter_pool(tokens: int, length: int | None = None):
     """The program's pool of counters (`fnx.pallas.grid_sync.CounterPool`, made once per program; in scope while its
     layers and head are traced) where a kernel counts its programs: split-K GEMVs that sum in place
     (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
     (ops "hc_boundary_one" / "hc_boundary_few_one" named), the GDN step's in-place conv window
-    (`FNX_GDN_STEP_TILES=cinplace=1`); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
+    (`FNX_GDN_STEP_TILES=cinplace=1`, one-token calls: `length` 1); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
     most). Else None."""
     from fnx.pallas import dispatch, grid_sync
     from fnx.pallas.gemv import api as gemv_api
@@ -268,7 +268,7 @@ def counter_pool(tokens: int):
     from fnx.pallas.moe import api as moe_api
     from fnx.pallas.gdn import pallas as gdn_kernel
     on = (grid_sync.knob(gemv_api.FINISH_ENV) or grid_sync.knob(moe_api.FINISH_ENV) or hc_api.one_launch(tokens)
-          or gdn_kernel.conv_in_place())
+          or (length == 1 and gdn_kernel.conv_in_place()))
     if not on or tokens > gemv_api.MAX_M:
         return None
     interpret = dispatch.why_unavailable("pallas") is not None

@@ -317,10 +317,11 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
         return out
     for g, w in zip(jax.jit(pooled)(kw), want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    assert not kernel.conv_in_place() and transformer.counter_pool(1) is None
+    assert not kernel.conv_in_place() and transformer.counter_pool(1, 1) is None
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "cinplace=1")
     assert kernel.conv_in_place() and kernel.default_step_tiles(1, 48, 128).cinplace == 1
-    assert isinstance(transformer.counter_pool(1), grid_sync.CounterPool)
+    assert isinstance(transformer.counter_pool(8, 1), grid_sync.CounterPool)    # one-token calls (8 slots)
+    assert transformer.counter_pool(5, 5) is None                              # a verify window has no GDN step
 
 
 @pytest.mark.parametrize("impl", ["reference", KERNEL])
