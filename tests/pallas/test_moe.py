@@ -119,6 +119,28 @@ def test_route_matches_model_route(m, e, k, norm):
     _assert_bf16_weights(w8, w_ref)
 
 
+def test_route_warps_knob_reaches_the_kernel(monkeypatch):
+    """FNX_MOE_ROUTE_WARPS sets the router kernel's warps (read when a program is traced): the CUDA lowering of
+    api.route carries it; the ids stay the reference's under it (in the interpreter warps do not matter); a bad value
+    raises."""
+    x = jax.random.normal(_key(91), (1, 512), jnp.float32).astype(BF16)
+    monkeypatch.setattr(dispatch, "why_unavailable", lambda backend: None)     # lower for CUDA on a CPU
+    for warps in ("1", "2", None):
+        if warps is None:
+            monkeypatch.delenv(routing_pallas.WARPS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(routing_pallas.WARPS_ENV, warps)
+        text = jax.jit(lambda lg: api.route(lg, 10, True, BF16, impl="pallas")).trace(x).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert f"num_warps = {warps or 4} : i32" in text, warps
+    monkeypatch.setenv(routing_pallas.WARPS_ENV, "1")
+    w, ids = api.route(x, 10, True, BF16, impl=KERNEL)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(reference.route(x, 10, True, BF16)[1]))
+    monkeypatch.setenv(routing_pallas.WARPS_ENV, "3")
+    with pytest.raises(ValueError, match="1, 2, 4 or 8"):
+        api.route(x, 10, True, BF16, impl=KERNEL)
+
+
 @pytest.mark.parametrize("impl", [KERNEL, "reference"])
 def test_route_reads_a_window_of_a_wider_product(impl):
     """The router logits as columns [3, 67) of a [5, 70] product (the fused router + shared-gate product): the same

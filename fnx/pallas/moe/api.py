@@ -52,8 +52,8 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl:
             logits = kernel_math.take_window(logits, cols[0], cols[1])
         return reference.route(logits, top_k, norm_topk_prob, dtype) + after
     return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
-                                cols=None if cols is None else tuple(cols),
-                                acts_of=acts_of if fold else None) + after
+                                cols=None if cols is None else tuple(cols), acts_of=acts_of if fold else None,
+                                num_warps=routing_pallas.default_warps()) + after
 
 
 def decode_takes_activations(x, top_k: int, gate_up, down, shared_down,

@@ -24,6 +24,21 @@ MAX_EXPERTS = 1024
 # (1e3722f) a five-token call in one program of 8 rows took 10.5 us, a one-token call (one row) 3.7 us. One row
 # per program gives five tokens five one-row programs (not yet timed on its own).
 BLOCK_M = 1
+WARPS_ENV = "FNX_MOE_ROUTE_WARPS"   # the router kernel's warps (1, 2, 4, 8; default 4), read when a program is traced:
+                                    # at one row its softmax and K max / argmin passes are block reductions, each a
+                                    # shared-memory exchange and barrier at 4 warps, shuffles alone at 1 (a benchmark
+                                    # knob, not yet measured)
+
+
+def default_warps() -> int:
+    """The router kernel's num_warps: FNX_MOE_ROUTE_WARPS where set, else 4."""
+    import os
+    spec = os.environ.get(WARPS_ENV, "").strip()
+    if not spec:
+        return 4
+    if spec not in ("1", "2", "4", "8"):
+        raise ValueError(f"{WARPS_ENV}={spec!r}: 1, 2, 4 or 8")
+    return int(spec)
 
 
 def _pow2(n: int) -> int:
