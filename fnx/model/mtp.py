@@ -138,7 +138,7 @@ def mtp_step(params: dict, mp: dict, state: dict, hidden: jax.Array, next_tokens
     bsz, length = next_tokens.shape
     dtype = params["embed_tokens"].dtype
     eps = cfg.rms_norm_eps
-    meta = make_meta(cfg, state["pos"], length, dtype, n_valid)
+    meta = make_meta(cfg, state["pos"], length, dtype, n_valid, gdn=False)    # (no GDN layer in the MTP layer)
     e = params["embed_tokens"][next_tokens]
     from fnx.pallas import grid_sync
     with grid_sync.counter_pool(meta["counters"]):      # the program's counters (`transformer.counter_pool`)

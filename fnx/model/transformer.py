@@ -240,8 +240,10 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
     return h, st, (aux if snapshots else {}), ids
 
 
-def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=None, ple_ids=None, ple_rows=None):
-    """Per-call metadata shared by every layer. pos0 [B] first position; n_valid [B] real tokens (default L)."""
+def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=None, ple_ids=None, ple_rows=None,
+              gdn: bool = True):
+    """Per-call metadata shared by every layer. pos0 [B] first position; n_valid [B] real tokens (default L).
+    gdn: the program runs GDN layers (the MTP layer's does not: no counters for the GDN step's knob)."""
     positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, dtype)
 
@@ -252,7 +254,8 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
     if n_valid is None:
         n_valid = jnp.full(pos0.shape, length, jnp.int32)
     return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
-            "n_valid": n_valid.astype(jnp.int32), "counters": counter_pool(pos0.shape[0] * length, length)}
+            "n_valid": n_valid.astype(jnp.int32),
+            "counters": counter_pool(pos0.shape[0] * length, length if gdn else None)}
 
 
 def counter_pool(tokens: int, length: int | None = None):
@@ -260,8 +263,8 @@ def counter_pool(tokens: int, length: int | None = None):
     layers and head are traced) where a kernel counts its programs: split-K GEMVs that sum in place
     (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
     (ops "hc_boundary_one" / "hc_boundary_few_one" named), the GDN step's in-place conv window
-    (`FNX_GDN_STEP_TILES=cinplace=1`, one-token calls: `length` 1); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at
-    most). Else None."""
+    (`FNX_GDN_STEP_TILES=cinplace=1`, one-token calls: `length` 1); at decode sizes
+    (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
     from fnx.pallas import dispatch, grid_sync
     from fnx.pallas.gemv import api as gemv_api
     from fnx.pallas.hc import api as hc_api

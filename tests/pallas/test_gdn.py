@@ -322,6 +322,11 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
     assert kernel.conv_in_place() and kernel.default_step_tiles(1, 48, 128).cinplace == 1
     assert isinstance(transformer.counter_pool(8, 1), grid_sync.CounterPool)    # one-token calls (8 slots)
     assert transformer.counter_pool(5, 5) is None                              # a verify window has no GDN step
+    from fnx.config import ModelConfig
+    def meta(**kw):
+        return transformer.make_meta(ModelConfig(), jnp.zeros((1,), jnp.int32), 1, jnp.float32, **kw)
+    assert isinstance(meta()["counters"], grid_sync.CounterPool)
+    assert meta(gdn=False)["counters"] is None                               # the MTP layer's programs
 
 
 @pytest.mark.parametrize("impl", ["reference", KERNEL])
