@@ -160,6 +160,48 @@ def prep(p: dict, prods: list, st: dict, pos0: jax.Array, cos: jax.Array, sin: j
     return q, q_idx, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, buf
 
 
+# The masked dense attention (prefill, and the reference) over a KV capacity past this many tokens runs over the key
+# axis in chunks of it (`_masked_attention_chunked`): its fp32 scores were [B, Hkv, G, L, T] whole, 1.6 GB a QSA
+# layer for a 2,048-token chunk at an 8K capacity, 51 GB at 262K (an H200 prefill ledger: the scores' transpose
+# alone 0.77 ms a layer and chunk at 8K), and every chunk past the call's last position is skipped. The scores are
+# computed in three passes (max, sum, probabilities): twice the whole's matrix products over the keys a call sees,
+# none over the rest, and [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at L = 2,048) instead of the capacity's.
+# Not yet measured on a GPU.
+KEY_CHUNK = 2048
+
+
+def _masked_attention_chunked(qh, kc, vc, mask, positions, chunk: int, dt):
+    """The masked dense attention's softmax(s) @ v over the key axis in `chunk`-token pieces, the same arithmetic as
+    the whole: s rounded to dt, scaled, masked; one pass for the row max, one for exp(s - max)'s sum, one for the
+    probabilities (exp(s - max) / sum, rounded to dt) times v summed in fp32. Only the chunks up to the last
+    query's position run (a loop with that trip count), so a prefill chunk early in a long context reads the keys
+    it can see, not the capacity. The sums run chunk by chunk: within float error of the whole (an fp32 ulp of the
+    row sum; a bf16 rounding of o may flip). qh [B, L, Hkv, G, hd]; kc, vc [B, Hkv, T, hd]; mask [B, L, T]."""
+    bsz, length, hkv, grp, hd = qh.shape
+    # chunks holding a position some query can see (positions past the capacity see the whole cache)
+    n = jnp.minimum(jnp.max(positions) // chunk + 1, kc.shape[2] // chunk).astype(jnp.int32)
+
+    def scores(c):
+        k_c = lax.dynamic_slice_in_dim(kc, c * chunk, chunk, axis=2).astype(dt)
+        m_c = lax.dynamic_slice_in_dim(mask, c * chunk, chunk, axis=2)
+        s = jnp.einsum("blgrd,bgtd->bgrlt", qh, k_c, precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        s = scale(s, hd ** -0.5).astype(F32)
+        return jnp.where(m_c[:, None, None], s, -jnp.inf)                      # [B, Hkv, G, L, chunk]
+
+    stat = (bsz, hkv, grp, length)
+    mx = lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, jnp.max(scores(c), axis=-1)),
+                       jnp.full(stat, -jnp.inf, F32))
+    den = lax.fori_loop(0, n, lambda c, d: d + jnp.sum(jnp.exp(scores(c) - mx[..., None]), axis=-1),
+                        jnp.zeros(stat, F32))
+
+    def pv(c, acc):
+        probs = (jnp.exp(scores(c) - mx[..., None]) / den[..., None]).astype(dt)
+        v_c = lax.dynamic_slice_in_dim(vc, c * chunk, chunk, axis=2).astype(dt)
+        return acc + jnp.einsum("bgrlt,bgtd->blgrd", probs, v_c, precision=HIGHEST, preferred_element_type=F32)
+    o = lax.fori_loop(0, n, pv, jnp.zeros((bsz, length, hkv, grp, hd), F32))
+    return o.astype(dt)
+
+
 def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, sin: jax.Array, rope_fn, cfg,
               n_valid: jax.Array, impl: str | None = None):
     """x [B, L, D]; pos0 [B] first position of the call; cos/sin [B, L, rot] for the new tokens; n_valid [B] real
@@ -197,13 +239,17 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
     else:
         mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
-        s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
-                       preferred_element_type=F32).astype(dt)
-        s = scale(s, hd ** -0.5).astype(F32)
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        probs = jax.nn.softmax(s, axis=-1).astype(dt)
-        o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
-                       preferred_element_type=F32).astype(dt)
+        chunk = KEY_CHUNK
+        if capacity > chunk and capacity % chunk == 0:
+            o = _masked_attention_chunked(qh, kc, vc, mask, positions, chunk, dt)
+        else:
+            s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
+                           preferred_element_type=F32).astype(dt)
+            s = scale(s, hd ** -0.5).astype(F32)
+            s = jnp.where(mask[:, None, None], s, -jnp.inf)
+            probs = jax.nn.softmax(s, axis=-1).astype(dt)
+            o = jnp.einsum("bgrlt,bgtd->blgrd", probs, vc.astype(dt), precision=HIGHEST,
+                           preferred_element_type=F32).astype(dt)
         gate = wins[1].get().reshape(bsz, length, h, 2 * hd)[..., hd:].reshape(bsz, length, h * hd)
         o = o.reshape(bsz, length, h * hd) * jax.nn.sigmoid(gate)
     y = linear(o, p["o_proj"])

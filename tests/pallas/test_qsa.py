@@ -309,6 +309,42 @@ def test_qsa_layer_decode_through_kernel(length, pos):
             np.testing.assert_allclose(np.asarray(st_ker[k]), np.asarray(st_ref[k]), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("length,pos", [(20, 30), (24, 0), (12, 90), (16, 88)])
+def test_masked_attention_over_key_chunks(length, pos, dtype, monkeypatch):
+    """The masked dense attention (prefill: more than 8 tokens) over the key axis in chunks (capacity > KEY_CHUNK;
+    here 96 keys in chunks of 32): only the chunks up to the last query's position run, and the layer's output is
+    the whole-axis computation's within float error (the row sums in another order), its state the same bits. Cases:
+    sparse queries in the middle, a first call at position 0 (one chunk runs), queries reaching the last chunk, and
+    queries past the capacity (the cache's last keys; the loop must not run past it)."""
+    cfg, p, st, make_meta, _, kx = _layer_setup(7 + length + pos)
+    st = jax.tree.map(lambda a: a.astype(dtype), st)
+    p = jax.tree.map(lambda a: a.astype(dtype), p)
+    x = jax.random.normal(kx, (1, length, 64), dtype)
+    pos0 = jnp.array([pos], jnp.int32)
+    meta = make_meta(cfg, pos0, length, dtype)
+
+    def run(chunk):
+        monkeypatch.setattr(qsa, "KEY_CHUNK", chunk)
+        return jax.jit(lambda x, st: qsa.qsa_layer(p, x, st, pos0, meta["cos"], meta["sin"], meta["rope_fn"], cfg,
+                                                   meta["n_valid"], impl="reference"))(x, st)
+    y_ref, st_ref, _ = run(4096)                  # the whole key axis (96 <= KEY_CHUNK)
+    calls = []
+    real = qsa._masked_attention_chunked
+    monkeypatch.setattr(qsa, "_masked_attention_chunked", lambda *a: calls.append(a[-2]) or real(*a))
+    y, st_new, _ = run(32)
+    assert calls == [32]
+    y, y_ref = np.asarray(y, np.float32), np.asarray(y_ref, np.float32)
+    tol = 1e-5 if dtype == jnp.float32 else 2.0 ** -7     # bf16: a probability or o may round the other way
+    assert np.abs(y - y_ref).max() <= tol * np.abs(y_ref).max(), np.abs(y - y_ref).max() / np.abs(y_ref).max()
+    for k in st_ref:
+        np.testing.assert_array_equal(np.asarray(st_new[k], np.float32), np.asarray(st_ref[k], np.float32))
+    monkeypatch.setattr(qsa, "_masked_attention_chunked", real)
+    assert np.asarray(run(48)[0]).shape == y.shape        # 96 = 2 x 48: chunked too; 5 of 96 would not divide
+    y5 = np.asarray(run(5)[0], np.float32)                # 96 % 5: the whole axis again
+    np.testing.assert_array_equal(y5, y_ref)
+
+
 @pytest.mark.parametrize("length", [1, 5])
 def test_index_scores_lower_for_cuda_released_shapes(length):
     """65,536 blocks (262,144 tokens), 4 indexer heads x 128."""
