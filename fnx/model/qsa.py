@@ -160,13 +160,14 @@ def prep(p: dict, prods: list, st: dict, pos0: jax.Array, cos: jax.Array, sin: j
     return q, q_idx, {"k": kc, "v": vc, "idx_blocks": blocks, "idx_ring": ring}, buf
 
 
-# The masked dense attention (prefill, and the reference) over a KV capacity past this many tokens runs over the key
-# axis in chunks of it (`_masked_attention_chunked`): its fp32 scores were [B, Hkv, G, L, T] whole, 1.6 GB a QSA
-# layer for a 2,048-token chunk at an 8K capacity, 51 GB at 262K (an H200 prefill ledger: the scores' transpose
-# alone 0.77 ms a layer and chunk at 8K), and every chunk past the call's last position is skipped. The scores are
-# computed in three passes (max, sum, probabilities): twice the whole's matrix products over the keys a call sees,
-# none over the rest, and [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at L = 2,048) instead of the capacity's.
-# Not yet measured on a GPU.
+# The masked dense attention of a prefill-sized call (more than qsa_api.MAX_DECODE_TOKENS tokens; decode and verify
+# calls keep the whole axis: their scores are small, and a loop would cost them launches) over a KV capacity past
+# this many tokens runs over the key axis in chunks of it (`_masked_attention_chunked`). Its fp32 scores were
+# [B, Hkv, G, L, T] whole: 1.6 GB a QSA layer for a 2,048-token chunk at an 8K capacity, 51 GB at 262K (an H200
+# prefill ledger: the scores' transpose alone 0.77 ms a layer and chunk at 8K). Chunks past the call's last
+# position are skipped. The scores are computed in three passes (max, sum, probabilities): twice the whole's matrix
+# products over the keys a call sees, none over the rest, and [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at
+# L = 2,048) instead of the capacity's. Not yet measured on a GPU.
 KEY_CHUNK = 2048
 
 
@@ -240,7 +241,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
         chunk = KEY_CHUNK
-        if capacity > chunk and capacity % chunk == 0:
+        if length > qsa_api.MAX_DECODE_TOKENS and capacity > chunk and capacity % chunk == 0:   # prefill-sized
             o = _masked_attention_chunked(qh, kc, vc, mask, positions, chunk, dt)
         else:
             s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,

@@ -312,8 +312,9 @@ def test_qsa_layer_decode_through_kernel(length, pos):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("length,pos", [(20, 30), (24, 0), (12, 90), (16, 88)])
 def test_masked_attention_over_key_chunks(length, pos, dtype, monkeypatch):
-    """The masked dense attention (prefill: more than 8 tokens) over the key axis in chunks (capacity > KEY_CHUNK;
-    here 96 keys in chunks of 32): only the chunks up to the last query's position run, and the layer's output is
+    """The masked dense attention of a prefill-sized call (more than 8 tokens; an 8-token call keeps the whole axis)
+    over the key axis in chunks (capacity > KEY_CHUNK; here 96 keys in chunks of 32): only the chunks up to the last
+    query's position run, and the layer's output is
     the whole-axis computation's within float error (the row sums in another order), its state the same bits. Cases:
     sparse queries in the middle, a first call at position 0 (one chunk runs), queries reaching the last chunk, and
     queries past the capacity (the cache's last keys; the loop must not run past it)."""
@@ -343,6 +344,12 @@ def test_masked_attention_over_key_chunks(length, pos, dtype, monkeypatch):
     assert np.asarray(run(48)[0]).shape == y.shape        # 96 = 2 x 48: chunked too; 5 of 96 would not divide
     y5 = np.asarray(run(5)[0], np.float32)                # 96 % 5: the whole axis again
     np.testing.assert_array_equal(y5, y_ref)
+    monkeypatch.setattr(qsa, "_masked_attention_chunked", lambda *a: calls.append("decode") or real(*a))
+    x8, meta8 = x[:, :8], make_meta(cfg, pos0, 8, dtype)    # an 8-token call (decode / verify sized): the whole axis
+    monkeypatch.setattr(qsa, "KEY_CHUNK", 32)
+    jax.jit(lambda x, st: qsa.qsa_layer(p, x, st, pos0, meta8["cos"], meta8["sin"], meta8["rope_fn"], cfg,
+                                        meta8["n_valid"], impl="reference"))(x8, st)
+    assert calls == [32]
 
 
 @pytest.mark.parametrize("length", [1, 5])
