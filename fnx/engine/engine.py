@@ -605,23 +605,21 @@ class Engine:
             self.requests.pop(req.id, None)
         return out
 
-    def _sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
+    def _batch_sampling(self, params: list[SamplingParams]) -> tuple[SamplingArrays, SamplingArrays]:
         """The per-row sampling parameters on the device, rebuilt only when the batch's parameters change (a
-        steady batch would otherwise pay seven host-to-device copies per step)."""
+        steady batch would otherwise pay seven host-to-device copies per step), and the MTP drafter's copy without
+        the logit bias (it drafts from its own distribution; a bias would only make another compiled draft
+        program)."""
         key = tuple(params)
         if self._sp_cache is None or self._sp_cache[0] != key:
             sp = SamplingArrays.stack(params)
-            # the MTP drafter's copy without the logit bias (it drafts from its own distribution; a bias would
-            # only make another compiled draft program)
             draft = sp if sp.bias_ids.shape[-1] == 0 else SamplingArrays.stack(params, bias=False)
             self._sp_cache = (key, sp, draft)
-        return self._sp_cache[1]
+        return self._sp_cache[1], self._sp_cache[2]
 
-    def _draft_sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
-        """The MTP drafter's sampling arrays of the batch `params` (built with, and cached beside, the verify
-        program's by `_sampling_arrays`)."""
-        self._sampling_arrays(params)
-        return self._sp_cache[2]
+    def _sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
+        """`_batch_sampling`'s arrays for the target model's programs."""
+        return self._batch_sampling(params)[0]
 
     def _row_inputs(self, reqs: list[Request], queued=frozenset()):
         """A decode step's per-row inputs as one [5, slots] uint32 array (one host-to-device copy, handed to the
@@ -726,7 +724,7 @@ class Engine:
             pair_tok[r.slot, :len(toks)] = toks
             count[r.slot] = len(toks)
             pending[r.slot] = r.pending
-        sp = self._sampling_arrays(params)
+        sp, draft_sp = self._batch_sampling(params)
         greedy = all(r.params.greedy for r in reqs)
         dtype = self.model.dtype
         if not queued:   # every row from the host: the previous round's slots are not read (one compiled program)
@@ -739,7 +737,7 @@ class Engine:
         hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
             *prev_out, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
-            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, self._draft_sampling_arrays(params),
+            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, draft_sp,
             keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
         nlp = _n_logprobs(reqs)
         # a row with penalties: the verify program penalizes each window position and updates seen / counts (rows
