@@ -119,7 +119,7 @@ def sampling_fields(body: dict, defaults: dict, vocab: int) -> Sampling:
             tid = int(key)
         except ValueError:
             tid = -1
-        if not 0 <= tid < vocab or str(tid) != key.strip():
+        if not 0 <= tid < vocab or str(tid) != key:     # exactly the id's digits: " 5" or "05" would repeat "5"
             raise APIError(400, f"`logit_bias` keys must be token ids in [0, {vocab}), got {key!r}", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise APIError(400, f"`logit_bias` values must be numbers in [-100, 100], got {json.dumps(value)[:40]} "

@@ -64,6 +64,7 @@ CASES = [
     ("/v1/chat/completions", dict(CHAT, logprobs=True, top_logprobs=99), None, 400, "top_logprobs", None),
     ("/v1/completions", dict(OK, stop=[1, 2]), None, 400, "stop", None),
     ("/v1/completions", dict(OK, logit_bias={"abc": 1}), None, 400, "logit_bias", None),
+    ("/v1/completions", dict(OK, logit_bias={"5": 1, " 5": 1}), None, 400, "logit_bias", None),   # one id twice
     ("/v1/completions", dict(OK, logit_bias={"5": 101}), None, 400, "logit_bias", None),
     ("/v1/chat/completions", dict(CHAT, logit_bias={"999999": 1}), None, 400, "logit_bias", None),
     ("/v1/completions", dict(OK, logit_bias={str(i): 1 for i in range(301)}), None, 400, "logit_bias", None),
