@@ -17,25 +17,19 @@ than XLA's, so a value may differ from the reference by an ulp of its rounding."
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas import grid_sync
 from fnx.pallas.qsa.api import MAX_DECODE_TOKENS as MAX_TOKENS     # decode and the MTP verify window
 
 F32 = jnp.float32
 EARLY_ENV = "FNX_QSA_PREP_EARLY"
 RING_ENV = "FNX_QSA_PREP_RING_INPLACE"     # 1: the new ring over the old one's buffer (needs early 1), see qsa_prep
 
-
-def _flag(env: str) -> int:
-    flag = os.environ.get(env, "0").strip() or "0"
-    if flag not in ("0", "1"):
-        raise ValueError(f"{env}={flag!r}: 0 or 1")
-    return int(flag)
 
 
 def nbuf_rows(length: int, cr: int) -> int:
@@ -265,9 +259,9 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=1)}
     if early is None:
-        early = _flag(EARLY_ENV)
+        early = int(grid_sync.knob(EARLY_ENV))
     if ring_inplace is None:
-        ring_inplace = _flag(RING_ENV)
+        ring_inplace = int(grid_sync.knob(RING_ENV))
     if ring_inplace and not early:
         raise ValueError(f"qsa_prep: the ring in place ({RING_ENV}=1) needs the early loads ({EARLY_ENV}=1): "
                          "without them the indexer program reads ring rows after storing others")
