@@ -30,13 +30,14 @@
 #   scripts/gpu_session.sh roundtable  # every kernel of the step, draft and verify at 8K (ROUND_CTX), matched to HLO
 #   scripts/gpu_session.sh roundsweep  # roundtable's programs once per ROUND_VARIANTS entry, in one process
 #   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
+#   scripts/gpu_session.sh moved     # which buffers move between step calls, per allocator (MOVED_ALLOCS)
 #   scripts/gpu_session.sh graph     # host cost per kernel node of a bare chain of N kernels (GRAPH_NODES, GRAPH_MODES)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} TF_CPP_MIN_LOG_LEVEL=2 PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | ncu | roundtable | roundsweep | cmdbuf | graph | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "parts: failures | verify | tune | kernels | moe | moestep | decode | full | engine | probe | table | ncu | roundtable | roundsweep | cmdbuf | graph | moved | mesh SPEC | ple | pleengine | uva | ring | hmm (several per call)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
 part=$1; shift
 echo "=== $part $(date +%T)"
@@ -134,6 +135,23 @@ case "$part" in
       python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---unroll-stacked} --fuse --dispatch-only --no-round \
       --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
       --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
+  moved)   # which buffers of the served step move between calls, and whether the allocator decides it: for each
+           # MOVED_ALLOCS value (XLA_PYTHON_CLIENT_ALLOCATOR: bfc is the default; cuda_async frees a call's temporaries
+           # in stream order, so the next call may get the same addresses) one process with XLA's command-buffer log:
+           # the step plain and with stable IO, synchronous and chained, then --addr-trace; the graph re-records
+           # (updated_allocs lines) counted per phase, the leaves that moved, and the dispatch / chained times
+    for a in ${MOVED_ALLOCS:-bfc cuda_async}; do
+      log="$OUT/moved_$a.log"
+      XLA_PYTHON_CLIENT_ALLOCATOR=$a TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+        timeout ${MOVED_S:-200} python scripts/probe_launch.py --io both --addr-trace 8 --label "moved:$a" \
+        --layers ${MOVED_LAYERS:-4} --unroll-stacked --fuse --quant ${MOVED_QUANT:-fp8} --fp8-head \
+        --context ${MOVED_CTX:-8192} --dispatch-only --no-round --reps 20 --chains 3 --out "$OUT/probe" > "$log" 2>&1
+      echo "--- allocator $a (rc $?)"
+      awk '/^=== phase/ {p=$3" "$4} /updated_allocs=/ {n[p]++} /Execute command buffer on device/ {e[p]++}
+           END {for (q in e) print "  " q ": re-records " n[q]+0 " of " e[q] " launches"}' "$log" | sort
+      grep -E '"part": "(decode dispatch|addresses)"' "$log" | sed -E 's/.*"part": /  /' | cut -c1-600
+      grep -E "Error|error:" "$log" | grep -v "^I0" | head -3
+    done ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
            # N Pallas kernels in a chain (N = GRAPH_NODES; alone, donated and kept; with a weight argument each, or one
            # stacked weight argument; GRAPH_CASES), under each XLA setting of GRAPH_MODES. GRAPH_VLOG=1 first runs

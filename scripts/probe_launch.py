@@ -276,6 +276,10 @@ def main():
                          "in a donated buffer that every output aliases, so no buffer of the step's command buffer "
                          "moves between calls (XLA re-records a command buffer whose buffers moved: ~2 us per node); "
                          "the host reads the tokens through a separate one-kernel copy. both: plain, then stable")
+    ap.add_argument("--addr-trace", type=int, default=0, metavar="N",
+                    help="N decode calls after the timings, each output's device address recorded: which of the "
+                         "step's buffers move between calls (a moved buffer makes XLA re-record the command buffer), "
+                         "and the compiled step's temp / output / aliased bytes")
     ap.add_argument("--kernel-variants", default="",
                     help="';'-separated FNX_KERNELS values ('auto' for none) timed one after another in this "
                          "process (dispatch / step / chained), e.g. 'auto;reference;hc_boundary=reference'")
@@ -364,6 +368,11 @@ def main():
         with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
 
+    def phase(name: str):
+        """A line before each group of timed calls: a log of XLA's (e.g. its command-buffer updates, on stderr
+        into the same file) is split by these to count per group."""
+        print(f"=== phase {name}", flush=True)
+
     def report_compiles():
         """The XLA compiles of the run by function (each program once per setting: a second compile of a program
         is device time spent twice)."""
@@ -417,6 +426,7 @@ def main():
         compiled = fn.lower(params, st["s"], st["io"], pid).compile()
         emit({"part": "stable io hlo", **hlo_report(compiled.as_text())})
         disp, tot = [], []
+        phase("stable sync")
         for i in range(args.reps + 2):
             t = time.perf_counter()
             st["s"], st["io"] = compiled(params, st["s"], st["io"], pid)
@@ -427,6 +437,7 @@ def main():
                 disp.append(t1 - t)
                 tot.append(time.perf_counter() - t)
         chains = []
+        phase("stable chained")
         for _ in range(args.chains):
             t = time.perf_counter()
             for _ in range(args.reps):
@@ -447,6 +458,7 @@ def main():
         st = {"s": dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx))}
         jax.block_until_ready(st["s"])
         disp, tot = [], []
+        phase("plain sync")
         for i in range(args.reps + 2):
             t = time.perf_counter()
             logits, st["s"], _, _ = step_fn(params, st["s"], one, pid)
@@ -456,6 +468,7 @@ def main():
                 disp.append(t1 - t)
                 tot.append(time.perf_counter() - t)
         chains, first = [], None
+        phase("plain chained")
         for _ in range(args.chains):
             t = time.perf_counter()
             for _ in range(args.reps):
@@ -476,8 +489,43 @@ def main():
               "param_leaves": len(jax.tree.leaves(params)), "state_leaves": len(jax.tree.leaves(st["s"]))})
         hold["s"] = st["s"]
 
+    def address_trace(step_fn, n: int):
+        """n calls, each result's buffer address read after it: the leaves (logits, the state's, the step's other
+        outputs) whose address differs from the call before, and the compiled program's memory figures. A leaf
+        that moves on most calls is a buffer the command buffer must re-record; XLA's temp allocation is not
+        visible here (its size is)."""
+        st = {"s": dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx))}
+        prev, moved, seen = None, {}, 0
+        phase("addr trace")
+        for _ in range(n):
+            logits, st["s"], hid, aux = step_fn(params, st["s"], one, pid)
+            flat = jax.tree_util.tree_flatten_with_path({"logits": logits, "state": st["s"], "hidden": hid,
+                                                         "aux": aux})[0]
+            addrs = {jax.tree_util.keystr(k): int(v.unsafe_buffer_pointer()) for k, v in flat
+                     if isinstance(v, jax.Array) and v.size}
+            seen = len(addrs)
+            if prev is not None:
+                for name, a in addrs.items():
+                    if prev.get(name) != a:
+                        moved[name] = moved.get(name, 0) + 1
+            prev = addrs
+        jax.block_until_ready(st["s"])
+        hold["s"] = st["s"]
+        mem = {}
+        try:
+            m = step_fn.memory_analysis()
+            mem = {f: int(getattr(m, f)) for f in ("temp_size_in_bytes", "output_size_in_bytes",
+                                                    "alias_size_in_bytes", "argument_size_in_bytes")
+                   if hasattr(m, f)}
+        except Exception as e:   # not every backend reports it
+            mem = {"error": f"{type(e).__name__}: {e}"[:200]}
+        emit({"part": "addresses", "calls": n, "leaves": seen, "moved_leaves": len(moved),
+              "moved": dict(sorted(moved.items(), key=lambda kv: -kv[1])[:40]), "memory": mem})
+
     if args.io != "stable" and main_parts:
         dispatch_timings(cstep)
+    if args.addr_trace and main_parts:
+        address_trace(cstep, args.addr_trace)
     if args.io != "plain" and main_parts:
         stable_io_timings()
     if args.kernel_variants and main_parts:

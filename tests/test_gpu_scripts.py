@@ -215,6 +215,20 @@ def test_probe_launch_writes_every_part(tmp_path):
     assert (tmp_path / "decode_hlo_default_4l_bf16_ctx100_draft64.txt").exists()
 
 
+def test_probe_launch_addr_trace(tmp_path):
+    """--addr-trace N: N decode calls, each output's address read; on the CPU the donated state is aliased (its
+    leaves keep their address) while the logits, a fresh output each call, may move; the compiled step's memory
+    figures come with it."""
+    _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "1", "--chains", "1",
+          "--context", "100", "--dispatch-only", "--no-round", "--addr-trace", "4", "--out", str(tmp_path)], tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
+    addr = next(r for r in recs if r["part"] == "addresses")
+    assert addr["calls"] == 4 and addr["leaves"] > 10, addr
+    assert not any(name.startswith("['state']") for name in addr["moved"]), addr["moved"]   # donated: in place
+    assert all(0 < n <= 3 for n in addr["moved"].values()), addr["moved"]
+    assert addr["memory"].get("alias_size_in_bytes", 0) > 0, addr["memory"]
+
+
 def test_probe_launch_round_variants(tmp_path):
     """--round-variants (--only-variants: alone): each variant's step, draft and verify compiled afresh under its
     settings (here one forces two one-token kernels in interpret mode, which changes the step's program on a CPU
