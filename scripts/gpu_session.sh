@@ -135,22 +135,29 @@ case "$part" in
       python scripts/probe_launch.py --layers ${CMDBUF_LAYERS:-12} ${CMDBUF_LAYOUT:---unroll-stacked} --fuse --dispatch-only --no-round \
       --reps 5 --chains 2 --calls 3 --host-profile --label "cmdbuf:profile${CMDBUF_PROFILE_FLAGS:-}" \
       --out "$OUT/probe" 2>&1 | grep -E '"part": "host profile"|Error|error:' | cut -c1-4000 ;;
-  moved)   # which buffers of the served step move between calls, and whether the allocator decides it: for each
-           # MOVED_ALLOCS value (XLA_PYTHON_CLIENT_ALLOCATOR: bfc is the default; cuda_async frees a call's temporaries
-           # in stream order, so the next call may get the same addresses) one process with XLA's command-buffer log:
-           # the step plain and with stable IO, synchronous and chained, then --addr-trace; the graph re-records
-           # (updated_allocs lines) counted per phase, the leaves that moved, and the dispatch / chained times
+  moved)   # which buffers of the served step move between calls, and what stops it: for each MOVED_ALLOCS entry
+           # ALLOC[+MODE] (XLA_PYTHON_CLIENT_ALLOCATOR: bfc is the default, cuda_async frees in stream order; MODE an
+           # --xla_gpu_command_buffer_update_mode, e.g. vmm+SKIP_TEMP: temporaries at fixed VMM addresses) one process
+           # with XLA's command-buffer log (MOVED_VLOG, 3): the step plain and with stable IO, synchronous and chained,
+           # then --addr-trace; the graph re-records (updated_allocs lines) counted per phase, the leaves that moved,
+           # the dispatch / chained times. MOVED_DUMP=1: the first entry's XLA dump (its buffer assignment names the
+           # allocation each index is) in $OUT/dump
+    first=1
     for a in ${MOVED_ALLOCS:-bfc cuda_async}; do
+      alloc=${a%%+*}; mode=$([ "$a" = "$alloc" ] && echo "" || echo "--xla_gpu_command_buffer_update_mode=${a#*+}")
+      dump=$([ "${MOVED_DUMP:-0}" = 1 ] && [ $first = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*")
+      first=0
       log="$OUT/moved_$a.log"
-      XLA_PYTHON_CLIENT_ALLOCATOR=$a TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+      XLA_FLAGS="$mode $dump" XLA_PYTHON_CLIENT_ALLOCATOR=$alloc TF_CPP_MIN_LOG_LEVEL=0 \
+        TF_CPP_VMODULE=command_buffer_thunk=${MOVED_VLOG:-3}${MOVED_VMODULE:+,$MOVED_VMODULE} \
         timeout ${MOVED_S:-200} python scripts/probe_launch.py --io both --addr-trace 8 --label "moved:$a" \
         --layers ${MOVED_LAYERS:-4} --unroll-stacked --fuse --quant ${MOVED_QUANT:-fp8} --fp8-head \
         --context ${MOVED_CTX:-8192} --dispatch-only --no-round --reps 20 --chains 3 --out "$OUT/probe" > "$log" 2>&1
-      echo "--- allocator $a (rc $?)"
-      awk '/^=== phase/ {p=$3" "$4} /updated_allocs=/ {n[p]++} /Execute command buffer on device/ {e[p]++}
+      echo "--- $a (rc $?)"
+      awk '/^=== phase/ {p=$3" "$4} /updated_allocs=/ {n[p]++} /Execute command buffer/ {e[p]++}
            END {for (q in e) print "  " q ": re-records " n[q]+0 " of " e[q] " launches"}' "$log" | sort
       grep -E '"part": "(decode dispatch|addresses)"' "$log" | sed -E 's/.*"part": /  /' | cut -c1-600
-      grep -E "Error|error:" "$log" | grep -v "^I0" | head -3
+      grep -E "Error|error:" "$log" | grep -v "^I1" | head -3
     done ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
            # N Pallas kernels in a chain (N = GRAPH_NODES; alone, donated and kept; with a weight argument each, or one
