@@ -145,9 +145,9 @@ case "$part" in
     first=1
     for a in ${MOVED_ALLOCS:-bfc cuda_async}; do
       alloc=${a%%+*}; mode=$([ "$a" = "$alloc" ] && echo "" || echo "--xla_gpu_command_buffer_update_mode=${a#*+}")
-      dump=$([ "${MOVED_DUMP:-0}" = 1 ] && [ $first = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*")
+      dump=$([ "${MOVED_DUMP:-0}" = 1 ] && [ $first = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=^jit_step$")
       first=0
-      log="$OUT/moved_$a.log"
+      log="$OUT/moved_${a//+/_}.log"
       XLA_FLAGS="$mode $dump" XLA_PYTHON_CLIENT_ALLOCATOR=$alloc TF_CPP_MIN_LOG_LEVEL=0 \
         TF_CPP_VMODULE=command_buffer_thunk=${MOVED_VLOG:-3}${MOVED_VMODULE:+,$MOVED_VMODULE} \
         timeout ${MOVED_S:-200} python scripts/probe_launch.py --io both --addr-trace 8 --label "moved:$a" \
@@ -158,7 +158,9 @@ case "$part" in
            END {for (q in e) print "  " q ": re-records " n[q]+0 " of " e[q] " launches"}' "$log" | sort
       grep -E '"part": "(decode dispatch|addresses)"' "$log" | sed -E 's/.*"part": /  /' | cut -c1-600
       grep -E "Error|error:" "$log" | grep -v "^I1" | head -3
-    done ;;
+    done
+    # the dump keeps the step's files only (the device tool returns a limited number of files)
+    [ -d "$OUT/dump" ] && find "$OUT/dump" -type f ! -name '*jit_step*' -delete 2>/dev/null; true ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
            # N Pallas kernels in a chain (N = GRAPH_NODES; alone, donated and kept; with a weight argument each, or one
            # stacked weight argument; GRAPH_CASES), under each XLA setting of GRAPH_MODES. GRAPH_VLOG=1 first runs
