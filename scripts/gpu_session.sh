@@ -145,7 +145,7 @@ case "$part" in
     first=1
     for a in ${MOVED_ALLOCS:-bfc cuda_async}; do
       alloc=${a%%+*}; mode=$([ "$a" = "$alloc" ] && echo "" || echo "--xla_gpu_command_buffer_update_mode=${a#*+}")
-      dump=$([ "${MOVED_DUMP:-0}" = 1 ] && [ $first = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=^jit_step$")
+      dump=$([ "${MOVED_DUMP:-0}" = 1 ] && [ $first = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=^jit_step(_io)?$")
       first=0
       log="$OUT/moved_${a//+/_}.log"
       XLA_FLAGS="$mode $dump" XLA_PYTHON_CLIENT_ALLOCATOR=$alloc TF_CPP_MIN_LOG_LEVEL=0 \
@@ -160,7 +160,13 @@ case "$part" in
       grep -E "Error|error:" "$log" | grep -v "^I1" | head -3
     done
     # the dump keeps the step's files only (the device tool returns a limited number of files)
-    [ -d "$OUT/dump" ] && find "$OUT/dump" -type f ! -name '*jit_step*' -delete 2>/dev/null; true ;;
+    # (the device tool returns at most 8 files: the step's buffer assignments and thunk sequences, compressed)
+    if [ -d "$OUT/dump" ]; then
+      for f in "$OUT"/dump/*jit_step*{buffer-assignment.txt,thunk_sequence_after_thunk_passes.txt}; do
+        [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f" | sed -E 's/^module_[0-9]+\.//').gz"
+      done
+      rm -rf "$OUT/dump" "$OUT/probe"/decode_hlo_*
+    fi; true ;;
   graph)   # the host cost per kernel node of a jitted program apart from any model (scripts/probe_graph.py):
            # N Pallas kernels in a chain (N = GRAPH_NODES; alone, donated and kept; with a weight argument each, or one
            # stacked weight argument; GRAPH_CASES), under each XLA setting of GRAPH_MODES. GRAPH_VLOG=1 first runs

@@ -510,6 +510,17 @@ def main():
                         moved[name] = moved.get(name, 0) + 1
             prev = addrs
         jax.block_until_ready(st["s"])
+        # the same calls with every output but the state dropped at once (nothing of the last call alive when the
+        # next one allocates): synchronous, then chained; the command-buffer log counts their re-records
+        phase("dropped sync")
+        for _ in range(n):
+            st["s"] = step_fn(params, st["s"], one, pid)[1]
+            jax.block_until_ready(st["s"])
+        phase("dropped chained")
+        for _ in range(n):
+            st["s"] = step_fn(params, st["s"], one, pid)[1]
+        jax.block_until_ready(st["s"])
+        phase("done")
         hold["s"] = st["s"]
         mem = {}
         try:
