@@ -533,8 +533,31 @@ def main():
         emit({"part": "addresses", "calls": n, "leaves": seen, "moved_leaves": len(moved),
               "moved": dict(sorted(moved.items(), key=lambda kv: -kv[1])[:40]), "memory": mem})
 
+    def dropped_timings(step_fn):
+        """Chained steps that keep only the state: every other output (logits, hidden, aux) dropped before the next
+        call, so the next call's outputs get the freed addresses and no buffer of the command buffer moves (an
+        output still alive when the next call allocates moves it, and XLA re-records the graph)."""
+        st = {"s": dict(hold["s"], pos=jnp.full_like(hold["s"]["pos"], ctx))}
+        jax.block_until_ready(st["s"])
+        for _ in range(3):
+            st["s"] = step_fn(params, st["s"], one, pid)[1]
+        jax.block_until_ready(st["s"])
+        phase("dropped timed")
+        chains = []
+        for _ in range(args.chains):
+            t = time.perf_counter()
+            for _ in range(args.reps):
+                st["s"] = step_fn(params, st["s"], one, pid)[1]
+            jax.block_until_ready(st["s"])
+            chains.append((time.perf_counter() - t) / args.reps)
+        emit({"part": "decode dispatch", "io": "dropped", "chained_ms_per_step": float(np.median(chains)) * 1e3,
+              "chained_ms_all": [round(c * 1e3, 4) for c in chains]})
+        hold["s"] = st["s"]
+
     if args.io != "stable" and main_parts:
         dispatch_timings(cstep)
+        if args.addr_trace:
+            dropped_timings(cstep)
     if args.addr_trace and main_parts:
         address_trace(cstep, args.addr_trace)
     if args.io != "plain" and main_parts:
