@@ -148,7 +148,8 @@ case "$part" in
       dump=$([ "${MOVED_DUMP:-0}" = 1 ] && [ $first = 1 ] && echo "--xla_dump_to=$OUT/dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=^jit_step(_io)?$")
       first=0
       log="$OUT/moved_${a//+/_}.log"
-      XLA_FLAGS="$mode $dump" XLA_PYTHON_CLIENT_ALLOCATOR=$alloc TF_CPP_MIN_LOG_LEVEL=0 \
+      xf=$(echo $mode $dump)   # (XLA reads a non-empty XLA_FLAGS not starting with -- as a file name)
+      env ${xf:+XLA_FLAGS="$xf"} XLA_PYTHON_CLIENT_ALLOCATOR=$alloc TF_CPP_MIN_LOG_LEVEL=0 \
         TF_CPP_VMODULE=command_buffer_thunk=${MOVED_VLOG:-3}${MOVED_VMODULE:+,$MOVED_VMODULE} \
         timeout ${MOVED_S:-200} python scripts/probe_launch.py --io both --addr-trace 8 --label "moved:$a" \
         --layers ${MOVED_LAYERS:-4} --unroll-stacked --fuse --quant ${MOVED_QUANT:-fp8} --fp8-head \
