@@ -214,6 +214,8 @@ class Engine:
         # overlapped decode: the step queued on the device whose outputs are not yet emitted
         self.overlap = bool(overlap) and model.ple_store is None
         self._inflight: _Inflight | _SpecInflight | None = None
+        # the overlapped decode's per-step inputs and outputs kept at fixed device addresses (`_decode_overlapped`)
+        self._io: dict | None = None
         self._spec_none = None    # stand-ins for "no round in flight" in _jit_spec_inputs
         self._sp_cache = None
         self._ngram_tables = None
@@ -266,6 +268,7 @@ class Engine:
             self.hot, self.draft_head = rep(self.hot), rep(self.draft_head)
         if self._ngram_tables is not None:
             self._ngram_tables = rep(self._ngram_tables)
+        self._io = None     # made again, replicated on the mesh, at the next overlapped step
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -670,13 +673,42 @@ class Engine:
         random streams are those of the synchronous engine."""
         prev = self._inflight
         packed, params = self._row_inputs(reqs, {id(r) for r, _ in prev.batch} if prev is not None else set())
-        prev_tok = prev.tokens if prev is not None else jnp.zeros((len(self.slots),), jnp.int32)
-        self.state, tok, lp_info, self.seen, self.out_counts = _jit_decode_overlap(
-            self.model.params, self.state, prev_tok, packed, self._ngram_tables,
-            self._sampling_arrays(params), self.seen, self.out_counts, self.cfg, self.moe_impl, _n_logprobs(reqs),
+        n = _n_logprobs(reqs)
+        io = self._io_buffers(n)
+        # Every buffer the step program reads or writes keeps its device address from step to step: the row
+        # inputs are copied into a donated buffer by a one-copy program first, the previous token is read from and
+        # the new token and logprob arrays written into donated buffers, and only a small copy program's outputs
+        # go to the host. XLA re-records a program's whole CUDA graph (~2 us a kernel on the H200's host) before
+        # any launch in which a buffer it uses has moved; a fresh output still alive at the next launch (the
+        # token array the host has not read yet) moved on every step.
+        io["packed"] = _jit_io_put(io["packed"], packed)
+        self.state, io["tok"], io["lp"][n], self.seen, self.out_counts = _jit_decode_overlap(
+            self.model.params, self.state, io["tok"], io["packed"], io["lp"][n], self._ngram_tables,
+            self._sampling_arrays(params), self.seen, self.out_counts, self.cfg, self.moe_impl, n,
             greedy=all(r.params.greedy for r in reqs))
+        tok, lp_info = _jit_io_get(io["tok"], io["lp"][n])
         self.stats["decode_steps"] += 1
         return _Inflight([(r, r.slot) for r in reqs], tok, lp_info)
+
+    def _io_buffers(self, n_logprobs: int) -> dict:
+        """The overlapped decode's fixed buffers (made at the first step, replicated on a mesh): the row inputs
+        [5, slots] uint32, the last sampled token per slot, and per logprob count the (chosen, top values, top ids)
+        arrays the step writes."""
+        slots = len(self.slots)
+        if self._io is None:
+            self._io = {"packed": self._io_place(np.zeros((5, slots), np.uint32)),
+                        "tok": self._io_place(np.zeros((slots,), np.int32)), "lp": {}}
+        if n_logprobs not in self._io["lp"]:
+            self._io["lp"][n_logprobs] = self._io_place((np.zeros((slots, 1), np.float32),
+                                                         np.zeros((slots, 1, n_logprobs), np.float32),
+                                                         np.zeros((slots, 1, n_logprobs), np.int32)))
+        return self._io
+
+    def _io_place(self, tree):
+        if self.mesh is None:
+            return jax.device_put(tree)
+        from fnx import parallel
+        return parallel.place(tree, parallel.replicated(self.mesh, tree))
 
     def _finish_inflight(self, inf: "_Inflight") -> list[Output]:
         """Bring a queued step's tokens to the host and emit them; requests that ended (or were aborted) after it
@@ -1000,19 +1032,39 @@ def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_l
                         moe_impl, n_logprobs, greedy, ple_cb, front)
 
 
+# keep_unused: a donated buffer the program only writes (the row inputs here, the logprob arrays in the step) is
+# still a parameter, so its output is written in place (JAX drops unused parameters otherwise, and the output
+# becomes a new buffer every call)
+@partial(jax.jit, donate_argnames=("dst",), keep_unused=True)
+def _jit_io_put(dst, packed):
+    """The host's row inputs copied into the donated buffer `dst` (same shape): the step program then reads them
+    at a fixed address."""
+    return jnp.asarray(packed, dst.dtype).reshape(dst.shape)
+
+
+@jax.jit
+def _jit_io_get(tok, lp):
+    """Copies of the step's token and logprob buffers for the host to read while the next step (which writes the
+    buffers again) runs."""
+    return tok + 0, jax.tree.map(lambda a: a + 0, lp)
+
+
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
-         donate_argnames=("state", "seen", "counts"))
-def _jit_decode_overlap(params, state, prev_tok, packed, tables, sp, seen, counts, cfg, moe_impl, n_logprobs,
+         donate_argnames=("state", "prev_tok", "lp", "seen", "counts"), keep_unused=True)
+def _jit_decode_overlap(params, state, prev_tok, packed, lp, tables, sp, seen, counts, cfg, moe_impl, n_logprobs,
                         greedy=False):
     """`_jit_decode` for the overlapped engine: each row's token is the previous step's sample (still on the
-    device) or the one the host passes, and the PLE n-gram ids come from the state's n-gram context. packed
-    [5, S] uint32: host token, from-host flag, n_valid, seed, counter per row."""
+    device, in `prev_tok`) or the one the host passes, and the PLE n-gram ids come from the state's n-gram context.
+    packed [5, S] uint32: host token, from-host flag, n_valid, seed, counter per row. The new tokens and logprob
+    arrays are returned in the donated `prev_tok` and `lp` buffers' place (`Engine._decode_overlapped`)."""
     from fnx.model.ngram_device import ngram_ids_device
     tokens = jnp.where(packed[1] != 0, packed[0].astype(jnp.int32), prev_tok)[:, None].astype(jnp.int32)
     ids = ngram_ids_device(state["ngram_ctx"], tokens, tables) if tables is not None else None
     keys = row_keys(packed[3], packed[4])
-    return _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ids, sp, keys, seen, counts, cfg,
-                        moe_impl, n_logprobs, greedy)
+    state, tok, info, seen, counts = _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ids, sp, keys,
+                                                  seen, counts, cfg, moe_impl, n_logprobs, greedy)
+    info = tuple(a.astype(b.dtype).reshape(b.shape) for a, b in zip(info, lp, strict=True))
+    return state, tok.astype(prev_tok.dtype), info, seen, counts
 
 
 @partial(jax.jit, static_argnames=("dtype",))

@@ -279,6 +279,32 @@ def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
     assert len(sync["r2"][0]) == 3 and sync["r2"][2] is None      # aborted after 3 tokens, in both engines
 
 
+def test_overlapped_decode_keeps_its_buffers_in_place(tiny_models):
+    """Every buffer the overlapped step program reads or writes keeps its device address from step to step (on a
+    GPU, XLA re-records the program's whole CUDA graph before a launch in which one has moved): the row inputs, the
+    token and logprob buffers, the state, the penalty counts; the host reads copies, so the tokens of a step still
+    in flight stay readable after the next step overwrites the buffers."""
+    model, _ = tiny_models("tiny-a")
+    eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=8)
+    assert eng.overlap
+    eng.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=8, logprobs=2, ignore_eos=True), request_id="a")
+    eng.submit([2, 7, 1], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True), request_id="b")
+
+    def addresses():
+        tree = {"io": eng._io, "state": eng.state, "seen": eng.seen, "counts": eng.out_counts}
+        return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer()
+                for k, v in jax.tree_util.tree_flatten_with_path(tree)[0] if v.size}
+
+    seen, emitted = [], 0
+    while eng.has_work():
+        emitted += len(eng.step())
+        if eng._io is not None and eng._inflight is not None:
+            seen.append(addresses())
+    assert emitted == 16 and len(seen) >= 5, (emitted, len(seen))
+    assert all(a == seen[0] for a in seen[1:]), [k for k in seen[0] if any(a.get(k) != seen[0][k] for a in seen)]
+    assert {"['io']['packed']", "['io']['tok']", "['io']['lp'][20][0]"} <= set(seen[0]), sorted(seen[0])[:8]
+
+
 def test_overlap_is_off_where_the_host_needs_each_token(tiny_models):
     """Plain and speculative engines overlap by default; overlap=False turns it off. An overlapped speculative
     engine reserves k - 1 more cache positions per request (the round it may run after a request's last tokens)."""
