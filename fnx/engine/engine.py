@@ -216,6 +216,7 @@ class Engine:
         self._inflight: _Inflight | _SpecInflight | None = None
         # the overlapped decode's per-step inputs and outputs kept at fixed device addresses (`_decode_overlapped`)
         self._io: dict | None = None
+        self._spec_io: dict | None = None    # the same for speculative rounds (`_spec_launch`)
         self._spec_none = None    # stand-ins for "no round in flight" in _jit_spec_inputs
         self._sp_cache = None
         self._ngram_tables = None
@@ -268,7 +269,7 @@ class Engine:
             self.hot, self.draft_head = rep(self.hot), rep(self.draft_head)
         if self._ngram_tables is not None:
             self._ngram_tables = rep(self._ngram_tables)
-        self._io = None     # made again, replicated on the mesh, at the next overlapped step
+        self._io = self._spec_io = None     # made again, replicated on the mesh, at the next step or round
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -704,6 +705,24 @@ class Engine:
                                                          np.zeros((slots, 1, n_logprobs), np.int32)))
         return self._io
 
+    def _spec_buffers(self, host: dict, n_logprobs: int) -> dict:
+        """The speculative round's fixed buffers (`_jit_spec_round`): the host rows (shapes of `host`), the round's
+        outputs (hidden rows [S, k+1, D] in the model's dtype, tokens [S, k+1], accepted counts [S]) and per
+        logprob count the (chosen, top values, top ids) arrays [S, k+1(, n)]."""
+        slots, k = len(self.slots), self.k
+        if getattr(self, "_spec_io", None) is None:
+            self._spec_io = {
+                "host": self._io_place({name: np.zeros(a.shape, a.dtype) for name, a in host.items()}),
+                "out": self._io_place({"hidden": jnp.zeros((slots, k + 1, self.cfg.hc_dim), self.model.dtype),
+                                       "tok": np.zeros((slots, k + 1), np.int32),
+                                       "n_acc": np.zeros((slots,), np.int32)}),
+                "lp": {}}
+        if n_logprobs not in self._spec_io["lp"]:
+            self._spec_io["lp"][n_logprobs] = self._io_place((np.zeros((slots, k + 1), np.float32),
+                                                              np.zeros((slots, k + 1, n_logprobs), np.float32),
+                                                              np.zeros((slots, k + 1, n_logprobs), np.int32)))
+        return self._spec_io
+
     def _io_place(self, tree):
         if self.mesh is None:
             return jax.device_put(tree)
@@ -759,6 +778,27 @@ class Engine:
         sp, draft_sp = self._batch_sampling(params)
         greedy = all(r.params.greedy for r in reqs)
         dtype = self.model.dtype
+        nlp = _n_logprobs(reqs)
+        # a row with penalties: the verify program penalizes each window position and updates seen / counts (rows
+        # without them never read theirs, so a round without any leaves them as they are: one program fewer)
+        penalized = any(r.params.uses_penalties for r in reqs)
+        if self.model.ple_store is None:
+            # the whole round in one program whose buffers keep their addresses (`_jit_spec_round`); the host rows
+            # go in through a one-copy program, the host reads copies of the outputs
+            host = {"hid": hid, "pair_tok": pair_tok, "count": count, "pending": pending, "from_host": from_host,
+                    "seeds": seeds, "counters": counters, "active": active}
+            io = self._spec_buffers(host, nlp)
+            io["host"] = _jit_io_put(io["host"], host)
+            pen = (self.seen, self.out_counts) if penalized else None
+            self.mtp_state, self.state, io["out"], io["lp"][nlp], pen = _jit_spec_round(
+                self.model.params, self.mtp, self.mtp_state, self.state, io["out"], io["lp"][nlp], io["host"],
+                self._ngram_tables, self.draft_head, self.hot, sp, draft_sp, pen, self.cfg, self.moe_impl, k, nlp,
+                greedy=greedy)
+            if penalized:
+                self.seen, self.out_counts = pen
+            out, lp_info = _jit_io_get(io["out"], io["lp"][nlp])
+            self.stats["rounds"] += 1
+            return _SpecInflight([(r, r.slot) for r in reqs], out["tok"], out["n_acc"], out["hidden"], lp_info)
         if not queued:   # every row from the host: the previous round's slots are not read (one compiled program)
             if self._spec_none is None:
                 self._spec_none = (jnp.zeros((slots, k + 1, sd), dtype), jnp.zeros((slots, k + 1), jnp.int32),
@@ -771,10 +811,6 @@ class Engine:
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, draft_sp,
             keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
-        nlp = _n_logprobs(reqs)
-        # a row with penalties: the verify program penalizes each window position and updates seen / counts (rows
-        # without them never read theirs, so a round without any leaves them as they are: one program fewer)
-        penalized = any(r.params.uses_penalties for r in reqs)
 
         def run_verify(verify, ple, cb=None, front=None):
             pen = (self.seen, self.out_counts) if penalized else None
@@ -784,25 +820,20 @@ class Engine:
                 self.seen, self.out_counts = out[5]
             return out[:5]
 
-        if self.model.ple_store is None:
-            # the verify window [pending, drafts] and its n-gram ids are built on the device: the verify program
-            # is launched right behind the draft program, with no host round trip between them
-            verify, ple = _jit_verify_window(pending_d, drafts, self.state["ngram_ctx"], self._ngram_tables)
-            self.state, out_tok, n_acc, hidden, lp_info = run_verify(verify, ple)
-        else:   # a host PLE store needs the drafts on the host to fetch their rows (never overlapped)
-            drafts = np.asarray(drafts)                                   # [S, k]
-            verify = np.zeros((slots, k + 1), np.int32)
-            hist = [[] for _ in range(slots)]
-            for r in reqs:
-                verify[r.slot, 0] = r.pending
-                verify[r.slot, 1:] = drafts[r.slot]
-                hist[r.slot] = self._context_tail(r.history, len(r.history) - 1)
-            n_valid = np.where(active, k + 1, 0).astype(np.int32)
-            self.state, out_tok, n_acc, hidden, lp_info = self._run_ple(
-                hist, verify, lambda ple, cb: run_verify(verify, ple, cb),
-                lambda: _jit_front(*front_inputs(self.cfg, self.model.params, self.state), verify, n_valid, self.cfg,
-                                   self.moe_impl, snapshots=True),
-                lambda fr, rows: run_verify(verify, rows, front=fr))
+        # a host PLE store needs the drafts on the host to fetch their rows (never overlapped)
+        drafts = np.asarray(drafts)                                   # [S, k]
+        verify = np.zeros((slots, k + 1), np.int32)
+        hist = [[] for _ in range(slots)]
+        for r in reqs:
+            verify[r.slot, 0] = r.pending
+            verify[r.slot, 1:] = drafts[r.slot]
+            hist[r.slot] = self._context_tail(r.history, len(r.history) - 1)
+        n_valid = np.where(active, k + 1, 0).astype(np.int32)
+        self.state, out_tok, n_acc, hidden, lp_info = self._run_ple(
+            hist, verify, lambda ple, cb: run_verify(verify, ple, cb),
+            lambda: _jit_front(*front_inputs(self.cfg, self.model.params, self.state), verify, n_valid, self.cfg,
+                               self.moe_impl, snapshots=True),
+            lambda fr, rows: run_verify(verify, rows, front=fr))
         self.stats["rounds"] += 1
         return _SpecInflight([(r, r.slot) for r in reqs], out_tok, n_acc, hidden, lp_info)
 
@@ -1036,17 +1067,17 @@ def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_l
 # still a parameter, so its output is written in place (JAX drops unused parameters otherwise, and the output
 # becomes a new buffer every call)
 @partial(jax.jit, donate_argnames=("dst",), keep_unused=True)
-def _jit_io_put(dst, packed):
-    """The host's row inputs copied into the donated buffer `dst` (same shape): the step program then reads them
-    at a fixed address."""
-    return jnp.asarray(packed, dst.dtype).reshape(dst.shape)
+def _jit_io_put(dst, src):
+    """Host arrays `src` copied into the donated device buffers `dst` (a pytree of the same structure and shapes):
+    the big programs then read them at fixed addresses."""
+    return jax.tree.map(lambda d, a: jnp.asarray(a, d.dtype).reshape(d.shape), dst, src)
 
 
 @jax.jit
-def _jit_io_get(tok, lp):
-    """Copies of the step's token and logprob buffers for the host to read while the next step (which writes the
-    buffers again) runs."""
-    return tok + 0, jax.tree.map(lambda a: a + 0, lp)
+def _jit_io_get(*trees):
+    """Copies of a program's output buffers for the host to read while the next launch (which writes the buffers
+    again) runs."""
+    return jax.tree.map(lambda a: a + jnp.zeros((), a.dtype), trees)
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),
@@ -1087,6 +1118,29 @@ def _jit_spec_inputs(prev_hidden, prev_tok, prev_nacc, hid, pair_tok, count, pen
     pending = jnp.where(fh, pending, dev_pending)
     counters = jnp.where(fh, counters, counters + n.astype(jnp.uint32))
     return hid, pair_tok, count, pending, row_keys(seeds, counters)
+
+
+@partial(jax.jit, static_argnames=("cfg", "moe_impl", "k", "n_logprobs", "greedy"),
+         donate_argnames=("mstate", "state", "io", "lp", "pen"), keep_unused=True)
+def _jit_spec_round(params, mp, mstate, state, io, lp, host, tables, head, hot, sp, draft_sp, pen, cfg, moe_impl, k,
+                    n_logprobs, greedy=False):
+    """One speculative round in one program (device PLE; `Engine._spec_launch`): the draft inputs from the host
+    rows or, for rows of the round before, from its outputs in `io` (`_jit_spec_inputs`), the MTP drafts, the
+    verify window and its n-gram ids, and the verify. The round's outputs (hidden rows, tokens, accepted counts,
+    logprob arrays) are written in the donated `io` / `lp` buffers' place and the host rows are read from `host`
+    (filled by `_jit_io_put`), so no buffer of the program moves between rounds and XLA keeps its CUDA graph."""
+    hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
+        io["hidden"], io["tok"], io["n_acc"], host["hid"], host["pair_tok"], host["count"], host["pending"],
+        host["from_host"], host["seeds"], host["counters"], dtype=io["hidden"].dtype)
+    mstate, drafts, q_lp = _jit_draft(params, mp, mstate, hid_d, pair_d, count_d, draft_sp, keys, cfg, moe_impl, k,
+                                      head, hot, greedy=greedy)
+    verify, ple = _jit_verify_window(pending_d, drafts, state["ngram_ctx"], tables)
+    state, toks, n_acc, hidden, info, pen = _jit_verify(params, state, verify, host["active"], ple, q_lp, sp, keys,
+                                                        cfg, moe_impl, n_logprobs, greedy=greedy, pen=pen)
+    io = {"hidden": hidden.astype(io["hidden"].dtype), "tok": toks.astype(io["tok"].dtype),
+          "n_acc": n_acc.astype(io["n_acc"].dtype)}
+    info = tuple(a.astype(b.dtype).reshape(b.shape) for a, b in zip(info, lp, strict=True))
+    return mstate, state, io, info, pen
 
 
 @jax.jit
