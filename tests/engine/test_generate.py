@@ -181,25 +181,20 @@ def test_hot_token_and_fp8_draft_heads_are_lossless(tiny_models, tmp_path):
 
 def test_greedy_drafts_through_the_fused_argmax_match_the_sampling_drafts(tiny_models, monkeypatch):
     """A greedy batch drafts through the fused head argmax (`_jit_draft(greedy=True)`) and verifies by argmax
-    (`_jit_verify(greedy=True)`, no distributions): the same drafts, the same acceptance and the same output as
+    (`_jit_verify(greedy=True)`, no distributions; both inside `_jit_spec_round`): the same drafts, the same acceptance and the same output as
     the general sampling programs at temperature 0."""
     import fnx.engine.engine as eng_mod
     model, _ = tiny_models("tiny-a")
     prompts = prompts_for(model, seed=3)
     runs = {}
-    real, real_verify = eng_mod._jit_draft, eng_mod._jit_verify
+    real = eng_mod._jit_spec_round     # the round's program: draft, verify window and verify in one
     for force_general in (False, True):
         seen = []
 
         def spy(*a, greedy=False, **kw):
             seen.append(greedy)
             return real(*a, greedy=False if force_general else greedy, **kw)
-
-        def spy_verify(*a, greedy=False, **kw):
-            seen.append(greedy)
-            return real_verify(*a, greedy=False if force_general else greedy, **kw)
-        monkeypatch.setattr(eng_mod, "_jit_draft", spy)
-        monkeypatch.setattr(eng_mod, "_jit_verify", spy_verify)
+        monkeypatch.setattr(eng_mod, "_jit_spec_round", spy)
         eng = Engine(model, max_slots=2, capacity=128, speculative=SpeculativeConfig(k=3))
         ids = [eng.submit(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
         outs = {i: [] for i in ids}
@@ -279,30 +274,36 @@ def test_overlapped_decode_equals_the_synchronous_engine(tiny_models):
     assert len(sync["r2"][0]) == 3 and sync["r2"][2] is None      # aborted after 3 tokens, in both engines
 
 
-def test_overlapped_decode_keeps_its_buffers_in_place(tiny_models):
-    """Every buffer the overlapped step program reads or writes keeps its device address from step to step (on a
-    GPU, XLA re-records the program's whole CUDA graph before a launch in which one has moved): the row inputs, the
-    token and logprob buffers, the state, the penalty counts; the host reads copies, so the tokens of a step still
-    in flight stay readable after the next step overwrites the buffers."""
+@pytest.mark.parametrize("spec", [None, 3])
+def test_overlapped_decode_keeps_its_buffers_in_place(tiny_models, spec):
+    """Every buffer the overlapped step program (or speculative round program) reads or writes keeps its device
+    address from step to step (on a GPU, XLA re-records the program's whole CUDA graph before a launch in which one
+    has moved): the host rows, the token / accepted-count / hidden / logprob buffers, the states, the penalty
+    counts; the host reads copies, so the outputs of a step still in flight stay readable after the next step
+    overwrites the buffers."""
     model, _ = tiny_models("tiny-a")
-    eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=8)
+    eng = Engine(model, max_slots=2, capacity=96, prefill_chunk=8, speculative=spec)
     assert eng.overlap
-    eng.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=8, logprobs=2, ignore_eos=True), request_id="a")
-    eng.submit([2, 7, 1], SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True), request_id="b")
+    eng.submit([3, 1, 4, 1, 5], SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True), request_id="a")
+    eng.submit([2, 7, 1], SamplingParams(max_tokens=12, temperature=0.8, seed=1, repetition_penalty=1.2,
+                                         ignore_eos=True), request_id="b")
 
     def addresses():
-        tree = {"io": eng._io, "state": eng.state, "seen": eng.seen, "counts": eng.out_counts}
+        tree = {"io": eng._spec_io if spec else eng._io, "state": eng.state, "seen": eng.seen,
+                "counts": eng.out_counts, "mtp": eng.mtp_state if spec else None}
         return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer()
                 for k, v in jax.tree_util.tree_flatten_with_path(tree)[0] if v.size}
 
     seen, emitted = [], 0
     while eng.has_work():
-        emitted += len(eng.step())
-        if eng._io is not None and eng._inflight is not None:
+        emitted += sum(len(o.token_ids) for o in eng.step())
+        if eng._inflight is not None and (eng._spec_io if spec else eng._io) is not None:
             seen.append(addresses())
-    assert emitted == 16 and len(seen) >= 5, (emitted, len(seen))
+    assert emitted == 24 and len(seen) >= 3, (emitted, len(seen))
     assert all(a == seen[0] for a in seen[1:]), [k for k in seen[0] if any(a.get(k) != seen[0][k] for a in seen)]
-    assert {"['io']['packed']", "['io']['tok']", "['io']['lp'][20][0]"} <= set(seen[0]), sorted(seen[0])[:8]
+    want = ({"['io']['host']['hid']", "['io']['out']['tok']", "['io']['lp'][20][0]", "['mtp']['pos']"} if spec else
+            {"['io']['packed']", "['io']['tok']", "['io']['lp'][20][0]"})
+    assert want <= set(seen[0]), sorted(seen[0])[:8]
 
 
 def test_overlap_is_off_where_the_host_needs_each_token(tiny_models):
@@ -346,10 +347,10 @@ def test_overlapped_speculative_rounds_equal_the_synchronous_engine(tiny_models)
         runs.append(_run_engine(eng, reqs, abort_id="r2", abort_at=4))
         assert not eng.has_work() and eng._inflight is None
         stats.append((eng.stats["accepted"], eng.stats["row_rounds"]))
-        compiled.append(eng_mod._jit_spec_inputs._cache_size())
+        compiled.append(eng_mod._jit_spec_round._cache_size())
     # rounds with inputs from the device and rounds with inputs from the host run one compiled program (so the
     # server's warm-up, whose requests end after one round, compiles it)
-    assert compiled[0] == compiled[1]
+    assert compiled[0] == compiled[1] > 0
     sync, over = runs
     _assert_same_outputs(sync, over)
     assert stats[0] == stats[1]
@@ -498,7 +499,7 @@ def test_prompt_logprobs_equal_the_forward_pass(tiny_models, spec):
 
 
 @pytest.mark.parametrize("spec", [None, 2])
-def test_logit_bias(tiny_models, spec):
+def test_logit_bias(tiny_models, spec, monkeypatch):
     """`SamplingParams.logit_bias`: +100 on a token makes greedy decoding emit it every step, -100 on what greedy
     picks moves it elsewhere; a row without a bias in the same batch emits what it emits alone (plain and
     speculative: the verify window's positions get the bias too); the jitted generator applies it as well."""
@@ -509,12 +510,19 @@ def test_logit_bias(tiny_models, spec):
     from fnx.engine import engine as eng_mod
     eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=16, speculative=spec)
     _run_engine(eng, [(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))])     # no bias yet
-    drafts = eng_mod._jit_draft._cache_size()
+    widths = []                      # per round: the logit-bias width of the verify's and of the drafter's arrays
+    real = eng_mod._jit_spec_round
+
+    def spy(*a, **kw):
+        widths.append((a[10].bias_ids.shape[-1], a[11].bias_ids.shape[-1]))    # sp, draft_sp
+        return real(*a, **kw)
+    monkeypatch.setattr(eng_mod, "_jit_spec_round", spy)
     reqs = [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((17, 100.0),))),
             (prompts[1], SamplingParams(max_tokens=6, ignore_eos=True))]
     got = _run_engine(eng, reqs)
     assert got["r0"][0] == [17] * 6 and got["r1"][0] == free[1]
-    assert eng_mod._jit_draft._cache_size() == drafts          # the drafter's arrays carry no bias: no new program
+    if spec:     # the verify's arrays carry the bias, the drafter's none (its drafts stay the model's own)
+        assert any(v > 0 for v, _ in widths) and all(d == 0 for _, d in widths), widths
     banned = tuple((t, -100.0) for t in set(free[0]))
     moved = _run_engine(eng, [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=banned))])
     assert not set(moved["r0"][0]) & set(free[0])
