@@ -40,6 +40,7 @@ def test_bench_decode_with_host_ple_and_ledger(tmp_path):
     run = next(r for r in recs if r.get("record") == "run")
     assert run["ple_store"] == "pageable" and run["decode_ms"] > 0 and run["mtp_round_ms"] > 0
     assert run["mtp_round_chained_ms"] > 0          # rounds fed on the device, as the overlapped engine runs them
+    assert run["decode_chained_inplace_ms"] > 0     # chained steps keeping only the state (the engine's buffers)
     assert run["ledger_decode"]["calls"] == 1
     assert run["ledger_prefill"]["calls"] == 1 and run["ledger_prefill"]["tokens"] == 32    # the first context
     assert "# ledger_prefill (4 layers)" in stdout
