@@ -93,9 +93,10 @@ case "$part" in
       --quant fp8+nvfp4 ${FULL_ARGS:-} --out "$OUT/bench_decode.jsonl" > "$OUT/full48.log" 2>&1
     grep -E '^# ledger|"part": "decode"|Error' "$OUT/full48.log" | cut -c1-400 ;;
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS; ENGINE_SPEC=K
-           # also MTP rounds with K drafts, synchronous against overlapped)
-    timeout ${ENGINE_S:-300} python scripts/bench_decode.py --layers ${ENGINE_LAYERS:-4} --contexts 1024 --reps 5 \
-      --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,8} --engine-spec ${ENGINE_SPEC:-0} --out "$OUT/bench_decode.jsonl" 2>&1 \
+           # also MTP rounds with K drafts, synchronous against overlapped; ENGINE_CTX the context, ENGINE_ARGS more
+           # bench_decode flags, e.g. "--quant fp8 --unroll-stacked --fp8-head" for the served layout)
+    timeout ${ENGINE_S:-300} python scripts/bench_decode.py --layers ${ENGINE_LAYERS:-4} --contexts ${ENGINE_CTX:-1024} --reps 5 \
+      --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,8} --engine-spec ${ENGINE_SPEC:-0} ${ENGINE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 \
       | tee "$OUT/engine.log" | grep -E "^# engine|Error" ;;
   probe)   # where a decode step's wall time goes: dispatch, chained steps, gaps, command buffers (one process
            # per layer count; PROBE_ARGS e.g. "--no-scan" or "--dispatch-only")
