@@ -95,9 +95,22 @@ case "$part" in
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS; ENGINE_SPEC=K
            # also MTP rounds with K drafts, synchronous against overlapped; ENGINE_CTX the context, ENGINE_ARGS more
            # bench_decode flags, e.g. "--quant fp8 --unroll-stacked --fp8-head" for the served layout)
+           # ENGINE_VLOG=1: with XLA's command-buffer and executable logs (timings then not comparable), the graph
+           # re-records counted per program (module): which of the engine's programs still move a buffer per launch
+    if [ "${ENGINE_VLOG:-0}" = 1 ]; then
+      export TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,gpu_executable=3
+    fi
     timeout ${ENGINE_S:-300} python scripts/bench_decode.py --layers ${ENGINE_LAYERS:-4} --contexts ${ENGINE_CTX:-1024} --reps 5 \
-      --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,8} --engine-spec ${ENGINE_SPEC:-0} ${ENGINE_ARGS:-} --out "$OUT/bench_decode.jsonl" 2>&1 \
-      | tee "$OUT/engine.log" | grep -E "^# engine|Error" ;;
+      --engine ${ENGINE_TOKENS:-64} --engine-slots ${ENGINE_SLOTS:-1,8} --engine-spec ${ENGINE_SPEC:-0} ${ENGINE_ARGS:-} --out "$OUT/bench_decode.jsonl" \
+      > "$OUT/engine.log" 2>&1
+    grep -E "^# engine|Error" "$OUT/engine.log" | grep -v "^I1"
+    if [ "${ENGINE_VLOG:-0}" = 1 ]; then
+      unset TF_CPP_VMODULE; export TF_CPP_MIN_LOG_LEVEL=2
+      awk '/Start GpuExecutable::ExecuteOnStream module:/ {m=$NF} /updated_allocs=/ {u[m]++}
+           /Execute command buffer/ {e[m]++} END {for (k in e) printf "  %-40s re-records %d of %d launches\n", k, u[k], e[k]}' \
+        "$OUT/engine.log" | sort -k4 -n -r | head -30
+      gzip -f "$OUT/engine.log"
+    fi ;;
   probe)   # where a decode step's wall time goes: dispatch, chained steps, gaps, command buffers (one process
            # per layer count; PROBE_ARGS e.g. "--no-scan" or "--dispatch-only")
     for n in ${PROBE_LAYERS:-4 12}; do
