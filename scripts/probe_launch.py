@@ -417,7 +417,9 @@ def main():
             logits, state, _, _ = step(params, state, io["tokens"], pid, cfg=cfg, moe_impl="auto")
             nxt = jnp.argmax(logits[:, -1].astype(jnp.float32), axis=-1).astype(jnp.int32)[:, None]
             return state, {"tokens": nxt, "logits": logits.astype(io["logits"].dtype)}
-        fn = jax.jit(step_io, donate_argnames=("state", "io"))
+        # keep_unused: io["logits"] is only written; JAX drops an unused parameter otherwise, and then the logits
+        # output is a fresh buffer every call (what made this mode re-record before 2f7caed, BENCHMARKS fortieth)
+        fn = jax.jit(step_io, donate_argnames=("state", "io"), keep_unused=True)
         fetch = jax.jit(lambda io: io["tokens"] + 0)
         v = cfg.vocab_size
         io = {"tokens": jnp.ones((1, 1), jnp.int32), "logits": jnp.zeros((1, 1, v), dtype)}
