@@ -710,7 +710,7 @@ class Engine:
         outputs (hidden rows [S, k+1, D] in the model's dtype, tokens [S, k+1], accepted counts [S]) and per
         logprob count the (chosen, top values, top ids) arrays [S, k+1(, n)]."""
         slots, k = len(self.slots), self.k
-        if getattr(self, "_spec_io", None) is None:
+        if self._spec_io is None:
             self._spec_io = {
                 "host": self._io_place({name: np.zeros(a.shape, a.dtype) for name, a in host.items()}),
                 "out": self._io_place({"hidden": jnp.zeros((slots, k + 1, self.cfg.hc_dim), self.model.dtype),
