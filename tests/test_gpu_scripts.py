@@ -46,6 +46,16 @@ def test_bench_decode_with_host_ple_and_ledger(tmp_path):
     assert "# ledger_prefill (4 layers)" in stdout
 
 
+def test_bench_decode_times_the_engine_round_program(tmp_path):
+    """With the table in the params: the MTP rounds also through the engine's one-program round with its buffers in
+    place (`_jit_spec_round`, chained), beside the separate draft / verify programs."""
+    res = tmp_path / "d.jsonl"
+    _run(["scripts/bench_decode.py", "--tiny", "--reps", "1", "--layers", "4", "--contexts", "32", "--out", str(res)],
+         tmp_path)
+    run = next(json.loads(line) for line in res.read_text().splitlines() if '"record": "run"' in line)
+    assert run["mtp_round_chained_inplace_ms"] > 0 and run["decode_chained_inplace_ms"] > 0
+
+
 def test_bench_decode_with_a_uva_table(tmp_path):
     """--ple-store uva: the params' table is the handle of a pinned synthetic table, the timed programs gather
     their rows through it (on the CPU over a stand-in copy, --ple-emulate) from random ids over the table."""
