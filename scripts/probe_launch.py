@@ -418,7 +418,7 @@ def main():
             nxt = jnp.argmax(logits[:, -1].astype(jnp.float32), axis=-1).astype(jnp.int32)[:, None]
             return state, {"tokens": nxt, "logits": logits.astype(io["logits"].dtype)}
         # keep_unused: io["logits"] is only written; JAX drops an unused parameter otherwise, and then the logits
-        # output is a fresh buffer every call (what made this mode re-record before 2f7caed, BENCHMARKS fortieth)
+        # output is a fresh buffer every call (why this mode re-recorded every launch: BENCHMARKS.md, fortieth)
         fn = jax.jit(step_io, donate_argnames=("state", "io"), keep_unused=True)
         fetch = jax.jit(lambda io: io["tokens"] + 0)
         v = cfg.vocab_size
