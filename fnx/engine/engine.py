@@ -258,7 +258,7 @@ class Engine:
         self.model = parallel.shard_model(self.model, self.mesh)
         self.state, self.empty_slot = put(self.state, parallel.state_shardings), put(self.empty_slot,
                                                                                     parallel.state_shardings)
-        rep = lambda tree: parallel.place(tree, parallel.replicated(self.mesh, tree))  # noqa: E731
+        rep = self._replicated
         self.seen, self.out_counts = rep(self.seen), rep(self.out_counts)
         if self.moe_impl == "auto":
             self.moe_impl = parallel.ExpertParallel(self.mesh)
@@ -697,12 +697,10 @@ class Engine:
         arrays the step writes."""
         slots = len(self.slots)
         if self._io is None:
-            self._io = {"packed": self._io_place(np.zeros((5, slots), np.uint32)),
-                        "tok": self._io_place(np.zeros((slots,), np.int32)), "lp": {}}
+            self._io = {"packed": self._replicated(np.zeros((5, slots), np.uint32)),
+                        "tok": self._replicated(np.zeros((slots,), np.int32)), "lp": {}}
         if n_logprobs not in self._io["lp"]:
-            self._io["lp"][n_logprobs] = self._io_place((np.zeros((slots, 1), np.float32),
-                                                         np.zeros((slots, 1, n_logprobs), np.float32),
-                                                         np.zeros((slots, 1, n_logprobs), np.int32)))
+            self._io["lp"][n_logprobs] = self._lp_buffers(1, n_logprobs)
         return self._io
 
     def _spec_buffers(self, host: dict, n_logprobs: int) -> dict:
@@ -712,22 +710,28 @@ class Engine:
         slots, k = len(self.slots), self.k
         if self._spec_io is None:
             self._spec_io = {
-                "host": self._io_place({name: np.zeros(a.shape, a.dtype) for name, a in host.items()}),
-                "out": self._io_place({"hidden": jnp.zeros((slots, k + 1, self.cfg.hc_dim), self.model.dtype),
+                "host": self._replicated({name: np.zeros(a.shape, a.dtype) for name, a in host.items()}),
+                "out": self._replicated({"hidden": jnp.zeros((slots, k + 1, self.cfg.hc_dim), self.model.dtype),
                                        "tok": np.zeros((slots, k + 1), np.int32),
                                        "n_acc": np.zeros((slots,), np.int32)}),
                 "lp": {}}
         if n_logprobs not in self._spec_io["lp"]:
-            self._spec_io["lp"][n_logprobs] = self._io_place((np.zeros((slots, k + 1), np.float32),
-                                                              np.zeros((slots, k + 1, n_logprobs), np.float32),
-                                                              np.zeros((slots, k + 1, n_logprobs), np.int32)))
+            self._spec_io["lp"][n_logprobs] = self._lp_buffers(k + 1, n_logprobs)
         return self._spec_io
 
-    def _io_place(self, tree):
+    def _replicated(self, tree):
+        """`tree` on the device, replicated over the engine's mesh when it has one."""
         if self.mesh is None:
             return jax.device_put(tree)
         from fnx import parallel
         return parallel.place(tree, parallel.replicated(self.mesh, tree))
+
+    def _lp_buffers(self, width: int, n_logprobs: int):
+        """Per-row (chosen, top values, top ids) logprob buffers [S, width(, n)] a program writes in place."""
+        slots = len(self.slots)
+        return self._replicated((np.zeros((slots, width), np.float32),
+                                 np.zeros((slots, width, n_logprobs), np.float32),
+                                 np.zeros((slots, width, n_logprobs), np.int32)))
 
     def _finish_inflight(self, inf: "_Inflight") -> list[Output]:
         """Bring a queued step's tokens to the host and emit them; requests that ended (or were aborted) after it
@@ -799,15 +803,16 @@ class Engine:
             out, lp_info = _jit_io_get(io["out"], io["lp"][nlp])
             self.stats["rounds"] += 1
             return _SpecInflight([(r, r.slot) for r in reqs], out["tok"], out["n_acc"], out["hidden"], lp_info)
-        if not queued:   # every row from the host: the previous round's slots are not read (one compiled program)
-            if self._spec_none is None:
-                self._spec_none = (jnp.zeros((slots, k + 1, sd), dtype), jnp.zeros((slots, k + 1), jnp.int32),
-                                   jnp.zeros((slots,), jnp.int32))
-            prev_out = self._spec_none
-        else:
-            prev_out = (prev.hidden, prev.tokens, prev.n_acc)
+        # a host PLE store: the engine is never overlapped, so every row comes from the host and the previous
+        # round's slots are stand-ins that `_jit_spec_inputs` does not read
+        if queued:
+            raise RuntimeError("internal: a round of an engine with a host PLE store found a round in flight (such "
+                               "an engine runs its rounds synchronously)")
+        if self._spec_none is None:
+            self._spec_none = (jnp.zeros((slots, k + 1, sd), dtype), jnp.zeros((slots, k + 1), jnp.int32),
+                               jnp.zeros((slots,), jnp.int32))
         hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
-            *prev_out, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
+            *self._spec_none, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, draft_sp,
             keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
