@@ -9,6 +9,7 @@ bucket. The engine is single-threaded: the serving layer drives it from one thre
 from __future__ import annotations
 
 import itertools
+import math
 import logging
 import os
 import time
@@ -217,6 +218,7 @@ class Engine:
         # the overlapped decode's per-step inputs and outputs kept at fixed device addresses (`_decode_overlapped`)
         self._io: dict | None = None
         self._spec_io: dict | None = None    # the same for speculative rounds (`_spec_launch`)
+        self._copies = HostCopies(self._replicated)   # where the host's copies of their outputs are written
         self._spec_none = None    # stand-ins for "no round in flight" in _jit_spec_inputs
         self._sp_cache = None
         self._ngram_tables = None
@@ -270,6 +272,7 @@ class Engine:
         if self._ngram_tables is not None:
             self._ngram_tables = rep(self._ngram_tables)
         self._io = self._spec_io = None     # made again, replicated on the mesh, at the next step or round
+        self._copies = HostCopies(self._replicated)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def submit(self, prompt_ids, params: SamplingParams | None = None, request_id: str | None = None) -> str:
@@ -678,16 +681,17 @@ class Engine:
         io = self._io_buffers(n)
         # Every buffer the step program reads or writes keeps its device address from step to step: the row
         # inputs are copied into a donated buffer by a one-copy program first, the previous token is read from and
-        # the new token and logprob arrays written into donated buffers, and only a small copy program's outputs
-        # go to the host. XLA re-records a program's whole CUDA graph (~2 us a kernel on the H200's host) before
-        # any launch in which a buffer it uses has moved; a fresh output still alive at the next launch (the
-        # token array the host has not read yet) moved on every step.
+        # the new token and logprob arrays written into donated buffers, and the host reads copies a small program
+        # writes into buffers of their own (`HostCopies`: no allocation between launches). XLA re-records a
+        # program's whole CUDA graph (~2 us a kernel on the H200's host) before any launch in which a buffer it
+        # uses has moved; a fresh output still alive at the next launch (the token array the host has not read
+        # yet) moved on every step.
         io["packed"] = _jit_io_put(io["packed"], packed)
         self.state, io["tok"], io["lp"][n], self.seen, self.out_counts = _jit_decode_overlap(
             self.model.params, self.state, io["tok"], io["packed"], io["lp"][n], self._ngram_tables,
             self._sampling_arrays(params), self.seen, self.out_counts, self.cfg, self.moe_impl, n,
             greedy=all(r.params.greedy for r in reqs))
-        tok, lp_info = _jit_io_get(io["tok"], io["lp"][n])
+        tok, lp_info = self._copies.take(("decode", n), (io["tok"], io["lp"][n]))
         self.stats["decode_steps"] += 1
         return _Inflight([(r, r.slot) for r in reqs], tok, lp_info)
 
@@ -788,11 +792,12 @@ class Engine:
         penalized = any(r.params.uses_penalties for r in reqs)
         if self.model.ple_store is None:
             # the whole round in one program whose buffers keep their addresses (`_jit_spec_round`); the host rows
-            # go in through a one-copy program, the host reads copies of the outputs
+            # go in as one packed array through a one-copy program, the host reads copies of the outputs written
+            # into buffers of their own (`HostCopies`)
             host = {"hid": hid, "pair_tok": pair_tok, "count": count, "pending": pending, "from_host": from_host,
                     "seeds": seeds, "counters": counters, "active": active}
             io = self._spec_buffers(host, nlp)
-            io["host"] = _jit_io_put(io["host"], host)
+            io["host"] = _jit_io_put(io["host"], pack_host(host))
             pen = (self.seen, self.out_counts) if penalized else None
             self.mtp_state, self.state, io["out"], io["lp"][nlp], pen = _jit_spec_round(
                 self.model.params, self.mtp, self.mtp_state, self.state, io["out"], io["lp"][nlp], io["host"],
@@ -800,7 +805,7 @@ class Engine:
                 greedy=greedy)
             if penalized:
                 self.seen, self.out_counts = pen
-            out, lp_info = _jit_io_get(io["out"], io["lp"][nlp])
+            out, lp_info = self._copies.take(("spec", nlp), (io["out"], io["lp"][nlp]))
             self.stats["rounds"] += 1
             return _SpecInflight([(r, r.slot) for r in reqs], out["tok"], out["n_acc"], out["hidden"], lp_info)
         # a host PLE store: the engine is never overlapped, so every row comes from the host and the previous
@@ -1072,17 +1077,64 @@ def _jit_decode(params, state, packed, ple, sp, seen, counts, cfg, moe_impl, n_l
 # still a parameter, so its output is written in place (JAX drops unused parameters otherwise, and the output
 # becomes a new buffer every call)
 @partial(jax.jit, donate_argnames=("dst",), keep_unused=True)
-def _jit_io_put(dst, src):
-    """Host arrays `src` copied into the donated device buffers `dst` (a pytree of the same structure and shapes):
-    the big programs then read them at fixed addresses."""
-    return jax.tree.map(lambda d, a: jnp.asarray(a, d.dtype).reshape(d.shape), dst, src)
+def _jit_io_put(dst, packed):
+    """The host's row inputs, packed by `pack_host` into one uint32 array [rows, words] (one host-to-device copy
+    per launch, not one per array), unpacked into the donated device buffers `dst` (a pytree of arrays [rows, ...]
+    of 4-byte or bool dtypes, in `pack_host`'s leaf order): the big programs then read them at fixed addresses."""
+    out, off = [], 0
+    leaves, tree = jax.tree.flatten(dst)
+    for d in leaves:
+        w = math.prod(d.shape[1:])
+        words = packed[:, off:off + w]
+        off += w
+        v = words != 0 if d.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(words, d.dtype)
+        out.append(v.reshape(d.shape))
+    return jax.tree.unflatten(tree, out)
 
 
-@jax.jit
-def _jit_io_get(*trees):
-    """Copies of a program's output buffers for the host to read while the next launch (which writes the buffers
-    again) runs."""
-    return jax.tree.map(lambda a: a + jnp.zeros((), a.dtype), trees)
+def pack_host(tree) -> np.ndarray:
+    """`tree` (host arrays [rows, ...] of 4-byte or bool dtypes) as one uint32 array [rows, words] for
+    `_jit_io_put` (each NumPy argument costs a launch ~0.1 ms of host time on the H200)."""
+    cols = []
+    for a in jax.tree.leaves(tree):
+        a = np.ascontiguousarray(a)
+        if a.dtype == np.bool_:
+            a = a.astype(np.uint32)
+        elif a.dtype.itemsize != 4:
+            raise TypeError(f"pack_host takes 4-byte or bool arrays, got {a.dtype}")
+        cols.append(a.view(np.uint32).reshape(a.shape[0], -1))
+    return np.concatenate(cols, axis=1)
+
+
+@partial(jax.jit, donate_argnames=("dst",), keep_unused=True)
+def _jit_io_get(dst, src):
+    """Copies of a program's output buffers `src`, written into the donated buffers `dst` (`HostCopies`), for the
+    host to read while the next launch (which writes the buffers again) runs."""
+    return jax.tree.map(lambda d, a: a.astype(d.dtype).reshape(d.shape), dst, src)
+
+
+class HostCopies:
+    """Two sets of device buffers, used in turn, that take the copies of a program's outputs the host reads
+    (`_jit_io_get`). The copies are written in place, so no device memory is allocated between launches: a fresh
+    copy still held while the next launch allocated its temporaries (the overlapped engine reads a round's outputs
+    after launching the next) moved those temporaries, and XLA re-recorded the round's whole CUDA graph before
+    every launch (BENCHMARKS.md, forty-first session). Two sets suffice because at most one launch is in flight:
+    the set a launch overwrites was read by the host before the launch before it returned."""
+
+    def __init__(self, place):
+        self.place = place            # host tree -> device tree (replicated over the engine's mesh)
+        self.sets: dict = {}          # key -> [set 0, set 1, index of the set used next]
+
+    def take(self, key, src):
+        """Copies of the device tree `src` in the next set of `key`'s buffers (made at the first call)."""
+        ring = self.sets.get(key)
+        if ring is None:
+            zeros = lambda: self.place(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), src))  # noqa: E731
+            ring = self.sets[key] = [zeros(), zeros(), 0]
+        i = ring[2]
+        ring[i] = _jit_io_get(ring[i], src)
+        ring[2] = 1 - i
+        return ring[i]
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "n_logprobs", "greedy"),

@@ -279,8 +279,8 @@ def test_overlapped_decode_keeps_its_buffers_in_place(tiny_models, spec):
     """Every buffer the overlapped step program (or speculative round program) reads or writes keeps its device
     address from step to step (on a GPU, XLA re-records the program's whole CUDA graph before a launch in which one
     has moved): the host rows, the token / accepted-count / hidden / logprob buffers, the states, the penalty
-    counts; the host reads copies, so the outputs of a step still in flight stay readable after the next step
-    overwrites the buffers."""
+    counts; the host reads copies (written into two buffer sets in turn: nothing is allocated between launches),
+    so the outputs of a step still in flight stay readable after the next step overwrites the buffers."""
     model, _ = tiny_models("tiny-a")
     eng = Engine(model, max_slots=2, capacity=96, prefill_chunk=8, speculative=spec)
     assert eng.overlap
@@ -294,13 +294,16 @@ def test_overlapped_decode_keeps_its_buffers_in_place(tiny_models, spec):
         return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer()
                 for k, v in jax.tree_util.tree_flatten_with_path(tree)[0] if v.size}
 
-    seen, emitted = [], 0
+    seen, copies, emitted = [], [], 0
     while eng.has_work():
         emitted += sum(len(o.token_ids) for o in eng.step())
         if eng._inflight is not None and (eng._spec_io if spec else eng._io) is not None:
             seen.append(addresses())
+            copies.append(eng._inflight.tokens.unsafe_buffer_pointer())
     assert emitted == 24 and len(seen) >= 3, (emitted, len(seen))
     assert all(a == seen[0] for a in seen[1:]), [k for k in seen[0] if any(a.get(k) != seen[0][k] for a in seen)]
+    # the copies the host reads: two buffer sets written in turn (nothing allocated between launches)
+    assert copies[0] != copies[1] and copies == [copies[i % 2] for i in range(len(copies))], copies
     want = ({"['io']['host']['hid']", "['io']['out']['tok']", "['io']['lp'][20][0]", "['mtp']['pos']"} if spec else
             {"['io']['packed']", "['io']['tok']", "['io']['lp'][20][0]"})
     assert want <= set(seen[0]), sorted(seen[0])[:8]
@@ -533,3 +536,24 @@ def test_logit_bias(tiny_models, spec, monkeypatch):
         eng.submit([1, 2], SamplingParams(logit_bias=((model.cfg.vocab_size, 1.0),)))
     with pytest.raises(ValueError, match="biases in"):
         SamplingParams(logit_bias=((3, 101.0),))
+
+
+def test_packed_host_rows_unpack_to_the_same_bits():
+    """The speculative round's host rows travel as one uint32 array (`pack_host`) and are unpacked on the device
+    into their fixed buffers (`_jit_io_put`): every value comes back bit for bit (negative ints, NaN / inf / -0.0
+    floats, bools, full-range uint32), whatever the order of the dict's keys; other dtypes are refused."""
+    from fnx.engine.engine import _jit_io_put, pack_host
+    rng = np.random.default_rng(0)
+    f = rng.standard_normal((3, 2, 5)).astype(np.float32)
+    f[0, 0, :3] = [np.nan, np.inf, -0.0]
+    host = {"z": f, "a": rng.integers(-2**31, 2**31, (3, 2)).astype(np.int32),
+            "m": np.array([True, False, True]), "u": np.array([0, 2**32 - 1, 7], np.uint32)}
+    dst = jax.device_put({k: np.zeros(v.shape, v.dtype) for k, v in host.items()})
+    packed = pack_host(host)
+    assert packed.dtype == np.uint32 and packed.shape == (3, 10 + 2 + 1 + 1)
+    got = jax.device_get(_jit_io_put(dst, packed))
+    for k, v in host.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert np.array_equal(np.asarray(got[k]).view(np.uint8), v.view(np.uint8)), k
+    with pytest.raises(TypeError, match="4-byte or bool"):
+        pack_host({"h": np.zeros((3, 2), np.float16)})
