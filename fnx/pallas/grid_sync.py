@@ -99,10 +99,11 @@ def current_pool() -> CounterPool | None:
     return _POOL.get()
 
 
-def knob(env: str) -> bool:
-    """Whether the 0/1 knob `env` (read when a program is traced) is on; another value raises."""
+def knob(env: str, default: bool = False) -> bool:
+    """Whether the 0/1 knob `env` (read when a program is traced) is on (unset or empty: `default`); another value
+    raises."""
     import os
-    flag = os.environ.get(env, "").strip() or "0"
+    flag = os.environ.get(env, "").strip() or ("1" if default else "0")
     if flag not in ("0", "1"):
         raise ValueError(f"{env}={flag!r}: 0 or 1")
     return flag == "1"

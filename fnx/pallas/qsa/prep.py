@@ -209,16 +209,17 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     Returns (q [B, L, H, hd], q_idx [B, L, hi, di], new state, buf [B, nbuf, di]).
 
     early 1: each program reads everything it uses before its first arithmetic or store (None: `FNX_QSA_PREP_EARLY`,
-    read when a program is traced, default 0). As first written, each token's and each row's loads come after the
-    previous one's stores (a load is never moved above a store that may alias it), so the indexer's program, which
-    writes the raw-key buffer row by row, the ring and each touched block, and the head programs over several tokens
-    chain one memory round trip per row. The same bits.
+    read when a program is traced, default 1 since the forty-first session: with the ring in place -4.5 us a
+    4-layer step and -37.5 us a round on an H100, BENCHMARKS.md). As first written (early 0), each token's and each
+    row's loads come after the previous one's stores (a load is never moved above a store that may alias it), so
+    the indexer's program, which writes the raw-key buffer row by row, the ring and each touched block, and the head
+    programs over several tokens chain one memory round trip per row. The same bits.
 
-    ring_inplace 1 (None: `FNX_QSA_PREP_RING_INPLACE`, default 0; needs early 1): the new ring is written over the
-    state's (input_output_aliases), so no copy kernel follows the launch (the default writes it to a new buffer, which
-    XLA copies into the donated state: one memcpy per QSA layer and step). Only the indexer program reads the ring,
-    and with `early` it reads all of it before its first store; a CTA barrier before the ring's stores makes every
-    thread's loads come first. The same bits."""
+    ring_inplace 1 (None: `FNX_QSA_PREP_RING_INPLACE`, default: early's value; needs early 1): the new ring is
+    written over the state's (input_output_aliases), so no copy kernel follows the launch (with 0 it goes to a new
+    buffer, which XLA copies into the donated state: one memcpy per QSA layer and step). Only the indexer program
+    reads the ring, and with `early` it reads all of it before its first store; a CTA barrier before the ring's
+    stores makes every thread's loads come first. The same bits."""
     from fnx.pallas import stacked
     from fnx.pallas.kernel_math import window_operand
     kc, vc, blocks, ring = state["k"], state["v"], state["idx_blocks"], state["idx_ring"]
@@ -259,9 +260,9 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=1)}
     if early is None:
-        early = int(grid_sync.knob(EARLY_ENV))
+        early = int(grid_sync.knob(EARLY_ENV, default=True))
     if ring_inplace is None:
-        ring_inplace = int(grid_sync.knob(RING_ENV))
+        ring_inplace = int(grid_sync.knob(RING_ENV, default=bool(early)))
     if ring_inplace and not early:
         raise ValueError(f"qsa_prep: the ring in place ({RING_ENV}=1) needs the early loads ({EARLY_ENV}=1): "
                          "without them the indexer program reads ring rows after storing others")
