@@ -278,7 +278,10 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
                 # the median step (the last steps of an overlapped engine only drain; a stray slow step is noise)
                 return float(np.median(times)) * 1e3 if timed else None
 
+            # phase lines split a log of XLA's (ENGINE_VLOG=1: its command-buffer re-records) by engine and run
+            print(f"=== phase engine b{slots} {label} warm-up", flush=True)
             run(4, False)                       # compiles
+            print(f"=== phase engine b{slots} {label} timed", flush=True)
             prof_dir = os.environ.get("FNX_ENGINE_PROFILE")   # a directory: cProfile of each timed run, as text
             if prof_dir:
                 import cProfile

@@ -106,10 +106,17 @@ case "$part" in
     grep -E "^# engine|Error" "$OUT/engine.log" | grep -v "^I1"
     if [ "${ENGINE_VLOG:-0}" = 1 ]; then
       unset TF_CPP_VMODULE; export TF_CPP_MIN_LOG_LEVEL=2
+      # re-records per program over the whole run, then per program in each engine's timed phase (bench_decode
+      # prints a "=== phase engine bSLOTS LABEL warm-up|timed" line before each engine run)
       awk '/Start GpuExecutable::ExecuteOnStream module:/ {m=$NF} /updated_allocs=/ {u[m]++}
            /Execute command buffer/ {e[m]++} END {for (k in e) printf "  %-40s re-records %d of %d launches\n", k, u[k], e[k]}' \
         "$OUT/engine.log" | sort -k4 -n -r | head -30
-      gzip -f "$OUT/engine.log"
+      awk '/^=== phase engine/ {p=$4" "$5" "$6} /^=== phase/ && !/engine/ {p=""}
+           /Start GpuExecutable::ExecuteOnStream module:/ {m=$NF} p ~ /timed/ && /updated_allocs=/ {u[p" "m]++}
+           p ~ /timed/ && /Execute command buffer/ {e[p" "m]++}
+           END {for (k in e) printf "  %-60s re-records %d of %d launches\n", k, u[k], e[k]}' "$OUT/engine.log" | sort
+      # (kept per run: several engine parts in one call each leave their log)
+      mv "$OUT/engine.log" "$OUT/engine_vlog_$(date +%H%M%S).log"; gzip -f "$OUT"/engine_vlog_*.log
     fi ;;
   probe)   # where a decode step's wall time goes: dispatch, chained steps, gaps, command buffers (one process
            # per layer count; PROBE_ARGS e.g. "--no-scan" or "--dispatch-only")
