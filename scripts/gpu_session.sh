@@ -94,7 +94,8 @@ case "$part" in
     grep -E '^# ledger|"part": "decode"|Error' "$OUT/full48.log" | cut -c1-400 ;;
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS; ENGINE_SPEC=K
            # also MTP rounds with K drafts, synchronous against overlapped; ENGINE_CTX the context, ENGINE_ARGS more
-           # bench_decode flags, e.g. "--quant fp8 --unroll-stacked --fp8-head" for the served layout)
+           # bench_decode flags, e.g. "--quant fp8 --unroll-stacked --fp8-head" for the served layout, and
+           # --engine-only to skip bench_decode's own step / round / prefill timings: the 48-layer engine run)
            # ENGINE_VLOG=1: with XLA's command-buffer and executable logs (timings then not comparable), the graph
            # re-records counted per program (module): which of the engine's programs still move a buffer per launch
     if [ "${ENGINE_VLOG:-0}" = 1 ]; then

@@ -56,6 +56,19 @@ def test_bench_decode_times_the_engine_round_program(tmp_path):
     assert run["mtp_round_chained_inplace_ms"] > 0 and run["decode_chained_inplace_ms"] > 0
 
 
+def test_bench_decode_engine_only_with_quantized_weights(tmp_path):
+    """--engine-only: only the Engine runs (no step / round / prefill timings), here on FP8 + NVFP4 weights with the
+    FP8 head, as the 48-layer engine run on one device needs; each engine run is preceded by its phase lines."""
+    res = tmp_path / "d.jsonl"
+    stdout = _run(["scripts/bench_decode.py", "--tiny", "--reps", "1", "--layers", "4", "--contexts", "32",
+                   "--quant", "fp8+nvfp4", "--fp8-head", "--unroll-stacked", "--engine", "3", "--engine-slots", "1",
+                   "--engine-only", "--out", str(res)], tmp_path)
+    run = next(json.loads(line) for line in res.read_text().splitlines() if '"record": "run"' in line)
+    assert run["engine_b1_sync_ms_per_step"] > 0 and run["engine_b1_overlap_ms_per_step"] > 0
+    assert "decode_ms" not in run and "mtp_round_ms" not in run
+    assert "=== phase engine b1 overlap timed" in stdout
+
+
 def test_bench_decode_with_a_uva_table(tmp_path):
     """--ple-store uva: the params' table is the handle of a pinned synthetic table, the timed programs gather
     their rows through it (on the CPU over a stand-in copy, --ple-emulate) from random ids over the table."""
