@@ -1132,7 +1132,11 @@ class HostCopies:
             zeros = lambda: self.place(jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), src))  # noqa: E731
             ring = self.sets[key] = [zeros(), zeros(), 0]
         i = ring[2]
-        ring[i] = _jit_io_get(ring[i], src)
+        try:
+            ring[i] = _jit_io_get(ring[i], src)
+        except Exception:
+            del self.sets[key]      # its donated set may be gone: made afresh at the next call
+            raise
         ring[2] = 1 - i
         return ring[i]
 
