@@ -9,8 +9,8 @@ bucket. The engine is single-threaded: the serving layer drives it from one thre
 from __future__ import annotations
 
 import itertools
-import math
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -1119,7 +1119,7 @@ class HostCopies:
     copy still held while the next launch allocated its temporaries (the overlapped engine reads a round's outputs
     after launching the next) moved those temporaries, and XLA re-recorded the round's whole CUDA graph before
     every launch (BENCHMARKS.md, forty-first session). Two sets suffice because at most one launch is in flight:
-    the set a launch overwrites was read by the host before the launch before it returned."""
+    the engine reads a launch's copies before it makes the launch after next, whose copies overwrite them."""
 
     def __init__(self, place):
         self.place = place            # host tree -> device tree (replicated over the engine's mesh)
