@@ -576,12 +576,14 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         ch = min(c, prefill_chunk)
         st = shard(init_state(cfg, 1, c, dtype))
 
+        last = jnp.full((1,), ch - 1, jnp.int32)   # the head on each chunk's last token, as the engine's prefill
+
         def pre():
             s = st_box["s"]
             s = dict(s, pos=jnp.zeros_like(s["pos"]))
             for a in range(0, c, ch):
                 pi, pr = ple(1, ch)
-                logits, s, _, _ = step_j(sparams, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr)
+                logits, s, _, _ = step_j(sparams, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr, logits_at=last)
             st_box["s"] = s
             jax.block_until_ready(logits)
         st_box = {"s": st}

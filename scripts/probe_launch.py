@@ -612,10 +612,11 @@ def main():
         box = {"s": init_state(cfg, 1, n * (args.calls + 2) + 64, dtype)}
         toks = jnp.ones((1, n), jnp.int32)
         ids = jnp.zeros((1, n, heads), jnp.int32) if cfg.ple_layer_ids else None
-        compiled = step_j.lower(params, box["s"], toks, ids).compile()
+        last = jnp.full((1,), n - 1, jnp.int32)     # the head on the chunk's last token, as the engine's prefill
+        compiled = step_j.lower(params, box["s"], toks, ids, logits_at=last).compile()
 
         def pre():
-            logits, box["s"], _, _ = compiled(params, box["s"], toks, ids)
+            logits, box["s"], _, _ = compiled(params, box["s"], toks, ids, logits_at=last)
             jax.block_until_ready(logits)
         write_table(pre, compiled.as_text(), f"prefill{n}_{tag}", "prefill", top=40, extra={"tokens": n})
         box.clear()

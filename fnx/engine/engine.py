@@ -962,10 +962,10 @@ def _jit_prefill_front(params, state, slot, tokens, n_valid, cfg, moe_impl):
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "ple_cb"), donate_argnames=("state",))
 def _jit_prefill(params, state, slot, tokens, n_valid, ple, cfg, moe_impl, ple_cb=None, front=None):
     sub = slot_take(cfg, state, slot)
+    # the head on each row's last valid token only (the chunk's other logits are never read)
     logits, sub, hidden, _ = _step_any(params, sub, tokens, ple, front, ple_cb, cfg=cfg, moe_impl=moe_impl,
-                                       n_valid=n_valid)
-    last = jnp.take_along_axis(logits, (n_valid - 1)[:, None, None], axis=1)[:, 0]
-    return slot_put(cfg, state, slot, sub), last, hidden
+                                       n_valid=n_valid, logits_at=jnp.maximum(n_valid - 1, 0))
+    return slot_put(cfg, state, slot, sub), logits[:, 0], hidden
 
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl"), donate_argnames=("mstate",))

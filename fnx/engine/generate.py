@@ -201,19 +201,21 @@ def generate_fn(model: Model, max_new_tokens: int, sampling: SamplingParams | No
 
 def _prefill(params, state, prompt, tables, cfg, chunk):
     """The prompt [B, P] through the model: the chunks before the last token's chunk under a `lax.scan` (one trace
-    of the step), then the rest (1..chunk tokens, the last one's logits) -> (logits [B, L, V], state)."""
+    of the step), then the rest (1..chunk tokens, the last one's logits) -> (logits [B, 1, V], state)."""
     bsz, plen = prompt.shape
     n_scan = 0 if chunk is None else (plen - 1) // chunk
 
-    def run(st, toks):
+    def run(st, toks, last=False):
         ids = ngram_ids_device(st["ngram_ctx"], toks, tables) if tables is not None else None
-        logits, st, _, _ = step(params, st, toks, ids, cfg=cfg)
+        # the last chunk: the head on its last token only, as the engine's prefill (the other rows are not read)
+        at = jnp.full((bsz,), toks.shape[1] - 1, jnp.int32) if last else None
+        logits, st, _, _ = step(params, st, toks, ids, cfg=cfg, logits_at=at)
         return logits, st
 
     if n_scan:
         xs = prompt[:, :n_scan * chunk].reshape(bsz, n_scan, chunk).transpose(1, 0, 2)
         state, _ = jax.lax.scan(lambda st, toks: (run(st, toks)[1], None), state, xs)
-    return run(state, prompt[:, n_scan * (chunk or 0):])
+    return run(state, prompt[:, n_scan * (chunk or 0):], last=True)
 
 
 def _generate_core(params, prompt, seeds, sp, stops, tables, *, cfg, max_new, chunk=PREFILL_CHUNK, penalties=False):

@@ -307,7 +307,7 @@ def _check_ple(cfg, ple_ids, ple_rows):
 
 def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None, *, cfg: ModelConfig,
          moe_impl: str = "auto", ple_rows: jax.Array | None = None, n_valid: jax.Array | None = None,
-         snapshots: bool = False, collect: bool = False):
+         snapshots: bool = False, collect: bool = False, logits_at: jax.Array | None = None):
     """Run L new tokens per sequence on an existing state (prefill, chunked prefill, decode, verify alike).
 
     tokens [B, L] int32; ple_ids [B, L, ngram heads] int32 from `fnx.ple.ngram_ids` (None without PLE);
@@ -317,6 +317,9 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     state after any prefix of the call (speculative verify).
     collect: also return every layer's output hidden [layers, B, L, S*D] (all hyper-connection streams) and its
     routed expert ids [layers, B, L, K] in aux["hidden"] / aux["experts"].
+    logits_at [B] int32: the logits of that position of each row only (a prefill chunk needs its last valid row's),
+    [B, 1, V]: the head skips the other rows (at a 2,048-token chunk of the released model a 2.6 TFLOP product
+    and 2 GB of fp32 logits).
     Returns logits [B, L, V], the new state, the pre-mixer hidden [B, L, S*D] (what the MTP layer reads) and aux
     (the rollback material with snapshots, the per-layer outputs with collect; else empty).
 
@@ -325,7 +328,7 @@ def step(params: dict, state: dict, tokens: jax.Array, ple_ids: jax.Array | None
     nseg = len(layer_plan(cfg))
     front = _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, 0, nseg, ple_ids, ple_rows,
                  None)
-    return _finish(params, state, tokens, front, cfg, snapshots, collect)
+    return _finish(params, state, tokens, front, cfg, snapshots, collect, logits_at)
 
 
 def step_front(params: dict, state: dict, tokens: jax.Array, *, cfg: ModelConfig, moe_impl: str = "auto",
@@ -344,14 +347,14 @@ def step_front(params: dict, state: dict, tokens: jax.Array, *, cfg: ModelConfig
 
 def step_back(params: dict, state: dict, tokens: jax.Array, front: dict, ple_ids: jax.Array | None = None, *,
               cfg: ModelConfig, moe_impl: str = "auto", ple_rows: jax.Array | None = None,
-              n_valid: jax.Array | None = None, snapshots: bool = False):
+              n_valid: jax.Array | None = None, snapshots: bool = False, logits_at: jax.Array | None = None):
     """The second half of `step`: the segments from the PLE layer on, the head, and the new state, continuing
     `front` (from `step_front` on the same state, tokens, n_valid and snapshots). Returns what `step` returns."""
     _check_ple(cfg, ple_ids, ple_rows)
     split = ple_split_point(cfg)
     out = _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, False, split, len(layer_plan(cfg)),
                ple_ids, ple_rows, front)
-    return _finish(params, state, tokens, out, cfg, snapshots, False)
+    return _finish(params, state, tokens, out, cfg, snapshots, False, logits_at)
 
 
 def _run(params, state, tokens, cfg, moe_impl, n_valid, snapshots, collect, lo, hi, ple_ids, ple_rows, front):
@@ -460,7 +463,7 @@ def _unrolled_layer(cfg, i, p, st, carry, meta, moe_impl, snapshots, new_segment
     return carry
 
 
-def _finish(params, state, tokens, out, cfg, snapshots, collect):
+def _finish(params, state, tokens, out, cfg, snapshots, collect, logits_at=None):
     carry, meta = out["carry"], out["meta"]
     pos0 = state["pos"]
     from fnx.pallas import grid_sync
@@ -468,6 +471,8 @@ def _finish(params, state, tokens, out, cfg, snapshots, collect):
     with jax.named_scope("head"), grid_sync.counter_pool(meta["counters"]):
         h, x, _ = hyper.boundary(params["hyper_connection_mixer"], carry[0], carry[1], carry[2], cfg.hc_count,
                                  cfg.rms_norm_eps, inject=False)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, logits_at.astype(jnp.int32)[:, None, None], axis=1)
         logits = linear(x, params["lm_head"])
     ctx_x = jnp.concatenate([state["ngram_ctx"], tokens.astype(jnp.int32)], axis=1)
     width = state["ngram_ctx"].shape[1]

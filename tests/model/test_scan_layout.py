@@ -164,3 +164,36 @@ def test_stacked_step_split_at_the_ple_layer(twelve):
 
 def test_stacked_params_run_unrolled_speculative_decode_agrees(twelve, flat_ref):
     assert _speculative(_stacked_unrolled(twelve[0])) == flat_ref["spec"]
+
+
+def test_logits_at_gives_those_rows_of_the_whole_head(twelve):
+    """`step(..., logits_at=...)` (the engine's prefill: the head on each row's last valid token only) gives those
+    rows of the whole step's logits [B, 1, V] and the same state and hidden; so does `step_back` after
+    `step_front` (the split PLE path)."""
+    import jax
+    import jax.numpy as jnp
+    from fnx.model.transformer import front_inputs, step, step_back, step_front
+    from fnx.ple import initial_context, ngram_ids
+    scanned, _ = twelve
+    model = _stacked_unrolled(scanned)
+    cfg = model.cfg
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, size=(2, 6)), jnp.int32)
+    ids = jnp.asarray(ngram_ids(initial_context(2, model.ngram), np.asarray(toks), model.ngram)[0], jnp.int32)
+    state = fnx.new_state(model, 2, 16)
+    n_valid = jnp.asarray([6, 2], jnp.int32)
+    at = n_valid - 1
+    whole = jax.jit(lambda s: step(model.params, s, toks, ids, cfg=cfg, n_valid=n_valid))(state)
+    rows = jax.jit(lambda s: step(model.params, s, toks, ids, cfg=cfg, n_valid=n_valid, logits_at=at))(state)
+    front = jax.jit(lambda p, s: step_front(p, s, toks, cfg=cfg, n_valid=n_valid))(*front_inputs(cfg, model.params,
+                                                                                                  state))
+    halves = jax.jit(lambda s, f: step_back(model.params, s, toks, f, ids, cfg=cfg, n_valid=n_valid, logits_at=at))(
+        state, front)
+    want = np.asarray(whole[0])[np.arange(2), np.asarray(at)][:, None]
+    scale = max(1.0, np.abs(want).max())
+    for got in (rows, halves):
+        assert got[0].shape == (2, 1, cfg.vocab_size)
+        np.testing.assert_allclose(np.asarray(got[0]), want, rtol=0, atol=1e-5 * scale)
+        assert np.abs(np.asarray(got[0]) - np.asarray(whole[0])[:, :1]).max() > 1e-3   # row 1's pick is not row 0
+        for a, b in zip(jax.tree.leaves(whole[1:3]), jax.tree.leaves(got[1:3]), strict=True):
+            np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64), rtol=0,
+                                       atol=1e-5 * max(1.0, float(np.abs(np.asarray(a, np.float64)).max())))
