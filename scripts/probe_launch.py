@@ -678,7 +678,7 @@ def main():
                 jax.block_until_ready(drafts)
                 parts["d"], parts["q"] = drafts, q
                 parts["v"] = jnp.concatenate([one, drafts], axis=1)
-            return drafts
+            return drafts if block else None
         run_draft()
         def verify_program(params, s, v, ok, pk, q, sp, keys):
             return _jit_verify(params, s, v, ok, pk, q, sp, keys, cfg, "auto", 0, greedy=True)

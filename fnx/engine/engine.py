@@ -1106,11 +1106,16 @@ def pack_host(tree) -> np.ndarray:
     return np.concatenate(cols, axis=1)
 
 
+def _like(dst, src):
+    """`src` cast and shaped as the donated tree `dst`, so that XLA writes each leaf in its buffer's place."""
+    return jax.tree.map(lambda d, a: a.astype(d.dtype).reshape(d.shape), dst, src)
+
+
 @partial(jax.jit, donate_argnames=("dst",), keep_unused=True)
 def _jit_io_get(dst, src):
     """Copies of a program's output buffers `src`, written into the donated buffers `dst` (`HostCopies`), for the
     host to read while the next launch (which writes the buffers again) runs."""
-    return jax.tree.map(lambda d, a: a.astype(d.dtype).reshape(d.shape), dst, src)
+    return _like(dst, src)
 
 
 class HostCopies:
@@ -1155,8 +1160,7 @@ def _jit_decode_overlap(params, state, prev_tok, packed, lp, tables, sp, seen, c
     keys = row_keys(packed[3], packed[4])
     state, tok, info, seen, counts = _decode_core(params, state, tokens, packed[2].astype(jnp.int32), ids, sp, keys,
                                                   seen, counts, cfg, moe_impl, n_logprobs, greedy)
-    info = tuple(a.astype(b.dtype).reshape(b.shape) for a, b in zip(info, lp, strict=True))
-    return state, tok.astype(prev_tok.dtype), info, seen, counts
+    return state, _like(prev_tok, tok), _like(lp, info), seen, counts
 
 
 @partial(jax.jit, static_argnames=("dtype",))
@@ -1198,10 +1202,7 @@ def _jit_spec_round(params, mp, mstate, state, io, lp, host, tables, head, hot, 
     verify, ple = _jit_verify_window(pending_d, drafts, state["ngram_ctx"], tables)
     state, toks, n_acc, hidden, info, pen = _jit_verify(params, state, verify, host["active"], ple, q_lp, sp, keys,
                                                         cfg, moe_impl, n_logprobs, greedy=greedy, pen=pen)
-    io = {"hidden": hidden.astype(io["hidden"].dtype), "tok": toks.astype(io["tok"].dtype),
-          "n_acc": n_acc.astype(io["n_acc"].dtype)}
-    info = tuple(a.astype(b.dtype).reshape(b.shape) for a, b in zip(info, lp, strict=True))
-    return mstate, state, io, info, pen
+    return mstate, state, _like(io, {"hidden": hidden, "tok": toks, "n_acc": n_acc}), _like(lp, info), pen
 
 
 @jax.jit
