@@ -181,8 +181,8 @@ def test_hot_token_and_fp8_draft_heads_are_lossless(tiny_models, tmp_path):
 
 def test_greedy_drafts_through_the_fused_argmax_match_the_sampling_drafts(tiny_models, monkeypatch):
     """A greedy batch drafts through the fused head argmax (`_jit_draft(greedy=True)`) and verifies by argmax
-    (`_jit_verify(greedy=True)`, no distributions; both inside `_jit_spec_round`): the same drafts, the same acceptance and the same output as
-    the general sampling programs at temperature 0."""
+    (`_jit_verify(greedy=True)`, no distributions; both inside `_jit_spec_round`): the same drafts, the same
+    acceptance and the same output as the general sampling programs at temperature 0."""
     import fnx.engine.engine as eng_mod
     model, _ = tiny_models("tiny-a")
     prompts = prompts_for(model, seed=3)
