@@ -20,13 +20,16 @@ The counter comes from the caller (`sync` and `sync_index`: the api takes one of
 `grid_sync.CounterPool`, which the model makes once per program, `transformer.make_meta`); without it this call makes
 its own (one launch more).
 
-A few tokens (2..8, an MTP verify window: `hc_boundary_one_few`, op "hc_boundary_few_one") run the same way, with
-another down task: one (row block of bn rows, stream) task multiplies the stream's round(H' (1 + w)) of every token
-(padded to 16 MMA rows, the padding masked off) by its rows of [Wdown; Winj] on the tensor cores, chunk by chunk
-over D (a loop whose loads Triton pipelines `num_stages` deep), sums each token's H'^2 on the way and scales its
-rows' sums by the token's 1/rms at the end (the one-token kernels' `fold` arithmetic); the up tasks are `hc_up1`'s,
-walking the tokens (its "loop" mode). The XLA boundary it would replace runs the combine, the norm, the down
-kernel, its split sum, silu, the up GEMV and the mix as 7-8 launches."""
+A few tokens (2..8, an MTP verify window: `hc_boundary_one_few`, op "hc_boundary_few_one") run in three phases
+with two barriers: a down task (a block of bn rows of [Wdown; Winj], one stream, kc chunks of bk of its columns)
+multiplies round(H' (1 + w)) of every token (padded to 16 MMA rows, the padding masked) by its rows on the tensor
+cores and stores the split's fp32 partials and each token's sum of H'^2 over those columns; a mid task sums a
+stream's splits for bm rows of every token and scales them by the token's 1/rms over the stream (the one-token
+kernels' `fold` arithmetic); the up tasks are `hc_up1`'s, walking the tokens (its "loop" mode). The first form had
+each down task walk its stream's whole D (84 tasks of 20 chunks at the released shapes: 53 us a boundary on the
+H100, a memory round trip per chunk); split, the released shapes give 480 down tasks of one chunk. The XLA
+boundary it would replace runs the combine, the norm, the down kernel, its split sum, silu, the up GEMV and the mix
+as 7-8 launches."""
 
 from __future__ import annotations
 
@@ -268,16 +271,21 @@ def _launch(body, name, ins, outs, scratch, *, programs, launches, sync, sync_in
 
 @dataclasses.dataclass(frozen=True)
 class TilesFewOne:
-    bn: int = 16            # rows of [Wdown; Winj] per down task (the MMA's N: >= 16, divides 128; the rows past r
-                            # masked, Winj's S rows in blocks of their own after Wdown's)
+    bn: int = 64            # rows of [Wdown; Winj] per down task (the MMA's N: a power of two in 16..128; the rows
+                            # past r masked, Winj's S rows in blocks of their own after Wdown's)
     bk: int = 128           # columns per MMA chunk (a power of two in 16..128 dividing D: a chunk in one FP8 block;
                             # the defaults take the largest that divides D)
+    kc: int = 1             # chunks per down task: a task multiplies kc * bk columns of one stream (kc divides D / bk;
+                            # more than 1: a loop Triton pipelines `num_stages` deep). The first form walked a
+                            # stream's whole D per task (20 chunks at the released shapes, 84 tasks): 53 us a
+                            # five-token boundary on the H100 (2026-12-05, 727fea1), a memory round trip per chunk
+    bm: int = 16            # mid tasks: rows of [r + S] per task (a power of two in 8..128)
     bd: int = 8             # output columns of every stream per up task (divides D and 128)
     num_warps: int = 4
-    num_stages: int = 2     # the down task's chunk loop: loads Triton keeps in flight ahead of the MMA
+    num_stages: int = 2     # the down task's chunk loop (kc > 1): loads Triton keeps in flight ahead of the MMA
     early: int = 0          # up tasks: 1 = every token's operands loaded before any arithmetic (hc_up1's `early`;
                             # the stock sm_90 build: 255 registers at five tokens, against 168 without)
-    programs: int = 0       # resident programs P (0: PROGRAMS_PER_SM per SM, at most the up tasks)
+    programs: int = 0       # resident programs P (0: PROGRAMS_PER_SM per SM, at most the largest phase's tasks)
     max_polls: int = grid_sync.MAX_POLLS
 
 
@@ -304,6 +312,10 @@ def check_few(s: int, d: int, r: int, t: TilesFewOne) -> str | None:
         return f"bn={t.bn}: a power of two in 16..128"
     if not (pow2(t.bk) and 16 <= t.bk <= 128) or d % t.bk:
         return f"bk={t.bk}: a power of two in 16..128 dividing D={d}"
+    if t.kc < 1 or (d // t.bk) % t.kc:
+        return f"kc={t.kc}: a divisor of D / bk = {d // t.bk} chunks"
+    if not (pow2(t.bm) and 8 <= t.bm <= 128):
+        return f"bm={t.bm}: a power of two in 8..128"
     if not pow2(t.bd) or d % t.bd or 128 % t.bd:
         return f"bd={t.bd}: a power of two dividing D={d} and 128"
     if not pow2(s):
@@ -311,10 +323,12 @@ def check_few(s: int, d: int, r: int, t: TilesFewOne) -> str | None:
     return None
 
 
-def _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, *, m, s, d, r, bn, bk, has_y,
-                   has_inj, fp8, eps):
+def _down_split_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, c, *, m, s, d, r, bn, bk, kc, has_y,
+                     has_inj, fp8):
     """Rows block n of [Wdown; Winj] (bn rows; the blocks past Wdown's hold Winj's S rows, the rest masked) times
-    stream j of every token: ([MP, bn] fp32 row sums scaled by each token's 1/rms, the tokens' rstd [MP])."""
+    chunks [c*kc, (c+1)*kc) of stream j of every token: ([MP, bn] fp32 row sums of round(H' (1 + w)) (FP8: each
+    chunk's product times its block scale; no 1/rms yet), each token's sum of H'^2 over those columns [MP], the
+    rows' places in [r + S], which of them are real)."""
     dt = h_ref.dtype
     sd = s * d
     tok = jnp.arange(MP, dtype=jnp.int32)
@@ -330,9 +344,9 @@ def _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, 
     ncb = (sd + 127) // 128
     injv = plt.load(inj_ref.at[tok * s + j], mask=treal, other=0.0).astype(F32)[:, None] if has_y else None
 
-    def chunk(c, carry):
+    def chunk(ci, carry):
         acc, ss = carry
-        dcol = c * bk + kk                                  # columns within the stream
+        dcol = ci * bk + kk                                 # columns within the stream
         col = j * d + dcol                                  # columns of S*D
         w = plt.load(wd_ref.at[drow[:, None] * sd + col[None, :]], mask=dok[:, None], other=0.0).astype(dt)
         if has_inj:         # one of the two loads touches no memory
@@ -345,52 +359,113 @@ def _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, 
         x = (hc * (1.0 + wn)[None, :]).astype(dt)
         p = jnp.dot(x, w.T, precision=HIGHEST, preferred_element_type=F32)                 # [MP, bn]
         if fp8:     # the block's rows lie in one 128-row block, the chunk in one 128-column block; Winj: 1
-            sc = plt.load(sd_ref.at[jnp.full((1, 1), (n * bn) // 128 * ncb + (j * d + c * bk) // 128, jnp.int32)],
+            sc = plt.load(sd_ref.at[jnp.full((1, 1), (n * bn) // 128 * ncb + (j * d + ci * bk) // 128, jnp.int32)],
                           mask=jnp.full((1, 1), is_down), other=1.0)
             p = p * sc
         return acc + p, ss + jnp.sum(hc * hc, axis=1)
-    acc, ss = lax.fori_loop(0, d // bk, chunk, (jnp.zeros((MP, bn), F32), jnp.zeros((MP,), F32)))
-    rstd = lax.rsqrt(ss / d + eps)
-    # the rows' places in the partials [.., r + S]: Wdown's, then Winj's
-    return acc * rstd[:, None], rstd, jnp.where(is_down, drow, r + irow), dok | iok
+    init = (jnp.zeros((MP, bn), F32), jnp.zeros((MP,), F32))
+    acc, ss = chunk(c, init) if kc == 1 else lax.fori_loop(c * kc, (c + 1) * kc, chunk, init)
+    return acc, ss, jnp.where(is_down, drow, r + irow), dok | iok
 
 
-def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, bd, eps, has_y, has_inj, fp8, up_pieces, n_blocks, programs,
-                    phases, max_polls, interpret, early, sync_index):
-    """phases "both" (one launch, the barrier between), "down" or "up" (two launches)."""
-    down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), (part_ref, rstd_ref) = _kernel_refs(
-        refs, has_y, has_inj, fp8, phases)
+def _few_refs(refs, has_y: bool, has_inj: bool, fp8: bool, phase: str):
+    """The few-token kernel's refs in their order: (down's inputs, Wup, its scales, the counter (phase "all"), the
+    outputs (x, H', inj; None where absent or not this phase's), the split partials and sums of squares (the down
+    phase's outputs, the mid's inputs), the per-stream partials and rstd (the mid's outputs, the up's inputs))."""
+    it = iter(refs)
+    down_in = kernel._down1_inputs(it, has_y, has_inj, fp8)
+    wu_ref = next(it)
+    su_ref = next(it) if fp8 else None
+    sync_ref = next(it) if phase == "all" else None
+    split = (next(it), next(it)) if phase == "mid" else None
+    stream = (next(it), next(it)) if phase == "up" else None
+    outs = (None, None, None)
+    if phase in ("all", "up"):
+        outs = (next(it), next(it) if has_y else None, next(it) if has_inj else None)
+    if phase in ("all", "down"):
+        split = (next(it), next(it))
+    if phase in ("all", "mid"):
+        stream = (next(it), next(it))
+    return down_in, wu_ref, su_ref, sync_ref, outs, split, stream
+
+
+def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, kc, bm, bd, eps, has_y, has_inj, fp8, up_pieces, n_blocks, programs,
+                    phase, max_polls, interpret, early, sync_index):
+    """phase "all" (one launch, a barrier after the down and after the mid tasks), or "down", "mid", "up" (three
+    launches)."""
+    down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), split, stream = _few_refs(refs, has_y, has_inj,
+                                                                                             fp8, phase)
+    splt_ref, ssq_ref = split or (None, None)
+    part_ref, rstd_ref = stream or (None, None)
     h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref = down_in
     p = pl.program_id(0)
     n_rows = r + s
-    n_down_tasks = n_blocks * s
+    nc = d // (bk * kc)                 # splits per stream
+    ncp = kernel._pow2(nc)
     tok = jnp.arange(MP, dtype=jnp.int32)
 
-    if phases != "up":
+    if phase in ("all", "down"):
         def down(task):
-            n, j = task // s, task % s
-            acc, rstd, rows, rok = _down_mma_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, m=m,
-                                                  s=s, d=d, r=r, bn=bn, bk=bk, has_y=has_y, has_inj=has_inj, fp8=fp8,
-                                                  eps=eps)
-            # part [Mp, S, r + S] and rstd [S, Mp] (row 0 of hc_up1's [programs, S, Mp]): its "loop" layouts
-            plt.store(part_ref.at[(tok[:, None] * s + j) * n_rows + rows[None, :]], acc,
+            n, jc = task // (s * nc), task % (s * nc)
+            j, c = jc // nc, jc % nc
+            acc, ss, rows, rok = _down_split_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, c, m=m,
+                                                  s=s, d=d, r=r, bn=bn, bk=bk, kc=kc, has_y=has_y, has_inj=has_inj,
+                                                  fp8=fp8)
+            # split partials [S * nc, M, r + S], sums of squares [S * nc, M]
+            plt.store(splt_ref.at[(jc * m + tok[:, None]) * n_rows + rows[None, :]], acc,
                       mask=(tok < m)[:, None] & rok[None, :])
-            plt.store(rstd_ref.at[j * mp + tok], rstd, mask=(tok < m) & (n == 0))
-        _tasks(p, programs, n_down_tasks, down)
-    if phases == "down":
+            plt.store(ssq_ref.at[jc * m + tok], ss, mask=(tok < m) & (n == 0))
+        _tasks(p, programs, n_blocks * s * nc, down)
+    if phase == "down":
         return
-    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index) if phases == "both" else None
+    ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index) if phase == "all" else None
+
+    if phase in ("all", "mid"):
+        cs = jnp.arange(ncp, dtype=jnp.int32)
+        ts = jnp.arange(mp, dtype=jnp.int32)
+        rr = jnp.arange(bm, dtype=jnp.int32)
+        n_row_blocks = -(-n_rows // bm)
+
+        def mid(task):      # stream j's splits summed for rows [b*bm, (b+1)*bm) of every token, times its 1/rms
+            j, b = task // n_row_blocks, task % n_row_blocks
+            row = b * bm + rr
+            ct = (cs[:, None] < nc) & (ts[None, :] < m)                                    # [ncp, mp]
+            ss = plt.load(ssq_ref.at[(j * nc + cs[:, None]) * m + ts[None, :]], mask=ct, other=0.0)
+            rstd = lax.rsqrt(jnp.sum(ss, axis=0) / d + eps)                                 # [mp]
+            ok3 = ct[:, :, None] & (row < n_rows)[None, None, :]
+            parts = plt.load(splt_ref.at[((j * nc + cs[:, None, None]) * m + ts[None, :, None]) * n_rows
+                                         + row[None, None, :]], mask=ok3, other=0.0)       # [ncp, mp, bm]
+            v = jnp.sum(parts, axis=0) * rstd[:, None]                                      # [mp, bm]
+            # part [Mp, S, r + S] and rstd [S, Mp] (row 0 of hc_up1's [programs, S, Mp]): its "loop" layouts
+            plt.store(part_ref.at[(ts[:, None] * s + j) * n_rows + row[None, :]], v,
+                      mask=(ts < m)[:, None] & (row < n_rows)[None, :])
+            plt.store(rstd_ref.at[j * mp + ts], rstd, mask=(ts < m) & (b == 0))
+        _tasks(p, programs, s * n_row_blocks, mid)
+    if phase == "mid":
+        return
+    if phase == "all":
+        ok = ok & grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index)
     _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
               injo_ref, m=m, mp=mp, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
               pieces=up_pieces, wround=False, early=early)
 
 
+def few_tasks(s: int, d: int, r: int, t: TilesFewOne, has_inj: bool = True) -> tuple[int, int, int]:
+    """(down, mid, up) task counts of a few-token boundary (S streams of D, rank r) in these tiles."""
+    n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
+    return n_blocks * s * (d // (t.bk * t.kc)), s * -(-(r + s) // t.bm), d // t.bd
+
+
 def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
                         sync=None, sync_index: int = 0, interpret: bool = False, tiles: TilesFewOne | None = None,
                         launches: int = 1, w_down_scale=None, w_up_scale=None):
-    """`hc_boundary` for 2..MAX_FEW tokens (h [..., S*D]) in one launch (see the module's note): the arguments and
-    results of `pallas.hc_boundary_m1`, plus `sync` / `sync_index` (as `hc_boundary_one`'s) and `tiles`
-    (TilesFewOne). launches=2: the same task loops as two launches without the barrier (tests)."""
+    """`hc_boundary` for 2..MAX_FEW tokens (h [..., S*D]) in one launch: P programs take the down tasks (a block of
+    bn rows of [Wdown; Winj], one stream, kc * bk of its columns: split partials and sums of squares), wait at the
+    grid barrier, take the mid tasks (a stream's splits summed for bm rows of every token and scaled by the
+    token's 1/rms over that stream), wait again, then take hc_up1's tasks over the tokens (see the module's note).
+    The arguments and results of `pallas.hc_boundary_m1`, plus `sync` / `sync_index` (as `hc_boundary_one`'s; the
+    two barriers count on the same counter) and `tiles` (TilesFewOne). launches=3: the same task loops as three
+    launches without the barriers (tests)."""
     dt = h.dtype
     lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, MAX_FEW, "hc_boundary_one_few")
     t = tiles or few_tiles(d, r)
@@ -398,21 +473,43 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     if why:
         raise ValueError(f"hc_boundary_one_few: S={s} D={d} r={r} do not fit {t}: {why}")
     fp8 = kernel.check_fp8_scales("hc_boundary_one_few", r, sd, w_down_scale, w_up_scale)
-    if launches not in (1, 2):
-        raise ValueError(f"hc_boundary_one_few: launches={launches} (1, or 2 for the tests' split)")
+    if launches not in (1, 3):
+        raise ValueError(f"hc_boundary_one_few: launches={launches} (1, or 3 for the tests' split)")
     has_y, has_inj = y is not None, w_inj is not None
     n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
     mp = kernel._pow2(m)
-    programs = resolve_programs(TilesOne(programs=t.programs), d // t.bd, interpret, launches, "hc_boundary_few_one")
+    programs = resolve_programs(TilesOne(programs=t.programs), max(few_tasks(s, d, r, t, has_inj)), interpret,
+                                1 if launches == 1 else 2, "hc_boundary_few_one")
+    nc = d // (t.bk * t.kc)
     ins = _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale)
-    scratch = [jax.ShapeDtypeStruct((mp * s * (r + s),), F32), jax.ShapeDtypeStruct((s * mp,), F32)]
+    split = [jax.ShapeDtypeStruct((s * nc * m * (r + s),), F32), jax.ShapeDtypeStruct((s * nc * m,), F32)]
+    stream = [jax.ShapeDtypeStruct((mp * s * (r + s),), F32), jax.ShapeDtypeStruct((s * mp,), F32)]
     outs = [jax.ShapeDtypeStruct((m * d,), dt)] + ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else []) + (
         [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else [])
     body = functools.partial(
-        _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, bd=t.bd, eps=eps, has_y=has_y,
-        has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._up_pieces(r, True)), n_blocks=n_blocks,
+        _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, kc=t.kc, bm=t.bm, bd=t.bd, eps=eps,
+        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._up_pieces(r, True)), n_blocks=n_blocks,
         programs=programs, max_polls=t.max_polls, interpret=interpret, early=bool(t.early), sync_index=sync_index)
-    return _launch(body, "hc_boundary_few1" + ("_fp8" if fp8 else ""), ins, outs, scratch, programs=programs,
-                   launches=launches, sync=sync, sync_index=sync_index, interpret=interpret,
-                   num_warps=t.num_warps, num_stages=t.num_stages, h=h, lead=lead, d=d, s=s, has_y=has_y,
-                   has_inj=has_inj)
+    name = "hc_boundary_few1" + ("_fp8" if fp8 else "")
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
+                                                                         num_stages=t.num_stages)}
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+
+    def call(phase, args, out_shape):
+        return stacked.call(functools.partial(body, phase=phase), args, grid=(programs,),
+                            in_specs=[whole] * len(args), out_specs=[whole] * len(out_shape), out_shape=out_shape,
+                            interpret=interpret, name=name + ("" if phase == "all" else "_" + phase), **params)
+    if launches == 1:
+        if sync is None:
+            sync = grid_sync.counter(interpret)
+        if not 0 <= sync_index < sync.shape[0]:
+            raise ValueError(f"{name}: the barrier's counter {sync_index} is outside the counters {sync.shape}")
+        res = call("all", ins + (sync,), outs + split + stream)
+    else:
+        sp = call("down", ins, split)
+        st = call("mid", ins + tuple(sp), stream)
+        res = call("up", ins + tuple(st), outs)
+    x = res[0].reshape(*lead, d)
+    h_new = res[1].reshape(h.shape) if has_y else h
+    inj = res[1 + has_y].reshape(*lead, s) if has_inj else None
+    return h_new, x, inj
