@@ -287,6 +287,8 @@ class TilesFewOne:
                             # the stock sm_90 build: 255 registers at five tokens, against 168 without)
     programs: int = 0       # resident programs P (0: PROGRAMS_PER_SM per SM, at most the largest phase's tasks)
     max_polls: int = grid_sync.MAX_POLLS
+    split: int = 0          # 1: the three phases as three launches of P programs, no barrier (a diagnostic: each
+                            # phase's time on its own in a kernel table; the same values)
 
 
 FEW_TILES_ENV = "FNX_HC_FEW_ONE_TILES"
@@ -475,6 +477,8 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     fp8 = kernel.check_fp8_scales("hc_boundary_one_few", r, sd, w_down_scale, w_up_scale)
     if launches not in (1, 3):
         raise ValueError(f"hc_boundary_one_few: launches={launches} (1, or 3 for the tests' split)")
+    if t.split:
+        launches = 3
     has_y, has_inj = y is not None, w_inj is not None
     n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
     mp = kernel._pow2(m)
