@@ -198,8 +198,8 @@ FEW_CASES = [  # tokens, dtype, fp8 weights, with y, inject
 @pytest.mark.parametrize("launches,programs,kc", [(1, 1, 1), (3, 3, 1), (3, 7, 2), (1, 1, 4)])
 def test_few_tokens_one_launch_matches_reference(m, dtype, fp8, with_y, inject, launches, programs, kc):
     """2..8 tokens in one launch: the tensor-core down tasks over splits of kc chunks of each stream, the mid tasks
-    (a stream's splits summed, times each token's 1/rms: the one-token kernels' `fold`) and hc_up1's tasks over the
-    tokens, against the reference: fp32 to 1e-5 (only the order of sums and where the 1/rms multiplies differ), bf16
+    (each stream's splits summed times each token's 1/rms: the one-token kernels' `fold`; the streams summed, silu)
+    and the tensor-core up tasks with the mix, against the reference: fp32 to 1e-5 (only the order of sums and where the 1/rms multiplies differ), bf16
     within the HC tests' tolerance, H' bit for bit. Three launches over 3 or 7 programs: the task loops' split, the
     last round's masked tasks (on a GPU too: the barriers' phases as launches)."""
     from tests.pallas.test_hc import _check_few
@@ -220,7 +220,7 @@ def test_few_tokens_one_launch_matches_reference(m, dtype, fp8, with_y, inject, 
     want = reference.hc_boundary(h, y, inj, *ref_args, streams=4, eps=1e-6)
     got = one.hc_boundary_one_few(h, y, inj, *args, streams=4, eps=1e-6, interpret=INTERPRET, launches=launches,
                                   tiles=one.TilesFewOne(bn=16, bk=64 // kc if kc > 1 else 64, kc=kc, bm=8 << (m % 2),
-                                                        bd=16, programs=programs, early=m % 2),
+                                                        bd=16 << (m % 2), programs=programs),
                                   **scales)
     _check_few(got, want, dtype)
 
@@ -228,14 +228,16 @@ def test_few_tokens_one_launch_matches_reference(m, dtype, fp8, with_y, inject, 
 def test_few_tokens_one_launch_refuses_tiles_that_do_not_fit():
     assert one.check_few(4, 2560, 320, one.TilesFewOne()) is None
     assert "bn=24" in one.check_few(4, 2560, 320, one.TilesFewOne(bn=24))
-    assert one.check_few(4, 32, 8, one.TilesFewOne(bk=32)) is None      # r < bn: the rows past r masked
+    assert one.check_few(4, 32, 16, one.TilesFewOne(bk=32)) is None     # r < bn: the rows past r masked
+    assert "r=40" in one.check_few(4, 2560, 40, one.TilesFewOne())       # the up MMA's K pieces
     assert "bk=256" in one.check_few(4, 2560, 320, one.TilesFewOne(bk=256))
     assert "bd=3" in one.check_few(4, 2560, 320, one.TilesFewOne(bd=3))
+    assert "bd=8" in one.check_few(4, 2560, 320, one.TilesFewOne(bd=8))
     assert "S=3" in one.check_few(3, 2560, 320, one.TilesFewOne())
     assert one.check_few(4, 2560, 320, one.TilesFewOne(kc=4)) is None                 # 20 chunks in 5 splits
     assert "kc=3" in one.check_few(4, 2560, 320, one.TilesFewOne(kc=3))
     assert "bm=4" in one.check_few(4, 2560, 320, one.TilesFewOne(bm=4))
-    assert one.few_tasks(4, 2560, 320, one.TilesFewOne()) == (480, 84, 320)       # (5 + 1) x 4 x 20, 4 x 21, 2560 / 8
+    assert one.few_tasks(4, 2560, 320, one.TilesFewOne()) == (480, 41, 160)       # (5 + 1) x 4 x 20, 324 / 8, 2560 / 16
     h, y, inj, p = _inputs((1, 5), 4, 256, 32, jnp.bfloat16, 0)
     with pytest.raises(ValueError, match="bn=8: a power of two in 16..128"):
         one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,

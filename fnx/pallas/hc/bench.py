@@ -162,7 +162,7 @@ def cases(quick: bool) -> list[BenchCase]:
             f8 = [a + (grid_sync.counter(interp),) for a in _fp8_sets(arg_sets)]     # (as the one-token cases)
             ref = lambda *a: api.hc_boundary(*a[:7], streams=s, eps=1e-6, impl="reference",  # noqa: E731
                                              w_down_scale=a[7], w_up_scale=a[8])[1]
-            for change in ({}, {"split": 1}, {"early": 1}, {"kc": 2}, {"bn": 128}):
+            for change in ({}, {"split": 1}, {"kc": 2}, {"bn": 128}, {"bd": 32}):
                 t = dataclasses.replace(one.few_tiles(d, r), **change)
                 out.append(BenchCase(
                     kernel="hc_boundary", shape=f"M={m} S={s} D={d} r={r} fp8", impl="few-one",

@@ -23,13 +23,14 @@ its own (one launch more).
 A few tokens (2..8, an MTP verify window: `hc_boundary_one_few`, op "hc_boundary_few_one") run in three phases
 with two barriers: a down task (a block of bn rows of [Wdown; Winj], one stream, kc chunks of bk of its columns)
 multiplies round(H' (1 + w)) of every token (padded to 16 MMA rows, the padding masked) by its rows on the tensor
-cores and stores the split's fp32 partials and each token's sum of H'^2 over those columns; a mid task sums a
-stream's splits for bm rows of every token and scales them by the token's 1/rms over the stream (the one-token
-kernels' `fold` arithmetic); the up tasks are `hc_up1`'s, walking the tokens (its "loop" mode). The first form had
-each down task walk its stream's whole D (84 tasks of 20 chunks at the released shapes: 53 us a boundary on the
-H100, a memory round trip per chunk); split, the released shapes give 480 down tasks of one chunk. The XLA
-boundary it would replace runs the combine, the norm, the down kernel, its split sum, silu, the up GEMV and the mix
-as 7-8 launches."""
+cores and stores the split's fp32 partials and each token's sum of H'^2 over those columns; a mid task sums, for bm
+rows and every token, each stream's splits times the token's 1/rms over the stream (the one-token kernels' `fold`
+arithmetic), then the streams, and stores u = silu(round(. / S)) (inj's rows: 2 sigmoid); an up task multiplies u
+by bd rows of Wup per stream on the tensor cores and mixes the gated Hn of its columns. The first form had each
+down task walk its stream's whole D (84 tasks of 20 chunks at the released shapes) and `hc_up1`'s tasks walk the
+tokens (silu and the stream sum redone per task, shared-memory layout changes: 165 CTA barriers per task in the
+stock build): 53 us a five-token boundary on the H100; with the down tasks split alone, 35 us. The XLA boundary it
+would replace runs the combine, the norm, the down kernel, its split sum, silu, the up GEMV and the mix as 7-8 launches."""
 
 from __future__ import annotations
 
@@ -279,12 +280,11 @@ class TilesFewOne:
                             # more than 1: a loop Triton pipelines `num_stages` deep). The first form walked a
                             # stream's whole D per task (20 chunks at the released shapes, 84 tasks): 53 us a
                             # five-token boundary on the H100 (2026-12-05, 727fea1), a memory round trip per chunk
-    bm: int = 16            # mid tasks: rows of [r + S] per task (a power of two in 8..128)
-    bd: int = 8             # output columns of every stream per up task (divides D and 128)
+    bm: int = 8             # mid tasks: rows of [r + S] per task (a power of two in 8..128)
+    bd: int = 16            # up tasks: output columns of every stream per task (the MMA's N: a power of two in
+                            # 16..128 dividing D and 128)
     num_warps: int = 4
     num_stages: int = 2     # the down task's chunk loop (kc > 1): loads Triton keeps in flight ahead of the MMA
-    early: int = 0          # up tasks: 1 = every token's operands loaded before any arithmetic (hc_up1's `early`;
-                            # the stock sm_90 build: 255 registers at five tokens, against 168 without)
     programs: int = 0       # resident programs P (0: PROGRAMS_PER_SM per SM, at most the largest phase's tasks)
     max_polls: int = grid_sync.MAX_POLLS
     split: int = 0          # 1: the three phases as three launches of P programs, no barrier (a diagnostic: each
@@ -318,8 +318,10 @@ def check_few(s: int, d: int, r: int, t: TilesFewOne) -> str | None:
         return f"kc={t.kc}: a divisor of D / bk = {d // t.bk} chunks"
     if not (pow2(t.bm) and 8 <= t.bm <= 128):
         return f"bm={t.bm}: a power of two in 8..128"
-    if not pow2(t.bd) or d % t.bd or 128 % t.bd:
-        return f"bd={t.bd}: a power of two dividing D={d} and 128"
+    if not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd:
+        return f"bd={t.bd}: a power of two in 16..128 dividing D={d}"
+    if r % 16:
+        return f"r={r}: a multiple of 16 (the up tasks' MMA pieces)"
     if not pow2(s):
         return f"S={s} streams: a power of two (the streams are a tile axis)"
     return None
@@ -371,35 +373,37 @@ def _down_split_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j
 
 
 def _few_refs(refs, has_y: bool, has_inj: bool, fp8: bool, phase: str):
-    """The few-token kernel's refs in their order: (down's inputs, Wup, its scales, the counter (phase "all"), the
-    outputs (x, H', inj; None where absent or not this phase's), the split partials and sums of squares (the down
-    phase's outputs, the mid's inputs), the per-stream partials and rstd (the mid's outputs, the up's inputs))."""
+    """The few-token kernel's refs by phase: (down's inputs, Wup, its scales, the counter (phase "all"), x, H', inj
+    (None where absent or not this phase's outputs), the split partials and sums of squares (the down phase's
+    outputs, the mid's inputs), u and rstd (the mid's outputs, the up's inputs))."""
     it = iter(refs)
     down_in = kernel._down1_inputs(it, has_y, has_inj, fp8)
     wu_ref = next(it)
     su_ref = next(it) if fp8 else None
     sync_ref = next(it) if phase == "all" else None
-    split = (next(it), next(it)) if phase == "mid" else None
-    stream = (next(it), next(it)) if phase == "up" else None
-    outs = (None, None, None)
+    split = (next(it), next(it)) if phase == "mid" else (None, None)
+    gates = (next(it), next(it)) if phase == "up" else (None, None)
+    x_ref = ho_ref = injo_ref = None
     if phase in ("all", "up"):
-        outs = (next(it), next(it) if has_y else None, next(it) if has_inj else None)
+        x_ref = next(it)
+        ho_ref = next(it) if has_y else None
+    if phase in ("all", "mid") and has_inj:
+        injo_ref = next(it)
     if phase in ("all", "down"):
         split = (next(it), next(it))
     if phase in ("all", "mid"):
-        stream = (next(it), next(it))
-    return down_in, wu_ref, su_ref, sync_ref, outs, split, stream
+        gates = (next(it), next(it))
+    return down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), split, gates
 
 
 def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, kc, bm, bd, eps, has_y, has_inj, fp8, up_pieces, n_blocks, programs,
-                    phase, max_polls, interpret, early, sync_index):
+                    phase, max_polls, interpret, sync_index):
     """phase "all" (one launch, a barrier after the down and after the mid tasks), or "down", "mid", "up" (three
     launches)."""
-    down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), split, stream = _few_refs(refs, has_y, has_inj,
-                                                                                             fp8, phase)
-    splt_ref, ssq_ref = split or (None, None)
-    part_ref, rstd_ref = stream or (None, None)
+    down_in, wu_ref, su_ref, sync_ref, (x_ref, ho_ref, injo_ref), (splt_ref, ssq_ref), (u_ref, rstd_ref) = \
+        _few_refs(refs, has_y, has_inj, fp8, phase)
     h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref = down_in
+    dt = h_ref.dtype
     p = pl.program_id(0)
     n_rows = r + s
     nc = d // (bk * kc)                 # splits per stream
@@ -426,36 +430,79 @@ def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, kc, bm, bd, eps, has_y, has_i
         cs = jnp.arange(ncp, dtype=jnp.int32)
         ts = jnp.arange(mp, dtype=jnp.int32)
         rr = jnp.arange(bm, dtype=jnp.int32)
-        n_row_blocks = -(-n_rows // bm)
+        ct = (cs[:, None] < nc) & (ts[None, :] < m)                                        # [ncp, mp]
 
-        def mid(task):      # stream j's splits summed for rows [b*bm, (b+1)*bm) of every token, times its 1/rms
-            j, b = task // n_row_blocks, task % n_row_blocks
-            row = b * bm + rr
-            ct = (cs[:, None] < nc) & (ts[None, :] < m)                                    # [ncp, mp]
-            ss = plt.load(ssq_ref.at[(j * nc + cs[:, None]) * m + ts[None, :]], mask=ct, other=0.0)
-            rstd = lax.rsqrt(jnp.sum(ss, axis=0) / d + eps)                                 # [mp]
+        def mid(b):     # rows [b*bm, (b+1)*bm) of [r + S] for every token: each stream's splits times its 1/rms,
+            row = b * bm + rr   # summed over the streams, / S, then silu (Wdown's rows: u) or 2 sigmoid (Winj's: inj)
             ok3 = ct[:, :, None] & (row < n_rows)[None, None, :]
-            parts = plt.load(splt_ref.at[((j * nc + cs[:, None, None]) * m + ts[None, :, None]) * n_rows
-                                         + row[None, None, :]], mask=ok3, other=0.0)       # [ncp, mp, bm]
-            v = jnp.sum(parts, axis=0) * rstd[:, None]                                      # [mp, bm]
-            # part [Mp, S, r + S] and rstd [S, Mp] (row 0 of hc_up1's [programs, S, Mp]): its "loop" layouts
-            plt.store(part_ref.at[(ts[:, None] * s + j) * n_rows + row[None, :]], v,
-                      mask=(ts < m)[:, None] & (row < n_rows)[None, :])
-            plt.store(rstd_ref.at[j * mp + ts], rstd, mask=(ts < m) & (b == 0))
-        _tasks(p, programs, s * n_row_blocks, mid)
+            v, rstds = None, []
+            for j in range(s):
+                ss = plt.load(ssq_ref.at[(j * nc + cs[:, None]) * m + ts[None, :]], mask=ct, other=0.0)
+                rstd = lax.rsqrt(jnp.sum(ss, axis=0) / d + eps)                             # [mp]
+                parts = plt.load(splt_ref.at[((j * nc + cs[:, None, None]) * m + ts[None, :, None]) * n_rows
+                                             + row[None, None, :]], mask=ok3, other=0.0)   # [ncp, mp, bm]
+                vj = jnp.sum(parts, axis=0) * rstd[:, None]                                 # [mp, bm]
+                v = vj if v is None else v + vj
+                rstds.append(rstd)
+            val = rnd(rnd(v, dt) / s, dt)
+            sig = rnd(jax.nn.sigmoid(val), dt)
+            tm = (ts < m)[:, None]
+            plt.store(u_ref.at[ts[:, None] * r + row[None, :]], rnd(val * sig, dt), mask=tm & (row < r)[None, :])
+            if has_inj:
+                irow = row - r
+                plt.store(injo_ref.at[ts[:, None] * s + irow[None, :]], (2.0 * sig).astype(dt),
+                          mask=tm & ((irow >= 0) & (irow < s))[None, :])
+
+            @pl.when(b == 0)
+            def _():
+                for j in range(s):      # rstd [S, Mp]
+                    plt.store(rstd_ref.at[j * mp + ts], rstds[j], mask=ts < m)
+        _tasks(p, programs, -(-n_rows // bm), mid)
     if phase == "mid":
         return
     if phase == "all":
         ok = ok & grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index)
-    _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
-              injo_ref, m=m, mp=mp, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
-              pieces=up_pieces, wround=False, early=early)
+
+    ncb = (r + 127) // 128
+    treal = tok < m
+
+    def up(i):      # output columns [i*bd, (i+1)*bd) of every stream: the gates on the tensor cores, then the mix
+        cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
+        z = [None] * s
+        for k0, pw in up_pieces:
+            k = k0 + jnp.arange(pw, dtype=jnp.int32)
+            ut = plt.load(u_ref.at[tok[:, None] * r + k[None, :]], mask=treal[:, None], other=0.0).astype(dt)
+            for j in range(s):
+                w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)   # [bd, pw]
+                zp = jnp.dot(ut, w.T, precision=HIGHEST, preferred_element_type=F32)            # [MP, bd]
+                if fp8:     # the stream's bd rows in one 128-row block, the piece in one 128-column block
+                    zp = zp * plt.load(su_ref.at[jnp.full((1, 1), ((j * d + i * bd) // 128) * ncb + k0 // 128,
+                                                          jnp.int32)])
+                z[j] = zp if z[j] is None else z[j] + zp
+        x = jnp.zeros((MP, bd), F32)
+        for j in range(s):
+            hc = plt.load(h_ref.at[tok[:, None] * (s * d) + j * d + cols[None, :]], mask=treal[:, None], other=0.0)
+            if has_y:
+                yv = plt.load(y_ref.at[tok[:, None] * d + cols[None, :]], mask=treal[:, None], other=0.0).astype(F32)
+                injp = plt.load(inj_ref.at[tok * s + j], mask=treal, other=0.0).astype(F32)
+                hc = (hc.astype(F32) + rnd(injp[:, None] * yv, dt)).astype(dt)
+                plt.store(ho_ref.at[tok[:, None] * (s * d) + j * d + cols[None, :]], hc, mask=treal[:, None])
+            rstd = plt.load(rstd_ref.at[j * mp + tok], mask=treal, other=1.0)
+            wn = plt.load(wn_ref.at[j * d + cols]).astype(F32)
+            hn = rnd(hc.astype(F32) * rstd[:, None] * (1.0 + wn)[None, :], dt)
+            mg = rnd(jax.nn.sigmoid(rnd(z[j], dt)), dt)
+            x = x + rnd(mg * hn, dt)
+        x = x / s
+        if ok is not None:
+            x = jnp.where(ok, x, jnp.nan)
+        plt.store(x_ref.at[tok[:, None] * d + cols[None, :]], x.astype(dt), mask=treal[:, None])
+    _tasks(p, programs, d // bd, up)
 
 
 def few_tasks(s: int, d: int, r: int, t: TilesFewOne, has_inj: bool = True) -> tuple[int, int, int]:
     """(down, mid, up) task counts of a few-token boundary (S streams of D, rank r) in these tiles."""
     n_blocks = -(-r // t.bn) + (-(-s // t.bn) if has_inj else 0)
-    return n_blocks * s * (d // (t.bk * t.kc)), s * -(-(r + s) // t.bm), d // t.bd
+    return n_blocks * s * (d // (t.bk * t.kc)), -(-(r + s) // t.bm), d // t.bd
 
 
 def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
@@ -463,11 +510,13 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
                         launches: int = 1, w_down_scale=None, w_up_scale=None):
     """`hc_boundary` for 2..MAX_FEW tokens (h [..., S*D]) in one launch: P programs take the down tasks (a block of
     bn rows of [Wdown; Winj], one stream, kc * bk of its columns: split partials and sums of squares), wait at the
-    grid barrier, take the mid tasks (a stream's splits summed for bm rows of every token and scaled by the
-    token's 1/rms over that stream), wait again, then take hc_up1's tasks over the tokens (see the module's note).
-    The arguments and results of `pallas.hc_boundary_m1`, plus `sync` / `sync_index` (as `hc_boundary_one`'s; the
-    two barriers count on the same counter) and `tiles` (TilesFewOne). launches=3: the same task loops as three
-    launches without the barriers (tests)."""
+    grid barrier, take the mid tasks (bm rows of [Wdown; Winj] for every token: each stream's splits summed and
+    scaled by the token's 1/rms over that stream, summed over the streams, / S, then silu: u, or 2 sigmoid: inj),
+    wait again, then take the up tasks (bd columns of every stream: the gates round(u @ Wup.T) as tensor-core
+    products over every token, sigmoid, and the mix with Hn formed from H' and its rstd). The arguments and results
+    of `pallas.hc_boundary_m1`, plus `sync` / `sync_index` (as `hc_boundary_one`'s; the two barriers count on the
+    same counter) and `tiles` (TilesFewOne). launches=3: the same task loops as three launches without the barriers
+    (tests; `TilesFewOne.split`)."""
     dt = h.dtype
     lead, sd, s, d, r, m = kernel.boundary_dims(h, w_down, streams, MAX_FEW, "hc_boundary_one_few")
     t = tiles or few_tiles(d, r)
@@ -487,13 +536,13 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     nc = d // (t.bk * t.kc)
     ins = _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_scale)
     split = [jax.ShapeDtypeStruct((s * nc * m * (r + s),), F32), jax.ShapeDtypeStruct((s * nc * m,), F32)]
-    stream = [jax.ShapeDtypeStruct((mp * s * (r + s),), F32), jax.ShapeDtypeStruct((s * mp,), F32)]
-    outs = [jax.ShapeDtypeStruct((m * d,), dt)] + ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else []) + (
-        [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else [])
+    gates = [jax.ShapeDtypeStruct((m * r,), F32), jax.ShapeDtypeStruct((s * mp,), F32)]     # u, rstd
+    xh = [jax.ShapeDtypeStruct((m * d,), dt)] + ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else [])
+    injo = [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else []
     body = functools.partial(
         _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, kc=t.kc, bm=t.bm, bd=t.bd, eps=eps,
-        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._up_pieces(r, True)), n_blocks=n_blocks,
-        programs=programs, max_polls=t.max_polls, interpret=interpret, early=bool(t.early), sync_index=sync_index)
+        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._pieces(r, 128)), n_blocks=n_blocks,
+        programs=programs, max_polls=t.max_polls, interpret=interpret, sync_index=sync_index)
     name = "hc_boundary_few1" + ("_fp8" if fp8 else "")
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
                                                                          num_stages=t.num_stages)}
@@ -508,12 +557,13 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
             sync = grid_sync.counter(interpret)
         if not 0 <= sync_index < sync.shape[0]:
             raise ValueError(f"{name}: the barrier's counter {sync_index} is outside the counters {sync.shape}")
-        res = call("all", ins + (sync,), outs + split + stream)
+        res = call("all", ins + (sync,), xh + injo + split + gates)
+        res, res_inj = res[:len(xh)], res[len(xh):]
     else:
         sp = call("down", ins, split)
-        st = call("mid", ins + tuple(sp), stream)
-        res = call("up", ins + tuple(st), outs)
+        res_inj = call("mid", ins + tuple(sp), injo + gates)
+        res = call("up", ins + tuple(res_inj[len(injo):]), xh)
     x = res[0].reshape(*lead, d)
     h_new = res[1].reshape(h.shape) if has_y else h
-    inj = res[1 + has_y].reshape(*lead, s) if has_inj else None
+    inj = res_inj[0].reshape(*lead, s) if has_inj else None
     return h_new, x, inj
