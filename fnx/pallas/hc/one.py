@@ -320,8 +320,6 @@ def check_few(s: int, d: int, r: int, t: TilesFewOne) -> str | None:
         return f"bm={t.bm}: a power of two in 8..128"
     if not (pow2(t.bd) and 16 <= t.bd <= 128) or d % t.bd:
         return f"bd={t.bd}: a power of two in 16..128 dividing D={d}"
-    if r % 16:
-        return f"r={r}: a multiple of 16 (the up tasks' MMA pieces)"
     if not pow2(s):
         return f"S={s} streams: a power of two (the streams are a tile axis)"
     return None
@@ -471,9 +469,11 @@ def _few_one_kernel(*refs, m, mp, s, d, r, bn, bk, kc, bm, bd, eps, has_y, has_i
         z = [None] * s
         for k0, pw in up_pieces:
             k = k0 + jnp.arange(pw, dtype=jnp.int32)
-            ut = plt.load(u_ref.at[tok[:, None] * r + k[None, :]], mask=treal[:, None], other=0.0).astype(dt)
+            kok = (k < r)[None, :]          # (r rounded up to 16: the MMA's K)
+            ut = plt.load(u_ref.at[tok[:, None] * r + k[None, :]], mask=treal[:, None] & kok, other=0.0).astype(dt)
             for j in range(s):
-                w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)   # [bd, pw]
+                w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]], mask=kok, other=0.0
+                             ).astype(dt)                                                           # [bd, pw]
                 zp = jnp.dot(ut, w.T, precision=HIGHEST, preferred_element_type=F32)            # [MP, bd]
                 if fp8:     # the stream's bd rows in one 128-row block, the piece in one 128-column block
                     zp = zp * plt.load(su_ref.at[jnp.full((1, 1), ((j * d + i * bd) // 128) * ncb + k0 // 128,
@@ -541,7 +541,7 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     injo = [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else []
     body = functools.partial(
         _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, kc=t.kc, bm=t.bm, bd=t.bd, eps=eps,
-        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._pieces(r, 128)), n_blocks=n_blocks,
+        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._pieces(-(-r // 16) * 16, 128)), n_blocks=n_blocks,
         programs=programs, max_polls=t.max_polls, interpret=interpret, sync_index=sync_index)
     name = "hc_boundary_few1" + ("_fp8" if fp8 else "")
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
