@@ -336,7 +336,8 @@ def engine_decode(cfg: ModelConfig, params, mp, tokens: int, slots_list, store=N
 def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, quant: str = "bf16",
             host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
             engine_fetches=(), engine_separate: bool = False, fuse: bool = False, draft_vocab: int = 0,
-            draft_fp8: bool = False, prefill_chunk: int = 2048, engine_spec: int = 0, engine_only: bool = False):
+            draft_fp8: bool = False, prefill_chunk: int = 2048, engine_spec: int = 0, engine_only: bool = False,
+            prefill_only: bool = False):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -422,6 +423,40 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             return sets[0], None
         return None, host_ple.rows(b, length)
 
+    def prefill_runs():
+        """Prefill throughput at each context (and its ledger at the first)."""
+        # prefill throughput
+        # in chunks of prefill_chunk tokens, as the engine prefills (fnx.serve: --prefill-chunk, 512 by default); one
+        # 8K-token chunk of the 48-layer model asked for a 35 GiB buffer on the H200 (the MoE's gathered experts)
+        from fnx.pallas import ledger
+        res["prefill_chunk"] = prefill_chunk
+        for c in contexts:
+            ch = min(c, prefill_chunk)
+            st = shard(init_state(cfg, 1, c, dtype))
+
+            last = jnp.full((1,), ch - 1, jnp.int32)   # the head on each chunk's last token, as the engine's prefill
+
+            def pre():
+                s = st_box["s"]
+                s = dict(s, pos=jnp.zeros_like(s["pos"]))
+                for a in range(0, c, ch):
+                    pi, pr = ple(1, ch)
+                    logits, s, _, _ = step_j(sparams, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr, logits_at=last)
+                st_box["s"] = s
+                jax.block_until_ready(logits)
+            st_box = {"s": st}
+            try:
+                ms = timeit(pre, max(1, reps // 10))
+                res[f"prefill_{c}_tok_s"] = c / (ms / 1e3)
+                if ledger_calls and c == contexts[0]:   # where a prefill's time goes, by kernel family (one call)
+                    res["ledger_prefill"] = dict(ledger.profile(pre, 1), tokens=c)
+            except jax.errors.JaxRuntimeError as exc:  # recorded, not hidden: the run goes on to the next context
+                res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
+            st_box.clear()
+
+    if prefill_only:    # (--prefill-only: the prefill alone, e.g. its ledger on a card the whole run does not fit)
+        prefill_runs()
+        return finish(res)
     # decode at the largest context: prefill first (chunks of prefill_chunk)
     state = shard(init_state(cfg, 1, cap, dtype))
     chunk = min(prefill_chunk, ctx)
@@ -568,33 +603,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
                       "mtp_round_chained_inplace_ms": res.get("mtp_round_chained_inplace_ms"),
                       "mtp_round_floor_ms": res["mtp_round_floor_ms"]}), flush=True)
 
-    # prefill throughput
-    # in chunks of prefill_chunk tokens, as the engine prefills (fnx.serve: --prefill-chunk, 512 by default); one
-    # 8K-token chunk of the 48-layer model asked for a 35 GiB buffer on the H200 (the MoE's gathered experts)
-    res["prefill_chunk"] = prefill_chunk
-    for c in contexts:
-        ch = min(c, prefill_chunk)
-        st = shard(init_state(cfg, 1, c, dtype))
-
-        last = jnp.full((1,), ch - 1, jnp.int32)   # the head on each chunk's last token, as the engine's prefill
-
-        def pre():
-            s = st_box["s"]
-            s = dict(s, pos=jnp.zeros_like(s["pos"]))
-            for a in range(0, c, ch):
-                pi, pr = ple(1, ch)
-                logits, s, _, _ = step_j(sparams, s, jnp.ones((1, ch), jnp.int32), pi, ple_rows=pr, logits_at=last)
-            st_box["s"] = s
-            jax.block_until_ready(logits)
-        st_box = {"s": st}
-        try:
-            ms = timeit(pre, max(1, reps // 10))
-            res[f"prefill_{c}_tok_s"] = c / (ms / 1e3)
-            if ledger_calls and c == contexts[0]:   # where a prefill's time goes, by kernel family (one call)
-                res["ledger_prefill"] = dict(ledger.profile(pre, 1), tokens=c)
-        except jax.errors.JaxRuntimeError as exc:  # recorded, not hidden: the run goes on to the next context
-            res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
-        st_box.clear()
+    prefill_runs()
     return finish(res)
 
 
@@ -656,6 +665,8 @@ def main():
                          "overlapped rounds")
     ap.add_argument("--engine-only", action="store_true",
                     help="with --engine: only the engine runs (no step / round / prefill timings of this script)")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="only the prefill timings (and, with --ledger, the prefill's ledger): no step or round")
     ap.add_argument("--engine-separate", action="store_true",
                     help="with --engine: also the overlapped engine with separate input projections (its default "
                          "fuses them, fnx.model.fuse)")
@@ -731,7 +742,7 @@ def main():
                             [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate,
                             fuse=not args.no_fuse, draft_vocab=args.draft_vocab, draft_fp8=args.draft_fp8,
                             prefill_chunk=args.prefill_chunk, engine_spec=args.engine_spec,
-                            engine_only=args.engine_only)
+                            engine_only=args.engine_only, prefill_only=args.prefill_only)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}

@@ -69,6 +69,19 @@ def test_bench_decode_engine_only_with_quantized_weights(tmp_path):
     assert "=== phase engine b1 overlap timed" in stdout
 
 
+def test_bench_decode_prefill_only(tmp_path):
+    """--prefill-only: the prefill timings and their ledger, no step or round (a depth whose whole run does not fit
+    one device call)."""
+    res = tmp_path / "d.jsonl"
+    stdout = _run(["scripts/bench_decode.py", "--tiny", "--reps", "1", "--layers", "4", "--contexts", "32",
+                   "--quant", "fp8+nvfp4", "--unroll-stacked", "--prefill-only", "--ledger", "1", "--out", str(res)],
+                  tmp_path)
+    run = next(json.loads(line) for line in res.read_text().splitlines() if '"record": "run"' in line)
+    assert run["prefill_32_tok_s"] > 0 and run["ledger_prefill"]["tokens"] == 32
+    assert "decode_ms" not in run and "mtp_round_ms" not in run and "ledger_decode" not in run
+    assert "# ledger_prefill (4 layers)" in stdout
+
+
 def test_bench_decode_with_a_uva_table(tmp_path):
     """--ple-store uva: the params' table is the handle of a pinned synthetic table, the timed programs gather
     their rows through it (on the CPU over a stand-in copy, --ple-emulate) from random ids over the table."""
