@@ -70,7 +70,9 @@ VERIFIED_ON_GPU = {
     "hc_boundary_one": "H200, 2026-12-05, commit afb092f: tests/pallas/test_hc_one.py -k one_launch (the one launch "
                        "against the two kernels, bit for bit; the model's decode step and verify window through it)",
     "hc_boundary_few_one": "H200, 2026-12-05, commit afb092f: tests/pallas/test_hc_one.py -k one_launch (2-8 tokens "
-                           "against the reference)",
+                           "against the reference); its second form H100, 2026-12-05, commit 313f834: -k 'few or "
+                           "verify_window or lowers' (23 of 24; the split test then ran under the interpreter on the "
+                           "GPU and saw NaN, since compiled)",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
@@ -132,6 +134,10 @@ AUTO_KEEPS_REFERENCE = {
     "hc_boundary_one": "measured slower: 12.2 us per one-token boundary in one launch against 8.6 for the two "
                        "kernels; the 4-layer step at 8K 571.2 us of kernel time in 76 kernels against 537.1 in 84 "
                        "(H200, commit afb092f, BENCHMARKS.md thirty-ninth session). Only FNX_KERNELS names it",
+    "hc_boundary_few_one": "measured slower: 30.7 us per five-token boundary in one launch (second form, three "
+                           "phases) where the launches it replaces take ~16 us; the 4-layer verify program at 8K "
+                           "1,140 us of kernel time in 100 kernels against 1,003 in 144 (H100, commit 313f834, "
+                           "BENCHMARKS.md forty-second session). Only FNX_KERNELS names it",
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",

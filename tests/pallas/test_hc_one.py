@@ -243,10 +243,12 @@ def test_few_tokens_one_launch_refuses_tiles_that_do_not_fit():
         one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
                                 tiles=one.TilesFewOne(bn=8))
     assert one.few_tiles(2560, 320).bk == 128 and one.few_tiles(96, 8).bk == 32
-    got = one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
-                                  tiles=one.TilesFewOne(bk=64, split=1, programs=3))     # three launches, P = 3
-    want = one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
-                                   tiles=one.TilesFewOne(bk=64))
+    # split: the three phases as three launches (P = 3), the same values as one launch (P = 1 under the
+    # interpreter, the default on a GPU)
+    got = one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=INTERPRET,
+                                  tiles=one.TilesFewOne(bk=64, split=1, programs=3))
+    want = one.hc_boundary_one_few(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=INTERPRET,
+                                   tiles=one.TilesFewOne(bk=64, programs=1 if INTERPRET else 0))
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
