@@ -109,7 +109,14 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GR
     else:
         out = lax.map(run, (xs.reshape(-1, blocks_per_step, block, x.shape[1]),
                             block_expert.reshape(-1, blocks_per_step))).reshape(n_blocks * block, -1)
-    return out[dest][jnp.argsort(order)].reshape(t, k, -1)
+    # where each (token, k) pair's output row lies in `out`: the inverse of `order` by a scatter (it is a
+    # permutation: no second sort), then `dest` through it, materialized (the barrier) so that the gather below is
+    # one indexed read per pair. Fused into the gather and the weighted sum after it (as `out[dest][argsort(order)]`
+    # was: an H100 prefill table, 2,048 tokens, 4 layers), XLA recomputed the cumsums behind `dest` inside the
+    # [T, D] loop: 386 us a layer for 105 MB of rows
+    inv = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    rows = lax.optimization_barrier(dest.astype(jnp.int32)[inv])
+    return out[rows].reshape(t, k, -1)
 
 
 # Token counts up to here take the gather path under "auto": decode batches and MTP verify windows (slots x

@@ -165,9 +165,12 @@ def prep(p: dict, prods: list, st: dict, pos0: jax.Array, cos: jax.Array, sin: j
 # this many tokens runs over the key axis in chunks of it (`_masked_attention_chunked`). Its fp32 scores were
 # [B, Hkv, G, L, T] whole: 1.6 GB a QSA layer for a 2,048-token chunk at an 8K capacity, 51 GB at 262K (an H200
 # prefill ledger: the scores' transpose alone 0.77 ms a layer and chunk at 8K). Chunks past the call's last
-# position are skipped. The scores are computed in three passes (max, sum, probabilities): twice the whole's matrix
-# products over the keys a call sees, none over the rest, and [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at
-# L = 2,048) instead of the capacity's. Not yet measured on a GPU.
+# position are skipped; a capacity that is not a whole number of chunks ends on a chunk that overlaps the one
+# before it, whose keys it masks (a probe's prefill table at a 10,304-token capacity had run the whole axis: 2.9 ms
+# of QSA kernels a layer and 2,048-token chunk on the H100). The scores are computed in three passes (max, sum,
+# probabilities): twice the whole's matrix products over the keys a call sees, none over the rest, and
+# [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at L = 2,048) instead of the capacity's. In the 24-layer 8K
+# prefill on the H100 (forty-second session) the chunks' transposes and adds took ~27 ms of 553 (BENCHMARKS.md).
 KEY_CHUNK = 2048
 
 
@@ -179,12 +182,17 @@ def _masked_attention_chunked(qh, kc, vc, mask, positions, chunk: int, dt):
     it can see, not the capacity. The sums run chunk by chunk: within float error of the whole (an fp32 ulp of the
     row sum; a bf16 rounding of o may flip). qh [B, L, Hkv, G, hd]; kc, vc [B, Hkv, T, hd]; mask [B, L, T]."""
     bsz, length, hkv, grp, hd = qh.shape
+    cap = kc.shape[2]
     # chunks holding a position some query can see (positions past the capacity see the whole cache)
-    n = jnp.minimum(jnp.max(positions) // chunk + 1, kc.shape[2] // chunk).astype(jnp.int32)
+    n = jnp.minimum(jnp.max(positions) // chunk + 1, -(-cap // chunk)).astype(jnp.int32)
+
+    def first(c):   # chunk c's first key; a capacity that is not a whole number of chunks: the last chunk ends at
+        return jnp.minimum(c * chunk, cap - chunk)      # the capacity, its keys before c * chunk masked (counted)
 
     def scores(c):
-        k_c = lax.dynamic_slice_in_dim(kc, c * chunk, chunk, axis=2).astype(dt)
-        m_c = lax.dynamic_slice_in_dim(mask, c * chunk, chunk, axis=2)
+        a = first(c)
+        k_c = lax.dynamic_slice_in_dim(kc, a, chunk, axis=2).astype(dt)
+        m_c = lax.dynamic_slice_in_dim(mask, a, chunk, axis=2) & (a + jnp.arange(chunk) >= c * chunk)
         s = jnp.einsum("blgrd,bgtd->bgrlt", qh, k_c, precision=HIGHEST, preferred_element_type=F32).astype(dt)
         s = scale(s, hd ** -0.5).astype(F32)
         return jnp.where(m_c[:, None, None], s, -jnp.inf)                      # [B, Hkv, G, L, chunk]
@@ -197,7 +205,7 @@ def _masked_attention_chunked(qh, kc, vc, mask, positions, chunk: int, dt):
 
     def pv(c, acc):
         probs = (jnp.exp(scores(c) - mx[..., None]) / den[..., None]).astype(dt)
-        v_c = lax.dynamic_slice_in_dim(vc, c * chunk, chunk, axis=2).astype(dt)
+        v_c = lax.dynamic_slice_in_dim(vc, first(c), chunk, axis=2).astype(dt)
         return acc + jnp.einsum("bgrlt,bgtd->blgrd", probs, v_c, precision=HIGHEST, preferred_element_type=F32)
     o = lax.fori_loop(0, n, pv, jnp.zeros((bsz, length, hkv, grp, hd), F32))
     return o.astype(dt)
@@ -241,7 +249,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
         chunk = KEY_CHUNK
-        if length > qsa_api.MAX_DECODE_TOKENS and capacity > chunk and capacity % chunk == 0:   # prefill-sized
+        if length > qsa_api.MAX_DECODE_TOKENS and capacity > chunk:     # prefill-sized
             o = _masked_attention_chunked(qh, kc, vc, mask, positions, chunk, dt)
         else:
             s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
