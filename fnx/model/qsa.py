@@ -170,7 +170,7 @@ def prep(p: dict, prods: list, st: dict, pos0: jax.Array, cos: jax.Array, sin: j
 # of QSA kernels a layer and 2,048-token chunk on the H100). The scores are computed in three passes (max, sum,
 # probabilities): twice the whole's matrix products over the keys a call sees, none over the rest, and
 # [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at L = 2,048) instead of the capacity's. In the 24-layer 8K
-# prefill on the H100 (forty-second session) the chunks' transposes and adds took ~27 ms of 553 (BENCHMARKS.md).
+# prefill on the H100 (forty-second session) the chunks' transposes took 13.2 ms of 553 (BENCHMARKS.md).
 KEY_CHUNK = 2048
 
 
