@@ -166,9 +166,10 @@ def prep(p: dict, prods: list, st: dict, pos0: jax.Array, cos: jax.Array, sin: j
 # [B, Hkv, G, L, T] whole: 1.6 GB a QSA layer for a 2,048-token chunk at an 8K capacity, 51 GB at 262K (an H200
 # prefill ledger: the scores' transpose alone 0.77 ms a layer and chunk at 8K). Chunks past the call's last
 # position are skipped; a capacity that is not a whole number of chunks ends on a chunk that overlaps the one
-# before it, whose keys it masks (a probe's prefill table at a 10,304-token capacity had run the whole axis: 2.9 ms
-# of QSA kernels a layer and 2,048-token chunk on the H100). The scores are computed in three passes (max, sum,
-# probabilities): twice the whole's matrix products over the keys a call sees, none over the rest, and
+# before it, whose keys it masks (a probe's prefill table at a 10,304-token capacity had run the whole axis: 2.6 ms
+# of QSA kernels a layer and 2,048-token chunk on the H100). The scores are computed in two passes (max and sum,
+# probabilities; three at first: 3.0 ms in that table for the one chunk at position 0, 1.2 of it the three score
+# products): one more matrix product over the keys a call sees than the whole's, none over the rest, and
 # [B, Hkv, G, L, KEY_CHUNK] fp32 at a time (400 MB at L = 2,048) instead of the capacity's. In the 24-layer 8K
 # prefill on the H100 (forty-second session) the chunks' transposes took 13.2 ms of 553 (BENCHMARKS.md).
 KEY_CHUNK = 2048
@@ -176,11 +177,13 @@ KEY_CHUNK = 2048
 
 def _masked_attention_chunked(qh, kc, vc, mask, positions, chunk: int, dt):
     """The masked dense attention's softmax(s) @ v over the key axis in `chunk`-token pieces, the same arithmetic as
-    the whole: s rounded to dt, scaled, masked; one pass for the row max, one for exp(s - max)'s sum, one for the
-    probabilities (exp(s - max) / sum, rounded to dt) times v summed in fp32. Only the chunks up to the last
-    query's position run (a loop with that trip count), so a prefill chunk early in a long context reads the keys
-    it can see, not the capacity. The sums run chunk by chunk: within float error of the whole (an fp32 ulp of the
-    row sum; a bf16 rounding of o may flip). qh [B, L, Hkv, G, hd]; kc, vc [B, Hkv, T, hd]; mask [B, L, T]."""
+    the whole: s rounded to dt, scaled, masked; one pass for the row max and exp(s - max)'s sum (the running sum
+    rescaled by exp(old max - new max) as the max grows: the scores of each chunk computed twice in all, not three
+    times as in the first form's separate max and sum passes), one for the probabilities (exp(s - max) / sum,
+    rounded to dt) times v summed in fp32. Only the chunks up to the last query's position run (a loop with that
+    trip count), so a prefill chunk early in a long context reads the keys it can see, not the capacity. The sums
+    run chunk by chunk: within float error of the whole (an fp32 ulp of the row sum; a bf16 rounding of o may
+    flip). qh [B, L, Hkv, G, hd]; kc, vc [B, Hkv, T, hd]; mask [B, L, T]."""
     bsz, length, hkv, grp, hd = qh.shape
     cap = kc.shape[2]
     # chunks holding a position some query can see (positions past the capacity see the whole cache)
@@ -198,10 +201,14 @@ def _masked_attention_chunked(qh, kc, vc, mask, positions, chunk: int, dt):
         return jnp.where(m_c[:, None, None], s, -jnp.inf)                      # [B, Hkv, G, L, chunk]
 
     stat = (bsz, hkv, grp, length)
-    mx = lax.fori_loop(0, n, lambda c, m: jnp.maximum(m, jnp.max(scores(c), axis=-1)),
-                       jnp.full(stat, -jnp.inf, F32))
-    den = lax.fori_loop(0, n, lambda c, d: d + jnp.sum(jnp.exp(scores(c) - mx[..., None]), axis=-1),
-                        jnp.zeros(stat, F32))
+
+    def max_sum(c, carry):      # the running max and the sum of exp(s - max), rescaled as the max grows
+        m, d = carry
+        sc = scores(c)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+        at = jnp.where(m_new == -jnp.inf, 0.0, m_new)    # a row with no key seen yet: its terms exp(-inf) = 0
+        return m_new, d * jnp.exp(m - at) + jnp.sum(jnp.exp(sc - at[..., None]), axis=-1)
+    mx, den = lax.fori_loop(0, n, max_sum, (jnp.full(stat, -jnp.inf, F32), jnp.zeros(stat, F32)))
 
     def pv(c, acc):
         probs = (jnp.exp(scores(c) - mx[..., None]) / den[..., None]).astype(dt)
