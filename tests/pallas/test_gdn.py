@@ -952,3 +952,17 @@ def test_window_tiles_knob(monkeypatch):
         monkeypatch.setenv("FNX_GDN_WINDOW_TILES", spec)
         with pytest.raises(ValueError, match=msg):
             kernel.default_window_tiles(8)
+
+
+def test_window_after_one_sequence_equals_the_batched_gather():
+    """One sequence takes a dynamic slice, several a vmapped gather: the same rows for every n (0, inside, the
+    whole call, and past it, where both clamp to the last window), the batch's first row as that row alone."""
+    rng = np.random.default_rng(7)
+    xcat = jnp.asarray(rng.standard_normal((3, 3 + 10, 5)), jnp.bfloat16)
+    for n in (0, 4, 10, 12):
+        batched = reference.window_after(xcat, jnp.array([n, 1, 10], jnp.int32), 3)
+        alone = reference.window_after(xcat[:1], jnp.array([n], jnp.int32), 3)
+        assert alone.shape == (1, 3, 5)
+        np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(batched[:1], np.float32))
+        np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(xcat[:1, min(n, 10):min(n, 10) + 3],
+                                                                                np.float32))
