@@ -71,8 +71,8 @@ VERIFIED_ON_GPU = {
                        "against the two kernels, bit for bit; the model's decode step and verify window through it)",
     "hc_boundary_few_one": "H200, 2026-12-05, commit afb092f: tests/pallas/test_hc_one.py -k one_launch (2-8 tokens "
                            "against the reference); its second form H100, 2026-12-05, commit 313f834: -k 'few or "
-                           "verify_window or lowers' (23 of 24; the split test then ran under the interpreter on the "
-                           "GPU and saw NaN, since compiled)",
+                           "verify_window or lowers' (23 of 24: the split test ran under the interpreter on the GPU "
+                           "and saw NaN; compiled, it passed at 38fabd8, -k 'few or refuses')",
     "hc_boundary_m1": "H200, 2026-11-30, commits 4761459, 4ccfef6 and 140df28: tests/pallas/test_hc.py (all 18)",
     "qsa_decode_attention": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
     "qsa_index_scores": "H200, 2026-11-30, commit ef452e4: tests/pallas/test_qsa.py (all pass)",
