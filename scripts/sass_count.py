@@ -174,6 +174,15 @@ def qsa_kernels(m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
     return out + _launches(jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)))
 
 
+def qsa_prefill_kernels(tiles, m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
+    """The same for the QSA prefill attention (op "qsa_prefill_attention") over an m-token chunk at `ctx`."""
+    from fnx.pallas.qsa import prefill
+    sds = [S((1, m, 2, 12, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, 2, ctx, 256), BF16),
+           S((1, m, ctx), jnp.bool_), S((1, m), jnp.int32)]
+    fn = lambda *a: prefill.qsa_prefill_attention(*a, tiles=tiles)  # noqa: E731
+    return _launches(jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)))
+
+
 def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
     """The same for the MoE router (512 experts, top 10, renormalized) at m tokens."""
     from fnx.pallas.moe import routing_pallas
@@ -231,6 +240,8 @@ def main() -> None:
     ap.add_argument("--qsa", action="store_true", help="count a QSA layer's decode kernels at m tokens, 8K context "
                     "(fields: the combine's CombineTiles', e.g. bd=8,early=1)")
     ap.add_argument("--route", action="store_true", help="count the MoE router kernel at m tokens")
+    ap.add_argument("--qsa-prefill", action="store_true", help="count the QSA prefill attention over an m-token "
+                    "chunk at 8K context (fields: PrefillTiles', e.g. bk=32)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -241,6 +252,13 @@ def main() -> None:
             os.environ[qk.COMBINE_TILES_ENV] = args.fields
             tiles = str(qk.combine_tiles())
         launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
+    elif args.qsa_prefill:
+        from fnx.pallas import dispatch
+        from fnx.pallas.qsa import prefill
+        tiles = prefill.PrefillTiles()
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, prefill.PrefillTiles, "fields"))
+        launches = qsa_prefill_kernels(tiles, args.m)
     elif args.gdn_window:
         from fnx.pallas import dispatch
         from fnx.pallas.gdn import pallas as gk

@@ -256,7 +256,10 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
         chunk = KEY_CHUNK
-        if length > qsa_api.MAX_DECODE_TOKENS and capacity > chunk:     # prefill-sized
+        pre = qsa_api.prefill_backend(impl, hd, capacity) if length > qsa_api.MAX_DECODE_TOKENS else "reference"
+        if pre != "reference":      # prefill-sized, op "qsa_prefill_attention" on a kernel: one launch
+            o = qsa_api.qsa_prefill_attention(qh, kc, vc, mask, positions, pre)
+        elif length > qsa_api.MAX_DECODE_TOKENS and capacity > chunk:     # prefill-sized
             o = _masked_attention_chunked(qh, kc, vc, mask, positions, chunk, dt)
         else:
             s = jnp.einsum("blgrd,bgtd->bgrlt", qh, kc.astype(dt), precision=HIGHEST,
