@@ -158,6 +158,18 @@ def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):
     assert rec["kernel"] == "gemv_fp8" and ("us" in rec or "timing noise" in rec["error"])
 
 
+def test_bench_kernels_qsa_prefill_cases_check_against_the_chunked_path(tmp_path):
+    """The QSA prefill attention's cases (the kernel and the model's key-chunked path, one chunk at the end of a
+    short context): the kernel's output checked against the chunked path's before it is timed."""
+    res = tmp_path / "k.jsonl"
+    _run(["scripts/bench_kernels.py", "--quick", "--only", "qsa", "--filter", "qsa_prefill", "--iters", "1",
+          "--out", str(res)], tmp_path)
+    recs = [json.loads(line) for line in res.read_text().splitlines() if '"kernel"' in line]
+    assert sorted(r["impl"] for r in recs) == ["chunked", "pallas"]
+    kern = next(r for r in recs if r["impl"] == "pallas")
+    assert kern["check"] == "ok" and kern["max_rel_err"] < 0.03
+
+
 def test_gemv_tune_candidates_include_what_runs_at_m():
     """The tuner's first stage at M tokens includes the tiles the model runs at M without a new entry (M's
     heuristic; the twenty-first session's M = 5 tune compared only against the M = 1 heuristic's and chose

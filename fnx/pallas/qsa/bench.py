@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnx.pallas import dispatch
 from fnx.pallas.bench import BenchCase, n_sets
 from fnx.pallas.qsa import api
 from fnx.pallas.qsa import pallas as kernel
@@ -118,7 +119,56 @@ def cases(quick: bool) -> list[BenchCase]:
             kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
             arg_sets=dense_sets, bytes=nbytes, flops=flops,
             extra=dict(extra, note="model reference path: reads the whole cache")))
-    out += score_cases(quick) + topk_cases(quick) + prep_cases(quick)
+    out += score_cases(quick) + topk_cases(quick) + prep_cases(quick) + prefill_cases(quick)
+    return out
+
+
+def prefill_cases(quick: bool) -> list[BenchCase]:
+    """"qsa_prefill_attention": one prefill chunk's masked attention (L = 2,048 queries, 24 heads over 2 KV heads
+    of 256) at the end of an 8K context and at the start of a 32K one, the kernel ("pallas") against the model's
+    key-chunked masked path ("chunked"). Masks: causal, each query's 512 blocks of 4 drawn from the blocks before
+    it, plus its tail. FLOPs: the products over the keys a query may see (4 x hd per query, head and visible key
+    position, causal); bytes: K and V up to the chunk's last position, q, o and the mask."""
+    from fnx.model import qsa as model_qsa
+    from fnx.pallas.qsa import prefill
+    out = []
+    length = 64 if quick else 2048
+    for ctx, pos0 in (((512, 384),) if quick else ((8192, 6144), (32768, 0))):
+        rng = np.random.default_rng(ctx + pos0)
+        positions = pos0 + np.arange(length)
+        tok = np.arange(ctx)
+        causal = tok[None, :] <= positions[:, None]
+        mask = np.zeros((length, ctx), bool)
+        for i, pos in enumerate(positions):
+            done = (pos + 1) // CR
+            pick = rng.choice(done, min(TOPK, done), replace=False) if done else np.zeros(0, int)
+            rows = (pick[:, None] * CR + np.arange(CR)[None, :]).reshape(-1)
+            mask[i, rows] = True
+            mask[i, done * CR:pos + 1] = True
+        mask &= causal
+        visible = int(causal.sum())
+        flops = 4 * HQ * HD * visible
+        seen = min(int(positions[-1]) + 1, ctx)
+        nbytes = 2 * HKV * seen * HD * 2 + 2 * length * HQ * HD * 2 + length * ctx
+        key = jax.random.PRNGKey(ctx)
+        sets = []
+        for _ in range(2 if quick else n_sets(nbytes)):
+            k1, k2, k3, key = jax.random.split(key, 4)
+            sets.append((jax.random.normal(k1, (1, length, HKV, HQ // HKV, HD), jnp.bfloat16),
+                         jax.random.normal(k2, (1, HKV, ctx, HD), jnp.bfloat16),
+                         jax.random.normal(k3, (1, HKV, ctx, HD), jnp.bfloat16),
+                         jnp.asarray(mask[None]), jnp.asarray(positions[None], jnp.int32)))
+        chunk = min(model_qsa.KEY_CHUNK, ctx // 2)
+        ref = lambda q, k, v, m, p, _c=chunk: model_qsa._masked_attention_chunked(q, k, v, m, p, _c,  # noqa: E731
+                                                                                 q.dtype)
+        interp = dispatch.why_unavailable("pallas") is not None
+        shape = f"L={length} ctx={ctx} pos0={pos0}"
+        extra = {"ctx": ctx, "pos0": pos0, "L": length, "visible_keys": visible}
+        out.append(BenchCase(kernel="qsa_prefill_attention", shape=shape, impl="pallas",
+                             fn=lambda *a: prefill.qsa_prefill_attention(*a, interpret=interp), arg_sets=sets,
+                             bytes=nbytes, flops=flops, extra=dict(extra), check=ref, check_tol=0.03))
+        out.append(BenchCase(kernel="qsa_prefill_attention", shape=shape, impl="chunked", fn=ref, arg_sets=sets,
+                             bytes=nbytes, flops=flops, extra=dict(extra, chunk=chunk)))
     return out
 
 
