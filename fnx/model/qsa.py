@@ -256,7 +256,8 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
         chunk = KEY_CHUNK
-        pre = qsa_api.prefill_backend(impl, hd, capacity) if length > qsa_api.MAX_DECODE_TOKENS else "reference"
+        pre = qsa_api.prefill_backend(impl, hd, capacity, h // hkv) if length > qsa_api.MAX_DECODE_TOKENS \
+            else "reference"
         if pre != "reference":      # prefill-sized, op "qsa_prefill_attention" on a kernel: one launch
             o = qsa_api.qsa_prefill_attention(qh, kc, vc, mask, positions, pre)
         elif length > qsa_api.MAX_DECODE_TOKENS and capacity > chunk:     # prefill-sized

@@ -42,15 +42,17 @@ def _inputs(rng, bsz, length, hkv, grp, hd, cap, pos0, dt):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("bsz,length,pos0", [(1, 48, (0,)), (2, 40, (70, 3)), (1, 24, (120,))])
-def test_prefill_attention_matches_the_masked_dense_path(bsz, length, pos0, dtype):
-    """Query tiles of 16 (40 rows: the last tile cut), key tiles of 32 over 128 keys: a first chunk, a batch at two
-    depths, and positions past the capacity (every key visible; the tiles clipped to the cache)."""
+@pytest.mark.parametrize("bsz,length,pos0,heads", [(1, 48, (0,), 1), (2, 40, (70, 3), 1), (1, 24, (120,), 1),
+                                                   (2, 40, (70, 3), 2), (1, 24, (50,), 4)])
+def test_prefill_attention_matches_the_masked_dense_path(bsz, length, pos0, heads, dtype):
+    """Query tiles of 16 rows (40 queries: the last tile cut), key tiles of 32 over 128 keys: a first chunk, a batch
+    at two depths, and positions past the capacity (every key visible; the tiles clipped to the cache); 2 or 4 of
+    a KV head's 4 query heads in one program (their rows side by side, sharing the mask's rows)."""
     rng = np.random.default_rng(np.random.randint(1 << 30))
-    qh, kc, vc, mask, positions = _inputs(rng, bsz, length, 2, 3, 32, 128, pos0, dtype)
+    qh, kc, vc, mask, positions = _inputs(rng, bsz, length, 2, 4, 32, 128, pos0, dtype)
     want = _reference(qh, kc, vc, mask)
     got = prefill.qsa_prefill_attention(qh, kc, vc, mask, positions, interpret=INTERPRET,
-                                        tiles=prefill.PrefillTiles(bq=16, bk=32, num_warps=4))
+                                        tiles=prefill.PrefillTiles(bq=16 // heads, bk=32, heads=heads, num_warps=4))
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.shape == want.shape and np.all(np.isfinite(got))
     assert np.abs(got - want).max() <= TOL[dtype] * np.abs(want).max(), np.abs(got - want).max()
@@ -62,6 +64,9 @@ def test_prefill_attention_refuses_what_it_does_not_take():
     assert "head dim 48" in prefill.why_not(48, 128, t)
     assert "not a multiple of bk=32" in prefill.why_not(32, 100, t)
     assert "bq=24" in prefill.why_not(32, 128, prefill.PrefillTiles(bq=24))
+    assert "heads=3" in prefill.why_not(32, 128, prefill.PrefillTiles(bq=16, heads=3))
+    assert "does not divide the 3 query heads" in prefill.why_not(32, 128, prefill.PrefillTiles(heads=2), 3)
+    assert prefill.why_not(256, 8192, prefill.PrefillTiles(bq=16, heads=4), 12) is None
     rng = np.random.default_rng(0)
     qh, kc, vc, mask, positions = _inputs(rng, 1, 16, 2, 3, 32, 96, (0,), jnp.float32)
     with pytest.raises(ValueError, match="not a multiple of bk=64"):

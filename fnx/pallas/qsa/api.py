@@ -138,13 +138,13 @@ def qsa_prep(qk, qg, kp, vp, norms, cos, sin, bcos, bsin, pos0, n_valid, state, 
 PREFILL_OP = "qsa_prefill_attention"
 
 
-def prefill_backend(impl: str | None, head_dim: int, capacity: int) -> str:
+def prefill_backend(impl: str | None, head_dim: int, capacity: int, group: int | None = None) -> str:
     """The backend of a prefill-sized call's masked attention (more than MAX_DECODE_TOKENS tokens): "reference"
     (fnx.model.qsa's masked dense path, by key chunks past KEY_CHUNK) or a Pallas backend
     (`fnx.pallas.qsa.prefill`: one launch, online softmax over the key tiles up to each query tile's position)."""
     from fnx.pallas.qsa import prefill
     return dispatch.resolve(PREFILL_OP, impl, not_applicable=prefill.why_not(head_dim, capacity,
-                                                                             prefill.choose_tiles()))
+                                                                             prefill.choose_tiles(), group))
 
 
 def qsa_prefill_attention(qh, kc, vc, mask, positions, backend: str):

@@ -8,8 +8,9 @@ head, walks the key tiles up to the tile's last position (the mask's causal boun
 keeps a running max, sum and fp32 accumulator (online softmax): s = round(round(q k^T) * hd^-0.5) as the model
 rounds, the token mask [B, L, T] applied, p = exp(s - max) rounded to the activation dtype for the P V product on
 the tensor cores, o = acc / sum rounded once. The reference rounds p / sum instead of p (its probabilities), so the
-bits differ: within a bf16 rounding of the output (tests). Query head h reads KV head h // G; the G heads of a group
-read the same K / V tiles (from L2 after the first).
+bits differ: within a bf16 rounding of the output (tests). Query head h reads KV head h // G; a program may hold
+`heads` query heads of one KV head (PrefillTiles.heads: their rows side by side, each K / V tile read once for
+them), else the G heads of a group read the same tiles in separate programs (from L2 after the first).
 
 Shapes: q [B, L, Hkv, G, hd], k / v [B, Hkv, T, hd] (the QSA state), mask [B, L, T] bool, positions [B, L]. hd a
 power of two >= 16; T a multiple of BK (the served capacities are multiples of 256); any L (rows past it masked)."""
@@ -35,8 +36,10 @@ TILES_ENV = "FNX_QSA_PREFILL_TILES"
 
 @dataclasses.dataclass(frozen=True)
 class PrefillTiles:
-    bq: int = 64            # query rows per program (a power of two >= 16: the MMA's M)
+    bq: int = 64            # queries per program (bq x heads rows: a power of two >= 16, the MMA's M)
     bk: int = 64            # keys per step (a power of two >= 16 dividing the capacity)
+    heads: int = 1          # query heads of one KV head per program (a power of two dividing G): each K / V tile
+                            # is read once for all of them (their rows share the query's mask row)
     num_warps: int = 8
     num_stages: int = 2
 
@@ -50,30 +53,36 @@ def choose_tiles() -> PrefillTiles:
     return t
 
 
-def why_not(hd: int, capacity: int, t: PrefillTiles) -> str | None:
-    """None when the kernel takes head dim hd over a cache of `capacity` tokens in tiles t, else why not."""
+def why_not(hd: int, capacity: int, t: PrefillTiles, grp: int | None = None) -> str | None:
+    """None when the kernel takes head dim hd over a cache of `capacity` tokens in tiles t (grp query heads per KV
+    head, where known), else why not."""
     pow2 = lambda n: n >= 16 and n & (n - 1) == 0  # noqa: E731
     if not pow2(hd):
         return f"head dim {hd}: a power of two >= 16"
-    if not pow2(t.bq) or not pow2(t.bk):
-        return f"tiles bq={t.bq}, bk={t.bk}: powers of two >= 16"
+    if not pow2(t.bq * t.heads) or not pow2(t.bk) or t.heads < 1 or t.heads & (t.heads - 1):
+        return f"tiles bq={t.bq} x heads={t.heads}, bk={t.bk}: powers of two, bq x heads and bk >= 16"
     if capacity % t.bk:
         return f"KV capacity {capacity} is not a multiple of bk={t.bk}"
+    if grp is not None and grp % t.heads:
+        return f"heads={t.heads} does not divide the {grp} query heads of a KV head"
     return None
 
 
-def _kernel(q_ref, k_ref, v_ref, m_ref, n_ref, o_ref, *, L, T, hkv, grp, hd, bq, bk, factor, n_qt):
+def _kernel(q_ref, k_ref, v_ref, m_ref, n_ref, o_ref, *, L, T, hkv, grp, hd, bq, bk, heads, factor, n_qt):
     dt = q_ref.dtype
     ph, pq = pl.program_id(0), pl.program_id(1)
-    b, hg = ph // (hkv * grp), ph % (hkv * grp)
-    kv = hg // grp
-    rows = pq * bq + jnp.arange(bq, dtype=jnp.int32)
+    per_b = hkv * (grp // heads)
+    b, hs = ph // per_b, ph % per_b                       # hs: a set of `heads` query heads of one KV head
+    kv = hs // (grp // heads)
+    r = jnp.arange(bq * heads, dtype=jnp.int32)
+    rows = pq * bq + r // heads                           # each row's query (its heads next to each other)
+    hg = hs * heads + r % heads                           # and query head (in Hkv * G)
     rok = rows < L
     col = jnp.arange(hd, dtype=jnp.int32)
     kk = jnp.arange(bk, dtype=jnp.int32)
     # q [B, L, Hkv * G, hd]; k, v [B, Hkv, T, hd]; mask [B, L, T] (int8); o as q
-    q = plt.load(q_ref.at[((b * L + rows) * (hkv * grp) + hg)[:, None] * hd + col[None, :]], mask=rok[:, None],
-                 other=0.0)
+    qrow = (b * L + rows) * (hkv * grp) + hg
+    q = plt.load(q_ref.at[qrow[:, None] * hd + col[None, :]], mask=rok[:, None], other=0.0)
     n_kt = plt.load(n_ref.at[b * n_qt + pq])         # key tiles up to the tile's last position
 
     def step(j, carry):
@@ -91,11 +100,11 @@ def _kernel(q_ref, k_ref, v_ref, m_ref, n_ref, o_ref, *, L, T, hkv, grp, hd, bq,
         vt = plt.load(v_ref.at[((b * hkv + kv) * T + keys)[:, None] * hd + col[None, :]])            # [bk, hd]
         acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), vt, precision=HIGHEST, preferred_element_type=F32)
         return m_new, l_i * alpha + jnp.sum(p, axis=1), acc
-    init = (jnp.full((bq,), -jnp.inf, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, hd), F32))
+    n = bq * heads
+    init = (jnp.full((n,), -jnp.inf, F32), jnp.zeros((n,), F32), jnp.zeros((n, hd), F32))
     _, l_i, acc = lax.fori_loop(0, n_kt, step, init)
     o = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
-    plt.store(o_ref.at[((b * L + rows) * (hkv * grp) + hg)[:, None] * hd + col[None, :]], o.astype(dt),
-              mask=rok[:, None])
+    plt.store(o_ref.at[qrow[:, None] * hd + col[None, :]], o.astype(dt), mask=rok[:, None])
 
 
 def qsa_prefill_attention(qh: jax.Array, kc: jax.Array, vc: jax.Array, mask: jax.Array, positions: jax.Array, *,
@@ -106,7 +115,7 @@ def qsa_prefill_attention(qh: jax.Array, kc: jax.Array, vc: jax.Array, mask: jax
     bsz, length, hkv, grp, hd = qh.shape
     cap = kc.shape[2]
     t = tiles or choose_tiles()
-    why = why_not(hd, cap, t)
+    why = why_not(hd, cap, t, grp)
     if why:
         raise ValueError(f"qsa_prefill_attention: {why}")
     if kc.shape != (bsz, hkv, cap, hd) or vc.shape != kc.shape or mask.shape != (bsz, length, cap):
@@ -122,9 +131,9 @@ def qsa_prefill_attention(qh: jax.Array, kc: jax.Array, vc: jax.Array, mask: jax
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
                                                                          num_stages=t.num_stages)}
-    body = functools.partial(_kernel, L=length, T=cap, hkv=hkv, grp=grp, hd=hd, bq=t.bq, bk=t.bk,
+    body = functools.partial(_kernel, L=length, T=cap, hkv=hkv, grp=grp, hd=hd, bq=t.bq, bk=t.bk, heads=t.heads,
                              factor=float(hd ** -0.5), n_qt=n_qt)
-    o = pl.pallas_call(body, grid=(bsz * hkv * grp, n_qt), in_specs=[whole] * len(args), out_specs=whole,
+    o = pl.pallas_call(body, grid=(bsz * hkv * (grp // t.heads), n_qt), in_specs=[whole] * len(args), out_specs=whole,
                        out_shape=jax.ShapeDtypeStruct((bsz * length * hkv * grp * hd,), dt), interpret=interpret,
                        name="qsa_prefill_attention", **params)(*args)
     return o.reshape(bsz, length, hkv, grp, hd)
