@@ -29,8 +29,9 @@ arithmetic), then the streams, and stores u = silu(round(. / S)) (inj's rows: 2 
 by bd rows of Wup per stream on the tensor cores and mixes the gated Hn of its columns. The first form had each
 down task walk its stream's whole D (84 tasks of 20 chunks at the released shapes) and `hc_up1`'s tasks walk the
 tokens (silu and the stream sum redone per task, shared-memory layout changes: 165 CTA barriers per task in the
-stock build): 53 us a five-token boundary on the H100; with the down tasks split alone, 35 us. The XLA boundary it
-would replace runs the combine, the norm, the down kernel, its split sum, silu, the up GEMV and the mix as 7-8 launches."""
+stock build): 53 us a five-token boundary on the H100; with the down tasks split alone, 35 us; this form 30.7 us,
+where the XLA boundary it would replace (the combine, the norm, the down kernel, its split sum, silu, the up GEMV
+and the mix: 7-8 launches) takes ~16: off (dispatch.AUTO_KEEPS_REFERENCE)."""
 
 from __future__ import annotations
 
@@ -241,24 +242,38 @@ def _operands(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, w_down_scale, w_up_s
         (flat(f32(w_up_scale)),) if w_up_scale is not None else ())
 
 
+def _phase_caller(body, name: str, key: str, whole: str, *, programs: int, interpret: bool, num_warps: int,
+                  num_stages: int):
+    """call(phase, args, out_shape): `body` with `key` = phase over `programs` programs, all operands whole; the
+    launch is named `name`, or name_<phase> for a phase of a split run (phase != `whole`)."""
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+    spec = pl.BlockSpec(memory_space=pl.ANY)
+
+    def call(phase, args, out_shape):
+        return stacked.call(functools.partial(body, **{key: phase}), args, grid=(programs,),
+                            in_specs=[spec] * len(args), out_specs=[spec] * len(out_shape), out_shape=out_shape,
+                            interpret=interpret, name=name + ("" if phase == whole else "_" + phase), **params)
+    return call
+
+
+def _counter(sync, sync_index: int, interpret: bool, name: str):
+    """The barrier's counters: `sync` (checked to hold counter `sync_index`), or a fresh counter when None."""
+    if sync is None:
+        sync = grid_sync.counter(interpret)
+    if not 0 <= sync_index < sync.shape[0]:
+        raise ValueError(f"{name}: the barrier's counter {sync_index} is outside the counters {sync.shape}")
+    return sync
+
+
 def _launch(body, name, ins, outs, scratch, *, programs, launches, sync, sync_index, interpret, num_warps, num_stages,
             h, lead, d, s, has_y, has_inj):
     """The kernel `body` over `programs` programs: one launch with the barrier (phases "both"; `sync` the counter,
     made here when None), or (launches=2) the down phase, then the up phase reading its scratch. Returns
     (H', x, inj) shaped as the caller's h."""
-    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
-    whole = pl.BlockSpec(memory_space=pl.ANY)
-
-    def call(phases, args, out_shape):
-        return stacked.call(functools.partial(body, phases=phases), args, grid=(programs,),
-                            in_specs=[whole] * len(args), out_specs=[whole] * len(out_shape), out_shape=out_shape,
-                            interpret=interpret, name=name + ("" if phases == "both" else "_" + phases), **params)
+    call = _phase_caller(body, name, "phases", "both", programs=programs, interpret=interpret, num_warps=num_warps,
+                         num_stages=num_stages)
     if launches == 1:
-        if sync is None:
-            sync = grid_sync.counter(interpret)
-        if not 0 <= sync_index < sync.shape[0]:
-            raise ValueError(f"{name}: the barrier's counter {sync_index} is outside the counters {sync.shape}")
-        res = call("both", ins + (sync,), outs + scratch)
+        res = call("both", ins + (_counter(sync, sync_index, interpret, name),), outs + scratch)
     else:
         part, rstd = call("down", ins, scratch)
         res = call("up", ins + (part, rstd), outs)
@@ -541,23 +556,13 @@ def hc_boundary_one_few(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     injo = [jax.ShapeDtypeStruct((m * s,), dt)] if has_inj else []
     body = functools.partial(
         _few_one_kernel, m=m, mp=mp, s=s, d=d, r=r, bn=t.bn, bk=t.bk, kc=t.kc, bm=t.bm, bd=t.bd, eps=eps,
-        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._pieces(-(-r // 16) * 16, 128)), n_blocks=n_blocks,
-        programs=programs, max_polls=t.max_polls, interpret=interpret, sync_index=sync_index)
+        has_y=has_y, has_inj=has_inj, fp8=fp8, up_pieces=tuple(kernel._pieces(-(-r // 16) * 16, 128)),
+        n_blocks=n_blocks, programs=programs, max_polls=t.max_polls, interpret=interpret, sync_index=sync_index)
     name = "hc_boundary_few1" + ("_fp8" if fp8 else "")
-    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
-                                                                         num_stages=t.num_stages)}
-    whole = pl.BlockSpec(memory_space=pl.ANY)
-
-    def call(phase, args, out_shape):
-        return stacked.call(functools.partial(body, phase=phase), args, grid=(programs,),
-                            in_specs=[whole] * len(args), out_specs=[whole] * len(out_shape), out_shape=out_shape,
-                            interpret=interpret, name=name + ("" if phase == "all" else "_" + phase), **params)
+    call = _phase_caller(body, name, "phase", "all", programs=programs, interpret=interpret, num_warps=t.num_warps,
+                         num_stages=t.num_stages)
     if launches == 1:
-        if sync is None:
-            sync = grid_sync.counter(interpret)
-        if not 0 <= sync_index < sync.shape[0]:
-            raise ValueError(f"{name}: the barrier's counter {sync_index} is outside the counters {sync.shape}")
-        res = call("all", ins + (sync,), xh + injo + split + gates)
+        res = call("all", ins + (_counter(sync, sync_index, interpret, name),), xh + injo + split + gates)
         res, res_inj = res[:len(xh)], res[len(xh):]
     else:
         sp = call("down", ins, split)
