@@ -56,16 +56,23 @@ def _block_scores(q_idx: jax.Array, blocks: jax.Array, cfg) -> jax.Array:
     return jnp.sum(jax.nn.relu(s), axis=2) / jnp.sqrt(jnp.asarray(cfg.indexer_head_dim, F32))
 
 
-def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cfg) -> jax.Array:
+def select_tokens(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cfg,
+                  topk_impl: str | None = "reference") -> jax.Array:
     """Token mask [B, L, T]: causal AND (in a selected complete block OR in the incomplete tail).
-    q_idx [B, L, Hi, di] (normed, RoPE'd), blocks [B, NB, di], positions [B, L] of the queries."""
+    q_idx [B, L, Hi, di] (normed, RoPE'd), blocks [B, NB, di], positions [B, L] of the queries. The top-k block set
+    by lax.top_k (`topk_impl` "reference"), or through fnx.pallas.qsa.api.qsa_block_topk on that backend (None:
+    its dispatch; the same set, ties to the lower blocks): the model's prefill-sized calls take the kernel where
+    it is on (an H100 prefill table had XLA's sort for lax.top_k at 310 us a QSA layer and 2,048-token chunk)."""
     cr = cfg.indexer_compress_ratio
     n_blocks = blocks.shape[1]
     block_idx = jnp.arange(n_blocks, dtype=jnp.int32)
     valid = (block_idx * cr + cr - 1)[None, None, :] <= positions[..., None]          # [B, L, NB]
     if n_blocks > cfg.block_topk:
         s = jnp.where(valid, _block_scores(q_idx, blocks, cfg), -jnp.inf)
-        _, top = lax.top_k(s, cfg.block_topk)
+        if topk_impl == "reference":
+            _, top = lax.top_k(s, cfg.block_topk)
+        else:
+            top = qsa_api.qsa_block_topk(s, cfg.block_topk, impl=topk_impl)
         chosen = jnp.zeros(s.shape, bool).at[
             jnp.arange(s.shape[0])[:, None, None], jnp.arange(s.shape[1])[None, :, None], top].set(True)
         valid = valid & chosen
@@ -253,7 +260,7 @@ def qsa_layer(p: dict, x: jax.Array, st: dict, pos0: jax.Array, cos: jax.Array, 
         o = qsa_api.qsa_decode_attention(q, kc, vc, idx, impl=impl, gate=(wins[1].buf, wins[1].start))
         o = o.reshape(bsz, length, h * hd)
     else:
-        mask = select_tokens(q_idx, blocks, positions, capacity, cfg)                  # [B, L, T]
+        mask = select_tokens(q_idx, blocks, positions, capacity, cfg, impl)            # [B, L, T]
         qh = q.reshape(bsz, length, hkv, h // hkv, hd)
         chunk = KEY_CHUNK
         pre = qsa_api.prefill_backend(impl, hd, capacity, h // hkv) if length > qsa_api.MAX_DECODE_TOKENS \

@@ -69,6 +69,25 @@ def test_exact_ties_pick_lower_blocks(impl):
         assert chosen == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("capacity", [66, 256])
+def test_prefill_mask_block_choice_through_the_topk_kernel(capacity):
+    """The mask of a prefill-sized call (every position of the cache as a query row, B = 2) with its block choice
+    through op "qsa_block_topk" equals lax.top_k's: the same set, ties to the lower blocks (pairs of equal blocks,
+    and rows with many zero ReLU scores)."""
+    cfg = _cfg()
+    k1, k2 = jax.random.split(jax.random.PRNGKey(np.random.randint(1 << 30)))
+    bsz, nb = 2, capacity // cfg.indexer_compress_ratio
+    q_idx = jax.random.normal(k1, (bsz, capacity, 2, cfg.indexer_head_dim), jnp.float32)
+    blocks = jax.random.normal(k2, (bsz, nb, cfg.indexer_head_dim), jnp.float32)
+    blocks = blocks.at[:, 1::2].set(blocks[:, 0:nb - 1:2])      # pairs of equal blocks: exact ties in every row
+    q_idx = q_idx.at[:, ::7].set(-jnp.abs(q_idx[:, ::7]))        # and rows with many ReLU zeros
+    positions = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (bsz, capacity))
+    want = jax.jit(lambda *a: qsa.select_tokens(*a, capacity, cfg))(q_idx, blocks, positions)
+    got = jax.jit(lambda *a: qsa.select_tokens(*a, capacity, cfg, KERNEL))(q_idx, blocks, positions)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.asarray(want).sum(-1).max() < capacity        # sparse rows exist: the top-k chose
+
+
 def test_budget_boundary_is_dense():
     """A query with exactly top-k complete blocks sees every causal token; one block more drops one block."""
     cfg = _cfg()
