@@ -149,7 +149,7 @@ def _one_kernel(*refs, s, d, r, bn, bd, ch, q, eps, has_y, has_inj, fp8, wround,
         return
     ok = grid_sync.barrier(sync_ref, programs, max_polls, interpret, sync_index) if phases == "both" else None
     _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
-              injo_ref, m=1, mp=1, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
+              injo_ref, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj, fp8=fp8,
               pieces=up_pieces, wround=wround, early=early)
 
 
@@ -166,28 +166,26 @@ def _tasks(p, programs: int, n_tasks: int, run):
 
 
 def _up_phase(p, programs, ok, part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, x_ref, ho_ref,
-              injo_ref, *, m, mp, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, wround, early):
-    """hc_up1's tasks (bd output columns of every stream, over the m tokens) for program p, storing each token's x,
-    H' and (task 0) inj; `ok` False (a program that gave up at the barrier): NaN in its x."""
+              injo_ref, *, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, wround, early):
+    """hc_up1's tasks for the one token (bd output columns of every stream) for program p, storing its x, H' and
+    (task 0) inj; `ok` False (a program that gave up at the barrier): NaN in its x."""
     dt = h_ref.dtype
     sj = jnp.arange(s, dtype=jnp.int32)
 
     def up(i):
         xs, hos = kernel._up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i,
-                                   lambda: list(range(m)), mp, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y,
-                                   fp8=fp8, pieces=pieces, m=m, wround=wround, early=early)
+                                   lambda: [0], 1, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y, fp8=fp8,
+                                   pieces=pieces, wround=wround, early=early)
         cols = i * bd + jnp.arange(bd, dtype=jnp.int32)
-        for t in range(m):
-            x = xs[t] if ok is None else jnp.where(ok, xs[t], jnp.nan)
-            plt.store(x_ref.at[t * d + cols], x.astype(dt))
-            if has_y:
-                plt.store(ho_ref.at[t * (s * d) + sj[:, None] * d + cols[None, :]], hos[t].astype(dt))
+        x = xs[0] if ok is None else jnp.where(ok, xs[0], jnp.nan)
+        plt.store(x_ref.at[cols], x.astype(dt))
+        if has_y:
+            plt.store(ho_ref.at[sj[:, None] * d + cols[None, :]], hos[0].astype(dt))
         if has_inj:
             @pl.when(i == 0)
             def _():
-                injs = kernel._up1_inj(part_ref, list(range(m)), sj, s=s, n_rows=n_rows, r=r, dt=dt)
-                for t in range(m):
-                    plt.store(injo_ref.at[t * s + sj], injs[t].astype(dt))
+                plt.store(injo_ref.at[sj], kernel._up1_inj(part_ref, [0], sj, s=s, n_rows=n_rows, r=r,
+                                                            dt=dt)[0].astype(dt))
     _tasks(p, programs, d // bd, up)
 
 
