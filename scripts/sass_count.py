@@ -19,6 +19,7 @@ Run:
                                                          # tokens the few-token one, TilesFewOne fields)
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
     python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router)
+    python scripts/sass_count.py nvfp4 64 --moe-blocks    # the prefill grouped MoE kernels, blocks of 64 rows
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax._src.lib import triton as jax_triton  # noqa: E402  (its dialect prints the IR in Triton's own syntax)
-from jax._src.lib.mlir import ir  # noqa: E402  (the lowered module's custom calls carry the Triton IR as bytecode)
 
 from fnx.model import quant  # noqa: E402
+from fnx.pallas import triton_ir  # noqa: E402
 from fnx.pallas.moe import decode_pallas  # noqa: E402
 
 S = jax.ShapeDtypeStruct
@@ -183,6 +183,17 @@ def qsa_prefill_kernels(tiles, m: int, ctx: int = 8192) -> list[tuple[str, int, 
     return _launches(jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)))
 
 
+def moe_blocks_kernels(fmt: str, b: int, tiles, n_blocks: int = 832) -> list[tuple[str, int, int, str]]:
+    """The same for the prefill grouped matmul's blocks (`experts_pallas.experts_blocks`, op "moe_grouped"):
+    n_blocks blocks of b rows at the released expert shapes."""
+    from fnx.pallas.moe import experts_pallas
+    n_exp, d, inter = 512, 2560, 640
+    fn = lambda xb, e, gu, dn: experts_pallas.experts_blocks(gu, dn, xb, e, tiles=tiles)  # noqa: E731
+    return _launches(jax.jit(fn).trace(S((n_blocks, b, d), BF16), S((n_blocks,), jnp.int32),
+                                       W((n_exp, 2 * inter, d), fmt), W((n_exp, d, inter), fmt)).lower(
+        lowering_platforms=("cuda",)))
+
+
 def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
     """The same for the MoE router (512 experts, top 10, renormalized) at m tokens."""
     from fnx.pallas.moe import routing_pallas
@@ -191,29 +202,7 @@ def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
 
 
 def _launches(lowered) -> list[tuple[str, int, int, str]]:
-    out = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for o in block.operations:
-                    if o.operation.name == "stablehlo.custom_call" and \
-                            "triton" in str(o.attributes["call_target_name"]):
-                        cfg = o.attributes["mhlo.backend_config"]
-                        ctx = ir.Context()
-                        ctx.allow_unregistered_dialects = True     # gpu.barrier (debug_barrier): printed generic
-                        jax_triton.dialect.register_dialect(ctx)
-                        module = ir.Module.parse(ir.StringAttr(cfg["ir"]).value_bytes, context=ctx)
-                        stages = ir.IntegerAttr(cfg["num_stages"]).value if "num_stages" in cfg else 1
-                        text = module.operation.get_asm(enable_debug_info=False)
-                        # an op of a dialect this context lacks prints in generic form, which Triton's parser
-                        # refuses: gpu.barrier (`debug_barrier`) has no operands or results
-                        text = re.sub(r'^(\s*)"gpu\.barrier"\(\).*$', r"\1gpu.barrier", text, flags=re.M)
-                        out.append((ir.StringAttr(cfg["name"]).value, ir.IntegerAttr(cfg["num_warps"]).value,
-                                    stages, text))
-                    walk(o.operation)
-    walk(lowered.compiler_ir().operation)
-    return out
+    return triton_ir.launches(lowered)
 
 
 def main() -> None:
@@ -242,6 +231,8 @@ def main() -> None:
     ap.add_argument("--route", action="store_true", help="count the MoE router kernel at m tokens")
     ap.add_argument("--qsa-prefill", action="store_true", help="count the QSA prefill attention over an m-token "
                     "chunk at 8K context (fields: PrefillTiles', e.g. bk=32)")
+    ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
+                    "m rows (fields: experts_pallas.Tiles', e.g. block_n=128)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -252,6 +243,14 @@ def main() -> None:
             os.environ[qk.COMBINE_TILES_ENV] = args.fields
             tiles = str(qk.combine_tiles())
         launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
+    elif args.moe_blocks:
+        from fnx.model import quant as q
+        from fnx.pallas import dispatch
+        from fnx.pallas.moe import experts_pallas as ep
+        tiles = ep.default_tiles(2560, 640, ep.block_tiles(q.abstract_weight((512, 1280, 2560), args.fmt)))
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, ep.Tiles, "fields"))
+        launches = moe_blocks_kernels(args.fmt, args.m, tiles)
     elif args.qsa_prefill:
         from fnx.pallas import dispatch
         from fnx.pallas.qsa import prefill

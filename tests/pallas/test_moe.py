@@ -1501,6 +1501,39 @@ def test_experts_blocks_match_reference(fmt):
     assert not np.asarray(got[2, 9:], np.float32).any()
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_experts_blocks_split_act_same_bits(fmt):
+    """`Tiles.split_act`: stage 1 writes the even / odd intermediate columns as its output's halves (weight rows at a
+    stride of 2) and the NVFP4 down kernel reads them in place: the same bits as the layout XLA splits (FP8 down
+    experts ignore it); a block_n too narrow for two tiles of 16 is refused with the reason."""
+    gu, dn = _weights(fmt, 25)
+    xb = jax.random.normal(_key(26), (4, 16, D), jnp.float32).astype(BF16)
+    be = jnp.array([5, 5, 0, E - 1], jnp.int32)
+    run = functools.partial(experts_pallas.experts_blocks, gu, dn, xb, be, interpret=INTERPRET)
+    plain = run(tiles=TILES)
+    split = run(tiles=dataclasses.replace(TILES, split_act=1))
+    np.testing.assert_array_equal(np.asarray(split, np.float32), np.asarray(plain, np.float32))
+    _close(split, reference.experts_blocks(gu, dn, xb, be))
+    from tests.pallas.kernel_mode import ops_outside_kernels
+    slices = [ops_outside_kernels(functools.partial(run, tiles=t)).count("slice")
+              for t in (TILES, dataclasses.replace(TILES, split_act=1))]
+    assert slices[0] - slices[1] == (2 if fmt == "nvfp4" else 0), slices     # the act halves' copies gone
+    narrow = dataclasses.replace(TILES, block_n=16, split_act=1)
+    assert "split_act" in experts_pallas.blocks_not_applicable(gu, dn, 16, narrow)
+
+
+def test_block_tiles_knob(monkeypatch):
+    """FNX_MOE_BLOCK_TILES replaces fields of the prefill blocks' default tiles; an unknown field is refused."""
+    gu, _ = _weights("nvfp4", 27)
+    assert experts_pallas.block_tiles(gu).split_act == 0
+    monkeypatch.setenv(experts_pallas.BLOCK_TILES_ENV, "split_act=1")
+    assert experts_pallas.block_tiles(gu) == dataclasses.replace(experts_pallas.BLOCK_TILES_BY_FORMAT["nvfp4"],
+                                                                 split_act=1)
+    monkeypatch.setenv(experts_pallas.BLOCK_TILES_ENV, "splitact=1")
+    with pytest.raises(ValueError, match=experts_pallas.BLOCK_TILES_ENV):
+        experts_pallas.block_tiles(gu)
+
+
 def test_moe_block_grouped_kernel_matches_gather():
     """The model's grouped path through the Pallas blocks (24 tokens: 96 pairs in blocks of 64 rows) against the
     gather path."""

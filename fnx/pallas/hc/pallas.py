@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from fnx.pallas import dispatch, stacked
+from fnx.pallas.dot_acc import dot_acc
 from fnx.pallas.kernel_math import rnd
 
 F32 = jnp.float32
@@ -82,7 +83,7 @@ def _down_kernel(h_ref, rstd_ref, wn_ref, wd_ref, wi_ref, out_ref, *, d, r, s, b
             hn, col = hn_chunk(c)
             cols = col + jnp.arange(bk, dtype=jnp.int32)
             w = plt.load(w_ref.at[safe[:, None], cols[None, :]], mask=ok, other=0.0).astype(dt)   # [br, bk]
-            return acc + jnp.dot(hn, w.T, precision=HIGHEST, preferred_element_type=F32)
+            return dot_acc(acc, hn, w, trans_b=True)
         acc = lax.fori_loop(0, n_chunks, body, jnp.zeros((mp, br), F32))
         out_ref[...] = acc
 
@@ -110,7 +111,7 @@ def _up_kernel(u_ref, h_ref, rstd_ref, wn_ref, wu_ref, x_ref, *, d, r, s, bd, bk
             w = plt.load(wu_ref.at[wrows[:, None], jnp.where(kc < r, kc, 0)[None, :]], mask=ok,
                          other=0.0).astype(dt)                        # [bd, bkr]
             u = u_ref[:, pl.dslice(c * bkr, bkr)]                     # [Mp, bkr]
-            return z + jnp.dot(u, w.T, precision=HIGHEST, preferred_element_type=F32)
+            return dot_acc(z, u, w, trans_b=True)
         z = lax.fori_loop(0, n_rchunks, body, jnp.zeros((mp, bd), F32))
         m = jax.nn.sigmoid(z.astype(dt).astype(F32)).astype(dt)
         col = j * d + i * bd

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fnx.pallas import kernel_math, stacked
+from fnx.pallas.dot_acc import dot_acc
 from fnx.pallas.moe import reference
 
 F32 = jnp.float32
@@ -44,6 +46,10 @@ class Tiles:
     block_k2: int = 128      # stage 2: I per step
     num_warps: int = 4
     num_stages: int = 3
+    split_act: int = 0       # NVFP4 down experts: 1 = stage 1 writes the even and odd intermediate columns as the two
+                             # halves of its output (weight rows at a stride of 2), so stage 2 reads its operand
+                             # halves in place instead of XLA copying them out (two strided slices of the act
+                             # buffer: 255 us for a 4-layer 2,048-token prefill chunk, H100); the same bits
 
 
 def _pow2(n: int) -> int:
@@ -57,40 +63,37 @@ def _e2m1(c):
     return kernel_math.e2m1_f16(c).astype(F32)
 
 
-def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta):
-    """Rows [r0, r0+bn), input columns [k0, k0+bk) of expert e's matrix, dequantized and rounded to dt: [bn, bk].
-    NVFP4 returns the pair (even columns, odd columns), each [bn, bk/2]: the low and high nibbles of the packed
-    bytes as they lie, never interleaved in registers; the caller dots them with the even and odd activation
-    columns."""
+def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1):
+    """Rows r0, r0 + stride, ... (bn of them), input columns [k0, k0+bk) of expert e's matrix, dequantized and
+    rounded to dt: [bn, bk]. NVFP4 returns the pair (even columns, odd columns), each [bn, bk/2]: the low and high
+    nibbles of the packed bytes as they lie, never interleaved in registers; the caller dots them with the even and
+    odd activation columns."""
+    rs = pl.ds(r0, bn) if stride == 1 else pl.ds(r0, bn, stride)
     if fmt == "dense":
         (w_ref,) = refs
-        return w_ref[e, pl.ds(r0, bn), pl.ds(k0, bk)].astype(dt)
+        return w_ref[e, rs, pl.ds(k0, bk)].astype(dt)
     if fmt == "fp8_block":
         w_ref, s_ref = refs
         bo, bi = meta
-        q = w_ref[e, pl.ds(r0, bn), pl.ds(k0, bk)].astype(F32)
-        s = s_ref[e, r0 // bo, k0 // bi]
+        q = w_ref[e, rs, pl.ds(k0, bk)].astype(F32)
+        s = s_ref[e, r0 // bo, k0 // bi]            # the rows lie in one block (bo a multiple of the tile's span)
         return (q * s).astype(dt)
     # nvfp4: packed [bn, bk/2] (low nibble = even element), scale per `group` values, global per row
     w_ref, s_ref, s2_ref = refs
     group = meta
-    p = w_ref[e, pl.ds(r0, bn), pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
-    sc = s_ref[e, pl.ds(r0, bn), pl.ds(k0 // group, bk // group)].astype(F32)          # [bn, bk/group]
+    p = w_ref[e, rs, pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
+    sc = s_ref[e, rs, pl.ds(k0 // group, bk // group)].astype(F32)          # [bn, bk/group]
     sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
-    sc = sc * (s2_ref[e, pl.ds(r0, bn)].astype(F32) * kernel_math.E2M1_F16_SCALE)[:, None]
+    sc = sc * (s2_ref[e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE)[:, None]
     return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
 
 
-def _tile_dot(x_tiles, w):
-    """x @ w.T in fp32 for a dense tile w, or the sum over the even and odd halves for an NVFP4 pair."""
-    if isinstance(w, tuple):
-        return _dot_t(x_tiles[0], w[0]) + _dot_t(x_tiles[1], w[1])
-    return _dot_t(x_tiles[0], w)
-
-
-def _dot_t(a, b):
-    """a [m, k] @ b[n, k].T in fp32."""
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+def _tile_dot(acc, x_tiles, w):
+    """acc + x @ w.T in fp32 for a dense tile w, or over the even and odd halves in turn for an NVFP4 pair (each
+    product accumulated into acc: `dot_acc`, the tensor core's own accumulation with FNX_DOT_ACC=1)."""
+    for x, wt in zip(x_tiles, w if isinstance(w, tuple) else (w,)):
+        acc = dot_acc(acc, x, wt, trans_b=True)
+    return acc
 
 
 def _unpack(experts_ref, rest, fmt, bk):
@@ -104,44 +107,62 @@ def _unpack(experts_ref, rest, fmt, bk):
     return a_refs, w_refs, out_ref, s, j, experts_ref[s], (bk // 2 if halves else bk), col
 
 
-def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False):
+def _silu_mul(acc_g, acc_u, dt):
+    """a = silu(g) * u from the fp32 gate / up products, each step rounded to dt as the reference."""
+    g = acc_g.astype(dt).astype(F32)
+    sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dt).astype(F32)
+    silu = (g * sig).astype(dt).astype(F32)
+    return (silu * acc_u.astype(dt).astype(F32)).astype(dt)
+
+
+def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False):
+    """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
+    even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
+    halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
+    gate and up rows at a stride of 2."""
     x_refs, w_refs, act_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk)
     dt = act_ref.dtype
+    parts = ((j * bn, 1, j * bn),) if not split else \
+        tuple((j * bn + par, 2, par * (inter // 2) + j * (bn // 2)) for par in (0, 1))   # (first row, stride, column)
+    width = bn // len(parts)
 
     @pl.when(e < n_exp)
     def _():
         rows = jax.lax.broadcasted_iota(jnp.int32, (mp, kw), 0)
 
-        def step(kk, carry):
-            acc_g, acc_u = carry
+        def step(kk, accs):
             k0 = pl.multiple_of(kk * bk, bk)
             lead = (s,) if per_slot else ()
             xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0).astype(dt)
                   for r in x_refs]
-            wg = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
-            wu = _weight_tile(fmt, w_refs, e, inter + j * bn, bn, k0, bk, dt, meta)
-            return acc_g + _tile_dot(xs, wg), acc_u + _tile_dot(xs, wu)
+            out = []
+            for (r0, stride, _), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
+                wg = _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride)
+                wu = _weight_tile(fmt, w_refs, e, inter + r0, width, k0, bk, dt, meta, stride)
+                out += [_tile_dot(acc_g, xs, wg), _tile_dot(acc_u, xs, wu)]
+            return tuple(out)
 
-        zero = jnp.zeros((mp, bn), F32)
-        acc_g, acc_u = jax.lax.fori_loop(0, d // bk, step, (zero, zero))
-        g = acc_g.astype(dt).astype(F32)
-        sig = (1.0 / (1.0 + jnp.exp(-g))).astype(dt).astype(F32)
-        silu = (g * sig).astype(dt).astype(F32)
-        a = silu * acc_u.astype(dt).astype(F32)
-        act_ref[s, :, pl.ds(j * bn, bn)] = a.astype(dt)
+        zero = jnp.zeros((mp, width), F32)
+        accs = jax.lax.fori_loop(0, d // bk, step, (zero,) * (2 * len(parts)))
+        for (_, _, c0), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
+            act_ref[s, :, pl.ds(c0, width)] = _silu_mul(acc_g, acc_u, dt)
 
 
-def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk):
+def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0):
+    """Program (s, j): output columns [j bn, (j+1) bn) of slot s. NVFP4: the two act refs give the even and odd
+    intermediate columns; with `odd_at` both are the one split act buffer (`_gate_up_kernel`'s `split`), the odd
+    columns from column odd_at on."""
     a_refs, w_refs, y_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk)
     dt = y_ref.dtype
+    offsets = (0, odd_at) if len(a_refs) == 2 else (0,)
 
     @pl.when(e < n_exp)
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
-            a = [r[s, :, pl.ds(col(k0), kw)] for r in a_refs]
+            a = [r[s, :, pl.ds(o + col(k0), kw)] for r, o in zip(a_refs, offsets)]
             w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta)
-            return acc + _tile_dot(a, w)
+            return _tile_dot(acc, a, w)
 
         acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((y_ref.shape[1], bn), F32))
         y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
@@ -166,9 +187,18 @@ BLOCK_TILES = Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warp
 BLOCK_TILES_BY_FORMAT = {"nvfp4": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64)}
 
 
+BLOCK_TILES_ENV = "FNX_MOE_BLOCK_TILES"     # a benchmark knob: fields replaced in the prefill blocks' tiles
+
+
 def block_tiles(gate_up) -> Tiles:
-    """The prefill blocks' default tiles for these experts' format (before shrinking to the dims)."""
-    return BLOCK_TILES_BY_FORMAT.get(reference.weight_format(gate_up), BLOCK_TILES)
+    """The prefill blocks' default tiles for these experts' format (before shrinking to the dims), with the fields
+    FNX_MOE_BLOCK_TILES names replaced (e.g. "split_act=1"; read when a program is traced)."""
+    t = BLOCK_TILES_BY_FORMAT.get(reference.weight_format(gate_up), BLOCK_TILES)
+    spec = os.environ.get(BLOCK_TILES_ENV, "").strip()
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, Tiles, BLOCK_TILES_ENV))
+    return t
 
 
 def default_tiles(d: int, inter: int, base: Tiles | None = None) -> Tiles:
@@ -187,6 +217,8 @@ def tiles_not_applicable(gate_up, down, tiles: Tiles) -> str | None:
     bn, bk, bn2, bk2 = tiles.block_n, tiles.block_k, tiles.block_n2, tiles.block_k2
     if inter % bn or d % bk or d % bn2 or inter % bk2 or min(bn, bk, bn2, bk2) < 16:
         return f"Pallas MoE tiles {tiles} do not divide D={d}, I={inter} (or are < 16)"
+    if tiles.split_act and bn < 2 * MIN_ROWS:
+        return f"Pallas MoE tiles {tiles}: split_act computes two tiles of block_n / 2 >= {MIN_ROWS} columns"
     try:
         fmt1, _, meta1 = reference.kernel_operands(gate_up)
         fmt2, _, meta2 = reference.kernel_operands(down)
@@ -223,17 +255,19 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     # NVFP4: the activations split into their even and odd columns here (a copy of activations only), so each
     # nibble of a packed byte meets its own contiguous activation tile
     xs = (x[..., 0::2], x[..., 1::2]) if fmt1 == "nvfp4" else (x,)
+    split = bool(tiles.split_act) and fmt2 == "nvfp4"
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
-                          bn=bn, bk=bk, per_slot=per_slot),
+                          bn=bn, bk=bk, per_slot=per_slot, split=split),
         (experts, *xs, *w1),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
     )
-    acts = (act[:, :, 0::2], act[:, :, 1::2]) if fmt2 == "nvfp4" else (act,)
+    acts = (act, act) if split else (act[:, :, 0::2], act[:, :, 1::2]) if fmt2 == "nvfp4" else (act,)
     return stacked.call(
-        functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2),
+        functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2,
+                          odd_at=inter // 2 if split else 0),
         (experts, *acts, *w2),
         out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
         grid=(s, d // bn2),

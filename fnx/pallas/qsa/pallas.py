@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from fnx.pallas import dispatch
+from fnx.pallas.dot_acc import dot_acc
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST   # fp32 operands: IEEE, not TF32; bf16 operands: no effect
@@ -124,8 +125,7 @@ def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv,
         alpha = jnp.exp(m - m_use)
         p = jnp.exp(s - m_use[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), v.astype(dt), precision=HIGHEST,
-                                             preferred_element_type=F32)
+        acc = dot_acc(acc * alpha[:, None], p.astype(dt), v.astype(dt))     # FNX_DOT_ACC: into the product
         return m_new, l, acc
 
     init = (jnp.full((gp,), -jnp.inf, F32), jnp.zeros((gp,), F32), jnp.zeros((gp, hd), F32))

@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from fnx.pallas import dispatch
+from fnx.pallas.dot_acc import dot_acc
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -98,7 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, m_ref, n_ref, o_ref, *, L, T, hkv, grp, hd, bq,
         alpha = jnp.exp(m_i - at)
         p = jnp.exp(s - at[:, None])
         vt = plt.load(v_ref.at[((b * hkv + kv) * T + keys)[:, None] * hd + col[None, :]])            # [bk, hd]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(dt), vt, precision=HIGHEST, preferred_element_type=F32)
+        acc = dot_acc(acc * alpha[:, None], p.astype(dt), vt)        # FNX_DOT_ACC: into the product
         return m_new, l_i * alpha + jnp.sum(p, axis=1), acc
     n = bq * heads
     init = (jnp.full((n,), -jnp.inf, F32), jnp.zeros((n,), F32), jnp.zeros((n, hd), F32))
