@@ -1522,6 +1522,50 @@ def test_experts_blocks_split_act_same_bits(fmt):
     assert "split_act" in experts_pallas.blocks_not_applicable(gu, dn, 16, narrow)
 
 
+def test_experts_mma16_within_the_reference():
+    """`Tiles.mma16` (NVFP4 gate/up on fp16 tensor cores, rows prescaled by powers of two, the weights not rounded
+    to bf16): prefill blocks and decode slots within the quantized bound of the reference, rows of very different
+    scales (1e-4, 1e5: beyond fp16's range unscaled) and zero rows included; deterministic; FP8 experts ignore it
+    (the same bits)."""
+    gu, dn = _weights("nvfp4", 31)
+    xb = jax.random.normal(_key(32), (4, 16, D), jnp.float32)
+    xb = xb.at[1].multiply(1e-4).at[3, :4].multiply(1e5).at[2, 3:].set(0).astype(BF16)
+    be = jnp.array([2, 2, 0, E - 1], jnp.int32)
+    t16 = dataclasses.replace(TILES, mma16=1)
+    got = experts_pallas.experts_blocks(gu, dn, xb, be, interpret=INTERPRET, tiles=t16)
+    want = reference.experts_blocks(gu, dn, xb, be)
+    for b in range(4):          # each block against its own scale (block 1 is 1e-4 of the others)
+        _close(got[b], want[b], bound=QUANT_BOUND)
+    assert not np.asarray(got[2, 3:], np.float32).any()
+    again = experts_pallas.experts_blocks(gu, dn, xb, be, interpret=INTERPRET, tiles=t16)
+    np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(got).view(np.uint16))
+    x = jax.random.normal(_key(33), (5, D), jnp.float32).astype(BF16)
+    idx = _routed(5, 33)
+    _close(experts_pallas.experts(gu, dn, x, idx, interpret=INTERPRET,
+                                  tiles=dataclasses.replace(experts_pallas.default_tiles(D, I), mma16=1)),
+           reference.experts(gu, dn, x, idx), bound=QUANT_BOUND)
+    g8, d8 = _weights("fp8", 34)
+    plain = experts_pallas.experts_blocks(g8, d8, xb, be, interpret=INTERPRET, tiles=TILES)
+    np.testing.assert_array_equal(
+        np.asarray(experts_pallas.experts_blocks(g8, d8, xb, be, interpret=INTERPRET, tiles=t16), np.float32),
+        np.asarray(plain, np.float32))
+
+
+def test_experts_blocks_mma16_lower_for_cuda():
+    """The fp16 gate/up (with the act halves in place) at the released widths, NVFP4 experts, blocks of 64 rows:
+    two Triton launches, the gate/up products on fp16 operands."""
+    S = jax.ShapeDtypeStruct
+    t = dataclasses.replace(experts_pallas.BLOCK_TILES_BY_FORMAT["nvfp4"], mma16=1, split_act=1)
+    fn = functools.partial(experts_pallas.experts_blocks, tiles=t)
+    lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"),
+                                S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    from fnx.pallas import triton_ir
+    launches = triton_ir.launches(lowered)
+    assert [name for name, *_ in launches] == ["moe_gate_up", "moe_down"]
+    dots = [ln for ln in launches[0][3].splitlines() if "tt.dot" in ln]
+    assert dots and all("xf16>" in ln.split(":")[-1].split("->")[0] for ln in dots), dots
+
+
 def test_block_tiles_knob(monkeypatch):
     """FNX_MOE_BLOCK_TILES replaces fields of the prefill blocks' default tiles; an unknown field is refused."""
     gu, _ = _weights("nvfp4", 27)

@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas import kernel_math, stacked
+from fnx.pallas.dot_acc import dot_acc
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -206,6 +207,11 @@ def _mm(xk, wk, tr: int):
     return _dot(wk, xk, trans_b=True) if tr else _dot(xk, wk, trans_b=True)
 
 
+def _mm_acc(acc, xk, wk, tr: int):
+    """acc + `_mm(xk, wk, tr)`, the accumulator into the product (`dot_acc`; FNX_DOT_ACC=1)."""
+    return dot_acc(acc, wk, xk, trans_b=True) if tr else dot_acc(acc, xk, wk, trans_b=True)
+
+
 def _padded_m(m: int, mode: str) -> int:
     """The token rows a program computes: M rounded up to a power of two ("fma"), and to at least 16 for the
     tensor-core modes (tl.dot's minimum)."""
@@ -256,7 +262,7 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
                 sc = _nvfp4_scales(sc_ref, row0, kb, t, lambda v: v.astype(F32) * kernel_math.E2M1_F16_SCALE)
                 lo = (kernel_math.e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
                 hi = (kernel_math.e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
-            return acc + _mm(xe, lo, t.tr) + _mm(xo, hi, t.tr)
+            return _mm_acc(_mm_acc(acc, xe, lo, t.tr), xo, hi, t.tr)
         if fmt == "fp8" and t.bk > 128:  # several 128-column blocks per step, each scaled on its own partial
             for j in range(t.bk // 128):
                 c0 = col0 + j * 128
@@ -266,10 +272,9 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
             return acc
         xk = _xrows(x_ref, mp, col0, t.bk)                               # [Mp, BK] bf16
         wq = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)]                # [BN, BK]
-        part = _fp8_mm(xk, wq, t) if fmt == "fp8" else _mm(xk, wq.astype(BF16), t.tr)   # [Mp, BN] ([BN, Mp]: tr)
-        if fmt == "fp8":
-            part = part * s_ref[row0 // 128, col0 // 128]
-        return acc + part
+        if fmt != "fp8":
+            return _mm_acc(acc, xk, wq.astype(BF16), t.tr)                 # [Mp, BN] ([BN, Mp]: tr)
+        return acc + _fp8_mm(xk, wq, t) * s_ref[row0 // 128, col0 // 128]
 
     acc = lax.fori_loop(0, steps, body, jnp.zeros((t.bn, mp) if t.tr else (mp, t.bn), F32))
     if t.tr:
@@ -351,8 +356,10 @@ def _wide_tile(x_ref, ws, ss, *, fmt: str, t: Tiles, m: int, mp: int, cw: int, n
         xks = [_xrows(x_ref, mp, k0 + j * cw, cw) for j in range(nk)] if t.xfirst else None
         for j in range(nk):
             xk = xks[j] if xks is not None else _xrows(x_ref, mp, k0 + j * cw, cw)
-            part = _fp8_mm(xk, ws[j], t) if fmt == "fp8" else _mm(xk, ws[j].astype(BF16), t.tr)  # [Mp, BN] / [BN, Mp]
-            acc = acc + (part * ss[j] if fmt == "fp8" else part)
+            if fmt == "fp8":                                                                 # [Mp, BN] / [BN, Mp]
+                acc = acc + _fp8_mm(xk, ws[j], t) * ss[j]
+            else:
+                acc = _mm_acc(acc, xk, ws[j].astype(BF16), t.tr)
         acc = acc.T if t.tr else acc
     return acc
 

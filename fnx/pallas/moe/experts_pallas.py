@@ -50,6 +50,12 @@ class Tiles:
                              # halves of its output (weight rows at a stride of 2), so stage 2 reads its operand
                              # halves in place instead of XLA copying them out (two strided slices of the act
                              # buffer: 255 us for a 4-layer 2,048-token prefill chunk, H100); the same bits
+    mma16: int = 0           # NVFP4 gate/up experts: 1 = stage 1 multiplies on fp16 tensor cores: each code times its
+                             # E4M3 group scale formed in fp16 (exact: no fp32 step, no conversion to bf16 per
+                             # weight), the rows prescaled by a power of two into fp16's range before the launch
+                             # (`kernel_math.hfma_prescale`), the row's global scale and the prescale applied to the
+                             # fp32 products after the K loop. The weights are not rounded to bf16 first (as the
+                             # decode kernels' `wround` 0): within the tolerance of the reference, not its bits
 
 
 def _pow2(n: int) -> int:
@@ -115,13 +121,32 @@ def _silu_mul(acc_g, acc_u, dt):
     return (silu * acc_u.astype(dt).astype(F32)).astype(dt)
 
 
-def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False):
+def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1):
+    """`_weight_tile`'s NVFP4 pair for `Tiles.mma16`: code * 2^-14 * group scale in fp16 (exact), without the
+    row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16."""
+    w_ref, s_ref, _ = refs
+    group = meta
+    rs = pl.ds(r0, bn) if stride == 1 else pl.ds(r0, bn, stride)
+    p = w_ref[e, rs, pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
+    sc = s_ref[e, rs, pl.ds(k0 // group, bk // group)].astype(jnp.float16)             # E4M3 -> fp16: exact
+    sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
+    return kernel_math.e2m1_f16(p & 0xF) * sc, kernel_math.e2m1_f16(p >> 4) * sc
+
+
+def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
+                    mma16=False):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
-    gate and up rows at a stride of 2."""
+    gate and up rows at a stride of 2. With `mma16` (NVFP4) the activations are fp16, prescaled per row (the last
+    input after the weights: each row's 2^-s), and the products fp16 (`_f16_tile`)."""
+    back_ref = None
+    if mma16:
+        *rest, back_ref, out_ref = rest
+        rest = (*rest, out_ref)
     x_refs, w_refs, act_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk)
     dt = act_ref.dtype
+    xdt = jnp.float16 if mma16 else dt
     parts = ((j * bn, 1, j * bn),) if not split else \
         tuple((j * bn + par, 2, par * (inter // 2) + j * (bn // 2)) for par in (0, 1))   # (first row, stride, column)
     width = bn // len(parts)
@@ -133,17 +158,32 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         def step(kk, accs):
             k0 = pl.multiple_of(kk * bk, bk)
             lead = (s,) if per_slot else ()
-            xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0).astype(dt)
+            xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0).astype(xdt)
                   for r in x_refs]
             out = []
             for (r0, stride, _), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
-                wg = _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride)
-                wu = _weight_tile(fmt, w_refs, e, inter + r0, width, k0, bk, dt, meta, stride)
+                if mma16:
+                    wg = _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride)
+                    wu = _f16_tile(w_refs, e, inter + r0, width, k0, bk, meta, stride)
+                else:
+                    wg = _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride)
+                    wu = _weight_tile(fmt, w_refs, e, inter + r0, width, k0, bk, dt, meta, stride)
                 out += [_tile_dot(acc_g, xs, wg), _tile_dot(acc_u, xs, wu)]
             return tuple(out)
 
         zero = jnp.zeros((mp, width), F32)
         accs = jax.lax.fori_loop(0, d // bk, step, (zero,) * (2 * len(parts)))
+        if mma16:       # the products of prescaled rows and code * 2^-14 * group scale: back per row, global per column
+            lead = (s,) if per_slot else ()
+            back = plgpu.load(back_ref.at[(*lead, pl.ds(0, mp))], mask=jnp.arange(mp) < m, other=0.0)[:, None]
+            scaled = []
+            for i, a in enumerate(accs):        # (gate, up) per part: rows r0 and inter + r0 of the weight
+                r0, stride, _ = parts[i // 2]
+                r0 += inter if i % 2 else 0
+                rs = pl.ds(r0, width) if stride == 1 else pl.ds(r0, width, stride)
+                glob = w_refs[2][e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE
+                scaled.append(a * back * glob[None, :])
+            accs = scaled
         for (_, _, c0), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
             act_ref[s, :, pl.ds(c0, width)] = _silu_mul(acc_g, acc_u, dt)
 
@@ -256,10 +296,16 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     # nibble of a packed byte meets its own contiguous activation tile
     xs = (x[..., 0::2], x[..., 1::2]) if fmt1 == "nvfp4" else (x,)
     split = bool(tiles.split_act) and fmt2 == "nvfp4"
+    mma16 = bool(tiles.mma16) and fmt1 == "nvfp4"
+    back = ()
+    if mma16:       # each row into fp16's range by a power of two (exact both ways), its 2^-s for the kernel
+        up, down_s = kernel_math.hfma_prescale(jnp.max(jnp.abs(x.astype(F32)), axis=-1))
+        xh = (x.astype(F32) * up[..., None]).astype(jnp.float16)
+        xs, back = (xh[..., 0::2], xh[..., 1::2]), (down_s,)
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
-                          bn=bn, bk=bk, per_slot=per_slot, split=split),
-        (experts, *xs, *w1),
+                          bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16),
+        (experts, *xs, *w1, *back),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
