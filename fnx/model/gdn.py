@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
 from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window, window_takes_partials
-from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after  # noqa: F401  (PLE uses the conv)
+from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after, window_of  # noqa: F401  (PLE)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
 CHUNK = 64

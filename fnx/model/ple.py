@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fnx.model.gdn import causal_conv, window_after
+from fnx.model.gdn import causal_conv, window_of
 from fnx.model.fuse import linears
 from fnx.model.ops import rms_norm, div
 
@@ -28,7 +28,7 @@ def ple_layer(p: dict, h: jax.Array, rows: jax.Array, conv_state: jax.Array, cfg
     gated = (jax.nn.sigmoid(gate)[..., None] * value[..., None, :]).reshape(h.shape)
     normed = rms_norm(gated, p["norm_conv"], eps, group=d)
     conv, conv_x = causal_conv(normed, conv_state, p["conv1d"], dilation=cfg.ngram_size)
-    return gated + jax.nn.silu(conv), window_after(conv_x, n_valid, conv_state.shape[1]), conv_x
+    return gated + jax.nn.silu(conv), window_of(conv_state, normed, n_valid, conv_state.shape[1]), conv_x
 
 
 def gather_rows(table: jax.Array, ids: jax.Array) -> jax.Array:

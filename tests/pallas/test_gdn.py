@@ -966,3 +966,23 @@ def test_window_after_one_sequence_equals_the_batched_gather():
         np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(batched[:1], np.float32))
         np.testing.assert_array_equal(np.asarray(alone, np.float32), np.asarray(xcat[:1, min(n, 10):min(n, 10) + 3],
                                                                                 np.float32))
+
+
+@pytest.mark.parametrize("length", [2, 3, 10])
+def test_window_of_equals_the_window_of_the_concatenation(length):
+    """`window_of(state, x, n, w)` (no whole concatenation for one sequence of at least w tokens) has the bits of
+    `window_after(cat(state, x), n, w)` for every n from 0 to the call's length (and past it), one sequence and a
+    batch, fp32 state rounded to x's dtype as the concatenation rounds it."""
+    rng = np.random.default_rng(11)
+    w = 3
+    state = jnp.asarray(rng.standard_normal((2, w, 6)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, length, 6)), jnp.bfloat16)
+    xcat = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    for n in range(0, length + 2):
+        want = reference.window_after(xcat[:1], jnp.array([n], jnp.int32), w)
+        got = reference.window_of(state[:1], x[:1], jnp.array([n], jnp.int32), w)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        nb = jnp.array([n, max(length - n, 0)], jnp.int32)
+        np.testing.assert_array_equal(np.asarray(reference.window_of(state, x, nb, w), np.float32),
+                                      np.asarray(reference.window_after(xcat, nb, w), np.float32))

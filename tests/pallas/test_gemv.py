@@ -932,3 +932,30 @@ def test_split_sum_in_the_kernel_through_the_api(monkeypatch):
     monkeypatch.setenv(api.FINISH_ENV, "2")
     with pytest.raises(ValueError, match="FNX_GEMV_FINISH='2'"):
         api.finish_pool()
+
+
+def test_gemm_out_knob(monkeypatch):
+    """FNX_GEMM_OUT=x: the reference linear asks for its product in x's dtype (no separate conversion after it; a GPU
+    knob), within a bf16 step of the default's fp32 product rounded after; fp32 inputs unchanged; a bad value is
+    refused."""
+    from fnx.pallas.gemv import reference as gr
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    base = gr.linear(x, w)
+
+    def ops(f):     # a fresh function each time: traces are cached per function, and the knob is read when tracing
+        jaxpr = jax.make_jaxpr(lambda a, b: f(a, b))(x, w)
+        return [(e.primitive.name, e.params.get("preferred_element_type")) for e in jaxpr.eqns]
+    assert [p for name, p in ops(gr.linear) if name == "dot_general"] == [jnp.dtype(jnp.float32)]
+    monkeypatch.setenv(gr.OUT_ENV, "x")
+    got = gr.linear(x, w)
+    assert got.dtype == jnp.bfloat16
+    dots = [p for name, p in ops(gr.linear) if name == "dot_general"]
+    assert dots == [jnp.dtype(jnp.bfloat16)] and ("convert_element_type", None) not in ops(gr.linear)[1:]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(base, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7 * float(jnp.abs(base.astype(jnp.float32)).max()))
+    assert not gr.out_in_x_dtype(jnp.float32)
+    monkeypatch.setenv(gr.OUT_ENV, "bf16")
+    with pytest.raises(ValueError, match=gr.OUT_ENV):
+        gr.linear(x, w)

@@ -1522,12 +1522,13 @@ def test_experts_blocks_split_act_same_bits(fmt):
     assert "split_act" in experts_pallas.blocks_not_applicable(gu, dn, 16, narrow)
 
 
-def test_experts_mma16_within_the_reference():
-    """`Tiles.mma16` (NVFP4 gate/up on fp16 tensor cores, rows prescaled by powers of two, the weights not rounded
-    to bf16): prefill blocks and decode slots within the quantized bound of the reference, rows of very different
-    scales (1e-4, 1e5: beyond fp16's range unscaled) and zero rows included; deterministic; FP8 experts ignore it
-    (the same bits)."""
-    gu, dn = _weights("nvfp4", 31)
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_experts_mma16_within_the_reference(fmt):
+    """`Tiles.mma16` (NVFP4 / FP8 gate/up on fp16 tensor cores, rows prescaled by powers of two, the weights not
+    rounded to bf16): prefill blocks and decode slots within the quantized bound of the reference, rows of very
+    different scales (1e-4, 1e5: beyond fp16's range unscaled) and zero rows included; deterministic; bf16 experts
+    ignore it (the same bits)."""
+    gu, dn = _weights(fmt, 31)
     xb = jax.random.normal(_key(32), (4, 16, D), jnp.float32)
     xb = xb.at[1].multiply(1e-4).at[3, :4].multiply(1e5).at[2, 3:].set(0).astype(BF16)
     be = jnp.array([2, 2, 0, E - 1], jnp.int32)
@@ -1544,20 +1545,21 @@ def test_experts_mma16_within_the_reference():
     _close(experts_pallas.experts(gu, dn, x, idx, interpret=INTERPRET,
                                   tiles=dataclasses.replace(experts_pallas.default_tiles(D, I), mma16=1)),
            reference.experts(gu, dn, x, idx), bound=QUANT_BOUND)
-    g8, d8 = _weights("fp8", 34)
-    plain = experts_pallas.experts_blocks(g8, d8, xb, be, interpret=INTERPRET, tiles=TILES)
+    gb, db = _weights("bf16", 34)
+    plain = experts_pallas.experts_blocks(gb, db, xb, be, interpret=INTERPRET, tiles=TILES)
     np.testing.assert_array_equal(
-        np.asarray(experts_pallas.experts_blocks(g8, d8, xb, be, interpret=INTERPRET, tiles=t16), np.float32),
+        np.asarray(experts_pallas.experts_blocks(gb, db, xb, be, interpret=INTERPRET, tiles=t16), np.float32),
         np.asarray(plain, np.float32))
 
 
-def test_experts_blocks_mma16_lower_for_cuda():
-    """The fp16 gate/up (with the act halves in place) at the released widths, NVFP4 experts, blocks of 64 rows:
-    two Triton launches, the gate/up products on fp16 operands."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_experts_blocks_mma16_lower_for_cuda(fmt):
+    """The fp16 gate/up (NVFP4: with the act halves in place) at the released widths, blocks of 64 rows: two Triton
+    launches, the gate/up products on fp16 operands."""
     S = jax.ShapeDtypeStruct
-    t = dataclasses.replace(experts_pallas.BLOCK_TILES_BY_FORMAT["nvfp4"], mma16=1, split_act=1)
+    t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), fmt)), mma16=1, split_act=1)
     fn = functools.partial(experts_pallas.experts_blocks, tiles=t)
-    lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"),
+    lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), fmt), _spec((512, 2560, 640), fmt),
                                 S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
     from fnx.pallas import triton_ir
     launches = triton_ir.launches(lowered)

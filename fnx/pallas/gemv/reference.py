@@ -7,6 +7,8 @@ differ by one bf16 rounding of each weight; tests state their tolerance against 
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,12 +48,29 @@ def linear_f32(x: jax.Array, wf: jax.Array) -> jax.Array:
                            precision=lax.Precision.HIGHEST, preferred_element_type=F32)
 
 
+OUT_ENV = "FNX_GEMM_OUT"
+
+
+def out_in_x_dtype(dtype) -> bool:
+    """Whether `linear`'s product is asked for in x's dtype itself (FNX_GEMM_OUT=x, read when a program is traced; a
+    GPU benchmark knob, off until measured) rather than in fp32 and rounded by a separate conversion (the default):
+    on a GPU the library's product accumulates in fp32 and rounds once either way, and the conversion is a kernel
+    of its own (a 2,048-token prefill chunk's GDN input projection: ~64 us for its [2,048, 16,384] product, H100).
+    XLA on the CPU does not promise the same bits for a bf16 product, so the CPU keeps the default."""
+    v = os.environ.get(OUT_ENV, "f32").strip()
+    if v not in ("f32", "x"):
+        raise ValueError(f"{OUT_ENV}={v!r}: use f32 (the product in fp32, rounded after) or x (in the input dtype)")
+    return v == "x" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def linear(x: jax.Array, wf: jax.Array) -> jax.Array:
     """The model's reference linear (MODEL_SPEC.md section 13): the fp32 weight rounded once to x.dtype, then
     an fp32-accumulated dot rounded once to x.dtype. This is what `impl="reference"` runs."""
     w = wf.astype(x.dtype)
-    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                        preferred_element_type=F32)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    if out_in_x_dtype(x.dtype):
+        return lax.dot_general(x, w, dims, precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype)
+    y = lax.dot_general(x, w, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
     return y.astype(x.dtype)
 
 

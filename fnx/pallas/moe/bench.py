@@ -215,11 +215,14 @@ def cases(quick: bool) -> list[BenchCase]:
 # prefill grouped-matmul tiles (tensor-core tiles of the 64-row blocks)
 PREFILL_TILES = {"t64": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64),
                  "t128": Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warps=8),
-                 # NVFP4 only: the act halves written in place by stage 1 (no XLA copy between the launches); the
-                 # gate/up on fp16 tensor cores (codes times group scales in fp16, rows prescaled); both
+                 # the act halves written in place by stage 1 (NVFP4: no XLA copy between the launches); the
+                 # gate/up on fp16 tensor cores (`mma16`; FP8 with a whole 128-column block a K step: 366 SASS
+                 # instructions a step against 2 x 375, stock sm_90 build); both
                  "t64s": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, split_act=1),
                  "t64h": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1),
-                 "t64hs": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, split_act=1)}
+                 "t64hs": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, split_act=1),
+                 "t128h": Tiles(block_n=128, block_k=128, block_n2=128, block_k2=64, num_warps=8, mma16=1)}
+PREFILL_TILE_FORMATS = {"t64s": ("nvfp4",), "t64h": ("nvfp4",), "t64hs": ("nvfp4",), "t128h": ("fp8",)}
 
 
 def _grouped(x, router, gate_up, down, *, top_k, impl, tiles=None):
@@ -246,8 +249,8 @@ def _prefill_cases(quick, weights, key, n_exp, top_k, d, inter) -> list[BenchCas
         for fmt in ("bf16", "fp8", "nvfp4"):   # nvfp4: the served experts, whose prefill auto leaves on XLA
             gu, dn = weights[fmt]
             nbytes = n_exp * (_expert_bytes(gu) + _expert_bytes(dn)) + 2 * m * d * 2 * (1 + top_k)
-            variants = [("grouped", None)] + [("grouped_pallas", t) for t in PREFILL_TILES if fmt == "nvfp4" or
-                                              not (PREFILL_TILES[t].split_act or PREFILL_TILES[t].mma16)]
+            variants = [("grouped", None)] + [("grouped_pallas", t) for t in PREFILL_TILES
+                                              if fmt in PREFILL_TILE_FORMATS.get(t, (fmt,))]
             if fmt == "bf16" and m <= 1024:
                 variants.append(("ragged", None))
             for impl, tname in variants:

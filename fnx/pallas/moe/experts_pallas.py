@@ -50,12 +50,14 @@ class Tiles:
                              # halves of its output (weight rows at a stride of 2), so stage 2 reads its operand
                              # halves in place instead of XLA copying them out (two strided slices of the act
                              # buffer: 255 us for a 4-layer 2,048-token prefill chunk, H100); the same bits
-    mma16: int = 0           # NVFP4 gate/up experts: 1 = stage 1 multiplies on fp16 tensor cores: each code times its
-                             # E4M3 group scale formed in fp16 (exact: no fp32 step, no conversion to bf16 per
-                             # weight), the rows prescaled by a power of two into fp16's range before the launch
-                             # (`kernel_math.hfma_prescale`), the row's global scale and the prescale applied to the
-                             # fp32 products after the K loop. The weights are not rounded to bf16 first (as the
-                             # decode kernels' `wround` 0): within the tolerance of the reference, not its bits
+    mma16: int = 0           # NVFP4 / FP8 gate/up experts: 1 = stage 1 multiplies on fp16 tensor cores, the rows
+                             # prescaled by a power of two into fp16's range before the launch
+                             # (`kernel_math.hfma_prescale`) and scaled back after the K loop. NVFP4: each code times
+                             # its E4M3 group scale formed in fp16 (exact: no fp32 step, no conversion to bf16 per
+                             # weight), the row's global scale after the K loop; FP8: the E4M3 weights as fp16
+                             # (exact), each 128-column block's products summed, then times its block scale. The
+                             # weights are not rounded to bf16 first (as the decode kernels' `wround` 0): within
+                             # the tolerance of the reference, not its bits
 
 
 def _pow2(n: int) -> int:
@@ -151,38 +153,52 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         tuple((j * bn + par, 2, par * (inter // 2) + j * (bn // 2)) for par in (0, 1))   # (first row, stride, column)
     width = bn // len(parts)
 
+    n_acc = 2 * len(parts)          # (gate, up) per part
+    fp8_16 = mma16 and fmt == "fp8_block"
+    sub = meta[1] // bk if fp8_16 else 1    # FP8 on fp16: a 128-column block's steps summed before its scale
+
+    def first_row(i):                   # accumulator i: the gate (even i) or up rows of its part, and their stride
+        r0, stride, _ = parts[i // 2]
+        return r0 + (inter if i % 2 else 0), stride
+
+    def tile(i, k0):
+        r0, stride = first_row(i)
+        if not mma16:
+            return _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride)
+        if fmt == "nvfp4":
+            return _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride)
+        rs = pl.ds(r0, width) if stride == 1 else pl.ds(r0, width, stride)
+        return w_refs[0][e, rs, pl.ds(k0, bk)].astype(jnp.float16)              # E4M3 -> fp16: exact
+
     @pl.when(e < n_exp)
     def _():
         rows = jax.lax.broadcasted_iota(jnp.int32, (mp, kw), 0)
+        lead = (s,) if per_slot else ()
 
         def step(kk, accs):
-            k0 = pl.multiple_of(kk * bk, bk)
-            lead = (s,) if per_slot else ()
-            xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0).astype(xdt)
-                  for r in x_refs]
-            out = []
-            for (r0, stride, _), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
-                if mma16:
-                    wg = _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride)
-                    wu = _f16_tile(w_refs, e, inter + r0, width, k0, bk, meta, stride)
-                else:
-                    wg = _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride)
-                    wu = _weight_tile(fmt, w_refs, e, inter + r0, width, k0, bk, dt, meta, stride)
-                out += [_tile_dot(acc_g, xs, wg), _tile_dot(acc_u, xs, wu)]
-            return tuple(out)
+            blk = [jnp.zeros((mp, width), F32)] * n_acc if fp8_16 else list(accs)
+            for t in range(sub):
+                k0 = pl.multiple_of((kk * sub + t) * bk, bk)
+                xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m,
+                                 other=0.0).astype(xdt) for r in x_refs]
+                blk = [_tile_dot(blk[i], xs, tile(i, k0)) for i in range(n_acc)]
+            if not fp8_16:
+                return tuple(blk)
+            bo = meta[0]
+            return tuple(accs[i] + blk[i] * w_refs[1][e, first_row(i)[0] // bo, kk] for i in range(n_acc))
 
         zero = jnp.zeros((mp, width), F32)
-        accs = jax.lax.fori_loop(0, d // bk, step, (zero,) * (2 * len(parts)))
-        if mma16:       # the products of prescaled rows and code * 2^-14 * group scale: back per row, global per column
-            lead = (s,) if per_slot else ()
+        accs = jax.lax.fori_loop(0, d // (bk * sub), step, (zero,) * n_acc)
+        if mma16:       # products of prescaled rows: 2^-s back per row; NVFP4's global (x 2^14) per weight row
             back = plgpu.load(back_ref.at[(*lead, pl.ds(0, mp))], mask=jnp.arange(mp) < m, other=0.0)[:, None]
             scaled = []
-            for i, a in enumerate(accs):        # (gate, up) per part: rows r0 and inter + r0 of the weight
-                r0, stride, _ = parts[i // 2]
-                r0 += inter if i % 2 else 0
-                rs = pl.ds(r0, width) if stride == 1 else pl.ds(r0, width, stride)
-                glob = w_refs[2][e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE
-                scaled.append(a * back * glob[None, :])
+            for i, a in enumerate(accs):
+                a = a * back
+                if fmt == "nvfp4":
+                    r0, stride = first_row(i)
+                    rs = pl.ds(r0, width) if stride == 1 else pl.ds(r0, width, stride)
+                    a = a * (w_refs[2][e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE)[None, :]
+                scaled.append(a)
             accs = scaled
         for (_, _, c0), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
             act_ref[s, :, pl.ds(c0, width)] = _silu_mul(acc_g, acc_u, dt)
@@ -296,12 +312,12 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     # nibble of a packed byte meets its own contiguous activation tile
     xs = (x[..., 0::2], x[..., 1::2]) if fmt1 == "nvfp4" else (x,)
     split = bool(tiles.split_act) and fmt2 == "nvfp4"
-    mma16 = bool(tiles.mma16) and fmt1 == "nvfp4"
+    mma16 = bool(tiles.mma16) and fmt1 in ("nvfp4", "fp8_block")
     back = ()
     if mma16:       # each row into fp16's range by a power of two (exact both ways), its 2^-s for the kernel
         up, down_s = kernel_math.hfma_prescale(jnp.max(jnp.abs(x.astype(F32)), axis=-1))
         xh = (x.astype(F32) * up[..., None]).astype(jnp.float16)
-        xs, back = (xh[..., 0::2], xh[..., 1::2]), (down_s,)
+        xs, back = ((xh[..., 0::2], xh[..., 1::2]) if fmt1 == "nvfp4" else (xh,)), (down_s,)
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16),
