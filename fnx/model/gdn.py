@@ -5,8 +5,11 @@ State per layer: conv [B, K-1, C] (pre-conv inputs, activation dtype), rec [B, H
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
@@ -15,9 +18,22 @@ from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after, 
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
 
 CHUNK = 64
+INTRA_ENV = "FNX_GDN_INTRA"         # the chunked form's XLA products: "highest" (fp32) or "tf32x3" (a GPU knob)
 
 
-def unit_lower_inverse(a: jax.Array) -> jax.Array:
+def intra_precision():
+    """The precision of the chunked form's batched intra-chunk products (`FNX_GDN_INTRA`, read when a program is
+    traced): "highest" (fp32, the default) or "tf32x3" (three TF32 tensor-core products, about fp32's accuracy, as
+    the chunk scan kernel's default; XLA takes it on a GPU only). Off until measured: an H100 prefill table had these
+    products at ~350 us a GDN layer and 2,048-token chunk, fp32 on the CUDA cores."""
+    v = os.environ.get(INTRA_ENV, "highest").strip()
+    table = {"highest": HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+    if v not in table:
+        raise ValueError(f"{INTRA_ENV}={v!r}: use one of {sorted(table)}")
+    return table[v]
+
+
+def unit_lower_inverse(a: jax.Array, precision=HIGHEST) -> jax.Array:
     """(I + L)^-1 for L the strictly lower triangle of a [..., C, C] (the diagonal and above are ignored), by
     matmuls only: recursive 2 x 2 block inversion, [[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]], from
     1 x 1 blocks up to C x C in ceil(log2 C) levels of batched matmuls. Every intermediate is a block of the
@@ -32,7 +48,7 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     if size != c:                                              # pad with identity rows: no coupling, unit diagonal
         m = jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, size - c), (0, size - c)])
     batch = m.shape[:-2]
-    mm = lambda x, y: jnp.matmul(x, y, precision=HIGHEST)       # noqa: E731
+    mm = lambda x, y: jnp.matmul(x, y, precision=precision)     # noqa: E731
     blocks = jnp.ones((*batch, size, 1, 1), a.dtype)            # the inverse's diagonal blocks, s x s each
     s = 1
     while s < size:
@@ -68,11 +84,12 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | 
     cum = jnp.cumsum(split(g), axis=-1)                     # [B, H, N, C]
     upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
     pair = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
-    mm = lambda a, c: jnp.matmul(a, c, precision=HIGHEST)
+    prec = intra_precision()
+    mm = lambda a, c: jnp.matmul(a, c, precision=prec)
     ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * pair
     intra = mm(q, jnp.swapaxes(k, -1, -2)) * pair
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
-    inv = unit_lower_inverse(ut)
+    inv = unit_lower_inverse(ut, prec)
     new_values, k_cumdecay = mm(inv, v_beta), mm(inv, decayed_k_beta)
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]

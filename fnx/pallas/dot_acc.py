@@ -17,8 +17,9 @@ Pallas') and hands the accumulator to the `tt.dot` it built in place of its zero
 anything else (its result cast, a chain of products as the TF32 x3 algorithms build), the rule adds the accumulator
 after the product as Pallas would (the same arithmetic, without the fusion) and logs it once.
 
-Off until measured on a GPU: `FNX_DOT_ACC=1` (read when a kernel is lowered) hands the accumulator over; unset or 0,
-the rule emits the product and the add exactly as `acc + jnp.dot` does."""
+Off until measured on a GPU: `FNX_DOT_ACC=1` (read when a kernel is traced) binds the primitive; unset or 0,
+`dot_acc` is `acc + lax.dot_general(...)` itself, the kernels' code before this module (the primitive and its rule
+are not involved)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ ENV = "FNX_DOT_ACC"
 
 
 def fused() -> bool:
-    """Whether the Triton lowering hands the accumulator to the product (`FNX_DOT_ACC`, read when lowering)."""
+    """Whether `dot_acc` hands the accumulator to the product (`FNX_DOT_ACC`, read when a kernel is traced)."""
     v = os.environ.get(ENV, "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{ENV}={v!r}: use 1 (the accumulator into the tensor-core product) or 0 (a separate add)")
@@ -55,13 +56,14 @@ def _dims(trans_b: bool):
     return (((1,), (1 if trans_b else 0,)), ((), ()))
 
 
-def _impl(acc, a, b, *, trans_b: bool):
-    return acc + lax.dot_general(a, b, _dims(trans_b), precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+def _impl(acc, a, b, *, trans_b: bool, precision=None):
+    return acc + lax.dot_general(a, b, _dims(trans_b), precision=precision, preferred_element_type=F32)
 
 
-def dot_acc(acc, a, b, *, trans_b: bool = False):
-    """acc [m, n] fp32 + a [m, k] @ b [k, n] (b [n, k] with trans_b), products in fp32. In a Pallas kernel on the
-    Triton lowering the accumulator goes into the tensor-core product; elsewhere acc + dot_general."""
+def dot_acc(acc, a, b, *, trans_b: bool = False, precision=lax.Precision.HIGHEST):
+    """acc [m, n] fp32 + a [m, k] @ b [k, n] (b [n, k] with trans_b), products in fp32 at `precision` (as
+    `lax.dot_general`'s; None: the default). With FNX_DOT_ACC=1, in a Pallas kernel on the Triton lowering the
+    accumulator goes into the tensor-core product; otherwise, and off that lowering, acc + dot_general."""
     if a.ndim != 2 or b.ndim != 2 or acc.ndim != 2:
         raise ValueError(f"dot_acc: 2-D operands only, got acc {acc.shape}, a {a.shape}, b {b.shape}")
     m, k = a.shape
@@ -70,25 +72,27 @@ def dot_acc(acc, a, b, *, trans_b: bool = False):
         raise ValueError(f"dot_acc: acc {acc.shape} + a {a.shape} @ b {b.shape}{'.T' if trans_b else ''} do not fit")
     if acc.dtype != F32:
         raise ValueError(f"dot_acc: the accumulator is fp32, got {acc.dtype}")
-    return dot_acc_p.bind(acc, a, b, trans_b=bool(trans_b))
+    if not fused():
+        return _impl(acc, a, b, trans_b=trans_b, precision=precision)
+    return dot_acc_p.bind(acc, a, b, trans_b=bool(trans_b), precision=precision)
 
 
 dot_acc_p.def_impl(_impl)
-dot_acc_p.def_abstract_eval(lambda acc, a, b, *, trans_b: jax.core.ShapedArray(acc.shape, F32))
+dot_acc_p.def_abstract_eval(lambda acc, a, b, **_: jax.core.ShapedArray(acc.shape, F32))
 mlir.register_lowering(dot_acc_p, mlir.lower_fun(_impl, multiple_results=False))
 
 
-def _batch(args, dims, *, trans_b):
-    return jax.vmap(functools.partial(_impl, trans_b=trans_b), in_axes=dims)(*args), 0
+def _batch(args, dims, *, trans_b, precision):
+    return jax.vmap(functools.partial(_impl, trans_b=trans_b, precision=precision), in_axes=dims)(*args), 0
 
 
 batching.primitive_batchers[dot_acc_p] = _batch
 
 
 @functools.cache
-def _dot_params(a_aval, b_aval, trans_b: bool) -> dict:
+def _dot_params(a_aval, b_aval, trans_b: bool, precision) -> dict:
     """The parameters `lax.dot_general` binds for this product in the running JAX (they differ between versions)."""
-    jaxpr = jax.make_jaxpr(lambda x, y: lax.dot_general(x, y, _dims(trans_b), precision=lax.Precision.HIGHEST,
+    jaxpr = jax.make_jaxpr(lambda x, y: lax.dot_general(x, y, _dims(trans_b), precision=precision,
                                                         preferred_element_type=F32))(
         jax.ShapeDtypeStruct(a_aval.shape, a_aval.dtype), jax.ShapeDtypeStruct(b_aval.shape, b_aval.dtype))
     (eqn,) = jaxpr.jaxpr.eqns
@@ -98,23 +102,27 @@ def _dot_params(a_aval, b_aval, trans_b: bool) -> dict:
 _logged = set()
 
 
-def _triton_rule(ctx, acc, a, b, *, trans_b):
+def _triton_rule(ctx, acc, a, b, *, trans_b, precision):
+    """The primitive (bound only with FNX_DOT_ACC=1) on the Pallas Triton lowering: Pallas' own product, its zero
+    accumulator replaced by acc."""
     from jax._src.lib.mlir.dialects import arith as arith_dialect
     from jax._src.pallas.triton import lowering as tl
-    acc_aval, a_aval, b_aval = ctx.avals_in
-    params = _dot_params(a_aval, b_aval, trans_b)
-    sub = ctx.replace(avals_in=[a_aval, b_aval], avals_out=[jax.core.ShapedArray(acc_aval.shape, F32)])
-    out = tl.triton_lowering_rules[lax.dot_general_p](sub, a, b, **params)
-    if not fused():
-        return arith_dialect.addf(acc, out)
+    try:
+        acc_aval, a_aval, b_aval = ctx.avals_in
+        params = _dot_params(a_aval, b_aval, trans_b, precision)
+        sub = ctx.replace(avals_in=[a_aval, b_aval], avals_out=[jax.core.ShapedArray(acc_aval.shape, F32)])
+        out = tl.triton_lowering_rules[lax.dot_general_p](sub, a, b, **params)
+    except Exception as err:        # noqa: BLE001 - this JAX's lowering internals differ from the ones known here
+        raise NotImplementedError(f"dot_acc ({ENV}=1): Pallas' Triton dot rule could not be reused in this JAX "
+                                  f"({type(err).__name__}: {err}); unset {ENV}") from err
     op = out.owner
     if _takes_acc(op, acc):
         op.operands[2] = acc            # the zeros it was given become dead and are dropped
         return out
     if "fallback" not in _logged:
         _logged.add("fallback")
-        log.warning("dot_acc: this JAX's Pallas dot rule returned %s, not a tt.dot; the accumulator is added after "
-                    "the product (the same arithmetic, without the fused accumulation)",
+        log.warning("dot_acc: this JAX's Pallas dot rule returned %s, not a tt.dot with a zero accumulator; the "
+                    "accumulator is added after the product (the same arithmetic, without the fused accumulation)",
                     getattr(op, "name", type(op).__name__))
     return arith_dialect.addf(acc, out)
 

@@ -986,3 +986,34 @@ def test_window_of_equals_the_window_of_the_concatenation(length):
         nb = jnp.array([n, max(length - n, 0)], jnp.int32)
         np.testing.assert_array_equal(np.asarray(reference.window_of(state, x, nb, w), np.float32),
                                       np.asarray(reference.window_after(xcat, nb, w), np.float32))
+
+
+def test_intra_precision_knob(monkeypatch):
+    """FNX_GDN_INTRA picks the chunked form's intra-chunk product precision (fp32 by default; TF32 x3, a GPU knob,
+    reaches every batched product of the traced program, the UT inverse's included); a bad value is refused."""
+    from fnx.model import gdn
+    q, k, v, g, beta, state = (jnp.zeros(s, jnp.float32) for s in ((1, 70, 2, 8), (1, 70, 2, 8), (1, 70, 2, 8),
+                                                                    (1, 70, 2), (1, 70, 2), (1, 2, 8, 8)))
+
+    def precisions():   # a fresh function each time: traces are cached per function; the knob is read when tracing
+        eqns = []
+
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if e.primitive.name == "dot_general":
+                    eqns.append(e.params["precision"])
+                for p in e.params.values():
+                    inner = getattr(p, "jaxpr", None)
+                    if inner is not None:
+                        walk(getattr(inner, "jaxpr", inner))
+        walk(jax.make_jaxpr(lambda *a: gdn.delta_rule_chunked(*a, impl="reference"))(q, k, v, g, beta, state).jaxpr)
+        return eqns
+    base = precisions()
+    assert base and all(p == (jax.lax.Precision.HIGHEST,) * 2 for p in base[:6]), base
+    monkeypatch.setenv(gdn.INTRA_ENV, "tf32x3")
+    fast = precisions()
+    x3 = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    assert len(fast) == len(base) and sum(x3 in (p if isinstance(p, tuple) else (p,)) for p in fast) >= 6, fast
+    monkeypatch.setenv(gdn.INTRA_ENV, "tf32")
+    with pytest.raises(ValueError, match=gdn.INTRA_ENV):
+        gdn.intra_precision()

@@ -209,7 +209,8 @@ def _mm(xk, wk, tr: int):
 
 def _mm_acc(acc, xk, wk, tr: int):
     """acc + `_mm(xk, wk, tr)`, the accumulator into the product (`dot_acc`; FNX_DOT_ACC=1)."""
-    return dot_acc(acc, wk, xk, trans_b=True) if tr else dot_acc(acc, xk, wk, trans_b=True)
+    a, b = (wk, xk) if tr else (xk, wk)
+    return dot_acc(acc, a, b, trans_b=True, precision=None)        # `_dot`'s (pl.dot's) default precision
 
 
 def _padded_m(m: int, mode: str) -> int:

@@ -30,6 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fnx.pallas import kernel_math, stacked
 from fnx.pallas.dot_acc import dot_acc
+from fnx.pallas.dot_acc import fused as dot_acc_fused
 from fnx.pallas.moe import reference
 
 F32 = jnp.float32
@@ -97,11 +98,22 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1):
 
 
 def _tile_dot(acc, x_tiles, w):
-    """acc + x @ w.T in fp32 for a dense tile w, or over the even and odd halves in turn for an NVFP4 pair (each
-    product accumulated into acc: `dot_acc`, the tensor core's own accumulation with FNX_DOT_ACC=1)."""
-    for x, wt in zip(x_tiles, w if isinstance(w, tuple) else (w,)):
-        acc = dot_acc(acc, x, wt, trans_b=True)
+    """acc + x @ w.T in fp32 for a dense tile w, or the sum over the even and odd halves for an NVFP4 pair. With
+    FNX_DOT_ACC=1 each product accumulates into acc in turn (`dot_acc`: the tensor core's own accumulation)."""
+    ws = w if isinstance(w, tuple) else (w,)
+    if not dot_acc_fused():
+        part = _dot_t(x_tiles[0], ws[0])
+        for x, wt in zip(x_tiles[1:], ws[1:]):
+            part = part + _dot_t(x, wt)
+        return acc + part
+    for x, wt in zip(x_tiles, ws):
+        acc = dot_acc(acc, x, wt, trans_b=True, precision=None)
     return acc
+
+
+def _dot_t(a, b):
+    """a [m, k] @ b[n, k].T in fp32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
 def _unpack(experts_ref, rest, fmt, bk):
