@@ -221,8 +221,10 @@ PREFILL_TILES = {"t64": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64),
                  "t64s": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, split_act=1),
                  "t64h": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1),
                  "t64hs": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, split_act=1),
+                 "t64hk": Tiles(block_n=64, block_k=128, block_n2=64, block_k2=64, mma16=1),
                  "t128h": Tiles(block_n=128, block_k=128, block_n2=128, block_k2=64, num_warps=8, mma16=1)}
-PREFILL_TILE_FORMATS = {"t64s": ("nvfp4",), "t64h": ("nvfp4",), "t64hs": ("nvfp4",), "t128h": ("fp8",)}
+PREFILL_TILE_FORMATS = {"t64s": ("nvfp4",), "t64h": ("nvfp4",), "t64hs": ("nvfp4",), "t64hk": ("nvfp4",),
+                        "t128h": ("fp8",)}
 
 
 def _grouped(x, router, gate_up, down, *, top_k, impl, tiles=None):
