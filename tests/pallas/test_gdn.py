@@ -1017,3 +1017,16 @@ def test_intra_precision_knob(monkeypatch):
     monkeypatch.setenv(gdn.INTRA_ENV, "tf32")
     with pytest.raises(ValueError, match=gdn.INTRA_ENV):
         gdn.intra_precision()
+
+
+def test_scan_tiles_knob(monkeypatch):
+    """FNX_GDN_SCAN_TILES replaces fields of the chunk scan's default tiles (block_v 32, or dv when smaller); an
+    unknown field is refused."""
+    from fnx.pallas.gdn import pallas as kernel
+    assert kernel.scan_tiles(128) == kernel.ScanTiles(block_v=32)
+    assert kernel.scan_tiles(16).block_v == 16
+    monkeypatch.setenv(kernel.SCAN_TILES_ENV, "block_v=16,precision=tf32")
+    assert kernel.scan_tiles(128) == kernel.ScanTiles(block_v=16, precision="tf32")
+    monkeypatch.setenv(kernel.SCAN_TILES_ENV, "bv=16")
+    with pytest.raises(ValueError, match=kernel.SCAN_TILES_ENV):
+        kernel.scan_tiles(128)

@@ -645,6 +645,20 @@ class ScanTiles:
     precision: str = "tf32x3"   # one of SCAN_PRECISIONS (the interpreter computes every one at HIGHEST)
 
 
+SCAN_TILES_ENV = "FNX_GDN_SCAN_TILES"     # a benchmark knob: fields replaced in the chunk scan's default tiles
+
+
+def scan_tiles(dv: int) -> ScanTiles:
+    """The chunk scan's default tiles (block_v 32, or dv if smaller), with the fields FNX_GDN_SCAN_TILES names
+    replaced (e.g. "block_v=16"; read when a program is traced)."""
+    t = ScanTiles(block_v=min(32, dv))
+    spec = os.environ.get(SCAN_TILES_ENV, "").strip()
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, ScanTiles, SCAN_TILES_ENV, ("precision",)))
+    return t
+
+
 def _scan_precision(name: str, interpret: bool):
     if interpret:       # XLA:CPU has no TF32 algorithms: the interpreter checks the arithmetic at fp32
         return lax.Precision.HIGHEST
@@ -671,7 +685,7 @@ def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, *, inter
                tiles: ScanTiles | None = None):
     """`api.gdn_chunk_scan` in one launch (shapes checked there): (o [B, H, N, C, dv], final state) in fp32."""
     bsz, h, n, c, dv = new_values.shape
-    t = tiles or ScanTiles(block_v=min(32, dv))
+    t = tiles or scan_tiles(dv)
     if dv % t.block_v or t.block_v < 16 or t.block_v & (t.block_v - 1):
         raise ValueError(f"gdn chunk_scan: block_v {t.block_v} must be a power of two >= 16 dividing dv={dv}")
     if t.precision not in SCAN_PRECISIONS:
