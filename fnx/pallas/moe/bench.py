@@ -217,7 +217,7 @@ PREFILL_TILES = {"t64": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64),
                  "t128": Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warps=8),
                  # the act halves written in place by stage 1 (NVFP4: no XLA copy between the launches); the
                  # gate/up on fp16 tensor cores (`mma16`; FP8 with a whole 128-column block a K step: 366 SASS
-                 # instructions a step against 2 x 375, stock sm_90 build); both
+                 # instructions a step against 2 x 354, stock sm_90 build); both
                  "t64s": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, split_act=1),
                  "t64h": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1),
                  "t64hs": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, split_act=1),
