@@ -152,8 +152,9 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
-    gate and up rows at a stride of 2. With `mma16` (NVFP4) the activations are fp16, prescaled per row (the last
-    input after the weights: each row's 2^-s), and the products fp16 (`_f16_tile`)."""
+    gate and up rows at a stride of 2. With `mma16` (NVFP4, FP8) the activations are fp16, prescaled per row (the last
+    input after the weights: each row's 2^-s), and the products fp16 (`_f16_tile`; FP8: the E4M3 weights as fp16,
+    a 128-column block's steps summed before its scale)."""
     back_ref = None
     if mma16:
         *rest, back_ref, out_ref = rest
@@ -290,6 +291,8 @@ def tiles_not_applicable(gate_up, down, tiles: Tiles) -> str | None:
     try:
         fmt1, _, meta1 = reference.kernel_operands(gate_up)
         fmt2, _, meta2 = reference.kernel_operands(down)
+        if tiles.mma16 and fmt1 == "fp8_block" and d % meta1[1]:
+            return f"Pallas MoE tiles {tiles}: mma16 over FP8 experts takes D={d} in whole {meta1[1]}-column blocks"
         _check(fmt1, meta1, bn, bk, "gate_up_proj", gate_up.shape)
         _check(fmt2, meta2, bn2, bk2, "down_proj", down.shape)
     except NotImplementedError as e:
