@@ -337,7 +337,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             host_ple: HostPle | None = None, ledger_calls: int = 0, engine_tokens: int = 0, engine_slots=(1,),
             engine_fetches=(), engine_separate: bool = False, fuse: bool = False, draft_vocab: int = 0,
             draft_fp8: bool = False, prefill_chunk: int = 2048, engine_spec: int = 0, engine_only: bool = False,
-            prefill_only: bool = False):
+            prefill_only: bool = False, prefill_chunks: tuple[int, ...] = ()):
     key = jax.random.PRNGKey(0)
     moe = "auto"
     shapes = param_shapes(cfg, dtype)
@@ -430,8 +430,15 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         # 8K-token chunk of the 48-layer model asked for a 35 GiB buffer on the H200 (the MoE's gathered experts)
         from fnx.pallas import ledger
         res["prefill_chunk"] = prefill_chunk
+        sweep = [(c, ch) for c in contexts for ch in (prefill_chunks or (prefill_chunk,)) if c % min(c, ch) == 0]
         for c in contexts:
-            ch = min(c, prefill_chunk)
+            for ch in prefill_chunks:
+                if c % min(c, ch):
+                    res[f"prefill_{c}_chunk{ch}_skipped"] = "the chunk does not divide the context"
+        for c, ch in sweep:
+            ch = min(c, ch)
+            # a sweep (--prefill-chunks) names each result by its chunk as well; one chunk size keeps the old keys
+            key = f"prefill_{c}" if not prefill_chunks else f"prefill_{c}_chunk{ch}"
             st = shard(init_state(cfg, 1, c, dtype))
 
             last = jnp.full((1,), ch - 1, jnp.int32)   # the head on each chunk's last token, as the engine's prefill
@@ -447,11 +454,11 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
             st_box = {"s": st}
             try:
                 ms = timeit(pre, max(1, reps // 10))
-                res[f"prefill_{c}_tok_s"] = c / (ms / 1e3)
-                if ledger_calls and c == contexts[0]:   # where a prefill's time goes, by kernel family (one call)
-                    res["ledger_prefill"] = dict(ledger.profile(pre, 1), tokens=c)
+                res[f"{key}_tok_s"] = c / (ms / 1e3)
+                if ledger_calls and (c, ch) == (sweep[0][0], min(*sweep[0])):   # by kernel family (one call)
+                    res["ledger_prefill"] = dict(ledger.profile(pre, 1), tokens=c, chunk=ch)
             except jax.errors.JaxRuntimeError as exc:  # recorded, not hidden: the run goes on to the next context
-                res[f"prefill_{c}_error"] = str(exc).splitlines()[0][:200]
+                res[f"{key}_error"] = str(exc).splitlines()[0][:200]
             st_box.clear()
 
     if prefill_only:    # (--prefill-only: the prefill alone, e.g. its ledger on a card the whole run does not fit)
@@ -667,6 +674,10 @@ def main():
                     help="with --engine: only the engine runs (no step / round / prefill timings of this script)")
     ap.add_argument("--prefill-only", action="store_true",
                     help="only the prefill timings (and, with --ledger, the prefill's ledger): no step or round")
+    ap.add_argument("--prefill-chunks", default="", metavar="N,N,...",
+                    help="with --prefill-only: the prefill at each of these chunk sizes (the MoE reads every "
+                         "expert once a chunk, so its cost a token falls with the chunk): prefill_<ctx>_chunk<N>_tok_s "
+                         "for each context the chunk divides")
     ap.add_argument("--engine-separate", action="store_true",
                     help="with --engine: also the overlapped engine with separate input projections (its default "
                          "fuses them, fnx.model.fuse)")
@@ -689,6 +700,9 @@ def main():
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.unroll_stacked and args.no_scan:
         raise SystemExit("--unroll-stacked runs the scanned layout's stacks unrolled: drop --no-scan")
+    prefill_chunks = tuple(int(x) for x in args.prefill_chunks.split(",") if x.strip())
+    if prefill_chunks and (not args.prefill_only or min(prefill_chunks) < 1):
+        raise SystemExit("--prefill-chunks takes positive chunk sizes, with --prefill-only")
     if args.prefill_chunk < 1 or any(c % min(c, args.prefill_chunk) for c in contexts):
         raise SystemExit(f"--prefill-chunk {args.prefill_chunk}: give a positive chunk that divides every context "
                          f"larger than it (contexts {contexts})")
@@ -742,7 +756,8 @@ def main():
                             [f for f in args.engine_ple_fetch.split(",") if f], args.engine_separate,
                             fuse=not args.no_fuse, draft_vocab=args.draft_vocab, draft_fp8=args.draft_fp8,
                             prefill_chunk=args.prefill_chunk, engine_spec=args.engine_spec,
-                            engine_only=args.engine_only, prefill_only=args.prefill_only)
+                            engine_only=args.engine_only, prefill_only=args.prefill_only,
+                            prefill_chunks=prefill_chunks)
             runs[n] = r
             line = {"mesh": mesh_text, "layers": n, **{k: round(v, 4) if isinstance(v, float) else v
                                                        for k, v in r.items()}}

@@ -82,6 +82,22 @@ def test_bench_decode_prefill_only(tmp_path):
     assert "# ledger_prefill (4 layers)" in stdout
 
 
+def test_bench_decode_prefill_chunk_sweep(tmp_path):
+    """--prefill-chunks: the prefill at several chunk sizes in one run, each result named by its chunk; a chunk that
+    does not divide the context is recorded as skipped; the flag needs --prefill-only."""
+    res = tmp_path / "d.jsonl"
+    _run(["scripts/bench_decode.py", "--tiny", "--reps", "1", "--layers", "4", "--contexts", "32", "--prefill-only",
+          "--prefill-chunks", "16,32,24", "--out", str(res)], tmp_path)
+    run = next(json.loads(line) for line in res.read_text().splitlines() if '"record": "run"' in line)
+    assert run["prefill_32_chunk16_tok_s"] > 0 and run["prefill_32_chunk32_tok_s"] > 0
+    assert "prefill_32_tok_s" not in run and "does not divide" in run["prefill_32_chunk24_skipped"]
+    bad = subprocess.run([sys.executable, "scripts/bench_decode.py", "--tiny", "--prefill-chunks", "16",
+                          "--out", str(tmp_path / "x.jsonl")], capture_output=True, text=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+                              **{k: v for k, v in os.environ.items() if k in _INHERITED}})
+    assert bad.returncode != 0 and "--prefill-only" in bad.stderr
+
+
 def test_bench_decode_with_a_uva_table(tmp_path):
     """--ple-store uva: the params' table is the handle of a pinned synthetic table, the timed programs gather
     their rows through it (on the CPU over a stand-in copy, --ple-emulate) from random ids over the table."""
