@@ -121,7 +121,8 @@ def dedupe(idx: jax.Array, n_experts: int, n_slots: int | None = None):
     first = jnp.concatenate([jnp.ones((1,), bool), flat[1:] != flat[:-1]])
     rank = jnp.cumsum(first.astype(jnp.int32)) - 1
     uniq = jnp.full((s,), n_experts, jnp.int32).at[jnp.where(first, rank, s)].set(flat, mode="drop")
-    slot = jnp.searchsorted(uniq, idx.astype(jnp.int32), side="left").astype(jnp.int32)
+    slot = jnp.searchsorted(uniq, idx.astype(jnp.int32), side="left",
+                            method="compare_all").astype(jnp.int32)    # one fusion, not the scan method's loop
     return uniq, slot
 
 
