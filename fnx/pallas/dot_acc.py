@@ -36,6 +36,10 @@ try:        # the public home of Primitive in newer JAX; jax.core's is deprecate
     from jax.extend.core import Primitive
 except ImportError:     # pragma: no cover - older JAX
     from jax.core import Primitive
+try:        # jax.core's exports shrink release by release; the class itself lives in jax._src.core
+    from jax._src.core import ShapedArray
+except ImportError:     # pragma: no cover
+    from jax.core import ShapedArray
 
 F32 = jnp.float32
 log = logging.getLogger(__name__)
@@ -78,7 +82,7 @@ def dot_acc(acc, a, b, *, trans_b: bool = False, precision=lax.Precision.HIGHEST
 
 
 dot_acc_p.def_impl(_impl)
-dot_acc_p.def_abstract_eval(lambda acc, a, b, **_: jax.core.ShapedArray(acc.shape, F32))
+dot_acc_p.def_abstract_eval(lambda acc, a, b, **_: ShapedArray(acc.shape, F32))
 mlir.register_lowering(dot_acc_p, mlir.lower_fun(_impl, multiple_results=False))
 
 
@@ -110,7 +114,7 @@ def _triton_rule(ctx, acc, a, b, *, trans_b, precision):
     try:
         acc_aval, a_aval, b_aval = ctx.avals_in
         params = _dot_params(a_aval, b_aval, trans_b, precision)
-        sub = ctx.replace(avals_in=[a_aval, b_aval], avals_out=[jax.core.ShapedArray(acc_aval.shape, F32)])
+        sub = ctx.replace(avals_in=[a_aval, b_aval], avals_out=[ShapedArray(acc_aval.shape, F32)])
         out = tl.triton_lowering_rules[lax.dot_general_p](sub, a, b, **params)
     except Exception as err:        # noqa: BLE001 - this JAX's lowering internals differ from the ones known here
         raise NotImplementedError(f"dot_acc ({ENV}=1): Pallas' Triton dot rule could not be reused in this JAX "
