@@ -201,8 +201,7 @@ def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
     return _launches(jax.jit(fn).trace(S((m, 512), BF16)).lower(lowering_platforms=("cuda",)))
 
 
-def _launches(lowered) -> list[tuple[str, int, int, str]]:
-    return triton_ir.launches(lowered)
+_launches = triton_ir.launches
 
 
 def main() -> None:

@@ -72,12 +72,17 @@ def _e2m1(c):
     return kernel_math.e2m1_f16(c).astype(F32)
 
 
+def _rows(r0, n, stride=1):
+    """Rows r0, r0 + stride, ... (n of them) as an index (a plain slice at stride 1)."""
+    return pl.ds(r0, n) if stride == 1 else pl.ds(r0, n, stride)
+
+
 def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1):
     """Rows r0, r0 + stride, ... (bn of them), input columns [k0, k0+bk) of expert e's matrix, dequantized and
     rounded to dt: [bn, bk]. NVFP4 returns the pair (even columns, odd columns), each [bn, bk/2]: the low and high
     nibbles of the packed bytes as they lie, never interleaved in registers; the caller dots them with the even and
     odd activation columns."""
-    rs = pl.ds(r0, bn) if stride == 1 else pl.ds(r0, bn, stride)
+    rs = _rows(r0, bn, stride)
     if fmt == "dense":
         (w_ref,) = refs
         return w_ref[e, rs, pl.ds(k0, bk)].astype(dt)
@@ -140,7 +145,7 @@ def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1):
     row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16."""
     w_ref, s_ref, _ = refs
     group = meta
-    rs = pl.ds(r0, bn) if stride == 1 else pl.ds(r0, bn, stride)
+    rs = _rows(r0, bn, stride)
     p = w_ref[e, rs, pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
     sc = s_ref[e, rs, pl.ds(k0 // group, bk // group)].astype(jnp.float16)             # E4M3 -> fp16: exact
     sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
@@ -180,8 +185,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
             return _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride)
         if fmt == "nvfp4":
             return _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride)
-        rs = pl.ds(r0, width) if stride == 1 else pl.ds(r0, width, stride)
-        return w_refs[0][e, rs, pl.ds(k0, bk)].astype(jnp.float16)              # E4M3 -> fp16: exact
+        return w_refs[0][e, _rows(r0, width, stride), pl.ds(k0, bk)].astype(jnp.float16)   # E4M3 -> fp16: exact
 
     @pl.when(e < n_exp)
     def _():
@@ -209,8 +213,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
                 a = a * back
                 if fmt == "nvfp4":
                     r0, stride = first_row(i)
-                    rs = pl.ds(r0, width) if stride == 1 else pl.ds(r0, width, stride)
-                    a = a * (w_refs[2][e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE)[None, :]
+                    a = a * (w_refs[2][e, _rows(r0, width, stride)].astype(F32) * kernel_math.E2M1_F16_SCALE)[None, :]
                 scaled.append(a)
             accs = scaled
         for (_, _, c0), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
