@@ -40,6 +40,7 @@ from fnx.engine.engine import (HostCopies, _jit_draft, _jit_io_put, _jit_spec_in
                                _jit_verify_window, draft_head, pack_host)
 from fnx.engine.sampling import SamplingArrays, SamplingParams, row_keys
 from fnx.model.mtp import init_mtp_state, mtp_param_shapes
+from fnx.pallas.bench import fnx_settings
 from fnx.model.transformer import init_state, param_shapes, step
 
 PEAK_BW = 4.3e12  # bytes/s: the best device copy measured on the H200 (GPU_NOTES.md); vendor peak is 4.8e12
@@ -777,7 +778,7 @@ def main():
                                     "fp8_head": args.fp8_head, "draft_vocab": args.draft_vocab,
                                     "draft_fp8": args.draft_fp8,
                                     "ple_store": args.ple_store,
-                                    "kernels": kernels_label, "reps": args.reps,
+                                    "kernels": kernels_label, "settings": fnx_settings(), "reps": args.reps,
                                     "scan_layers": not args.no_scan, "unroll_stacked": args.unroll_stacked,
                                     "mtp_round": "greedy", **line}) + "\n")
         rec = {"date": datetime.date.today().isoformat(), "commit": commit, "device": device.device_kind,
@@ -785,7 +786,7 @@ def main():
                "tiny": args.tiny, "mesh": mesh_text, "devices": ndev, "quant": args.quant,
                "ple_store": args.ple_store, "scan_layers": not args.no_scan, "unroll_stacked": args.unroll_stacked,
                "mtp_round": "greedy",
-               "kernels": kernels_label,
+               "kernels": kernels_label, "settings": fnx_settings(),
                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"), "runs": runs}
         if len(layer_counts) >= 2:
             a, b = sorted(layer_counts)[:2]

@@ -259,11 +259,11 @@ def main(argv=None) -> int:
 
     import jax
 
-    from fnx.pallas.bench import time_case
+    from fnx.pallas.bench import fnx_settings, time_case
 
     dev = jax.devices()[0]
     meta = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "commit": _commit(),
-            "date": datetime.date.today().isoformat(), "quick": args.quick}
+            "date": datetime.date.today().isoformat(), "quick": args.quick, "settings": fnx_settings()}
     print(f"# {meta}", flush=True)
     warm_s = args.warm_s if args.warm_s is not None else (3.0 if dev.platform == "gpu" else 0.0)
     if warm_s > 0:

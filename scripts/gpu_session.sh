@@ -262,9 +262,11 @@ case "$part" in
                 # ROUND_CTX compiled and profiled once per variant in one process (the model is built once), the
                 # kernels and kernel time per program call, each program's wall time per call over 20 calls launched
                 # back to back (launch gaps and host time in; `pick_winners.py --by chained`), and each variant's
-                # kernel diff against the first
+                # kernel diff against the first; ROUND_PREFILL=N: an N-token prefill chunk per variant too (its
+                # table; ROUND_ARGS with --no-round: the step and the chunk only)
                 timeout ${SWEEP_S:-540} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse \
       --context ${ROUND_CTX:-8192} --kernel-table --reps 2 --calls 3 --chains 1 --label roundsweep --out "$OUT/probe" \
+      ${ROUND_PREFILL:+--prefill-table $ROUND_PREFILL} \
       ${ROUND_ARGS:---fp8-head --draft-vocab 32768 --draft-fp8} --only-variants \
       --round-variants "${ROUND_VARIANTS:?ROUND_VARIANTS: the variants to compare}" > "$OUT/roundsweep.log" 2>&1
     echo "rc $? (roundsweep)"

@@ -68,9 +68,11 @@ def variant_summary(rows: list[dict]) -> list[str]:
     """The variants' kernels and kernel time per program call, and each against the first variant; with chained
     timings (--variant-chain) also the step's and the round's wall time per call of back-to-back calls."""
     programs = [p for p in ("decode", "draft", "verify") if any(p in r["programs"] for r in rows)]
+    programs += sorted({p for r in rows for p in r["programs"] if p.startswith("prefill")})   # --prefill-table
     head = f"{'variant':18s}" + "".join(f"{p + ' kernels / us':>24s}" for p in programs)
     both = "draft" in programs and "verify" in programs
-    chained = all("chained_us_per_call" in v for r in rows for v in r["programs"].values())
+    chained = all("chained_us_per_call" in v for r in rows for p, v in r["programs"].items()
+                  if not p.startswith("prefill"))
     if both:
         head += f"{'round us':>12s}{'vs first':>10s}"
     if chained:   # wall time per call of back-to-back calls (--variant-chain): launch gaps and host time included
@@ -266,7 +268,8 @@ def main():
                          "(kernel_table_draft_* / kernel_table_verify_*)")
     ap.add_argument("--prefill-table", type=int, default=0, metavar="N",
                     help="also list every kernel of one N-token prefill chunk (the step at [1, N]) matched to its HLO "
-                         "(kernel_table_prefill<N>_*.jsonl; needs --kernel-table)")
+                         "(kernel_table_prefill<N>_*.jsonl; needs --kernel-table); with --round-variants the chunk "
+                         "is one more program of each variant")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile --calls decode steps and list the host-side events per call (launch, command "
                          "buffer update, thunks)")
@@ -316,6 +319,7 @@ def main():
     from fnx.model.mtp import init_mtp_state, mtp_param_shapes
     from fnx.model.transformer import init_state, param_shapes, step
     from fnx.pallas import ledger
+    from fnx.pallas.bench import fnx_settings
 
     if args.unroll_stacked and args.no_scan:
         raise SystemExit("--unroll-stacked runs the scanned layout's stacks unrolled: drop --no-scan")
@@ -363,7 +367,7 @@ def main():
                "fused_projections": args.fuse, "fp8_head": args.fp8_head, "draft_vocab": args.draft_vocab,
                "draft_fp8": args.draft_fp8, "context": ctx,
                "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d"),
-               "commit": commit, **rec}
+               "commit": commit, "settings": fnx_settings(), **rec}
         print(json.dumps(rec), flush=True)
         with open(os.path.join(args.out, "probe.jsonl"), "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -605,21 +609,27 @@ def main():
                   f"{row.get('op', '?'):22s} {row.get('op_name', '')[-70:]}", flush=True)
         return led
 
-    def prefill_table(n: int):
-        """Every kernel of one prefill chunk of `n` tokens (the step at [1, n], as the engine and bench_decode.py
-        prefill), matched to its HLO, to kernel_table_prefill<n>_<tag>.jsonl: where a prefill's "other XLA" time
-        comes from. Its own state, positions 0, n, 2n, ... (one chunk after another, no rewind)."""
+    def prefill_program(n: int):
+        """One prefill chunk of `n` tokens (the step at [1, n], as the engine and bench_decode.py prefill), compiled
+        under the present settings: (call, optimized HLO text). Its own state, positions 0, n, 2n, ... (one chunk
+        after another, no rewind: room for --calls + 2 chunks)."""
         box = {"s": init_state(cfg, 1, n * (args.calls + 2) + 64, dtype)}
         toks = jnp.ones((1, n), jnp.int32)
         ids = jnp.zeros((1, n, heads), jnp.int32) if cfg.ple_layer_ids else None
         last = jnp.full((1,), n - 1, jnp.int32)     # the head on the chunk's last token, as the engine's prefill
         compiled = step_j.lower(params, box["s"], toks, ids, logits_at=last).compile()
 
-        def pre():
+        def pre(block=True):
             logits, box["s"], _, _ = compiled(params, box["s"], toks, ids, logits_at=last)
-            jax.block_until_ready(logits)
-        write_table(pre, compiled.as_text(), f"prefill{n}_{tag}", "prefill", top=40, extra={"tokens": n})
-        box.clear()
+            if block:
+                jax.block_until_ready(logits)
+        return pre, compiled.as_text()
+
+    def prefill_table(n: int):
+        """Every kernel of one prefill chunk of `n` tokens matched to its HLO, to kernel_table_prefill<n>_<tag>.jsonl:
+        where a prefill's "other XLA" time comes from."""
+        pre, text = prefill_program(n)
+        write_table(pre, text, f"prefill{n}_{tag}", "prefill", top=40, extra={"tokens": n})
 
     if args.kernel_table and main_parts:
         write_table(dec, text, tag, "decode")
@@ -652,6 +662,8 @@ def main():
         progs = {"decode": (run_step, cs.as_text())}
         if not args.no_round:
             progs.update(round_programs())
+        if args.prefill_table:    # the chunk's kernels under each variant (no chained timing: its state fills up)
+            progs[f"prefill{args.prefill_table}"] = prefill_program(args.prefill_table)
         return progs
 
     def round_programs() -> dict:
@@ -740,7 +752,7 @@ def main():
                         "busy_us_per_call": round(led["busy_ms_per_call"] * 1e3, 2),
                         "families": {f: [v["kernels_per_call"], round(v["ms_per_call"] * 1e3, 2)]
                                      for f, v in led["families"].items()}}
-                    if args.variant_chain:
+                    if args.variant_chain and not program.startswith("prefill"):
                         rec["programs"][program].update(chained_timing(fn))
                 emit({"part": "round variant", **rec})
                 rows.append(rec)

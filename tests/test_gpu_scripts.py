@@ -18,10 +18,10 @@ _INHERITED = ("JAX_DISABLE_MOST_OPTIMIZATIONS", "JAX_COMPILATION_CACHE_DIR", "JA
               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
-def _run(args, tmp_path, timeout=600):
+def _run(args, tmp_path, timeout=600, env=None):
     out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                          env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
-                              **{k: v for k, v in os.environ.items() if k in _INHERITED}})
+                              **{k: v for k, v in os.environ.items() if k in _INHERITED}, **(env or {})})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -167,9 +167,11 @@ def test_bench_decode_online_quant_per_leaf(monkeypatch):
 def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):
     res = tmp_path / "k.jsonl"
     stdout = _run(["scripts/bench_kernels.py", "--quick", "--only", "gemv", "--filter", "fp8 pallas.*M=1 N=256",
-                   "--out", str(res)], tmp_path)
+                   "--out", str(res)], tmp_path, env={"FNX_DOT_ACC": "0", "FNX_COMMIT": "abc1234"})
     assert "gemv_fp8" in stdout
     rec = json.loads(res.read_text().splitlines()[0])
+    # the knobs it ran with are in the record (the commit is the commit's field)
+    assert rec["settings"] == {"FNX_DOT_ACC": "0"} and rec["commit"] == "abc1234"
     # a time, or (tiny kernels timed on a shared CPU) the harness refusing a non-positive slope: never a fake number
     assert rec["kernel"] == "gemv_fp8" and ("us" in rec or "timing noise" in rec["error"])
 
@@ -297,34 +299,40 @@ def test_probe_launch_addr_trace(tmp_path):
 def test_probe_launch_round_variants(tmp_path):
     """--round-variants (--only-variants: alone): each variant's step, draft and verify compiled afresh under its
     settings (here one forces two one-token kernels in interpret mode, which changes the step's program on a CPU
-    too), profiled, a table per program and variant, and the summary against the first variant."""
+    too), profiled, a table per program and variant, and the summary against the first variant. --prefill-table:
+    a 16-token prefill chunk is one more program of each variant (its table, no chained timing)."""
     stdout = _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "1", "--calls", "1",
                    "--chains", "1", "--context", "100", "--draft-vocab", "64", "--kernel-table", "--out", str(tmp_path),
+                   "--prefill-table", "16",
                    "--variant-chain", "2", "--only-variants", "--round-variants",
                    "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     assert {r["part"] for r in recs} == {"round variant", "kernel table", "compiles"}  # --only-variants: no other
     by = recs[-1]["by_function"]                                                   # one compile a program a variant
-    assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (2, 2, 2), by
+    assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (4, 2, 2), by
     var = [r for r in recs if r["part"] == "round variant"]
     assert [(r["variant"], r["settings"]) for r in var] == [
         ("base", {}), ("m1", {"FNX_KERNELS": "hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"})]
     ops = [{p: v["hlo_launch_ops"] for p, v in r["programs"].items()} for r in var]
-    assert set(ops[0]) == {"decode", "draft", "verify"}
+    assert set(ops[0]) == {"decode", "draft", "verify", "prefill16"}
     assert ops[1]["decode"] > ops[0]["decode"], ops        # the interpreted kernels are in the step's program
     for r in var:     # each program also timed over back-to-back calls (3 runs of 2 calls: max(3, --chains))
         for prog, v in r["programs"].items():
+            if prog == "prefill16":      # its state fills up chunk after chunk: the table only
+                assert "chained_us_per_call" not in v
+                continue
             assert v["chained_us_per_call"] > 0 and len(v["chained_us_all"]) == 3, (r["variant"], prog, v)
     tables = [r for r in recs if r["part"] == "kernel table" and r.get("variant")]
     assert [(r["variant"], r["program"]) for r in tables] == [(v, p) for v in ("base", "m1")
-                                                              for p in ("decode", "draft", "verify")]
+                                                              for p in ("decode", "draft", "verify", "prefill16")]
     assert all((tmp_path / r["file"]).exists() for r in tables)
     lines = stdout.splitlines()
     assert [ln.split()[2] for ln in lines if ln.startswith("variant done ")] == ["base:", "m1:"]
     head = next(i for i, ln in enumerate(lines) if re.match(r"variant +decode kernels / us", ln))
     assert lines[head + 1].split()[0] == "base" and lines[head + 2].split()[0] == "m1"
     assert "step chained" in lines[head] and "round chained" in lines[head]
-    assert len(lines[head + 2].split()) == 1 + 3 * 3 + 2 + 4   # label, 3 x "kernels / us", round, 2 x chained
+    assert "prefill16 kernels / us" in lines[head]
+    assert len(lines[head + 2].split()) == 1 + 4 * 3 + 2 + 4   # label, 4 x "kernels / us", round, 2 x chained
     assert "== verify: m1 against base" in stdout
 
 

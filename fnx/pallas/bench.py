@@ -20,6 +20,13 @@ HBM_TBPS = 4.3          # measured H200 copy ceiling (GPU_NOTES.md), the denomin
 BF16_TFLOPS = 627.0     # measured bf16 matmul ceiling
 
 
+def fnx_settings() -> dict[str, str]:
+    """The fnx knobs (FNX_* environment variables, FNX_COMMIT aside) this process runs with, for the JSON lines of
+    the benchmark scripts: a timing taken with a knob on says so in its record."""
+    import os
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FNX_") and k != "FNX_COMMIT"}
+
+
 @dataclasses.dataclass
 class BenchCase:
     kernel: str                  # e.g. "gemv_fp8"
