@@ -252,6 +252,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warm-s", type=float, default=None,
                     help="seconds of dense matmuls before the first case (default: 3 on a GPU, 0 elsewhere): the "
                          "first case of a freshly started machine measured 50%% slower than the same case later")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated 'LABEL: FNX_ENV=VALUE ...': each selected case timed again per variant, its "
+                         "programs traced under those settings (impl 'IMPL+LABEL', the settings in its record), "
+                         "e.g. 'da: FNX_DOT_ACC=1;h: FNX_DOT_ACC=1 FNX_MOE_BLOCK_TILES=mma16=1'")
     ap.add_argument("--bracket", action="store_true",
                     help="time each family's first case again after its last: the record pair (\"bracket\": "
                          "\"first\" / \"again\") is the run's spread, below which differences are noise")
@@ -259,7 +263,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    from fnx.pallas.bench import fnx_settings, time_case
+    from fnx.pallas.bench import fnx_settings, parse_variants, time_case
+    variants = parse_variants(args.variants, "--variants") if args.variants else []
 
     dev = jax.devices()[0]
     meta = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "commit": _commit(),
@@ -298,6 +303,9 @@ def main(argv=None) -> int:
             import re
             rx = re.compile(args.filter)
             cs = [c for c in cs if rx.search(f"{c.kernel} {c.impl} {c.shape} {c.extra}")]
+        if variants:   # each case, then its knob variants (the same arguments, programs traced under the knobs)
+            cs = [v for c in cs for v in [c] + [dataclasses.replace(c, impl=f"{c.impl}+{label}", env=env)
+                                               for label, env in variants]]
         print(f"# {fam}: {len(cs)} cases built in {time.time() - t0:.1f}s", flush=True)
         runs = [(c, None) for c in cs]
         if args.bracket and len(cs) > 1:
@@ -310,9 +318,11 @@ def main(argv=None) -> int:
             except Exception as e:
                 r = {"kernel": c.kernel, "shape": c.shape, "impl": c.impl, "error": f"{type(e).__name__}: {e}"[:400]}
                 print(f"{c.kernel:14s} {c.impl:10s} {c.shape:28s} ERROR {r['error'][:200]}", flush=True)
-                record({**meta, **r})
+                record({**meta, **r, **({"settings": {**meta["settings"], **c.env}} if c.env else {})})
                 continue
             r = {**meta, **r}
+            if c.env:
+                r["settings"] = {**meta["settings"], **c.env}
             record(r)
             extra = " ".join(f"{k}={r[k]}" for k in ("layer", "tiles", "block_v", "num_warps", "fuse_norm", "check",
                                                       "max_rel_err", "bracket") if k in r)

@@ -62,12 +62,15 @@ case "$part" in
     cp fnx/pallas/gemv/configs/*.json "$OUT/" 2>/dev/null
     grep "^tune" "$OUT/tune.log" ;;
   kernels)
+    # VARIANTS ('LABEL: FNX_ENV=VALUE ...;...'): each case again per knob variant, in this process
     timeout ${KERNELS_S:-400} python scripts/bench_kernels.py --iters 10 --only ${FAMS:-gemv gdn qsa hc} \
-      ${FILTER:+--filter "$FILTER"} --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_kernels.log" 2>&1
+      ${FILTER:+--filter "$FILTER"} ${VARIANTS:+--variants "$VARIANTS"} --out "$OUT/bench_kernels.jsonl" \
+      > "$OUT/bench_kernels.log" 2>&1
     grep -c "TB/s" "$OUT/bench_kernels.log"; tail -3 "$OUT/bench_kernels.log" ;;
   moe)
     # MOE_APPS: applications per slope (each case compiles a program that unrolls them: ~35 s a case at 64)
     timeout ${MOE_S:-240} python scripts/bench_kernels.py --iters 10 --only moe ${MOE_FILTER:+--filter "$MOE_FILTER"} \
+      ${VARIANTS:+--variants "$VARIANTS"} \
       --min-apps ${MOE_APPS:-24} --bracket --out "$OUT/bench_kernels.jsonl" > "$OUT/bench_moe.log" 2>&1
     grep -E "^moe_(decode|prefill)" "$OUT/bench_moe.log" | tail -40 ;;
   moestep)

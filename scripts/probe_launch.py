@@ -30,38 +30,10 @@ def short(name: str) -> str:
     return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))[:60]
 
 
-VARIANT_LABEL = re.compile(r"^[\w.+-]+$")
-VARIANT_ENV = re.compile(r"^FNX_[A-Z0-9_]+$")
-
-
 def parse_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
-    """--round-variants: ';'-separated 'LABEL: ENV=VALUE ENV=VALUE ...' -> [(label, {env: value})]. Only FNX_
-    settings: they are read when a program is traced (XLA_FLAGS and the like are read once, at start). A value may
-    hold '=' and ',' (FNX_KERNELS=a=pallas,b=pallas); settings are separated by spaces. No settings: the defaults."""
-    out: list[tuple[str, dict[str, str]]] = []
-    for part in (p.strip() for p in spec.split(";")):
-        if not part:
-            continue
-        label, sep, rest = part.partition(":")
-        label = label.strip()
-        if not sep or not VARIANT_LABEL.match(label):
-            raise SystemExit(f"--round-variants: {part!r} must be 'LABEL: ENV=VALUE ...' with a label of letters, "
-                             "digits, '.', '+', '-' or '_'")
-        if label in (lab for lab, _ in out):
-            raise SystemExit(f"--round-variants: the label {label!r} is given twice")
-        env: dict[str, str] = {}
-        for item in rest.split():
-            name, eq, value = item.partition("=")
-            if not eq or not VARIANT_ENV.match(name):
-                raise SystemExit(f"--round-variants: {item!r} in variant {label!r} is not FNX_NAME=VALUE (only fnx's "
-                                 "own settings are read when a program is traced)")
-            if name in env:
-                raise SystemExit(f"--round-variants: {name} is set twice in variant {label!r}")
-            env[name] = value
-        out.append((label, env))
-    if not out:
-        raise SystemExit("--round-variants: no variant given")
-    return out
+    """--round-variants: fnx.pallas.bench.parse_variants (';'-separated 'LABEL: FNX_ENV=VALUE ...')."""
+    from fnx.pallas.bench import parse_variants as parse
+    return parse(spec, "--round-variants")
 
 
 def variant_summary(rows: list[dict]) -> list[str]:

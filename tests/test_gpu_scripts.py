@@ -167,11 +167,16 @@ def test_bench_decode_online_quant_per_leaf(monkeypatch):
 def test_bench_kernels_quick_writes_a_record_per_case(tmp_path):
     res = tmp_path / "k.jsonl"
     stdout = _run(["scripts/bench_kernels.py", "--quick", "--only", "gemv", "--filter", "fp8 pallas.*M=1 N=256",
-                   "--out", str(res)], tmp_path, env={"FNX_DOT_ACC": "0", "FNX_COMMIT": "abc1234"})
+                   "--variants", "g: FNX_GEMV_FINISH=1", "--out", str(res)], tmp_path,
+                  env={"FNX_DOT_ACC": "0", "FNX_COMMIT": "abc1234"})
     assert "gemv_fp8" in stdout
-    rec = json.loads(res.read_text().splitlines()[0])
-    # the knobs it ran with are in the record (the commit is the commit's field)
+    recs = [json.loads(line) for line in res.read_text().splitlines()]
+    rec = recs[0]
+    # the knobs it ran with are in the record (the commit is the commit's field); --variants: each case again
+    # under the variant's settings, its impl suffixed with the label
     assert rec["settings"] == {"FNX_DOT_ACC": "0"} and rec["commit"] == "abc1234"
+    assert len(recs) == 2 and recs[1]["impl"] == rec["impl"] + "+g" and recs[1]["shape"] == rec["shape"]
+    assert recs[1]["settings"] == {"FNX_DOT_ACC": "0", "FNX_GEMV_FINISH": "1"}
     # a time, or (tiny kernels timed on a shared CPU) the harness refusing a non-positive slope: never a fake number
     assert rec["kernel"] == "gemv_fp8" and ("us" in rec or "timing noise" in rec["error"])
 

@@ -9,7 +9,10 @@ and one over them many times (offset activations) are timed and the slope is the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import re
 import time
 from typing import Any, Callable
 
@@ -23,8 +26,65 @@ BF16_TFLOPS = 627.0     # measured bf16 matmul ceiling
 def fnx_settings() -> dict[str, str]:
     """The fnx knobs (FNX_* environment variables, FNX_COMMIT aside) this process runs with, for the JSON lines of
     the benchmark scripts: a timing taken with a knob on says so in its record."""
-    import os
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FNX_") and k != "FNX_COMMIT"}
+
+
+_VARIANT_LABEL = re.compile(r"^[\w.+-]+$")
+_VARIANT_ENV = re.compile(r"^FNX_[A-Z0-9_]+$")
+
+
+def parse_variants(spec: str, opt: str = "--variants") -> list[tuple[str, dict[str, str]]]:
+    """';'-separated 'LABEL: ENV=VALUE ENV=VALUE ...' -> [(label, {env: value})], for the scripts' knob sweeps
+    (`opt`: the option named in the errors). Only FNX_ settings: they are read when a program is traced (XLA_FLAGS
+    and the like are read once, at start). A value may hold '=' and ',' (FNX_KERNELS=a=pallas,b=pallas); settings
+    are separated by spaces. No settings: the defaults."""
+    out: list[tuple[str, dict[str, str]]] = []
+    for part in (p.strip() for p in spec.split(";")):
+        if not part:
+            continue
+        label, sep, rest = part.partition(":")
+        label = label.strip()
+        if not sep or not _VARIANT_LABEL.match(label):
+            raise SystemExit(f"{opt}: {part!r} must be 'LABEL: ENV=VALUE ...' with a label of letters, "
+                             "digits, '.', '+', '-' or '_'")
+        if label in (lab for lab, _ in out):
+            raise SystemExit(f"{opt}: the label {label!r} is given twice")
+        env: dict[str, str] = {}
+        for item in rest.split():
+            name, eq, value = item.partition("=")
+            if not eq or not _VARIANT_ENV.match(name):
+                raise SystemExit(f"{opt}: {item!r} in variant {label!r} is not FNX_NAME=VALUE (only fnx's "
+                                 "own settings are read when a program is traced)")
+            if name in env:
+                raise SystemExit(f"{opt}: {name} is set twice in variant {label!r}")
+            env[name] = value
+        out.append((label, env))
+    if not out:
+        raise SystemExit(f"{opt}: no variant given")
+    return out
+
+
+@contextlib.contextmanager
+def settings(env: dict[str, str]):
+    """The FNX_ settings `env` in the environment while programs are traced inside, restored after. fnx reads its
+    knobs when a function is traced, and JAX keeps the traces of jitted functions (the kernels' wrappers among
+    them): with any setting given, its caches are cleared on the way in and out, so neither these programs nor the
+    next ones reuse a trace made under other settings."""
+    if not env:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        jax.clear_caches()
 
 
 @dataclasses.dataclass
@@ -41,6 +101,8 @@ class BenchCase:
     # timing; its max error over max |check| goes into the record, and past `check_tol` the record says "mismatch"
     check: Callable[..., Any] | None = None
     check_tol: float = 0.05
+    # FNX_ settings its programs are traced under (a knob variant of a case: bench_kernels.py --variants)
+    env: dict = dataclasses.field(default_factory=dict)
 
 
 def _program(case: BenchCase):
@@ -94,7 +156,8 @@ def prepare_case(case: BenchCase, min_apps: int = 64) -> Prepared:
         raise ValueError(f"{case.kernel} {case.shape}: the slope timing needs at least 2 argument sets")
     reps = 1 + max(1, -(-min_apps // n))
     many = _varied(sets, reps)
-    return Prepared(_program(case).lower(sets).compile(), sets, _program(case).lower(many).compile(), many, reps)
+    with settings(case.env):
+        return Prepared(_program(case).lower(sets).compile(), sets, _program(case).lower(many).compile(), many, reps)
 
 
 def time_case(case: BenchCase, iters: int = 30, warmup: int = 3, min_apps: int = 64,
@@ -135,7 +198,8 @@ def check_case(case: BenchCase) -> dict:
     if case.check is None:
         return {}
     args = case.arg_sets[0]
-    got = np.asarray(jax.jit(case.fn)(*args), np.float32)
+    with settings(case.env):
+        got = np.asarray(jax.jit(case.fn)(*args), np.float32)
     hit = _checked.get((id(case.check), id(args[0])))
     if hit is not None and hit[0] is case.check and hit[1] is args[0]:
         want = hit[2]        # cases that share a check object and arguments (tile variants) compute it once

@@ -71,3 +71,35 @@ def test_check_case_computes_a_shared_check_once():
         r = check_case(BenchCase("k", "s", "i", lambda a, k=k: a * 2 * k, [(x,), (x,)], bytes=1, check=ref))
         assert r["check"] == "ok"
     assert len(calls) == 1
+
+
+def test_a_case_variant_is_traced_under_its_settings_and_leaves_none_behind(monkeypatch):
+    """BenchCase.env (bench_kernels.py --variants): the case's programs are traced with those FNX_ settings, even
+    where the case calls a jitted function already traced under other settings (JAX keeps traces per function),
+    and the environment and the next case's traces are as before it."""
+    monkeypatch.delenv("FNX_BENCH_PROBE", raising=False)
+
+    @jax.jit
+    def inner(x):   # reads a knob when traced, as fnx's kernels do
+        import os
+        return x + (1.0 if os.environ.get("FNX_BENCH_PROBE") == "1" else 0.0)
+
+    sets = [(jnp.zeros((4,)),), (jnp.ones((4,)),)]
+    base = bench.BenchCase("toy", "4", "reference", inner, sets, bytes=16)
+    var = bench.BenchCase("toy", "4", "reference+p", inner, sets, bytes=16, env={"FNX_BENCH_PROBE": "1"})
+    outs = []
+    for case in (base, var, base):
+        p = bench.prepare_case(case, min_apps=2)
+        outs.append([float(y[0]) for y in p.once(p.once_args)])
+    assert outs == [[0.0, 1.0], [1.0, 2.0], [0.0, 1.0]]
+    assert "FNX_BENCH_PROBE" not in __import__("os").environ
+    check = bench.BenchCase("toy", "4", "reference+p", inner, sets, bytes=16, env={"FNX_BENCH_PROBE": "1"},
+                            check=lambda x: x + 1.0, check_tol=0.0)
+    assert bench.check_case(check)["check"] == "ok"       # the check's own call traced under the settings too
+
+
+def test_variant_specs():
+    assert bench.parse_variants("da: FNX_DOT_ACC=1;h: FNX_DOT_ACC=1 FNX_MOE_BLOCK_TILES=mma16=1,split_act=1") == [
+        ("da", {"FNX_DOT_ACC": "1"}), ("h", {"FNX_DOT_ACC": "1", "FNX_MOE_BLOCK_TILES": "mma16=1,split_act=1"})]
+    with pytest.raises(SystemExit, match="--variants: 'PATH=x' in variant 'a' is not FNX_NAME=VALUE"):
+        bench.parse_variants("a: PATH=x")
