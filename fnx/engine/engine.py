@@ -133,7 +133,7 @@ class Engine:
     def __init__(self, model: Model, *, max_slots: int = 4, capacity: int = 4096, prefill_chunk: int = 512,
                  speculative: SpeculativeConfig | int | None = None, moe_impl: str = "auto",
                  extra_eos: tuple[int, ...] = (), mesh=None, overlap: bool = True, ple_fetch: str = "sync",
-                 fuse_projections: bool | None = None):
+                 fuse_projections: bool | None = None, prefill_chunk_idle: int | None = None):
         """speculative: k, or SpeculativeConfig(k, draft_vocab=path or ids) where draft_vocab restricts the
         drafter's head to a hot-token subset (a .npy / text file of token ids, or a sequence): cheaper drafts,
         same output distribution (the acceptance rule is exact for any drafter).
@@ -158,6 +158,11 @@ class Engine:
             rows at the PLE layer (jax.pure_callback / io_callback / buffer_callback). A failed callback fetch
             cannot say which rows it lost, so every row of that step counts as missing.
         Ignored without a host store (a table in device memory is gathered inside the step).
+        prefill_chunk: prompt tokens prefilled per step (across requests) while some request is decoding: a
+        decode step waits behind at most one such chunk. prefill_chunk_idle (None: the same): the budget of a step
+        in which no request is decoding, so nothing waits on it; a chunk touches every routed expert of every layer
+        whatever its length, so longer chunks prefill a token for less. Each distinct chunk length compiles its
+        own program (`prefill_buckets`).
         fuse_projections: run each sublayer's input projections as one product over row-concatenated weights
         (`fnx.model.fuse`: fewer, larger GEMVs per layer; the same values). None (default): on unless on a device
         mesh (the mesh rules shard the separate weights by name; True there is an error). Measured on the H200
@@ -171,6 +176,11 @@ class Engine:
             raise ValueError(f"need max_slots >= 1 and capacity >= 8, got {max_slots} and {capacity}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_chunk_idle is None:
+            prefill_chunk_idle = prefill_chunk
+        if prefill_chunk_idle < prefill_chunk:
+            raise ValueError(f"prefill_chunk_idle ({prefill_chunk_idle}) must be at least prefill_chunk "
+                             f"({prefill_chunk}): it is the budget of the steps with no decode waiting on them")
         if fuse_projections is None:
             fuse_projections = mesh is None
         if fuse_projections:
@@ -187,6 +197,7 @@ class Engine:
         self.k = speculative.k if speculative else 0
         self.slots: list[Request | None] = [None] * max_slots
         self.capacity, self.prefill_chunk, self.moe_impl = capacity, prefill_chunk, moe_impl
+        self.prefill_chunk_idle = prefill_chunk_idle
         dtype = model.dtype
         self.state = init_state(self.cfg, max_slots, capacity, dtype)
         self.empty_slot = init_state(self.cfg, 1, capacity, dtype)
@@ -370,7 +381,11 @@ class Engine:
     def _step(self) -> list[Output]:
         outs: list[Output] = []
         self._admit()
-        budget = self.prefill_chunk  # prompt tokens prefilled per step, across requests
+        # prompt tokens prefilled per step, across requests: the idle budget when no request is decoding (none
+        # prefilled and running, no step or round in flight), so no decode step waits behind the longer chunk
+        idle = self._inflight is None and not any(r is not None and not r.done and r.prefilled == len(r.prompt)
+                                                  for r in self.slots)
+        budget = self.prefill_chunk_idle if idle else self.prefill_chunk
         for r in [r for r in self.slots if r is not None and r.prefilled < len(r.prompt)]:
             if budget <= 0:
                 break
@@ -533,15 +548,26 @@ class Engine:
 
     def prefill_bucket(self, n: int) -> int:
         """The token length a prefill chunk of n prompt tokens is padded to (one compiled program per length):
-        the next power of two from 16, at most the prefill chunk."""
+        the next power of two from 16, at most the smaller of the two chunk budgets (prefill_chunk,
+        prefill_chunk_idle) that n fits in."""
         b = 16
         while b < n:
             b *= 2
-        return min(b, max(self.prefill_chunk, n))
+        cap = min((c for c in (self.prefill_chunk, self.prefill_chunk_idle) if c >= n), default=n)
+        return min(b, cap)
+
+    def prefill_buckets(self) -> list[int]:
+        """Every length a prefill chunk is padded to, ascending (a compiled prefill program each)."""
+        top = max(self.prefill_chunk, self.prefill_chunk_idle)
+        lengths, b = {self.prefill_chunk, self.prefill_chunk_idle}, 16
+        while b <= top:
+            lengths.add(b)
+            b *= 2
+        return sorted({self.prefill_bucket(n) for n in lengths})
 
     def _prefill_chunk(self, req: Request, budget: int) -> list[Output]:
         start = req.prefilled
-        chunk = req.prompt[start:start + min(self.prefill_chunk, budget)]
+        chunk = req.prompt[start:start + min(max(self.prefill_chunk, self.prefill_chunk_idle), budget)]
         n = len(chunk)
         length = self.prefill_bucket(n)
         tokens = np.zeros((1, length), np.int32)

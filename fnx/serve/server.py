@@ -52,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-chunk", type=int, default=512,
                    help="prompt tokens per prefill step; longer prompts are prefilled in chunks interleaved with "
                         "decode steps of the running requests")
+    p.add_argument("--prefill-chunk-idle", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill step while no request is decoding (default: --prefill-chunk): "
+                        "nothing waits behind these chunks, and a longer chunk prefills a token for less (each "
+                        "chunk reads every routed expert); the warm-up compiles their lengths too")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="MTP speculative decoding with K draft tokens per round (1..8; 0: off); lossless for "
                         "every sampling setting, penalties included (they apply to the target's distribution)")
@@ -187,6 +191,9 @@ def main(argv=None) -> int:
                      f"directory written by `fnx convert`")
     if args.max_slots < 1 or args.max_queue < 0 or args.capacity < 8 or args.prefill_chunk < 1:
         return _fail("need --max-slots >= 1, --max-queue >= 0, --capacity >= 8 and --prefill-chunk >= 1")
+    if args.prefill_chunk_idle is not None and args.prefill_chunk_idle < args.prefill_chunk:
+        return _fail(f"--prefill-chunk-idle ({args.prefill_chunk_idle}) must be at least --prefill-chunk "
+                     f"({args.prefill_chunk})")
     if args.speculative and not 1 <= args.speculative <= 8:
         return _fail(f"--speculative K must be in 1..8 (0 turns it off), got {args.speculative}")
 
@@ -241,13 +248,16 @@ def main(argv=None) -> int:
     if not eos:  # no generation_config: the chat format's end tokens
         eos = tuple(i for i in map(tokenizer.token_id, ("<|im_end|>", "<|endoftext|>")) if i is not None)
     engine = Engine(model, max_slots=args.max_slots, capacity=args.capacity, prefill_chunk=args.prefill_chunk,
+                    prefill_chunk_idle=args.prefill_chunk_idle,
                     speculative=args.speculative or None, extra_eos=eos, overlap=not args.no_overlap,
                     ple_fetch=ple_fetch, fuse_projections=False if args.no_fuse_projections else None)
     model = engine.model   # the engine's (fused) params: the loaded tree's separate projections are not kept
     name = args.served_model_name or model_dir.resolve().name
+    idle_note = (f" ({engine.prefill_chunk_idle} while none decodes)"
+                 if engine.prefill_chunk_idle > engine.prefill_chunk else "")
     print(f"fnx.serve: loaded {model_dir} in {t_load:.1f} s: {model!r}", flush=True)
     print(f"fnx.serve: engine on {backend} ({jax.devices()[0].device_kind}): {args.max_slots} slots x "
-          f"{args.capacity} positions, prefill chunk {args.prefill_chunk}, "
+          f"{args.capacity} positions, prefill chunk {args.prefill_chunk}{idle_note}, "
           f"{'MTP speculative k=%d' % args.speculative if args.speculative else 'no speculative decoding'}, "
           f"PLE table: {_ple_label(args.ple_store, ple_store, ple_fetch)}, decode {'overlapped' if engine.overlap else 'synchronous'}, "
           f"layers {'stacked' if model.cfg.unroll_stacked else 'scanned' if model.cfg.scan_layers else 'unrolled'}, "

@@ -46,15 +46,13 @@ def warmup_plan(engine: Engine) -> list[tuple[int, int, int]]:
     if longest < 1:
         raise ValueError(f"a context capacity of {engine.capacity} leaves no room for a prompt: the engine reserves "
                          f"{engine.reserve} positions a request (speculative rounds, overlap); raise --capacity")
-    plan, b = [], 16
-    while True:
-        top = min(b, engine.prefill_chunk)
+    plan = []
+    for top in engine.prefill_buckets():       # the longest chunk padded to a bucket is the bucket's length
         n = min(top, longest)
-        if engine.prefill_bucket(n) == engine.prefill_bucket(top):    # some prompt reaches this bucket
+        if engine.prefill_bucket(n) == top:    # some prompt reaches this bucket
             plan.append((n, min(2, engine.capacity - engine.reserve - n)))
-        if top >= engine.prefill_chunk or n < top:
+        if n < top:
             break
-        b *= 2
     return [(n, lp, mt) for lp in (0, LOGPROBS_BUCKET) for n, mt in plan]
 
 

@@ -557,3 +557,46 @@ def test_packed_host_rows_unpack_to_the_same_bits():
         assert np.array_equal(np.asarray(got[k]).view(np.uint8), v.view(np.uint8)), k
     with pytest.raises(TypeError, match="4-byte or bool"):
         pack_host({"h": np.zeros((3, 2), np.float16)})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_idle_steps_prefill_with_the_idle_budget(tiny_models, overlap):
+    """prefill_chunk_idle: a prompt prefills in chunks of the idle budget while no request is decoding (nothing
+    waits behind the longer chunk), and in chunks of prefill_chunk while one is; the same tokens as an engine
+    without it. Chunks pad to the buckets of both budgets; a budget below prefill_chunk is refused."""
+    model, _ = tiny_models("tiny-a")
+    rng = np.random.default_rng(11)
+    a, b = (list(map(int, rng.integers(0, 250, size=n))) for n in (40, 20))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for idle in (None, 32):
+        eng = Engine(model, max_slots=2, capacity=128, prefill_chunk=8, prefill_chunk_idle=idle, overlap=overlap)
+        chunks, orig = [], eng._prefill_chunk
+
+        def spy(req, budget, orig=orig, chunks=chunks):
+            before = req.prefilled
+            out = orig(req, budget)
+            chunks.append((req.id, req.prefilled - before, budget))
+            return out
+        eng._prefill_chunk = spy
+        toks = {"a": [], "b": []}
+        eng.submit(a, params, request_id="a")
+        while not toks["a"]:                     # a alone: prefilled in idle steps
+            for o in eng.step():
+                toks[o.request_id] += o.token_ids
+        eng.submit(b, params, request_id="b")    # b while a decodes
+        while eng.has_work():
+            for o in eng.step():
+                toks[o.request_id] += o.token_ids
+        runs[idle] = toks
+        if idle is None:
+            assert [n for r, n, _ in chunks if r == "a"] == [8] * 5 and [n for r, n, _ in chunks if r == "b"] == [
+                8, 8, 4]
+        else:
+            assert [(n, bud) for r, n, bud in chunks if r == "a"] == [(32, 32), (8, 32)]
+            assert [(n, bud) for r, n, bud in chunks if r == "b"] == [(8, 8), (8, 8), (4, 8)]
+            assert eng.prefill_buckets() == [8, 16, 32]
+            assert [eng.prefill_bucket(n) for n in (4, 8, 9, 16, 17, 32)] == [8, 8, 16, 16, 32, 32]
+    assert runs[None] == runs[32] and len(runs[32]["a"]) == len(runs[32]["b"]) == 12
+    with pytest.raises(ValueError, match="prefill_chunk_idle .4. must be at least prefill_chunk .8."):
+        Engine(model, max_slots=1, capacity=64, prefill_chunk=8, prefill_chunk_idle=4)

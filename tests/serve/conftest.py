@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.serve.checkpoint import write_serve_checkpoint
 
-SLOTS, CAPACITY, CHUNK = 8, 256, 32
+SLOTS, CAPACITY, CHUNK, CHUNK_IDLE = 8, 256, 32, 64
 
 
 def free_port() -> int:
@@ -84,7 +84,7 @@ def jax_cache(tmp_path_factory) -> Path:
 def server(serve_checkpoint, jax_cache, tmp_path_factory):
     s = Server(serve_checkpoint, tmp_path_factory.mktemp("logs") / "server.log", jax_cache,
                "--max-slots", str(SLOTS), "--capacity", str(CAPACITY), "--prefill-chunk", str(CHUNK),
-               "--max-queue", "64")
+               "--prefill-chunk-idle", str(CHUNK_IDLE), "--max-queue", "64")
     yield s
     s.stop()
 

@@ -148,8 +148,9 @@ def test_warmup_covers_greedy_and_sampled_requests(server, client):
         for logprobs in (None, 3):
             client.completions.create(model=MODEL, prompt="warm programs", max_tokens=4, temperature=temperature,
                                       seed=1, logprobs=logprobs)
-    for n_words in (2, 30):                                        # echo's prompt logprobs, two prefill buckets
-        client.completions.create(model=MODEL, prompt="warm " * n_words, max_tokens=1, logprobs=1, echo=True)
+    for n_words in (2, 30, 50):     # echo's prompt logprobs, three prefill buckets (50: the idle budget's, 64)
+        r = client.completions.create(model=MODEL, prompt="warm " * n_words, max_tokens=1, logprobs=1, echo=True)
+        assert r.usage.prompt_tokens >= n_words
     for temperature in (0, 0.8):                                   # a logit_bias: the biased programs
         for logprobs in (None, 2):
             r = client.completions.create(model=MODEL, prompt="warm biased programs", max_tokens=3, seed=1,

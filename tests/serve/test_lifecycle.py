@@ -42,6 +42,13 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
         assert s in out.stderr
 
 
+def test_idle_prefill_budget_below_the_chunk_is_a_clear_error():
+    out = subprocess.run([sys.executable, "-m", "fnx.serve", "--prefill-chunk", "64", "--prefill-chunk-idle", "32"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 2
+    assert "--prefill-chunk-idle (32) must be at least --prefill-chunk (64)" in out.stderr
+
+
 def test_unusable_compile_cache_is_a_clear_error(tmp_path):
     if not DEFAULT_MODEL.exists():
         pytest.skip("needs the embedded checkpoint")

@@ -20,7 +20,7 @@ class FakeEngine:
     def __init__(self, slots=2):
         self.slots = [None] * slots
         self.waiting = deque()
-        self.capacity, self.prefill_chunk = 64, 16
+        self.capacity, self.prefill_chunk, self.prefill_chunk_idle = 64, 16, 16
         self.cfg = SimpleNamespace(vocab_size=32)
         self.stats = {"drafted": 0, "accepted": 0}
         self.acceptance_length = 0.0
@@ -132,11 +132,12 @@ def test_engine_failure_fails_requests_not_the_server():
     assert isinstance(worker.failed, RuntimeError)
 
 
-def _plan(capacity, reserve, chunk):
+def _plan(capacity, reserve, chunk, idle=None):
     from fnx.engine import Engine
     from fnx.serve.worker import warmup_plan
-    eng = SimpleNamespace(capacity=capacity, reserve=reserve, prefill_chunk=chunk)
+    eng = SimpleNamespace(capacity=capacity, reserve=reserve, prefill_chunk=chunk, prefill_chunk_idle=idle or chunk)
     eng.prefill_bucket = lambda n: Engine.prefill_bucket(eng, n)
+    eng.prefill_buckets = lambda: Engine.prefill_buckets(eng)
     plan = warmup_plan(eng)
     assert [p for p in plan if p[1] == 0] == [(n, 0, mt) for n, lp, mt in plan if lp] and len(plan) % 2 == 0
     return [(n, mt) for n, lp, mt in plan if lp == 0]
@@ -155,3 +156,10 @@ def test_warmup_plan_reaches_every_bucket_a_prompt_can():
     assert _plan(300, 3, 100) == [(16, 2), (32, 2), (64, 2), (100, 2)]                       # a chunk of 100
     with pytest.raises(ValueError, match="capacity of 8 leaves no room for a prompt.*reserves 11"):
         _plan(8, 11, 512)
+    # an idle budget above the chunk: its buckets too (the warm-up's requests run alone, in idle steps), a chunk
+    # budget that is no power of two a bucket of its own below them
+    ladder = [(16, 2), (32, 2), (64, 2), (128, 2), (256, 2), (512, 2)]
+    assert _plan(4096, 5, 512, 2048) == ladder + [(1024, 2), (2048, 2)]
+    assert _plan(4096, 5, 600, 2048) == ladder + [(600, 2), (1024, 2), (2048, 2)]
+    assert _plan(1500, 5, 512, 2048) == ladder + [(1024, 2), (1494, 1)]                 # 1494 + 1 + 5 = 1500
+    assert _plan(4096, 5, 8, 8) == [(8, 2)]
