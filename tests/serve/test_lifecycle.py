@@ -44,7 +44,8 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 def test_idle_prefill_budget_below_the_chunk_is_a_clear_error():
     out = subprocess.run([sys.executable, "-m", "fnx.serve", "--prefill-chunk", "64", "--prefill-chunk-idle", "32"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 2
     assert "--prefill-chunk-idle (32) must be at least --prefill-chunk (64)" in out.stderr
 
