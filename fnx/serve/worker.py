@@ -37,7 +37,8 @@ class _CompileCounter(logging.Handler):
 
 def warmup_plan(engine: Engine) -> list[tuple[int, int, int]]:
     """(prompt length, logprobs, max_tokens) of the warm-up requests: one prompt per prefill bucket length a request
-    can reach, each with and without top logprobs (the engine compiles separate programs for n_logprobs 0 and > 0,
+    can reach (`Engine.prefill_buckets`: those of both prefill budgets; the warm-up's requests run alone, so each
+    prompt prefills in one chunk of the idle budget), each with and without top logprobs (the engine compiles separate programs for n_logprobs 0 and > 0,
     see `LOGPROBS_BUCKET`). Each request generates 2 tokens where the capacity leaves room, so the batched decode
     step (or the MTP draft + verify round) runs too. A prompt must leave its tokens and the engine's reserve within
     the capacity: with a capacity below the prefill chunk, the buckets no prompt reaches are not warmed, and the
