@@ -291,7 +291,7 @@ def main():
     from fnx.model.mtp import init_mtp_state, mtp_param_shapes
     from fnx.model.transformer import init_state, param_shapes, step
     from fnx.pallas import ledger
-    from fnx.pallas.bench import fnx_settings
+    from fnx.pallas.bench import fnx_settings, settings
 
     if args.unroll_stacked and args.no_scan:
         raise SystemExit("--unroll-stacked runs the scanned layout's stacks unrolled: drop --no-scan")
@@ -701,9 +701,7 @@ def main():
         rows, tables = [], {}
         sweep = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"   # this run's variants (scripts/pick_winners.py)
         for label, env in variants:
-            saved = {name: os.environ.get(name) for name in env}
-            os.environ.update(env)
-            try:
+            with settings(env):   # the variant's FNX_ settings while its programs are traced, then restored
                 jax.clear_caches()
                 progs = variant_programs()
                 rec = {"variant": label, "settings": env, "sweep": sweep, "base": variants[0][0], "programs": {}}
@@ -732,12 +730,6 @@ def main():
                     f"{p} {v['kernels_per_call']:.0f} kernels {v['busy_us_per_call']:.1f} us"
                     + (f" (chained {v['chained_us_per_call']:.1f} us)" if "chained_us_per_call" in v else "")
                     for p, v in rec["programs"].items()), flush=True)
-            finally:
-                for name, value in saved.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
         jax.clear_caches()
         print("\n".join(variant_summary(rows)), flush=True)
         base = variants[0][0]
