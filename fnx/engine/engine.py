@@ -160,9 +160,9 @@ class Engine:
         Ignored without a host store (a table in device memory is gathered inside the step).
         prefill_chunk: prompt tokens prefilled per step (across requests) while some request is decoding: a
         decode step waits behind at most one such chunk. prefill_chunk_idle (None: the same): the budget of a step
-        in which no request is decoding, so nothing waits on it; a chunk touches every routed expert of every layer
-        whatever its length, so longer chunks prefill a token for less. Each distinct chunk length compiles its
-        own program (`prefill_buckets`).
+        in which no request is decoding, so no decode step waits on it; a chunk touches every routed expert of
+        every layer whatever its length, so longer chunks prefill a token for less. Each distinct chunk length
+        compiles its own program (`prefill_buckets`).
         fuse_projections: run each sublayer's input projections as one product over row-concatenated weights
         (`fnx.model.fuse`: fewer, larger GEMVs per layer; the same values). None (default): on unless on a device
         mesh (the mesh rules shard the separate weights by name; True there is an error). Measured on the H200

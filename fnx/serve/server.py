@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "decode steps of the running requests")
     p.add_argument("--prefill-chunk-idle", type=int, default=None, metavar="N",
                    help="prompt tokens per prefill step while no request is decoding (default: --prefill-chunk): "
-                        "nothing waits behind these chunks, and a longer chunk prefills a token for less (each "
+                        "no decode step waits behind these chunks, and a longer chunk prefills a token for less (each "
                         "chunk reads every routed expert); the warm-up compiles their lengths too")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="MTP speculative decoding with K draft tokens per round (1..8; 0: off); lossless for "
