@@ -92,7 +92,8 @@ case "$part" in
            # FULL_ARGS extra bench_decode flags, e.g. --no-fuse, or --keep-bf16 input_mix_weight for bf16 HC;
            # FULL_CTX the context, 1024 by default: issue 8's round target is at 8192, its QSA ones at 32K / 128K,
            # where the KV capacity also decides the QSA path, see fnx/pallas/qsa/README.md)
-    timeout ${FULL_S:-560} python scripts/bench_decode.py --reps 5 --layers 48 ${FULL_LAYOUT:---unroll-stacked} --ledger 5 --contexts ${FULL_CTX:-1024} \
+           # FULL_LAYERS: fewer layers (24 fit an 80 GB H100: per-layer questions such as the prefill chunk size)
+    timeout ${FULL_S:-560} python scripts/bench_decode.py --reps 5 --layers ${FULL_LAYERS:-48} ${FULL_LAYOUT:---unroll-stacked} --ledger 5 --contexts ${FULL_CTX:-1024} \
       --quant fp8+nvfp4 ${FULL_ARGS:-} --out "$OUT/bench_decode.jsonl" > "$OUT/full48.log" 2>&1
     grep -E '^# ledger|"part": "decode"|Error' "$OUT/full48.log" | cut -c1-400 ;;
   engine)  # fnx.engine.Engine plain decode, synchronous against overlapped (ENGINE_LAYERS, ENGINE_SLOTS; ENGINE_SPEC=K
