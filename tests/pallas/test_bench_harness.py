@@ -1,5 +1,7 @@
 """The kernel benchmark's timing harness (fnx.pallas.bench): slope timing over distinct applications."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +83,6 @@ def test_a_case_variant_is_traced_under_its_settings_and_leaves_none_behind(monk
 
     @jax.jit
     def inner(x):   # reads a knob when traced, as fnx's kernels do
-        import os
         return x + (1.0 if os.environ.get("FNX_BENCH_PROBE") == "1" else 0.0)
 
     sets = [(jnp.zeros((4,)),), (jnp.ones((4,)),)]
@@ -92,7 +93,7 @@ def test_a_case_variant_is_traced_under_its_settings_and_leaves_none_behind(monk
         p = bench.prepare_case(case, min_apps=2)
         outs.append([float(y[0]) for y in p.once(p.once_args)])
     assert outs == [[0.0, 1.0], [1.0, 2.0], [0.0, 1.0]]
-    assert "FNX_BENCH_PROBE" not in __import__("os").environ
+    assert "FNX_BENCH_PROBE" not in os.environ
     check = bench.BenchCase("toy", "4", "reference+p", inner, sets, bytes=16, env={"FNX_BENCH_PROBE": "1"},
                             check=lambda x: x + 1.0, check_tol=0.0)
     assert bench.check_case(check)["check"] == "ok"       # the check's own call traced under the settings too

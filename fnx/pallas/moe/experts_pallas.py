@@ -93,13 +93,18 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1):
         s = s_ref[e, r0 // bo, k0 // bi]            # the rows lie in one block (bo a multiple of the tile's span)
         return (q * s).astype(dt)
     # nvfp4: packed [bn, bk/2] (low nibble = even element), scale per `group` values, global per row
-    w_ref, s_ref, s2_ref = refs
-    group = meta
-    p = w_ref[e, rs, pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
-    sc = s_ref[e, rs, pl.ds(k0 // group, bk // group)].astype(F32)          # [bn, bk/group]
-    sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
-    sc = sc * (s2_ref[e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE)[:, None]
+    p, sc = _nvfp4_codes(refs, e, rs, bn, k0, bk, meta, F32)
+    sc = sc * (refs[2][e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE)[:, None]
     return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
+
+
+def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype):
+    """An NVFP4 tile's packed codes [bn, bk/2] (uint32) and its group scales in `scale_dtype`, one per packed byte
+    ([bn, bk/2]), of rows `rs` and input columns [k0, k0+bk)."""
+    w_ref, s_ref, _ = refs
+    p = w_ref[e, rs, pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
+    sc = s_ref[e, rs, pl.ds(k0 // group, bk // group)].astype(scale_dtype)          # [bn, bk/group]
+    return p, jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
 
 
 def _tile_dot(acc, x_tiles, w):
@@ -143,12 +148,7 @@ def _silu_mul(acc_g, acc_u, dt):
 def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1):
     """`_weight_tile`'s NVFP4 pair for `Tiles.mma16`: code * 2^-14 * group scale in fp16 (exact), without the
     row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16."""
-    w_ref, s_ref, _ = refs
-    group = meta
-    rs = _rows(r0, bn, stride)
-    p = w_ref[e, rs, pl.ds(k0 // 2, bk // 2)].astype(jnp.uint32)
-    sc = s_ref[e, rs, pl.ds(k0 // group, bk // group)].astype(jnp.float16)             # E4M3 -> fp16: exact
-    sc = jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
+    p, sc = _nvfp4_codes(refs, e, _rows(r0, bn, stride), bn, k0, bk, meta, jnp.float16)   # E4M3 -> fp16: exact
     return kernel_math.e2m1_f16(p & 0xF) * sc, kernel_math.e2m1_f16(p >> 4) * sc
 
 
