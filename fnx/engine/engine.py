@@ -638,21 +638,14 @@ class Engine:
             self.requests.pop(req.id, None)
         return out
 
-    def _batch_sampling(self, params: list[SamplingParams]) -> tuple[SamplingArrays, SamplingArrays]:
+    def _sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
         """The per-row sampling parameters on the device, rebuilt only when the batch's parameters change (a
-        steady batch would otherwise pay seven host-to-device copies per step), and the MTP drafter's copy without
-        the logit bias (it drafts from its own distribution; a bias would only make another compiled draft
-        program)."""
+        steady batch would otherwise pay seven host-to-device copies per step). The MTP drafter takes the same
+        arrays: it drafts with the rows' penalties and logit bias, as the verify judges."""
         key = tuple(params)
         if self._sp_cache is None or self._sp_cache[0] != key:
-            sp = SamplingArrays.stack(params)
-            draft = sp if sp.bias_ids.shape[-1] == 0 else SamplingArrays.stack(params, bias=False)
-            self._sp_cache = (key, sp, draft)
-        return self._sp_cache[1], self._sp_cache[2]
-
-    def _sampling_arrays(self, params: list[SamplingParams]) -> SamplingArrays:
-        """`_batch_sampling`'s arrays for the target model's programs."""
-        return self._batch_sampling(params)[0]
+            self._sp_cache = (key, SamplingArrays.stack(params))
+        return self._sp_cache[1]
 
     def _row_inputs(self, reqs: list[Request], queued=frozenset()):
         """A decode step's per-row inputs as one [5, slots] uint32 array (one host-to-device copy, handed to the
@@ -809,7 +802,7 @@ class Engine:
             pair_tok[r.slot, :len(toks)] = toks
             count[r.slot] = len(toks)
             pending[r.slot] = r.pending
-        sp, draft_sp = self._batch_sampling(params)
+        sp = self._sampling_arrays(params)
         greedy = all(r.params.greedy for r in reqs)
         dtype = self.model.dtype
         nlp = _n_logprobs(reqs)
@@ -827,7 +820,7 @@ class Engine:
             pen = (self.seen, self.out_counts) if penalized else None
             self.mtp_state, self.state, io["out"], io["lp"][nlp], pen = _jit_spec_round(
                 self.model.params, self.mtp, self.mtp_state, self.state, io["out"], io["lp"][nlp], io["host"],
-                self._ngram_tables, self.draft_head, self.hot, sp, draft_sp, pen, self.cfg, self.moe_impl, k, nlp,
+                self._ngram_tables, self.draft_head, self.hot, sp, pen, self.cfg, self.moe_impl, k, nlp,
                 greedy=greedy)
             if penalized:
                 self.seen, self.out_counts = pen
@@ -845,7 +838,7 @@ class Engine:
         hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
             *self._spec_none, hid, pair_tok, count, pending, from_host, seeds, counters, dtype=jnp.dtype(dtype))
         self.mtp_state, drafts, q_lp = _jit_draft(
-            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, draft_sp,
+            self.model.params, self.mtp, self.mtp_state, hid_d, pair_d, count_d, sp,
             keys, self.cfg, self.moe_impl, k, self.draft_head, self.hot, greedy=greedy,
             pen=(self.seen, self.out_counts) if penalized else None)
 
@@ -1214,7 +1207,7 @@ def _jit_spec_inputs(prev_hidden, prev_tok, prev_nacc, hid, pair_tok, count, pen
 
 @partial(jax.jit, static_argnames=("cfg", "moe_impl", "k", "n_logprobs", "greedy"),
          donate_argnames=("mstate", "state", "io", "lp", "pen"), keep_unused=True)
-def _jit_spec_round(params, mp, mstate, state, io, lp, host, tables, head, hot, sp, draft_sp, pen, cfg, moe_impl, k,
+def _jit_spec_round(params, mp, mstate, state, io, lp, host, tables, head, hot, sp, pen, cfg, moe_impl, k,
                     n_logprobs, greedy=False):
     """One speculative round in one program (device PLE; `Engine._spec_launch`): the draft inputs from the host
     rows or, for rows of the round before, from its outputs in `io` (`_jit_spec_inputs`), the MTP drafts, the
@@ -1224,7 +1217,7 @@ def _jit_spec_round(params, mp, mstate, state, io, lp, host, tables, head, hot, 
     hid_d, pair_d, count_d, pending_d, keys = _jit_spec_inputs(
         io["hidden"], io["tok"], io["n_acc"], host["hid"], host["pair_tok"], host["count"], host["pending"],
         host["from_host"], host["seeds"], host["counters"], dtype=io["hidden"].dtype)
-    mstate, drafts, q_lp = _jit_draft(params, mp, mstate, hid_d, pair_d, count_d, draft_sp, keys, cfg, moe_impl, k,
+    mstate, drafts, q_lp = _jit_draft(params, mp, mstate, hid_d, pair_d, count_d, sp, keys, cfg, moe_impl, k,
                                       head, hot, greedy=greedy, pen=pen)
     verify, ple = _jit_verify_window(pending_d, drafts, state["ngram_ctx"], tables)
     state, toks, n_acc, hidden, info, pen = _jit_verify(params, state, verify, host["active"], ple, q_lp, sp, keys,
@@ -1249,9 +1242,10 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     greedy (every row at temperature 0): each draft is the head's argmax through the fused GEMV-argmax (no
     logits, no softmax or sort over the vocabulary), and its distribution is the one-hot greedy rows get anyway.
     pen: None, or (seen [B, V] bool, counts [B, V] int32) when a row has penalties: draft i is drawn from the
-    drafter's logits penalized as the verify penalizes window position i (the history and drafts 0..i-1), so a
-    penalized row's drafts aim at the token its target will choose. Such a round computes the draft logits (no
-    fused argmax, even greedy); rows without penalties get the same logits through neutral parameters.
+    drafter's logits penalized as the verify penalizes window position i (the history and drafts 0..i-1), and
+    sp's logit bias (if the batch has one) is added as the verify adds it, so a row's drafts aim at the token its
+    target will choose. Such a round computes the draft logits (no fused argmax, even greedy); rows without
+    penalties or bias get the same logits through neutral parameters.
     Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V];
     None when greedy: a greedy verify compares tokens and needs no distribution)."""
     vocab = params["lm_head"].shape[0]
@@ -1262,7 +1256,8 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
         return jnp.full(lg.shape[:-1] + (vocab,), -jnp.inf, lg.dtype).at[..., hot].set(lg)
 
     head_fn = None
-    fused = greedy and pen is None                  # the head's argmax fused into its GEMV: ids, no logits
+    # the head's argmax fused into its GEMV (ids, no logits) where nothing moves the logits before the argmax
+    fused = greedy and pen is None and sp.bias_ids.shape[-1] == 0
     if fused:
         def head_fn(out, rows):  # ids [B, L] over the full vocabulary
             ids = linear_argmax(out, rows)

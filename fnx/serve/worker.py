@@ -192,7 +192,7 @@ class EngineThread(threading.Thread):
         # its argmax-only shortcut; the speculative draft without the fused argmax), and so does a speculative
         # round with penalties (each window position penalized), and a batch with a logit_bias row (the bias
         # arrays are [slots, MAX_LOGIT_BIAS] then, [slots, 0] without: the sampling after prefill, the decode step
-        # and the verify program each compile a biased variant; the drafter never takes the bias): warm those too,
+        # and the speculative round (drafts and verify) each compile a biased variant): warm those too,
         # so that no request's options make every running stream wait for a compile
         variants = [(0.7, 1.0, False)] + ([(0.0, 1.1, False), (0.7, 1.1, False)] if spec else [])
         variants += [(t, p, True) for t, p, _ in [(0.0, 1.0, False)] + variants]

@@ -573,7 +573,8 @@ def test_prompt_logprobs_equal_the_forward_pass(tiny_models, spec):
 def test_logit_bias(tiny_models, spec, monkeypatch):
     """`SamplingParams.logit_bias`: +100 on a token makes greedy decoding emit it every step, -100 on what greedy
     picks moves it elsewhere; a row without a bias in the same batch emits what it emits alone (plain and
-    speculative: the verify window's positions get the bias too); the jitted generator applies it as well."""
+    speculative: the verify window's positions get the bias too, and so do the drafter's logits, so a biased row
+    alone has every draft accepted); the jitted generator applies it as well."""
     model, _ = tiny_models("tiny-c")
     rng = np.random.default_rng(3)
     prompts = [list(map(int, rng.integers(0, model.cfg.ple_eos_token_id, size=n))) for n in (9, 14)]
@@ -581,19 +582,24 @@ def test_logit_bias(tiny_models, spec, monkeypatch):
     from fnx.engine import engine as eng_mod
     eng = Engine(model, max_slots=2, capacity=64, prefill_chunk=16, speculative=spec)
     _run_engine(eng, [(prompts[1], SamplingParams(max_tokens=4, ignore_eos=True))])     # no bias yet
-    widths = []                      # per round: the logit-bias width of the verify's and of the drafter's arrays
+    widths = []                      # per round: the logit-bias width of the round's sampling arrays
     real = eng_mod._jit_spec_round
 
     def spy(*a, **kw):
-        widths.append((a[10].bias_ids.shape[-1], a[11].bias_ids.shape[-1]))    # sp, draft_sp
+        widths.append(a[10].bias_ids.shape[-1])                                 # sp
         return real(*a, **kw)
     monkeypatch.setattr(eng_mod, "_jit_spec_round", spy)
     reqs = [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=((17, 100.0),))),
             (prompts[1], SamplingParams(max_tokens=6, ignore_eos=True))]
     got = _run_engine(eng, reqs)
     assert got["r0"][0] == [17] * 6 and got["r1"][0] == free[1]
-    if spec:     # the verify's arrays carry the bias, the drafter's none (its drafts stay the model's own)
-        assert any(v > 0 for v, _ in widths) and all(d == 0 for _, d in widths), widths
+    if spec:
+        assert any(v > 0 for v in widths), widths
+        alone = Engine(model, max_slots=1, capacity=64, prefill_chunk=16, speculative=spec)
+        got = _run_engine(alone, [(prompts[1], SamplingParams(max_tokens=9, ignore_eos=True,
+                                                              logit_bias=((17, 100.0),)))])
+        assert got["r0"][0] == [17] * 9
+        assert alone.stats["drafted"] > 0 and alone.stats["accepted"] == alone.stats["drafted"], alone.stats
     banned = tuple((t, -100.0) for t in set(free[0]))
     moved = _run_engine(eng, [(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=banned))])
     assert not set(moved["r0"][0]) & set(free[0])
