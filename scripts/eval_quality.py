@@ -152,7 +152,9 @@ def acceptance(model: Model, prompts: list[list[int]], k: int, max_new: int, sto
                **sampling) -> dict:
     """Greedy by default; `sampling` adds SamplingParams fields (e.g. repetition_penalty=1.3)."""
     from fnx.engine import Engine, SamplingParams
-    eng = Engine(model, max_slots=min(8, len(prompts)), capacity=max(len(p) for p in prompts) + max_new + k + 2,
+    from fnx.engine.engine import positions_reserved
+    room = max_new + positions_reserved(k, overlap=True)          # what `Engine.submit` asks of the capacity
+    eng = Engine(model, max_slots=min(8, len(prompts)), capacity=max(len(p) for p in prompts) + room,
                  prefill_chunk=64, speculative=k, extra_eos=stop)
     t = time.time()
     outs = fnx.generate(model, prompts, max_new_tokens=max_new,
