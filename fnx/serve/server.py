@@ -58,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "chunk reads every routed expert); the warm-up compiles their lengths too")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="MTP speculative decoding with K draft tokens per round (1..8; 0: off); lossless for "
-                        "every sampling setting, penalties included (they apply to the target's distribution)")
+                        "every sampling setting, penalties and logit bias included (the drafts "
+                        "take them too)")
     p.add_argument("--quant", choices=["fp8", "fp8-head"], default=None,
                    help="online weight-only quantization while loading a BF16 checkpoint: fp8 (the dense "
                         "projections and experts in FP8 128x128 blocks), fp8-head (those and the lm_head)")
