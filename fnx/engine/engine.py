@@ -1270,11 +1270,14 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     last = lambda a: jnp.take_along_axis(a, (count - 1).reshape((-1,) + (1,) * (a.ndim - 1)), axis=1)  # noqa
     lg, hh = logits[:, 0], last(h)
     subkeys = jax.vmap(lambda kk: jax.random.split(kk, k + 2))(keys)             # [B, k+2, 2]
-    seen, counts = (None, None) if pen is None else pen
-    rows = jnp.arange(lg.shape[0])
+    seen = counts = None
     draft_toks, draft_lps = [], []
     scratch = mstate
     for i in range(k):
+        if pen is not None:     # the history and the drafts before this one (as the verify's window position i),
+            ids = jnp.arange(vocab, dtype=jnp.int32)        # elementwise: no copy of the [B, V] arrays per draft
+            extra = sum(((ids == t[:, None]).astype(pen[1].dtype) for t in draft_toks), jnp.zeros((), pen[1].dtype))
+            seen, counts = pen[0] | (extra > 0), pen[1] + extra
         if fused:
             tok, lp = lg.astype(jnp.int32), None
         elif greedy:
@@ -1284,8 +1287,6 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
         draft_toks.append(tok)
         draft_lps.append(lp)
         if i + 1 < k:
-            if pen is not None:                     # the next draft's history holds this one (as the verify's)
-                seen, counts = seen.at[rows, tok].set(True), counts.at[rows, tok].add(1)
             lgs, scratch, hh = mtp_step(params, mp, scratch, hh, tok[:, None], cfg=cfg, moe_impl=moe_impl,
                                         head=head, head_fn=head_fn)
             lg = lgs[:, 0] if fused else widen(lgs[:, 0].astype(jnp.float32))
