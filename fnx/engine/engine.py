@@ -1241,11 +1241,11 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     With a hot-token head [H, D] and its ids hot [H], drafts are drawn over that subset.
     greedy (every row at temperature 0): each draft is the head's argmax through the fused GEMV-argmax (no
     logits, no softmax or sort over the vocabulary), and its distribution is the one-hot greedy rows get anyway.
-    pen: None, or (seen [B, V] bool, counts [B, V] int32) when a row has penalties: draft i is drawn from the
-    drafter's logits penalized as the verify penalizes window position i (the history and drafts 0..i-1), and
-    sp's logit bias (if the batch has one) is added as the verify adds it, so a row's drafts aim at the token its
-    target will choose. Such a round computes the draft logits (no fused argmax, even greedy); rows without
-    penalties or bias get the same logits through neutral parameters.
+    The drafts aim at the token each row's target will choose: sp's logit bias (when the batch has one) is added
+    to the draft logits as the verify adds it, and pen (None, or (seen [B, V] bool, counts [B, V] int32) when a
+    row has penalties) penalizes draft i as the verify penalizes window position i (the history and drafts
+    0..i-1). Either computes the draft logits (no fused argmax, even greedy); rows without penalties or bias get
+    the plain logits through neutral parameters.
     Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V];
     None when greedy: a greedy verify compares tokens and needs no distribution)."""
     vocab = params["lm_head"].shape[0]

@@ -99,10 +99,11 @@ class SamplingArrays:
     bias_vals: jax.Array
 
     @classmethod
-    def stack(cls, params: list[SamplingParams], bias: bool = True) -> "SamplingArrays":
-        """bias False: without the rows' logit bias ([B, 0] arrays)."""
+    def stack(cls, params: list[SamplingParams]) -> "SamplingArrays":
+        """The rows' parameters as device arrays; the logit bias padded to MAX_LOGIT_BIAS entries a row when any
+        row has one, else [B, 0] arrays (no bias op in the programs)."""
         col = lambda name, dt: jnp.asarray(np.array([getattr(p, name) for p in params], dt))  # noqa: E731
-        width = MAX_LOGIT_BIAS if bias and any(p.logit_bias for p in params) else 0
+        width = MAX_LOGIT_BIAS if any(p.logit_bias for p in params) else 0
         ids, vals = np.zeros((len(params), width), np.int32), np.zeros((len(params), width), np.float32)
         for r, p in enumerate(params if width else ()):
             for j, (t, b) in enumerate(p.logit_bias):
