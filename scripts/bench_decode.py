@@ -574,7 +574,7 @@ def run_one(cfg: ModelConfig, contexts, k: int, reps: int, dtype, mesh=None, qua
         for _ in range(n):
             ib["host"] = _jit_io_put(ib["host"], pack_host(host_rows))
             mh["m"], holder["s"], ib["out"], ib["lp"], _ = _jit_spec_round(
-                sparams, smp, mh["m"], holder["s"], ib["out"], ib["lp"], ib["host"], tables, dhead, hot, sp, sp, None,
+                sparams, smp, mh["m"], holder["s"], ib["out"], ib["lp"], ib["host"], tables, dhead, hot, sp, None,
                 cfg, moe, k, 0, greedy=True)
             got = copies.take("round", (ib["out"], ib["lp"]))
         jax.block_until_ready(got)
