@@ -1314,7 +1314,7 @@ def test_moe_block_decode_matches_gather(m):
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
     np.testing.assert_array_equal(np.asarray(logits, np.float32), np.asarray(logits_ref, np.float32))
     assert y.shape == x.shape
-    _close(y, y_ref)
+    _close(y, y_ref, bound=QUANT_BOUND)      # FP8 experts (QUANT_BOUND's note): seed 1953...4754 gave 1.02 x 2^-6
 
 
 def test_decode_dispatch_errors():
