@@ -959,3 +959,21 @@ def test_gemm_out_knob(monkeypatch):
     monkeypatch.setenv(gr.OUT_ENV, "bf16")
     with pytest.raises(ValueError, match=gr.OUT_ENV):
         gr.linear(x, w)
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="the library's bf16 product on a GPU (compiled)")
+@pytest.mark.parametrize("m", [1, 5, 32, 512, 2048])
+def test_gemm_out_x_same_bits_on_gpu(monkeypatch, m):
+    """On a GPU, FNX_GEMM_OUT=x (the product asked for in bf16) gives the same bits as the default (fp32 product
+    rounded after) at the model's projection shapes: the condition for making it the GPU default."""
+    from fnx.pallas.gemv import reference as gr
+    rng = np.random.default_rng(m)
+    for n, k in ((16384, 2560), (2560, 6144), (320, 10240), (48, 2560), (2560, 1280)):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((n, k)) * k ** -0.5, jnp.float32)
+        monkeypatch.setenv(gr.OUT_ENV, "f32")
+        base = jax.jit(lambda a, b: gr.linear(a, b))(x, w)
+        monkeypatch.setenv(gr.OUT_ENV, "x")
+        got = jax.jit(lambda a, b: gr.linear(a, b))(x, w)
+        diff = np.asarray(got, np.float32) != np.asarray(base, np.float32)
+        assert not diff.any(), f"M={m} N={n} K={k}: {int(diff.sum())} of {diff.size} outputs differ"
