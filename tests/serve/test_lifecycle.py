@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from fnx.serve.server import DEFAULT_MODEL, parse_args
+from fnx.serve.server import DEFAULT_MODEL, IDLE_CHUNK_GPU, idle_chunk, parse_args
 from tests.conftest import ROOT
 from tests.serve.conftest import Server
 
@@ -48,6 +48,16 @@ def test_idle_prefill_budget_below_the_chunk_is_a_clear_error():
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 2
     assert "--prefill-chunk-idle (32) must be at least --prefill-chunk (64)" in out.stderr
+
+
+def test_idle_prefill_budget_default():
+    """Unset, the idle budget is IDLE_CHUNK_GPU on a GPU (at most the capacity, never below the chunk) and the chunk
+    on the CPU; a value given is kept."""
+    assert idle_chunk(None, 512, 8192, "gpu") == IDLE_CHUNK_GPU == 2048
+    assert idle_chunk(None, 512, 1000, "gpu") == 1000
+    assert idle_chunk(None, 4096, 8192, "gpu") == 4096
+    assert idle_chunk(None, 512, 8192, "cpu") == 512
+    assert idle_chunk(1024, 512, 8192, "gpu") == 1024 and idle_chunk(1024, 512, 8192, "cpu") == 1024
 
 
 def test_unusable_compile_cache_is_a_clear_error(tmp_path):

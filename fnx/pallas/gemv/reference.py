@@ -7,6 +7,7 @@ differ by one bf16 rounding of each weight; tests state their tolerance against 
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -51,16 +52,27 @@ def linear_f32(x: jax.Array, wf: jax.Array) -> jax.Array:
 OUT_ENV = "FNX_GEMM_OUT"
 
 
-def out_in_x_dtype(dtype) -> bool:
-    """Whether `linear`'s product is asked for in x's dtype itself (FNX_GEMM_OUT=x, read when a program is traced; a
-    GPU benchmark knob, off until measured) rather than in fp32 and rounded by a separate conversion (the default):
-    on a GPU the library's product accumulates in fp32 and rounds once either way, and the conversion is a kernel
-    of its own (a 2,048-token prefill chunk's GDN input projection: ~64 us for its [2,048, 16,384] product, H100).
-    XLA on the CPU does not promise the same bits for a bf16 product, so the CPU keeps the default."""
-    v = os.environ.get(OUT_ENV, "f32").strip()
-    if v not in ("f32", "x"):
-        raise ValueError(f"{OUT_ENV}={v!r}: use f32 (the product in fp32, rounded after) or x (in the input dtype)")
-    return v == "x" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+AUTO_X_ROWS = 64     # "auto" asks for the product in x's dtype on a GPU from this many rows (prefill-sized)
+
+
+def out_in_x_dtype(dtype, rows: int | None = None) -> bool:
+    """Whether `linear`'s product is asked for in x's dtype itself rather than in fp32 and rounded by a separate
+    conversion (`FNX_GEMM_OUT`, read when a program is traced): "f32" never, "x" always (bf16 / fp16 inputs),
+    "auto" (the default) on a GPU for products of at least `AUTO_X_ROWS` rows. On a GPU the library's product
+    accumulates in fp32 and rounds once either way, and the conversion is a kernel of its own: measured on an H100
+    (2026-12-06, BENCHMARKS.md "Forty-sixth session") the same bits at 5 to 2,048 rows and the model's projection
+    shapes, and a 512-token prefill chunk 1.5% faster (a 2,048-token one 1.6%); at one row the bf16 product took
+    another kernel with other bits (half the outputs differed), hence the row threshold. XLA on the CPU does not
+    promise the same bits for a bf16 product, so "auto" keeps fp32 there."""
+    v = os.environ.get(OUT_ENV, "auto").strip()
+    if v not in ("auto", "f32", "x"):
+        raise ValueError(f"{OUT_ENV}={v!r}: use auto (x on a GPU from {AUTO_X_ROWS} rows), f32 (the product in fp32, "
+                         f"rounded after) or x (in the input dtype)")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or v == "f32":
+        return False
+    if v == "x":
+        return True
+    return jax.default_backend() == "gpu" and rows is not None and rows >= AUTO_X_ROWS
 
 
 def linear(x: jax.Array, wf: jax.Array) -> jax.Array:
@@ -68,7 +80,7 @@ def linear(x: jax.Array, wf: jax.Array) -> jax.Array:
     an fp32-accumulated dot rounded once to x.dtype. This is what `impl="reference"` runs."""
     w = wf.astype(x.dtype)
     dims = (((x.ndim - 1,), (1,)), ((), ()))
-    if out_in_x_dtype(x.dtype):
+    if out_in_x_dtype(x.dtype, math.prod(x.shape[:-1])):
         return lax.dot_general(x, w, dims, precision=lax.Precision.HIGHEST, preferred_element_type=x.dtype)
     y = lax.dot_general(x, w, dims, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
     return y.astype(x.dtype)
