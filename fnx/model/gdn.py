@@ -19,6 +19,21 @@ from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401 
 
 CHUNK = 64
 INTRA_ENV = "FNX_GDN_INTRA"         # the chunked form's XLA products: "highest" (fp32) or "tf32x3" (a GPU knob)
+SPLIT_ENV = "FNX_GDN_SPLIT_DOTS"    # "1": keep XLA from merging the chunked form's product pairs (a GPU knob)
+
+
+def split_dots() -> bool:
+    """Whether the chunked form keeps each pair of intra-chunk products that share an operand (`k_beta k^T` and
+    `q k^T`; `inv v_beta` and `inv (k_beta decay)`) as two library products (`FNX_GDN_SPLIT_DOTS=1`, read when a
+    program is traced; a GPU knob, off until measured): the second reads its shared operand through an
+    optimization barrier, so XLA's dot merger does not concatenate the other operands and slice the merged result
+    apart. An H100 table of a 512-token prefill chunk (4 layers) had those concatenations and slices at ~160 us a
+    GDN layer (one slice of f32[48, 8, 64, 128] at ~81 us), against ~110 us for the products themselves. The same
+    values: only which kernels compute them changes."""
+    v = os.environ.get(SPLIT_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{SPLIT_ENV}={v!r}: use 1 (the products apart) or 0 (as XLA merges them)")
+    return v == "1"
 
 
 def intra_precision():
@@ -86,11 +101,13 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | 
     pair = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
     prec = intra_precision()
     mm = lambda a, c: jnp.matmul(a, c, precision=prec)
-    ut = mm(k_beta, jnp.swapaxes(k, -1, -2)) * pair
-    intra = mm(q, jnp.swapaxes(k, -1, -2)) * pair
+    apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
+    k_t = jnp.swapaxes(k, -1, -2)
+    ut = mm(k_beta, k_t) * pair
+    intra = mm(q, apart(k_t)) * pair
     decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
     inv = unit_lower_inverse(ut, prec)
-    new_values, k_cumdecay = mm(inv, v_beta), mm(inv, decayed_k_beta)
+    new_values, k_cumdecay = mm(inv, v_beta), mm(apart(inv), decayed_k_beta)
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])                     # [B, H, N]

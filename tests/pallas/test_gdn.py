@@ -1030,3 +1030,30 @@ def test_scan_tiles_knob(monkeypatch):
     monkeypatch.setenv(kernel.SCAN_TILES_ENV, "bv=16")
     with pytest.raises(ValueError, match=kernel.SCAN_TILES_ENV):
         kernel.scan_tiles(128)
+
+
+def test_split_dots_knob(monkeypatch):
+    """FNX_GDN_SPLIT_DOTS=1 puts the second product of each pair sharing an operand behind an optimization barrier
+    (two of them), with the same values as the default; a bad value is refused."""
+    from fnx.model import gdn
+    rng = np.random.default_rng(11)
+    shapes = ((1, 70, 2, 8), (1, 70, 2, 8), (1, 70, 2, 8), (1, 70, 2), (1, 70, 2), (1, 2, 8, 8))
+    q, k, v, g, beta, state = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes)
+    g, beta = -jnp.abs(g) * 0.1, jax.nn.sigmoid(beta)
+    q, k = q / jnp.linalg.norm(q, axis=-1, keepdims=True), k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+
+    def run():          # a fresh function each time: traces are cached per function; the knob is read when tracing
+        f = lambda *a: gdn.delta_rule_chunked(*a, impl="reference")     # noqa: E731
+        barriers = sum(e.primitive.name == "optimization_barrier"
+                       for e in jax.make_jaxpr(f)(q, k, v, g, beta, state).jaxpr.eqns)
+        return barriers, jax.jit(f)(q, k, v, g, beta, state)
+    monkeypatch.delenv(gdn.SPLIT_ENV, raising=False)
+    n0, (o0, s0) = run()
+    monkeypatch.setenv(gdn.SPLIT_ENV, "1")
+    n1, (o1, s1) = run()
+    assert (n0, n1) == (0, 2)
+    np.testing.assert_array_equal(np.asarray(o1), np.asarray(o0))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s0))
+    monkeypatch.setenv(gdn.SPLIT_ENV, "yes")
+    with pytest.raises(ValueError, match=gdn.SPLIT_ENV):
+        gdn.split_dots()
