@@ -267,10 +267,11 @@ case "$part" in
                 # kernels and kernel time per program call, each program's wall time per call over 20 calls launched
                 # back to back (launch gaps and host time in; `pick_winners.py --by chained`), and each variant's
                 # kernel diff against the first; ROUND_PREFILL=N: an N-token prefill chunk per variant too (its
-                # table; ROUND_ARGS with --no-round: the step and the chunk only)
+                # table; ROUND_ARGS with --no-round: the step and the chunk only); ROUND_HLO=1: each program's
+                # optimized HLO too (tables/hlo_<program>_<label>.txt.gz)
                 timeout ${SWEEP_S:-540} python scripts/probe_launch.py --layers 4 --quant fp8+nvfp4 --fuse \
       --context ${ROUND_CTX:-8192} --kernel-table --reps 2 --calls 3 --chains 1 --label roundsweep --out "$OUT/probe" \
-      ${ROUND_PREFILL:+--prefill-table $ROUND_PREFILL} \
+      ${ROUND_PREFILL:+--prefill-table $ROUND_PREFILL} ${ROUND_HLO:+--save-hlo} \
       ${ROUND_ARGS:---fp8-head --draft-vocab 32768 --draft-fp8} --only-variants \
       --round-variants "${ROUND_VARIANTS:?ROUND_VARIANTS: the variants to compare}" > "$OUT/roundsweep.log" 2>&1
     echo "rc $? (roundsweep)"
@@ -279,7 +280,8 @@ case "$part" in
     tail -3 "$OUT/roundsweep.log"
     rm -rf "$OUT"/probe/variants/*/trace_*
     # the device tool returns no folder that deep (probe/variants/LABEL/...): the tables again, one level up
-    mkdir -p "$OUT/tables" && cp "$OUT"/probe/variants/*/kernel_table_*.jsonl "$OUT/tables/" 2>/dev/null ;;
+    mkdir -p "$OUT/tables" && cp "$OUT"/probe/variants/*/kernel_table_*.jsonl "$OUT"/probe/variants/*/hlo_*.txt.gz \
+      "$OUT/tables/" 2>/dev/null ;;
   mesh)
     spec=${1:?mesh spec, e.g. tp=2,ep=1}; shift
     timeout ${MESH_S:-560} python scripts/bench_decode.py --layers ${MESH_LAYERS:-4,8} --contexts 8192 --reps 10 \

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import gzip
 import os
 import re
 import subprocess
@@ -242,6 +243,9 @@ def main():
                     help="also list every kernel of one N-token prefill chunk (the step at [1, N]) matched to its HLO "
                          "(kernel_table_prefill<N>_*.jsonl; needs --kernel-table); with --round-variants the chunk "
                          "is one more program of each variant")
+    ap.add_argument("--save-hlo", action="store_true",
+                    help="with --round-variants: each variant's programs' optimized HLO to "
+                         "--out/variants/LABEL/hlo_<program>_<label>.txt.gz (the fusions a kernel table names)")
     ap.add_argument("--host-profile", action="store_true",
                     help="profile --calls decode steps and list the host-side events per call (launch, command "
                          "buffer update, thunks)")
@@ -375,7 +379,6 @@ def main():
         d = os.path.join(args.out, f"trace_{name}_{tag}")
         led = ledger.profile(fn, args.calls, log_dir=d)
         import glob
-        import gzip
         import shutil
         path = sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
         shutil.copy(path, os.path.join(args.out, f"trace_{name}_{tag}.json.gz"))
@@ -564,7 +567,6 @@ def main():
         ledger."""
         out_dir = out_dir or args.out
         led = ledger.profile(fn, args.calls, log_dir=os.path.join(out_dir, f"trace_{name}"))
-        import gzip
         with gzip.open(led["trace"], "rt") as f:
             trace = json.load(f)
         table = kernel_table(ledger.device_kernels(trace), args.calls, hlo_fusions(hlo_text))
@@ -611,7 +613,6 @@ def main():
         # host-side events of one profiled decode step (XLA runs command buffers while profiling only with
         # --xla_enable_command_buffers_during_profiling=true in XLA_FLAGS: set it to see graph launch / update)
         led = ledger.profile(dec, args.calls, log_dir=os.path.join(args.out, f"trace_host_{tag}"))
-        import gzip
         with gzip.open(led["trace"], "rt") as f:
             trace = json.load(f)
         emit({"part": "host profile", "kernels_per_call": led["launches_per_call"],
@@ -709,6 +710,9 @@ def main():
                 os.makedirs(vdir, exist_ok=True)
                 for program, (fn, hlo_text) in progs.items():
                     extra = {"variant": label}
+                    if args.save_hlo:
+                        with gzip.open(os.path.join(vdir, f"hlo_{program}_{label}.txt.gz"), "wt") as f:
+                            f.write(hlo_text)
                     if args.kernel_table:
                         led = write_table(fn, hlo_text, f"{program}_{label}", program, top=0, out_dir=vdir,
                                           extra=extra)

@@ -2,6 +2,7 @@
 that breaks before it measures (the numbers here mean nothing; only that the paths run and write their records)."""
 
 import dataclasses
+import gzip
 import json
 import os
 import re
@@ -305,10 +306,11 @@ def test_probe_launch_round_variants(tmp_path):
     """--round-variants (--only-variants: alone): each variant's step, draft and verify compiled afresh under its
     settings (here one forces two one-token kernels in interpret mode, which changes the step's program on a CPU
     too), profiled, a table per program and variant, and the summary against the first variant. --prefill-table:
-    a 16-token prefill chunk is one more program of each variant (its table, no chained timing)."""
+    a 16-token prefill chunk is one more program of each variant (its table, no chained timing). --save-hlo: each
+    program's optimized HLO beside its table."""
     stdout = _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "1", "--calls", "1",
                    "--chains", "1", "--context", "100", "--draft-vocab", "64", "--kernel-table", "--out", str(tmp_path),
-                   "--prefill-table", "16",
+                   "--prefill-table", "16", "--save-hlo",
                    "--variant-chain", "2", "--only-variants", "--round-variants",
                    "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
@@ -331,6 +333,9 @@ def test_probe_launch_round_variants(tmp_path):
     assert [(r["variant"], r["program"]) for r in tables] == [(v, p) for v in ("base", "m1")
                                                               for p in ("decode", "draft", "verify", "prefill16")]
     assert all((tmp_path / r["file"]).exists() for r in tables)
+    for r in tables:
+        with gzip.open(tmp_path / "variants" / r["variant"] / f"hlo_{r['program']}_{r['variant']}.txt.gz", "rt") as f:
+            assert f.read().startswith("HloModule"), r
     lines = stdout.splitlines()
     assert [ln.split()[2] for ln in lines if ln.startswith("variant done ")] == ["base:", "m1:"]
     head = next(i for i, ln in enumerate(lines) if re.match(r"variant +decode kernels / us", ln))
