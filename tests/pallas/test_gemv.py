@@ -1,6 +1,7 @@
 """Weight-streaming GEMV kernels in Pallas interpret mode against the fp32 reference (fnx/pallas/gemv)."""
 
 import dataclasses
+import json
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -988,3 +989,24 @@ def test_gemm_out_x_same_bits_on_gpu(monkeypatch, m):
         got = jax.jit(lambda a, b: gr.linear(a, b))(x, w)
         diff = np.asarray(got, np.float32) != np.asarray(base, np.float32)
         assert not diff.any(), f"M={m} N={n} K={k}: {int(diff.sum())} of {diff.size} outputs differ"
+
+
+def test_gemv_config_knob_names_another_devices_table(monkeypatch, tmp_path):
+    """FNX_GEMV_CONFIG: the tiles of another device's table (a configs/ stem, or a JSON path) where this device has
+    none; unset, the device kind's own (none on the CPU: the heuristic); a table that is not there is an error."""
+    from fnx.pallas.gemv import api
+    n, k = 2560, 6144
+    monkeypatch.delenv(api.CONFIG_ENV, raising=False)
+    assert api._table() == {}                                  # the CPU has no table of its own
+    want = dataclasses.replace(gp.Tiles(**api._tuned("nvidia_h200")[f"fp8:{n}:{k}:1"]), xfirst=1)   # "fma": xfirst
+    assert api.tiles_for("fp8", n, k, 1) != want               # the heuristic differs here (split 4 in the table)
+    monkeypatch.setenv(api.CONFIG_ENV, "nvidia_h200")
+    assert api.tiles_for("fp8", n, k, 1) == want
+    path = tmp_path / "mine.json"
+    entry = dict(dataclasses.asdict(gp.Tiles(16, 512, 4)), mode="fma", dec="f32", split=2)
+    path.write_text(json.dumps({f"fp8:{n}:{k}:1": entry}))
+    monkeypatch.setenv(api.CONFIG_ENV, str(path))
+    assert api.tiles_for("fp8", n, k, 1) == dataclasses.replace(gp.Tiles(**entry), xfirst=1)
+    monkeypatch.setenv(api.CONFIG_ENV, "nvidia_h999")
+    with pytest.raises(ValueError, match="FNX_GEMV_CONFIG='nvidia_h999': no such table"):
+        api.tiles_for("fp8", n, k, 1)

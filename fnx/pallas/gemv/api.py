@@ -7,7 +7,9 @@ else runs the reference (prefill shapes are compute-bound and XLA's dot is the r
 impl="pallas" that does not apply raises.
 
 Tiles come from `configs/<device kind>.json` (written by `scripts/bench_kernels.py --tune`), keyed by
-"fmt:N:K:Mbucket"; a shape without an entry gets `heuristic_tiles`."""
+"fmt:N:K:Mbucket"; a shape without an entry gets `heuristic_tiles`. `FNX_GEMV_CONFIG` names another table (a
+file stem in configs/, e.g. nvidia_h200, or a path to a JSON file; read when a program is traced): a device
+without a table of its own (an H100) can run another device's."""
 
 from __future__ import annotations
 
@@ -45,6 +47,29 @@ def _tuned(device_kind: str) -> dict:
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+CONFIG_ENV = "FNX_GEMV_CONFIG"
+
+
+def _table() -> dict:
+    """The tuned tiles this process uses: FNX_GEMV_CONFIG's table when set (a configs/ stem or a JSON path; one
+    that is not there is an error, not the heuristic), else the device kind's (empty without one)."""
+    name = os.environ.get(CONFIG_ENV, "").strip()
+    if not name:
+        return _tuned(_device_kind())
+    path = pathlib.Path(name)
+    if path.suffix != ".json":
+        path = CONFIG_DIR / (name.lower().replace(" ", "_") + ".json")
+    if not path.is_file():
+        have = sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"{CONFIG_ENV}={name!r}: no such table ({path}); configs/ has {have}")
+    return _tuned_file(str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_file(path: str) -> dict:
+    return json.loads(pathlib.Path(path).read_text())
 
 
 def _device_kind() -> str:
@@ -196,7 +221,7 @@ def tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tile
 
 
 def _tiles_for(fmt: str, n: int, k: int, m: int, argmax: bool = False) -> gp.Tiles | None:
-    table = _tuned(_device_kind())
+    table = _table()
     suffix = ":argmax" if argmax else ""
     b = m_bucket(m)
     tuned = {int(key.split(":")[3]): v for key, v in table.items()
