@@ -155,7 +155,9 @@ def hlo_fusions(text: str) -> dict:
                 cur[op.group(1)] += 1
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+        # the result shape: an array's, or a multi-output fusion's tuple "(f16[..]{..}, f16[..]{..})" (with spaces;
+        # unmatched, such a kernel fell back to the instruction of its name without the digits, an unrelated one)
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^()]*\)|\S+) ([\w\-]+)\(", line)
         if not m or m.group(3) not in ("fusion", "custom-call", "copy", "dynamic-update-slice", "scatter", "sort",
                                        "reduce", "dot", "gather", "concatenate", "convolution", "all-reduce"):
             continue

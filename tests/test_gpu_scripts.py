@@ -432,6 +432,10 @@ def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
         "  %p = bf16[8]{0} parameter(0)",
         '  %loop_multiply_fusion.3 = bf16[8]{0} fusion(%p), kind=kLoop, calls=%fused_computation.3, '
         'metadata={op_name="jit(step)/hc/mul" source_file="x.py" source_line=3}',
+        '  %loop_slice_fusion = bf16[1,3]{1,0} fusion(%p), kind=kLoop, calls=%fused_computation.3, '
+        'metadata={op_name="jit(step)/gdn/dynamic_slice"}',
+        '  %loop_slice_fusion.25 = (f16[4,8]{1,0}, f16[4,8]{1,0}) fusion(%p), kind=kLoop, '
+        'calls=%fused_computation.3, metadata={op_name="jit(step)/moe/slice"}',
         '  ROOT %copy.7 = bf16[8]{0} copy(%loop_multiply_fusion.3), metadata={op_name="jit(step)/gdn/copy"}',
         "}",
     ])
@@ -440,6 +444,10 @@ def test_probe_launch_kernel_table_matches_kernels_to_their_hlo():
     assert fusions["loop_multiply_fusion_3"]["op_name"] == "jit(step)/hc/mul"
     assert fusions["loop_multiply_fusion_3"]["body"] == {"convert": 2, "multiply": 1}
     assert fusions["copy_7"]["op"] == "copy"
+    # a multi-output fusion (a tuple result) is its own instruction, not the one named without its digits
+    assert fusions["loop_slice_fusion_25"]["op_name"] == "jit(step)/moe/slice"
+    assert fusions["loop_slice_fusion_25"]["shape"] == "(f16[4,8]{1,0}, f16[4,8]{1,0})"
+    assert probe._instruction_of("loop_slice_fusion_25", None, fusions)[1]["op_name"] == "jit(step)/moe/slice"
     events = [{"name": "loop_multiply_fusion_3", "ts": 0, "dur": 2.0}, {"name": "copy_7", "ts": 3, "dur": 1.0},
               {"name": "hc_down1", "ts": 5, "dur": 4.0}] * 2
     table = {r["kernel"]: r for r in probe.kernel_table(events, 2, fusions)}
