@@ -1033,8 +1033,8 @@ def test_scan_tiles_knob(monkeypatch):
 
 
 def test_split_dots_knob(monkeypatch):
-    """FNX_GDN_SPLIT_DOTS=1 puts the second product of each pair sharing an operand behind an optimization barrier
-    (two of them), with the same values as the default; a bad value is refused."""
+    """FNX_GDN_SPLIT_DOTS (on by default) puts the second product of each pair sharing an operand behind an
+    optimization barrier (two of them), with the same values as without ("0"); a bad value is refused."""
     from fnx.model import gdn
     rng = np.random.default_rng(11)
     shapes = ((1, 70, 2, 8), (1, 70, 2, 8), (1, 70, 2, 8), (1, 70, 2), (1, 70, 2), (1, 2, 8, 8))
@@ -1047,9 +1047,9 @@ def test_split_dots_knob(monkeypatch):
         barriers = sum(e.primitive.name == "optimization_barrier"
                        for e in jax.make_jaxpr(f)(q, k, v, g, beta, state).jaxpr.eqns)
         return barriers, jax.jit(f)(q, k, v, g, beta, state)
-    monkeypatch.delenv(gdn.SPLIT_ENV, raising=False)
+    monkeypatch.setenv(gdn.SPLIT_ENV, "0")
     n0, (o0, s0) = run()
-    monkeypatch.setenv(gdn.SPLIT_ENV, "1")
+    monkeypatch.delenv(gdn.SPLIT_ENV, raising=False)
     n1, (o1, s1) = run()
     assert (n0, n1) == (0, 2)
     np.testing.assert_array_equal(np.asarray(o1), np.asarray(o0))

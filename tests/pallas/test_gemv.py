@@ -993,7 +993,8 @@ def test_gemm_out_x_same_bits_on_gpu(monkeypatch, m):
 
 def test_gemv_config_knob_names_another_devices_table(monkeypatch, tmp_path):
     """FNX_GEMV_CONFIG: the tiles of another device's table (a configs/ stem, or a JSON path) where this device has
-    none; unset, the device kind's own (none on the CPU: the heuristic); a table that is not there is an error."""
+    none; unset, the device kind's own, else its sibling's (an H100: the H200's), else none (the CPU: the
+    heuristic); a table that is not there is an error."""
     from fnx.pallas.gemv import api
     n, k = 2560, 6144
     monkeypatch.delenv(api.CONFIG_ENV, raising=False)
@@ -1010,3 +1011,9 @@ def test_gemv_config_knob_names_another_devices_table(monkeypatch, tmp_path):
     monkeypatch.setenv(api.CONFIG_ENV, "nvidia_h999")
     with pytest.raises(ValueError, match="FNX_GEMV_CONFIG='nvidia_h999': no such table"):
         api.tiles_for("fp8", n, k, 1)
+    # unset: an H100 (no table of its own) runs the H200's; an unknown device the heuristic
+    monkeypatch.delenv(api.CONFIG_ENV)
+    monkeypatch.setattr(api, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    assert api.tiles_for("fp8", n, k, 1) == want
+    monkeypatch.setattr(api, "_device_kind", lambda: "NVIDIA B200")
+    assert api._table() == {}

@@ -1591,13 +1591,19 @@ def test_moe_block_grouped_kernel_matches_gather():
     _close(y, y_ref)
 
 
-def test_experts_blocks_lower_for_cuda():
-    """Blocks of 64 rows at the released widths, FP8 experts: two Triton launches."""
+@pytest.mark.parametrize("rows", [16, 64])
+def test_experts_blocks_lower_for_cuda(rows):
+    """Blocks of 64 rows (and of 16: FNX_MOE_GROUPED_BLOCK) at the released widths, FP8 experts with explicit
+    tiles and NVFP4 with the default (mma16) ones: two Triton launches each."""
     S = jax.ShapeDtypeStruct
     fn = functools.partial(experts_pallas.experts_blocks, tiles=experts_pallas.Tiles(block_n=64, block_k=64,
                                                                                      block_n2=64, block_k2=64))
     lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), "fp8"), _spec((512, 2560, 640), "fp8"),
-                                S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+                                S((40, rows, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+    lowered = jax.jit(experts_pallas.experts_blocks).trace(
+        _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((40, rows, 2560), BF16),
+        S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
 
 
@@ -1630,3 +1636,30 @@ def test_decode_combine_in_the_kernel(fmt, m, tiles_change, monkeypatch):
         decode_pallas.moe_decode(x, w, ids, gate_up, down, sg, su, ss, shared, interpret=INTERPRET,
                                  tiles=dataclasses.replace(tiles, tok=1, group=0), counters=jnp.zeros((64,), jnp.int32),
                                  finish_base=0)
+
+
+def test_grouped_block_knob(monkeypatch):
+    """FNX_MOE_GROUPED_BLOCK: the grouped path's rows per block (64 by default; auto: the mean rows per expert's
+    power of two in [16, 64]); the model's grouped path at 16-row blocks equals the gather path as at 64; a bad
+    value is refused."""
+    monkeypatch.delenv(moe.GROUPED_BLOCK_ENV, raising=False)
+    assert moe.grouped_block(5120, 512) == 64
+    monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, "auto")
+    assert [moe.grouped_block(n, 512) for n in (5120, 10240, 20480, 40960, 100)] == [16, 32, 64, 64, 16]
+    monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, "32")
+    assert moe.grouped_block(5120, 512) == 32
+    p, x = _block_params(*_weights("fp8", 17), _key(18), (2, 12, D))
+    y_ref, _, _ = moe.moe_block(p, x, K, True, impl="gather")
+    seen = []
+    real = moe._expert_grouped
+    monkeypatch.setattr(moe, "_expert_grouped", lambda *a, **kw: seen.append(kw["block"]) or real(*a, **kw))
+    impl = "grouped_pallas" if KERNEL == "pallas" else "grouped_interpret"
+    for block in ("16", "64"):
+        monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, block)
+        y, _, _ = moe.moe_block(p, x, K, True, impl=impl)
+        _close(y, y_ref)
+    assert seen == [16, 64]
+    for bad in ("48", "8", "big"):
+        monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, bad)
+        with pytest.raises(ValueError, match=moe.GROUPED_BLOCK_ENV):
+            moe.grouped_block(5120, 512)
