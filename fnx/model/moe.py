@@ -63,6 +63,20 @@ def _expert_ragged(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
 
 GROUPED_BLOCK = 64      # rows per block of the grouped matmul
 GROUPED_BLOCK_ENV = "FNX_MOE_GROUPED_BLOCK"
+ROWS_FIRST_ENV = "FNX_MOE_ROWS_FIRST"
+
+
+def rows_first_on() -> bool:
+    """Whether the grouped path hands the Pallas blocks the token rows and each block row's index
+    (`FNX_MOE_ROWS_FIRST=1`, read when a program is traced; a GPU knob, off until measured) instead of the rows
+    gathered into blocks: the kernels' operand preparation (NVFP4's even / odd columns, the fp16 prescale's row
+    maxima) then runs on T + 1 rows rather than on every padded block row, and the gather writes the prepared
+    operands. An H100 table of a 512-token chunk (4 layers) had that preparation at ~0.46 ms of 6.4 (the maxima
+    0.13 over 592 x 64 block rows for 5,120 pairs). The same values: each step is per row."""
+    v = os.environ.get(ROWS_FIRST_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{ROWS_FIRST_ENV}={v!r}: use 1 (prepare the rows, then gather) or 0 (gather first)")
+    return v == "1"
 
 
 def grouped_block(pairs: int, n_exp: int) -> int:
@@ -108,7 +122,9 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GR
     block_expert = jnp.minimum(jnp.searchsorted(ends_padded, jnp.arange(n_blocks) * block, side="right",
                                                 method="compare_all"), n_exp - 1)
     xz = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])
-    xs = xz[jnp.where(src < n, src // k, t)]
+    row_of = jnp.where(src < n, src // k, t)
+    rows_first = kernel is not None and rows_first_on()
+    xs = None if rows_first else xz[row_of]
 
     def run(args):
         xb, eb = args
@@ -122,9 +138,14 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GR
         # the unused blocks hold expert E, which the kernels skip (no weight reads)
         from fnx.pallas.moe import api as moe_kernels
         unused = jnp.arange(n_blocks) * block >= ends_padded[-1]
-        out = moe_kernels.experts_blocks(gate_up, down, xs.reshape(n_blocks, block, -1),
-                                         jnp.where(unused, n_exp, block_expert).astype(jnp.int32),
-                                         impl=kernel, tiles=tiles).reshape(n_blocks * block, -1)
+        be = jnp.where(unused, n_exp, block_expert).astype(jnp.int32)
+        if rows_first:      # the kernels' row-wise operand preparation on the T + 1 rows, then the gather
+            out = moe_kernels.experts_blocks(gate_up, down, xz, be, impl=kernel, tiles=tiles,
+                                             row_of=row_of.reshape(n_blocks, block).astype(jnp.int32))
+        else:
+            out = moe_kernels.experts_blocks(gate_up, down, xs.reshape(n_blocks, block, -1), be, impl=kernel,
+                                             tiles=tiles)
+        out = out.reshape(n_blocks * block, -1)
     else:
         out = lax.map(run, (xs.reshape(-1, blocks_per_step, block, x.shape[1]),
                             block_expert.reshape(-1, blocks_per_step))).reshape(n_blocks * block, -1)

@@ -1594,7 +1594,8 @@ def test_moe_block_grouped_kernel_matches_gather():
 @pytest.mark.parametrize("rows", [16, 64])
 def test_experts_blocks_lower_for_cuda(rows):
     """Blocks of 64 rows (and of 16: FNX_MOE_GROUPED_BLOCK) at the released widths, FP8 experts with explicit
-    tiles and NVFP4 with the default (mma16) ones: two Triton launches each."""
+    tiles and NVFP4 with the default (mma16) ones, the latter also from token rows and row indices
+    (FNX_MOE_ROWS_FIRST): two Triton launches each."""
     S = jax.ShapeDtypeStruct
     fn = functools.partial(experts_pallas.experts_blocks, tiles=experts_pallas.Tiles(block_n=64, block_k=64,
                                                                                      block_n2=64, block_k2=64))
@@ -1604,6 +1605,11 @@ def test_experts_blocks_lower_for_cuda(rows):
     lowered = jax.jit(experts_pallas.experts_blocks).trace(
         _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((40, rows, 2560), BF16),
         S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+    # FNX_MOE_ROWS_FIRST: the token rows and each block row's index
+    lowered = jax.jit(lambda g, dn, x, be, r: experts_pallas.experts_blocks(g, dn, x, be, row_of=r)).trace(
+        _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((2049, 2560), BF16),
+        S((40,), jnp.int32), S((40, rows), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
 
 
@@ -1660,3 +1666,33 @@ def test_grouped_block_knob(monkeypatch):
         monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, bad)
         with pytest.raises(ValueError, match=moe.GROUPED_BLOCK_ENV):
             moe.grouped_block(5120, 512)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_rows_first_knob_same_bits(fmt, monkeypatch):
+    """FNX_MOE_ROWS_FIRST=1: the grouped path hands the Pallas blocks the token rows and each block row's index;
+    the kernels' operand preparation runs on the rows, then the gather: the same bits as gathering first (every
+    step is per row), the default tiles (mma16 for both formats) and the plain ones; a bad value is refused."""
+    p, x = _block_params(*_weights(fmt, 31), _key(32), (2, 12, D))
+    impl = "grouped_pallas" if KERNEL == "pallas" else "grouped_interpret"
+    monkeypatch.setenv(moe.ROWS_FIRST_ENV, "0")
+    want, _, _ = moe.moe_block(p, x, K, True, impl=impl)
+    monkeypatch.setenv(moe.ROWS_FIRST_ENV, "1")
+    got, _, _ = moe.moe_block(p, x, K, True, impl=impl)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    y_ref, _, _ = moe.moe_block(p, x, K, True, impl="gather")
+    _close(got, y_ref)
+    # the kernels' entry point with plain tiles (no prescale): the rows gathered as the blocks would hold them
+    ex = p["experts"]
+    rows = jnp.concatenate([x.reshape(-1, D), jnp.zeros((1, D), x.dtype)])
+    rng = np.random.default_rng(33)
+    row_of = jnp.asarray(rng.integers(0, rows.shape[0], (3, 16)), jnp.int32)
+    be = jnp.asarray([0, 5, ex["down_proj"].shape[0]], jnp.int32)
+    plain = experts_pallas.Tiles(block_n=32, block_k=64, block_n2=32, block_k2=64)
+    a = api.experts_blocks(ex["gate_up_proj"], ex["down_proj"], rows[row_of], be, impl=KERNEL, tiles=plain)
+    b = api.experts_blocks(ex["gate_up_proj"], ex["down_proj"], rows, be, impl=KERNEL, tiles=plain,
+                               row_of=row_of)
+    np.testing.assert_array_equal(np.asarray(a[:2], np.float32), np.asarray(b[:2], np.float32))   # block 2 unused
+    monkeypatch.setenv(moe.ROWS_FIRST_ENV, "yes")
+    with pytest.raises(ValueError, match=moe.ROWS_FIRST_ENV):
+        moe.rows_first_on()

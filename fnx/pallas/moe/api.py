@@ -189,11 +189,14 @@ def grouped_backend(gate_up, down, block_rows: int, impl: str | None = None,
 
 
 def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, impl: str | None = None,
-                   tiles: experts_pallas.Tiles | None = None) -> jax.Array:
+                   tiles: experts_pallas.Tiles | None = None, row_of: jax.Array | None = None) -> jax.Array:
     """The prefill grouped matmul, op "moe_grouped": xb [n_blocks, B, D] rows sorted by expert and padded to
-    blocks, block_expert [n_blocks] -> y [n_blocks, B, D]. Reference: each block through the gather arithmetic."""
-    backend = grouped_backend(gate_up, down, xb.shape[1], impl, tiles)
+    blocks, block_expert [n_blocks] -> y [n_blocks, B, D]. Reference: each block through the gather arithmetic.
+    With `row_of` [n_blocks, B] int32, xb is rows [R, D] and block row (b, t) is xb[row_of[b, t]]: the kernels
+    prepare their operands on the R rows and gather the results (`experts_pallas.experts_slots`)."""
+    backend = grouped_backend(gate_up, down, row_of.shape[1] if row_of is not None else xb.shape[1], impl, tiles)
     if backend == "reference":
-        return reference.experts_blocks(*stacked.materialize_tree((gate_up, down)), xb, block_expert)
+        return reference.experts_blocks(*stacked.materialize_tree((gate_up, down)),
+                                        xb if row_of is None else xb[row_of], block_expert)
     return experts_pallas.experts_blocks(gate_up, down, xb, block_expert, interpret=dispatch.interpret_flag(backend),
-                                         tiles=tiles)
+                                         tiles=tiles, row_of=row_of)

@@ -306,12 +306,15 @@ def tiles_not_applicable(gate_up, down, tiles: Tiles) -> str | None:
 
 
 def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret: bool = False,
-                  tiles: Tiles | None = None) -> jax.Array:
+                  tiles: Tiles | None = None, row_of: jax.Array | None = None) -> jax.Array:
     """x [M, D] (every slot's tokens) or [S, M, D] (each slot its own rows: the prefill blocks), experts [S] int32
     (empty slots = E) -> y [S, Mp, D] (x.dtype): row t of slot s is expert experts[s] applied to row t of its
-    tokens (rows >= M and empty slots are unspecified)."""
-    per_slot = x.ndim == 3
-    m, d = x.shape[-2:]
+    tokens (rows >= M and empty slots are unspecified). With `row_of` [S, M] int32, x is rows [R, D] and slot s's
+    row t is x[row_of[s, t]]: the kernels' row-wise operand preparation (the even / odd columns, the fp16
+    prescale) runs on the R rows, then its results are gathered into the slots (the same values as gathering x
+    first: every step is per row)."""
+    per_slot = x.ndim == 3 or row_of is not None
+    m, d = (row_of.shape[1], x.shape[-1]) if row_of is not None else x.shape[-2:]
     n_exp, two_i, _ = gate_up.shape
     inter = two_i // 2
     if m > (MAX_BLOCK_ROWS if per_slot else MAX_TOKENS):
@@ -338,6 +341,8 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
         up, down_s = kernel_math.hfma_prescale(jnp.max(jnp.abs(x.astype(F32)), axis=-1))
         xh = (x.astype(F32) * up[..., None]).astype(jnp.float16)
         xs, back = ((xh[..., 0::2], xh[..., 1::2]) if fmt1 == "nvfp4" else (xh,)), (down_s,)
+    if row_of is not None:      # the prepared rows into their slots
+        xs, back = tuple(a[row_of] for a in xs), tuple(a[row_of] for a in back)
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16),
@@ -367,17 +372,19 @@ def experts(gate_up, down, x: jax.Array, idx: jax.Array, *, interpret: bool = Fa
 
 
 def experts_blocks(gate_up, down, xb: jax.Array, block_expert: jax.Array, *, interpret: bool = False,
-                   tiles: Tiles | None = None) -> jax.Array:
+                   tiles: Tiles | None = None, row_of: jax.Array | None = None) -> jax.Array:
     """The prefill grouped matmul: xb [n_blocks, B, D] (rows of one expert per block, zero padded),
     block_expert [n_blocks] int32 (E: an unused block, skipped, its rows unspecified) -> y [n_blocks, B, D]
     (x.dtype), each block's rows through its expert; each
     block reads its expert's weights once (tensor-core tiles of B rows). The sort into blocks and the gather back
-    are the caller's (fnx.model.moe._expert_grouped)."""
-    why = blocks_not_applicable(gate_up, down, xb.shape[1], tiles)
+    are the caller's (fnx.model.moe._expert_grouped). With `row_of` [n_blocks, B], xb is the rows [R, D] the
+    blocks take theirs from (`experts_slots`)."""
+    b = row_of.shape[1] if row_of is not None else xb.shape[1]
+    why = blocks_not_applicable(gate_up, down, b, tiles)
     if why:
         raise NotImplementedError(f"Pallas grouped MoE: {why}")
     tiles = tiles or default_tiles(xb.shape[-1], down.shape[-1], block_tiles(gate_up))
-    return experts_slots(gate_up, down, xb, block_expert, interpret=interpret, tiles=tiles)[:, :xb.shape[1]]
+    return experts_slots(gate_up, down, xb, block_expert, interpret=interpret, tiles=tiles, row_of=row_of)[:, :b]
 
 
 def blocks_not_applicable(gate_up, down, b: int, tiles: Tiles | None = None) -> str | None:
