@@ -79,13 +79,12 @@ def rows_first_on() -> bool:
     return v == "1"
 
 
-def grouped_block(pairs: int, n_exp: int) -> int:
+def grouped_block() -> int:
     """Rows per block of the grouped matmul (`FNX_MOE_GROUPED_BLOCK`, read when a program is traced; a GPU knob):
     GROUPED_BLOCK (64) by default, or a power of two in [16, 128]. Each block holds one expert's rows, padded (a
     512-token chunk of the released model, ~10 rows an expert, fills 64-row blocks to ~16%), and reads its
     expert's weights once. Smaller blocks measured slower on an H100 (4 layers, 2026-12-06): a 512-token chunk
-    7,442 us at 16 rows and 6,695 at 32 against 6,175 at 64; a 2,048-token chunk 22,496 at 32 against 19,490.
-    `pairs` and `n_exp` ((token, k) pairs, experts) are for a rule by size, none measured better yet."""
+    7,442 us at 16 rows and 6,695 at 32 against 6,175 at 64; a 2,048-token chunk 22,496 at 32 against 19,490."""
     v = os.environ.get(GROUPED_BLOCK_ENV, "").strip() or str(GROUPED_BLOCK)
     if not v.isdigit() or int(v) not in (16, 32, 64, 128):
         raise ValueError(f"{GROUPED_BLOCK_ENV}={v!r}: use 16, 32, 64 or 128")
@@ -182,9 +181,8 @@ def _auto_impl(tokens: int, top_k: int, p: dict | None = None, x: jax.Array | No
         return "pallas"
     if tokens <= GATHER_MAX_TOKENS or tokens * top_k <= 64:
         return "gather"
-    down = None if p is None else p["experts"]["down_proj"]
-    if p is not None and moe_kernels.grouped_backend(p["experts"]["gate_up_proj"], down,
-                                                     grouped_block(tokens * top_k, down.shape[0])) == "pallas":
+    if p is not None and moe_kernels.grouped_backend(p["experts"]["gate_up_proj"], p["experts"]["down_proj"],
+                                                     grouped_block()) == "pallas":
         return "grouped_pallas"
     return "grouped"
 
@@ -238,10 +236,10 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         outs = _expert_gather(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "grouped":
         outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx,
-                               block=grouped_block(idx.size, ex["down_proj"].shape[0]))
+                               block=grouped_block())
     elif impl in ("grouped_pallas", "grouped_interpret"):     # the grouped matmul through the Pallas kernels
         outs = _expert_grouped(ex["gate_up_proj"], ex["down_proj"], xt, idx,
-                               block=grouped_block(idx.size, ex["down_proj"].shape[0]),
+                               block=grouped_block(),
                                kernel="pallas" if impl == "grouped_pallas" else "pallas_interpret")
     elif impl == "ragged":
         outs = _expert_ragged(ex["gate_up_proj"], ex["down_proj"], xt, idx)

@@ -1648,9 +1648,9 @@ def test_grouped_block_knob(monkeypatch):
     """FNX_MOE_GROUPED_BLOCK: the grouped path's rows per block (64 by default); the model's grouped path at 16-row
     blocks equals the gather path as at 64; a bad value is refused."""
     monkeypatch.delenv(moe.GROUPED_BLOCK_ENV, raising=False)
-    assert moe.grouped_block(5120, 512) == 64
+    assert moe.grouped_block() == 64
     monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, "32")
-    assert moe.grouped_block(5120, 512) == 32
+    assert moe.grouped_block() == 32
     p, x = _block_params(*_weights("fp8", 17), _key(18), (2, 12, D))
     y_ref, _, _ = moe.moe_block(p, x, K, True, impl="gather")
     seen = []
@@ -1665,7 +1665,7 @@ def test_grouped_block_knob(monkeypatch):
     for bad in ("48", "8", "auto"):
         monkeypatch.setenv(moe.GROUPED_BLOCK_ENV, bad)
         with pytest.raises(ValueError, match=moe.GROUPED_BLOCK_ENV):
-            moe.grouped_block(5120, 512)
+            moe.grouped_block()
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])

@@ -61,7 +61,7 @@ def out_in_x_dtype(dtype, rows: int | None = None) -> bool:
     "auto" (the default) on a GPU for products of at least `AUTO_X_ROWS` rows. On a GPU the library's product
     accumulates in fp32 and rounds once either way, and the conversion is a kernel of its own: measured on an H100
     (2026-12-06, BENCHMARKS.md "Forty-sixth session") the same bits at 5 to 2,048 rows and the model's projection
-    shapes, and a 512-token prefill chunk 1.5% faster (a 2,048-token one 1.6%); at one row the bf16 product took
+    shapes, and a 4-layer prefill chunk 1.2-1.6% faster (512 and 2,048 tokens); at one row the bf16 product took
     another kernel with other bits (half the outputs differed), hence the row threshold. XLA on the CPU does not
     promise the same bits for a bf16 product, so "auto" keeps fp32 there."""
     v = os.environ.get(OUT_ENV, "auto").strip()
