@@ -1057,3 +1057,29 @@ def test_split_dots_knob(monkeypatch):
     monkeypatch.setenv(gdn.SPLIT_ENV, "yes")
     with pytest.raises(ValueError, match=gdn.SPLIT_ENV):
         gdn.split_dots()
+
+
+@pytest.mark.parametrize("length,taps,dilation", [(1, 4, 1), (2, 4, 1), (70, 4, 1), (5, 4, 3), (1, 4, 3)])
+def test_conv_shifts_knob_same_bits(length, taps, dilation, monkeypatch):
+    """FNX_CONV_SHIFTS=1: each tap's window its own concatenation of the state's tail and x's head (so XLA can fuse
+    it into the conv): the same conv output and concatenation, bit for bit, for calls shorter and longer than the
+    state, dilated (the PLE's) or not; a bad value is refused."""
+    rng = np.random.default_rng(length * 10 + dilation)
+    c, width = 24, (taps - 1) * dilation
+    x = jnp.asarray(rng.standard_normal((2, length, c)), jnp.bfloat16)
+    state = jnp.asarray(rng.standard_normal((2, width, c)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((c, taps)), jnp.bfloat16)
+    monkeypatch.setenv(reference.CONV_SHIFTS_ENV, "0")
+    want, want_cat = jax.jit(lambda *a: reference.causal_conv(*a, dilation=dilation))(x, state, w)
+    monkeypatch.setenv(reference.CONV_SHIFTS_ENV, "1")
+    got, got_cat = jax.jit(lambda *a: reference.causal_conv(*a, dilation=dilation))(x, state, w)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(got_cat, np.float32), np.asarray(want_cat, np.float32))
+    # the token-by-token definition: out[t] = sum_j w[:, j] x_cat[t + j * dilation]
+    xcat = np.concatenate([np.asarray(state, np.float32), np.asarray(x, np.float32)], axis=1)
+    wf = np.asarray(w, np.float32)
+    ref = sum(xcat[:, j * dilation:j * dilation + length] * wf[:, j] for j in range(taps))
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=2 ** -7, atol=2 ** -7 * np.abs(ref).max())
+    monkeypatch.setenv(reference.CONV_SHIFTS_ENV, "2")
+    with pytest.raises(ValueError, match=reference.CONV_SHIFTS_ENV):
+        reference.conv_shifts()

@@ -6,6 +6,8 @@ dk / dv key / value head dims. The state is fp32 [B, HV, dk, dv]."""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -19,16 +21,41 @@ def softplus(x: jax.Array) -> jax.Array:
     return jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
 
 
+CONV_SHIFTS_ENV = "FNX_CONV_SHIFTS"
+
+
+def conv_shifts() -> bool:
+    """Whether `causal_conv` reads each tap's window as its own concatenation of the state's tail and x's head
+    (`FNX_CONV_SHIFTS=1`, read when a program is traced; a GPU knob, off until measured) rather than as a slice
+    of one concatenation cat(state, x): each such window has one reader, the conv, which XLA can then fuse it
+    into, where the one concatenation with K readers is written out first (an H100 table of a 2,048-token prefill
+    chunk: [1, 2,051, 10,240] at ~100 us a GDN or PLE layer, ~4x its bytes). The same values, summed in the same
+    order; the concatenation is still returned (built only if a caller uses it: rollback's conv_x)."""
+    v = os.environ.get(CONV_SHIFTS_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{CONV_SHIFTS_ENV}={v!r}: use 1 (a window per tap) or 0 (one concatenation)")
+    return v == "1"
+
+
 def causal_conv(x: jax.Array, state: jax.Array, w: jax.Array, dilation: int = 1):
     """Depthwise causal conv over cat(state, x) along time. x [B, L, C], state [B, S, C] with S = (K-1)*dilation,
     w [C, K] (w[:, K-1] multiplies the current token). Returns (conv out [B, L, C] rounded once, xcat
     [B, S+L, C]); the state after the first n tokens is `window_after(xcat, n, S)`."""
     length, taps = x.shape[1], w.shape[1]
-    xcat = jnp.concatenate([state.astype(x.dtype), x], axis=1)
+    state = state.astype(x.dtype)
+    xcat = jnp.concatenate([state, x], axis=1)
+    shifts = conv_shifts()
+    width = state.shape[1]
     acc = jnp.zeros(x.shape, F32)
     for j in range(taps):
         start = j * dilation
-        acc = acc + xcat[:, start:start + length].astype(F32) * w[:, j].astype(F32)
+        if not shifts:
+            win = xcat[:, start:start + length]
+        elif start >= width:                    # the current token's tap: x itself
+            win = x[:, start - width:start - width + length]
+        else:                                   # the state's rows from `start`, then x's first rows
+            win = jnp.concatenate([state[:, start:], x[:, :max(length - (width - start), 0)]], axis=1)[:, :length]
+        acc = acc + win.astype(F32) * w[:, j].astype(F32)
     return acc.astype(x.dtype), xcat
 
 
