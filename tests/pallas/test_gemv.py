@@ -998,7 +998,8 @@ def test_gemv_config_knob_names_another_devices_table(monkeypatch, tmp_path):
     from fnx.pallas.gemv import api
     n, k = 2560, 6144
     monkeypatch.delenv(api.CONFIG_ENV, raising=False)
-    assert api._table() == {}                                  # the CPU has no table of its own
+    monkeypatch.setattr(api, "_device_kind", lambda: "cpu")   # a device without a table (on a GPU too)
+    assert api._table() == {}
     want = dataclasses.replace(gp.Tiles(**api._tuned("nvidia_h200")[f"fp8:{n}:{k}:1"]), xfirst=1)   # "fma": xfirst
     assert api.tiles_for("fp8", n, k, 1) != want               # the heuristic differs here (split 4 in the table)
     monkeypatch.setenv(api.CONFIG_ENV, "nvidia_h200")

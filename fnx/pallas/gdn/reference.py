@@ -26,12 +26,14 @@ CONV_SHIFTS_ENV = "FNX_CONV_SHIFTS"
 
 def conv_shifts() -> bool:
     """Whether `causal_conv` reads each tap's window as its own concatenation of the state's tail and x's head
-    (`FNX_CONV_SHIFTS=1`, read when a program is traced; a GPU knob, off until measured) rather than as a slice
+    (`FNX_CONV_SHIFTS`, read when a program is traced; on by default, `=0` turns it off) rather than as a slice
     of one concatenation cat(state, x): each such window has one reader, the conv, which XLA can then fuse it
     into, where the one concatenation with K readers is written out first (an H100 table of a 2,048-token prefill
     chunk: [1, 2,051, 10,240] at ~100 us a GDN or PLE layer, ~4x its bytes). The same values, summed in the same
-    order; the concatenation is still returned (built only if a caller uses it: rollback's conv_x)."""
-    v = os.environ.get(CONV_SHIFTS_ENV, "0").strip()
+    order; the concatenation is still returned (built only if a caller uses it: rollback's conv_x). Measured on
+    the H200 (4 layers, 2026-12-06): a 512-token chunk 5,735 against 5,816 us of kernels, a 2,048-token chunk
+    18,025 against 18,398."""
+    v = os.environ.get(CONV_SHIFTS_ENV, "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{CONV_SHIFTS_ENV}={v!r}: use 1 (a window per tap) or 0 (one concatenation)")
     return v == "1"
