@@ -1061,9 +1061,9 @@ def test_split_dots_knob(monkeypatch):
 
 @pytest.mark.parametrize("length,taps,dilation", [(1, 4, 1), (2, 4, 1), (70, 4, 1), (5, 4, 3), (1, 4, 3)])
 def test_conv_shifts_knob_same_bits(length, taps, dilation, monkeypatch):
-    """FNX_CONV_SHIFTS (on by default): each tap's window its own concatenation of the state's tail and x's head (so XLA can fuse
-    it into the conv): the same conv output and concatenation, bit for bit, for calls shorter and longer than the
-    state, dilated (the PLE's) or not; a bad value is refused."""
+    """FNX_CONV_SHIFTS (on by default): each tap's window its own concatenation of the state's tail and x's head
+    (so XLA can fuse it into the conv): the same conv output and concatenation, bit for bit, for calls shorter and
+    longer than the state, dilated (the PLE's) or not; a bad value is refused."""
     rng = np.random.default_rng(length * 10 + dilation)
     c, width = 24, (taps - 1) * dilation
     x = jnp.asarray(rng.standard_normal((2, length, c)), jnp.bfloat16)

@@ -1670,9 +1670,10 @@ def test_grouped_block_knob(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_rows_first_knob_same_bits(fmt, monkeypatch):
-    """FNX_MOE_ROWS_FIRST (on by default): the grouped path hands the Pallas blocks the token rows and each block row's index;
-    the kernels' operand preparation runs on the rows, then the gather: the same bits as gathering first (every
-    step is per row), the default tiles (mma16 for both formats) and the plain ones; a bad value is refused."""
+    """FNX_MOE_ROWS_FIRST (on by default): the grouped path hands the Pallas blocks the token rows and each block
+    row's index; the kernels' operand preparation runs on the rows, then the gather: the same bits as gathering
+    first (every step is per row), the default tiles (mma16 for both formats) and the plain ones; a bad value is
+    refused."""
     monkeypatch.delenv(moe.ROWS_FIRST_ENV, raising=False)
     assert moe.rows_first_on()                                  # on by default
     p, x = _block_params(*_weights(fmt, 31), _key(32), (2, 12, D))
