@@ -426,13 +426,10 @@ def _topk_scores(seed: int, nb: int) -> np.ndarray:
     return s
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize("nb,k", [(70, 16), (2122, 512), (40, 40), (33, 1)])
-def test_block_topk_kernel_is_the_top_k_set(nb, k, bits, monkeypatch):
+def test_block_topk_kernel_is_the_top_k_set(nb, k):
     """The top-k block kernel picks the set lax.top_k picks, in ascending block order: distinct scores, heavy ties
-    (the lower blocks first, as top_k), rows half or wholly -inf (blocks not yet complete), zeros, k = NB and k = 1;
-    settling 1, 2 or 3 key bits a counting pass (FNX_QSA_TOPK_BITS)."""
-    monkeypatch.setenv(kernel.TOPK_BITS_ENV, str(bits))
+    (the lower blocks first, as top_k), rows half or wholly -inf (blocks not yet complete), zeros, k = NB and k = 1."""
     s = _topk_scores(nb * 1000 + k, nb)
     got = np.asarray(api.qsa_block_topk(jnp.asarray(s), k, impl=KERNEL))
     want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
@@ -442,14 +439,12 @@ def test_block_topk_kernel_is_the_top_k_set(nb, k, bits, monkeypatch):
         kernel.qsa_block_topk(jnp.asarray(s), 0, interpret=True)
 
 
-@pytest.mark.parametrize("bits", [1, 3])
 @pytest.mark.parametrize("nb,k,seg", [(100, 16, 32), (2122, 64, 512), (70, 16, 16), (257, 32, 64), (33, 1, 16)])
-def test_block_topk_long_rows_in_segments(nb, k, seg, bits, monkeypatch):
+def test_block_topk_long_rows_in_segments(nb, k, seg):
     """Rows longer than one program holds (here `seg` blocks; in the model TOPK_MAX_BLOCKS, 128K and 256K context)
     in two launches: each segment's k best with their keys, then the k best of the candidates. The set lax.top_k
     picks, in ascending block order, with ties across segment edges going to the lower blocks (all-equal rows,
     rounded scores, zeros), wholly and half -inf rows, and a last segment shorter than k."""
-    monkeypatch.setenv(kernel.TOPK_BITS_ENV, str(bits))
     s = _topk_scores(nb * 7 + k, nb)
     got = np.asarray(jax.jit(lambda x: kernel.qsa_block_topk(x, k, interpret=INTERPRET, seg=seg))(jnp.asarray(s)))
     want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
@@ -478,14 +473,10 @@ def test_block_topk_long_rows_dispatch(monkeypatch):
     assert "candidates" in kernel.long_rows(40 * kernel.TOPK_MAX_BLOCKS, 512)
 
 
-@pytest.mark.parametrize("bits", ["", "2", "3"])
-def test_block_topk_kernel_lowers_for_cuda(bits, monkeypatch):
+def test_block_topk_kernel_lowers_for_cuda():
     """The top-k block kernel lowers through Pallas -> Triton at 8K and 64K context (2,122 and 16,384 blocks), one
-    query row and the five of an MTP verify window, and in two launches at 128K and 256K, at 1 (the default), 2 and
-    3 key bits a counting pass; rows whose candidates would not fit one program are refused with the reason, and so
-    is a bad FNX_QSA_TOPK_BITS."""
-    monkeypatch.setenv(kernel.TOPK_BITS_ENV, bits)
-    assert kernel.topk_bits() == int(bits or 1)
+    query row and the five of an MTP verify window, and in two launches at 128K and 256K; rows whose candidates
+    would not fit one program are refused with the reason."""
     for rows, nb in [(1, 2122), (5, 2122), (1, kernel.TOPK_MAX_BLOCKS)]:
         text = jax.jit(lambda s: kernel.qsa_block_topk(s, 512)).trace(
             jax.ShapeDtypeStruct((rows, nb), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -496,15 +487,3 @@ def test_block_topk_kernel_lowers_for_cuda(bits, monkeypatch):
         assert text.count("__gpu$xla.gpu.triton") == 2, (rows, nb)
     with pytest.raises(ValueError, match="candidates"):
         kernel.qsa_block_topk(jnp.zeros((1, 40 * kernel.TOPK_MAX_BLOCKS)), 512)
-    monkeypatch.setenv(kernel.TOPK_BITS_ENV, "4")
-    with pytest.raises(ValueError, match=kernel.TOPK_BITS_ENV):
-        kernel.topk_bits()
-
-
-def test_topk_digit_passes_cover_every_key_bit_once():
-    """The passes of FNX_QSA_TOPK_BITS cover key bits 30..0 once each, from the top (the sign is its own count)."""
-    for bits, n in ((1, 31), (2, 16), (3, 11)):
-        passes = kernel._digit_passes(bits)
-        assert len(passes) == n
-        covered = [b for shift, width in passes for b in range(shift + width - 1, shift - 1, -1)]
-        assert covered == list(range(30, -1, -1)), bits

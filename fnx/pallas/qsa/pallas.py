@@ -389,30 +389,7 @@ def _sortable(s):
     return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
 
 
-TOPK_BITS_ENV = "FNX_QSA_TOPK_BITS"
-
-
-def topk_bits() -> int:
-    """Key bits the top-k kernel settles per counting pass (`FNX_QSA_TOPK_BITS`, read when a program is traced):
-    1 (the default: 31 passes, each a count over the row) or 2 / 3 (16 / 11 passes, each counting the 4 / 8
-    candidate prefixes of the next bits at once: more compares, fewer CTA-wide reductions). The same set either way."""
-    v = os.environ.get(TOPK_BITS_ENV, "").strip() or "1"
-    if v not in ("1", "2", "3"):
-        raise ValueError(f"{TOPK_BITS_ENV}={v!r}: use 1, 2 or 3 (key bits per counting pass)")
-    return int(v)
-
-
-def _digit_passes(bits: int) -> list[tuple[int, int]]:
-    """(shift, width) of each pass over key bits 30..0, `bits` at a time from the top (the last pass narrower)."""
-    out, hi = [], 30
-    while hi >= 0:
-        width = min(bits, hi + 1)
-        out.append((hi - width + 1, width))
-        hi -= width
-    return out
-
-
-def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, bits: int = 1):
+def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False):
     """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
     positions in ascending order (a permutation of the row written to out, the chosen first).
     seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
@@ -443,18 +420,10 @@ def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bo
     # the k-th largest key: its sign first, then each lower bit set where at least k keys stay >= the prefix
     kth = jnp.where(count_ge(jnp.int32(0)) >= k, jnp.int32(0), lowest)
 
-    if bits == 1:
-        def bit(j, kth):
-            cand = kth | jnp.left_shift(jnp.int32(1), 30 - j)
-            return jnp.where(count_ge(cand) >= k, cand, kth)
-        kth = jax.lax.fori_loop(0, 31, bit, kth)
-    else:   # `bits` bits a pass: the 2^bits candidates' counts in one reduction (one CTA exchange, not bits)
-        for shift, width in _digit_passes(bits):
-            v = jnp.arange(1 << width, dtype=jnp.int32)          # [2^w] (a power of two, as Triton's shapes are)
-            cand = kth | jnp.left_shift(v, shift)
-            counts = jnp.sum(jnp.where(key[None, :] >= cand[:, None], 1, 0), axis=1)     # non-increasing in v
-            # the largest v with at least k keys >= its prefix (v = 0 always has: kth's invariant)
-            kth = kth | jnp.left_shift(jnp.sum(jnp.where(counts >= k, 1, 0)) - 1, shift)
+    def bit(j, kth):
+        cand = kth | jnp.left_shift(jnp.int32(1), 30 - j)
+        return jnp.where(count_ge(cand) >= k, cand, kth)
+    kth = jax.lax.fori_loop(0, 31, bit, kth)
     above = key > kth
     tie = jnp.where(key == kth, 1, 0)
     need = k - jnp.sum(jnp.where(above, 1, 0))
@@ -520,8 +489,7 @@ def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg:
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
     n = rows * max(n_seg, 1) * nbp
-    kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None,
-                               bits=topk_bits())
+    kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None)
     args = (s2,) if ids is None else (s2, ids)
     out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
     return pl.pallas_call(
