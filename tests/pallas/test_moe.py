@@ -1606,11 +1606,15 @@ def test_experts_blocks_lower_for_cuda(rows):
         _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((40, rows, 2560), BF16),
         S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
-    # FNX_MOE_ROWS_FIRST: the token rows and each block row's index
-    lowered = jax.jit(lambda g, dn, x, be, r: experts_pallas.experts_blocks(g, dn, x, be, row_of=r)).trace(
-        _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((2049, 2560), BF16),
-        S((40,), jnp.int32), S((40, rows), jnp.int32)).lower(lowering_platforms=("cuda",))
-    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 2
+    # FNX_MOE_ROWS_FIRST: the token rows and each block row's index (gathered by XLA, or by the kernel)
+    for gather in (False, True):
+        lowered = jax.jit(lambda g, dn, x, be, r: experts_pallas.experts_slots(g, dn, x, be, row_of=r,
+                                                                               gather=gather)).trace(
+            _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((2049, 2560), BF16),
+            S((40,), jnp.int32), S((40, rows), jnp.int32)).lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 2
+        assert (text.count("stablehlo.gather") > 0) != gather, gather       # no XLA gather into a slot buffer
 
 
 @pytest.mark.parametrize("fmt,m,tiles_change", [("nvfp4", 1, {}), ("fp8", 1, {}),
@@ -1680,6 +1684,7 @@ def test_rows_first_knob_same_bits(fmt, monkeypatch):
     impl = "grouped_pallas" if KERNEL == "pallas" else "grouped_interpret"
     monkeypatch.setenv(moe.ROWS_FIRST_ENV, "0")
     want, _, _ = moe.moe_block(p, x, K, True, impl=impl)
+    want_block = want
     monkeypatch.setenv(moe.ROWS_FIRST_ENV, "1")
     got, _, _ = moe.moe_block(p, x, K, True, impl=impl)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -1696,6 +1701,20 @@ def test_rows_first_knob_same_bits(fmt, monkeypatch):
     b = api.experts_blocks(ex["gate_up_proj"], ex["down_proj"], rows, be, impl=KERNEL, tiles=plain,
                                row_of=row_of)
     np.testing.assert_array_equal(np.asarray(a[:2], np.float32), np.asarray(b[:2], np.float32))   # block 2 unused
+    # FNX_MOE_KERNEL_GATHER=1: the gate/up kernel reads the rows itself (the plain tiles and the default ones)
+    monkeypatch.setenv(experts_pallas.GATHER_ENV, "1")
+    for t in (plain, None):
+        want = api.experts_blocks(ex["gate_up_proj"], ex["down_proj"], rows[row_of], be, impl=KERNEL, tiles=t)
+        got = api.experts_blocks(ex["gate_up_proj"], ex["down_proj"], rows, be, impl=KERNEL, tiles=t, row_of=row_of)
+        np.testing.assert_array_equal(np.asarray(got[:2], np.float32), np.asarray(want[:2], np.float32))
+    monkeypatch.setenv(moe.ROWS_FIRST_ENV, "1")
+    got, _, _ = moe.moe_block(p, x, K, True, impl=impl)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want_block, np.float32))
+    monkeypatch.setenv(experts_pallas.GATHER_ENV, "on")
+    with pytest.raises(ValueError, match=experts_pallas.GATHER_ENV):
+        experts_pallas.kernel_gather()
+    monkeypatch.delenv(experts_pallas.GATHER_ENV)
+    assert not experts_pallas.kernel_gather()                   # off until measured
     monkeypatch.setenv(moe.ROWS_FIRST_ENV, "yes")
     with pytest.raises(ValueError, match=moe.ROWS_FIRST_ENV):
         moe.rows_first_on()

@@ -153,14 +153,16 @@ def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1):
 
 
 def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
-                    mma16=False):
+                    mma16=False, gather=False):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
     gate and up rows at a stride of 2. With `mma16` (NVFP4, FP8) the activations are fp16, prescaled per row (the last
     input after the weights: each row's 2^-s), and the products fp16 (`_f16_tile`; FP8: the E4M3 weights as fp16,
     a 128-column block's steps summed before its scale)."""
-    back_ref = None
+    back_ref = rowof_ref = None
+    if gather:          # the slot's rows are gathered here from the token rows (`row_of`), not from a slot buffer
+        rowof_ref, *rest = rest
     if mma16:
         *rest, back_ref, out_ref = rest
         rest = (*rest, out_ref)
@@ -191,13 +193,18 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
     def _():
         rows = jax.lax.broadcasted_iota(jnp.int32, (mp, kw), 0)
         lead = (s,) if per_slot else ()
+        src = rowof_ref[s, pl.ds(0, mp)] if gather else None        # [mp] token rows (padding: row 0, unused)
+
+        def x_tile(r, k0):
+            if gather:      # an array-indexed load: every index is a row of r, so no mask
+                return r[src[:, None], col(k0) + jnp.arange(kw, dtype=jnp.int32)[None, :]]
+            return plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0)
 
         def step(kk, accs):
             blk = [jnp.zeros((mp, width), F32)] * n_acc if fp8_16 else list(accs)
             for t in range(sub):
                 k0 = pl.multiple_of((kk * sub + t) * bk, bk)
-                xs = [plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m,
-                                 other=0.0).astype(xdt) for r in x_refs]
+                xs = [x_tile(r, k0).astype(xdt) for r in x_refs]
                 blk = [_tile_dot(blk[i], xs, tile(i, k0)) for i in range(n_acc)]
             if not fp8_16:
                 return tuple(blk)
@@ -207,7 +214,10 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         zero = jnp.zeros((mp, width), F32)
         accs = jax.lax.fori_loop(0, d // (bk * sub), step, (zero,) * n_acc)
         if mma16:       # products of prescaled rows: 2^-s back per row; NVFP4's global (x 2^14) per weight row
-            back = plgpu.load(back_ref.at[(*lead, pl.ds(0, mp))], mask=jnp.arange(mp) < m, other=0.0)[:, None]
+            if gather:
+                back = back_ref[src][:, None]
+            else:
+                back = plgpu.load(back_ref.at[(*lead, pl.ds(0, mp))], mask=jnp.arange(mp) < m, other=0.0)[:, None]
             scaled = []
             for i, a in enumerate(accs):
                 a = a * back
@@ -305,14 +315,30 @@ def tiles_not_applicable(gate_up, down, tiles: Tiles) -> str | None:
     return None
 
 
+GATHER_ENV = "FNX_MOE_KERNEL_GATHER"
+
+
+def kernel_gather() -> bool:
+    """Whether the gate/up kernel reads a block's rows from the token rows itself (`FNX_MOE_KERNEL_GATHER=1`, read
+    when a program is traced; off until measured) where `row_of` is given, instead of XLA gathering the prepared rows
+    into a [blocks, B, D] buffer first (an H200 2,048-token chunk: that gather wrote and the kernel read ~270 MB a
+    layer, 86 us). The same values: the same rows meet the same tiles."""
+    v = os.environ.get(GATHER_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{GATHER_ENV}={v!r}: use 1 (the kernel gathers the rows) or 0 (XLA gathers them first)")
+    return v == "1"
+
+
 def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret: bool = False,
-                  tiles: Tiles | None = None, row_of: jax.Array | None = None) -> jax.Array:
+                  tiles: Tiles | None = None, row_of: jax.Array | None = None,
+                  gather: bool | None = None) -> jax.Array:
     """x [M, D] (every slot's tokens) or [S, M, D] (each slot its own rows: the prefill blocks), experts [S] int32
     (empty slots = E) -> y [S, Mp, D] (x.dtype): row t of slot s is expert experts[s] applied to row t of its
     tokens (rows >= M and empty slots are unspecified). With `row_of` [S, M] int32, x is rows [R, D] and slot s's
     row t is x[row_of[s, t]]: the kernels' row-wise operand preparation (the even / odd columns, the fp16
     prescale) runs on the R rows, then its results are gathered into the slots (the same values as gathering x
-    first: every step is per row)."""
+    first: every step is per row): by XLA into a slot buffer, or with `gather` (None: `kernel_gather()`) by the
+    gate/up kernel itself, each program reading its slot's rows from the prepared rows."""
     per_slot = x.ndim == 3 or row_of is not None
     m, d = (row_of.shape[1], x.shape[-1]) if row_of is not None else x.shape[-2:]
     n_exp, two_i, _ = gate_up.shape
@@ -341,12 +367,16 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
         up, down_s = kernel_math.hfma_prescale(jnp.max(jnp.abs(x.astype(F32)), axis=-1))
         xh = (x.astype(F32) * up[..., None]).astype(jnp.float16)
         xs, back = ((xh[..., 0::2], xh[..., 1::2]) if fmt1 == "nvfp4" else (xh,)), (down_s,)
-    if row_of is not None:      # the prepared rows into their slots
+    gather = row_of is not None and (kernel_gather() if gather is None else gather)
+    lead = ()
+    if gather:                  # the kernel reads its rows; rows past m name row 0 (their results are unused)
+        lead = (jnp.pad(row_of.astype(jnp.int32), ((0, 0), (0, mp - m))),)
+    elif row_of is not None:    # the prepared rows into their slots
         xs, back = tuple(a[row_of] for a in xs), tuple(a[row_of] for a in back)
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
-                          bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16),
-        (experts, *xs, *w1, *back),
+                          bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16, gather=gather),
+        (experts, *lead, *xs, *w1, *back),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
