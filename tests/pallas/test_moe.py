@@ -1714,7 +1714,9 @@ def test_rows_first_knob_same_bits(fmt, monkeypatch):
     with pytest.raises(ValueError, match=experts_pallas.GATHER_ENV):
         experts_pallas.kernel_gather()
     monkeypatch.delenv(experts_pallas.GATHER_ENV)
-    assert not experts_pallas.kernel_gather()                   # off until measured
+    assert experts_pallas.kernel_gather()                       # on by default
+    monkeypatch.setenv(experts_pallas.GATHER_ENV, "0")
+    assert not experts_pallas.kernel_gather()
     monkeypatch.setenv(moe.ROWS_FIRST_ENV, "yes")
     with pytest.raises(ValueError, match=moe.ROWS_FIRST_ENV):
         moe.rows_first_on()
