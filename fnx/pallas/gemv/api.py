@@ -40,13 +40,10 @@ def m_bucket(m: int) -> int:
     return max(1, 1 << (m - 1).bit_length()) if m <= 16 else 32
 
 
-@functools.lru_cache(maxsize=None)
 def _tuned(device_kind: str) -> dict:
-    name = device_kind.lower().replace(" ", "_") + ".json"
-    path = CONFIG_DIR / name
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text())
+    """The committed table of a device kind (configs/<kind, lower case, spaces as _>.json), {} without one."""
+    path = CONFIG_DIR / (device_kind.lower().replace(" ", "_") + ".json")
+    return _tuned_file(str(path)) if path.exists() else {}
 
 
 CONFIG_ENV = "FNX_GEMV_CONFIG"
@@ -79,6 +76,7 @@ def _table() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_file(path: str) -> dict:
+    """A table read once per process (tile lookups run at every trace)."""
     return json.loads(pathlib.Path(path).read_text())
 
 
