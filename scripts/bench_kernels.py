@@ -213,7 +213,7 @@ def tune_gemv(out_path: pathlib.Path, quick: bool, log, budget_s: float = 200.0,
             out_path.parent.mkdir(parents=True, exist_ok=True)   # written after every shape: a cut run keeps it
             out_path.write_text(json.dumps(best, indent=1, sort_keys=True) + "\n")
     pool.shutdown()
-    api._tuned.cache_clear()
+    api._tuned_file.cache_clear()
     return best
 
 
