@@ -1522,6 +1522,32 @@ def test_experts_blocks_split_act_same_bits(fmt):
     assert "split_act" in experts_pallas.blocks_not_applicable(gu, dn, 16, narrow)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("mma16", [0, 1])
+def test_experts_blocks_split_store_same_bits(fmt, mma16):
+    """`Tiles.split_store`: stage 1 computes its columns as by default and stores the even / odd ones into its
+    output's halves, and the NVFP4 down kernel reads them in place: the same bits as the layout XLA splits, with
+    plain and fp16 (mma16) products, from gathered rows too (FP8 down experts ignore it: no halves)."""
+    gu, dn = _weights(fmt, 27)
+    xb = jax.random.normal(_key(28), (4, 16, D), jnp.float32).astype(BF16)
+    be = jnp.array([5, 5, 0, E - 1], jnp.int32)
+    base = dataclasses.replace(TILES, mma16=mma16)
+    run = functools.partial(experts_pallas.experts_blocks, gu, dn, xb, be, interpret=INTERPRET)
+    plain = run(tiles=base)
+    stored = run(tiles=dataclasses.replace(base, split_store=1))
+    np.testing.assert_array_equal(np.asarray(stored, np.float32), np.asarray(plain, np.float32))
+    from tests.pallas.kernel_mode import ops_outside_kernels
+    slices = [ops_outside_kernels(functools.partial(run, tiles=t)).count("slice")
+              for t in (base, dataclasses.replace(base, split_store=1))]
+    assert slices[0] - slices[1] == (2 if fmt == "nvfp4" else 0), slices     # the act halves' copies gone
+    rows = xb.reshape(-1, D)
+    row_of = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)[:, ::-1]
+    got = experts_pallas.experts_blocks(gu, dn, rows, be, interpret=INTERPRET, row_of=row_of,
+                                        tiles=dataclasses.replace(base, split_store=1))
+    want = experts_pallas.experts_blocks(gu, dn, rows[row_of], be, interpret=INTERPRET, tiles=base)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_experts_mma16_within_the_reference(fmt):
     """`Tiles.mma16` (NVFP4 / FP8 gate/up on fp16 tensor cores, rows prescaled by powers of two, the weights not
@@ -1557,15 +1583,16 @@ def test_experts_blocks_mma16_lower_for_cuda(fmt):
     """The fp16 gate/up (NVFP4: with the act halves in place) at the released widths, blocks of 64 rows: two Triton
     launches, the gate/up products on fp16 operands."""
     S = jax.ShapeDtypeStruct
-    t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), fmt)), mma16=1, split_act=1)
-    fn = functools.partial(experts_pallas.experts_blocks, tiles=t)
-    lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), fmt), _spec((512, 2560, 640), fmt),
-                                S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
     from fnx.pallas import triton_ir
-    launches = triton_ir.launches(lowered)
-    assert [name for name, *_ in launches] == ["moe_gate_up", "moe_down"]
-    dots = [ln for ln in launches[0][3].splitlines() if "tt.dot" in ln]
-    assert dots and all("xf16>" in ln.split(":")[-1].split("->")[0] for ln in dots), dots
+    for halves in ({"split_act": 1}, {"split_store": 1}):
+        t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), fmt)), mma16=1, **halves)
+        fn = functools.partial(experts_pallas.experts_blocks, tiles=t)
+        lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), fmt), _spec((512, 2560, 640), fmt),
+                                    S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        launches = triton_ir.launches(lowered)
+        assert [name for name, *_ in launches] == ["moe_gate_up", "moe_down"]
+        dots = [ln for ln in launches[0][3].splitlines() if "tt.dot" in ln]
+        assert dots and all("xf16>" in ln.split(":")[-1].split("->")[0] for ln in dots), dots
 
 
 def test_block_tiles_knob(monkeypatch):
