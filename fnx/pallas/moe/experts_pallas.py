@@ -164,7 +164,9 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
     gate and up rows at a stride of 2. With `mma16` (NVFP4, FP8) the activations are fp16, prescaled per row (the last
     input after the weights: each row's 2^-s), and the products fp16 (`_f16_tile`; FP8: the E4M3 weights as fp16,
-    a 128-column block's steps summed before its scale)."""
+    a 128-column block's steps summed before its scale). With `gather` the first input after the expert ids is
+    row_of [S, Mp] and the activations (and 2^-s) are token rows: the program reads its slot's rows by index. With
+    `split_store` the columns are computed as by default and stored into the halves `split` writes."""
     back_ref = rowof_ref = None
     if gather:          # the slot's rows are gathered here from the token rows (`row_of`), not from a slot buffer
         rowof_ref, *rest = rest
