@@ -19,7 +19,8 @@ def _fp8_ok(w) -> bool:
 def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: int) -> bool:
     """Whether this call goes through fnx.pallas.hc: decode-sized (M <= 32 tokens), dense weights (or, for up to
     8 tokens, FP8 128x128-block Wdown and Wup), and a kernel backend resolved for "hc_boundary_m1" (one token),
-    "hc_boundary_few" (2..8 tokens) or "hc_boundary" (2..32 tokens, dense weights)."""
+    "hc_boundary_few" (2..8 tokens) or "hc_boundary" (2..32 tokens, dense weights); or a prefill chunk (more than
+    32 tokens, dense or FP8 Wdown / Wup) where "hc_boundary_prefill" resolves to a kernel (only where named)."""
     from fnx.model import quant
     m = 1
     for n in h.shape[:-1]:
@@ -27,9 +28,17 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: i
     why = None
     fp8 = [_fp8_ok(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     dense = [not quant.is_quantized(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
-    if m > hc_api.MAX_DECODE_TOKENS:
-        why = f"{m} tokens > {hc_api.MAX_DECODE_TOKENS}"
-    elif inject and quant.is_quantized(p["block_inject_weight"]):
+    if m > hc_api.MAX_DECODE_TOKENS:         # a prefill chunk: op "hc_boundary_prefill" (only where named)
+        from fnx.pallas.hc import prefill
+        if inject and quant.is_quantized(p["block_inject_weight"]):
+            why = "quantized block_inject_weight (the kernels take it dense)"
+        elif not (all(dense) or all(fp8)):
+            why = "hyper-connection weights in a format the kernels do not take (dense, or FP8 128x128 blocks)"
+        else:
+            d = h.shape[-1] // streams
+            why = prefill.why_not(streams, d, p["input_mix_weight_down"].shape[0], prefill.default_tiles(d))
+        return hc_api.backend(impl, why, tokens=m, fp8=all(fp8)) != "reference"
+    if inject and quant.is_quantized(p["block_inject_weight"]):
         why = "quantized block_inject_weight (the kernels take it dense)"
     elif not (all(dense) or all(fp8)):
         why = ("hyper-connection weights in a format the kernels do not take (dense, or FP8 128x128 blocks for "

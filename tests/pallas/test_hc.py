@@ -112,11 +112,12 @@ def test_lowers_for_cuda_released_shapes(m):
 
 
 def test_named_kernel_on_a_call_it_does_not_serve_raises():
-    """More than 32 tokens: auto runs the jnp path, a named kernel is an error (never a silent fallback)."""
+    """More than 32 tokens at a rank the prefill kernels cannot tile (24: not a multiple of 16): auto runs the jnp
+    path, a named kernel is an error (never a silent fallback)."""
     from fnx.pallas import dispatch
     h, _, _, p = _inputs((2, 20), 4, 64, 24, jnp.bfloat16, np.random.randint(1 << 30))
     hyper.gated_residual(p, h, 4, 1e-6)
-    with pytest.raises(dispatch.NotApplicable, match="40 tokens > 32"):
+    with pytest.raises(dispatch.NotApplicable, match="r=24 must be a multiple of 16"):
         hyper.gated_residual(p, h, 4, 1e-6, impl=KERNEL)
 
 
@@ -446,3 +447,71 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
         text = f.trace(*acts, jax.ShapeDtypeStruct((r, sd), bf), jax.ShapeDtypeStruct((sd, r), bf), inj_w).lower(
             lowering_platforms=("cuda",)).as_text()
         assert text.count("hc_down_few") and text.count("hc_up_few") == (2 if up == "mma" else 0)
+
+
+@pytest.mark.parametrize("m,dtype,fp8,with_y,inject", [(40, F32_, True, True, True), (40, BF, True, True, True),
+                                                       (33, BF, False, True, True), (64, F32_, False, False, False),
+                                                       (17, BF, True, False, True)])
+def test_prefill_kernels_match_reference(m, dtype, fp8, with_y, inject):
+    """The prefill boundary (`prefill.hc_boundary_prefill`, op "hc_boundary_prefill"): the combine, the norm and
+    the Wdown / Winj products in one launch per (row block, stream), XLA's mid, the gates and the mix in another;
+    S*D = 1280 and r = 48 (pieces of 32 and 16), row counts that leave a partial row block. fp32 to 1e-5, bf16
+    within TOL, H' bit for bit, inj absent together."""
+    from fnx.pallas.hc import prefill
+    h, y, inj, p, wd, wu, wi, kw, want = _few_case(m, dtype, fp8, with_y, inject)
+    tiles = prefill.TilesPrefill(bm=16, bk=64, bd=64)
+    got = jax.jit(lambda h, y, i: prefill.hc_boundary_prefill(h, y, i, p["hc_norm"], wd, wu, wi, streams=4,
+                                                              eps=1e-6, interpret=INTERPRET, tiles=tiles,
+                                                              **kw))(h, y, inj)
+    _check_few(got, want, dtype)
+
+
+def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda():
+    """Tiles that do not divide the dims are refused with the reason; at the released shapes (S = 4, D = 2,560,
+    r = 320, FP8 Wdown / Wup) a 2,048-token boundary lowers to the two Triton launches."""
+    from fnx.model import quant
+    from fnx.pallas.hc import prefill
+    assert "bk=256" in prefill.why_not(4, 2560, 320, prefill.TilesPrefill(bk=256))
+    assert "bd=48" in prefill.why_not(4, 2560, 320, prefill.TilesPrefill(bd=48))
+    assert "r=40" in prefill.why_not(4, 2560, 40, prefill.TilesPrefill())
+    assert prefill.why_not(4, 2560, 320, prefill.TilesPrefill()) is None
+    S = jax.ShapeDtypeStruct
+    m, sd, r = 2048, 10240, 320
+    fp8 = jnp.float8_e4m3fn
+    text = jax.jit(lambda h, y, i, w, wd, sd_, wu, su, wi: prefill.hc_boundary_prefill(
+        h, y, i, w, wd, wu, wi, streams=4, eps=1e-6, w_down_scale=sd_, w_up_scale=su)).trace(
+        S((1, m, sd), jnp.bfloat16), S((1, m, sd // 4), jnp.bfloat16), S((1, m, 4), jnp.bfloat16),
+        S((sd,), jnp.bfloat16), S((r, sd), fp8), S((3, 80), jnp.float32), S((sd, r), fp8), S((80, 3), jnp.float32),
+        S((4, sd), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    del quant
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_boundary_through_the_model_only_where_named(fp8, monkeypatch):
+    """hyper.boundary / gated_residual over a prefill chunk (40 tokens): the reference under auto (the kernel has
+    not passed its compiled tests), the two launches where FNX_KERNELS names "hc_boundary_prefill", with FP8 (as
+    the model quantizes them) or bf16 Wdown / Wup; the same values within TOL, H' bit for bit. A rank the kernels
+    cannot tile keeps the reference even where named."""
+    h, y, inj, p = _inputs((1, 40), 4, 64, 32, jnp.bfloat16, np.random.randint(1 << 30))
+    if fp8:
+        h, y, inj, p = _inputs((1, 40), 4, 128, 32, jnp.bfloat16, np.random.randint(1 << 30))
+        p = _fp8(p)
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+    # fresh functions for every trace: jit (and make_jaxpr) keep a function's trace, knobs are read while tracing
+    count = lambda f: str(jax.make_jaxpr(lambda h: f(h))(h)).count("pallas_call")   # noqa: E731
+    bnd = lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6)              # noqa: E731
+    res = lambda h: hyper.gated_residual(p, h, 4, 1e-6)                # noqa: E731
+    assert count(bnd) == 0 and count(res) == 0
+    want_b, want_r = jax.jit(lambda h: bnd(h))(h), jax.jit(lambda h: res(h))(h)
+    monkeypatch.setenv("FNX_KERNELS", f"hc_boundary_prefill={KERNEL}")
+    assert count(bnd) == 2 and count(res) == 2
+    got_b, got_r = jax.jit(lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6))(h), \
+        jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6))(h)
+    np.testing.assert_array_equal(np.asarray(got_b[0], np.float32), np.asarray(want_b[0], np.float32))
+    for g, w, what in ((got_b[1], want_b[1], "x"), (got_b[2], want_b[2], "inj"), (got_r[0], want_r[0], "x"),
+                       (got_r[1], want_r[1], "inj")):
+        _close(g, w, TOL[jnp.bfloat16], what)
+    _, _, _, p8 = _inputs((1, 40), 4, 64, 24, jnp.bfloat16, 1)           # r = 24: no power-of-two pieces of 16
+    assert str(jax.make_jaxpr(lambda h: hyper.gated_residual(p8, h, 4, 1e-6))(h[..., :256])).count(
+        "pallas_call") == 0

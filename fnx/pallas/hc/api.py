@@ -13,7 +13,10 @@ OP_ONE = "hc_boundary_one"    # one token in one launch: one.hc_boundary_one (th
                               # between); only where FNX_KERNELS names it (not measured on a GPU yet)
 OP_FEW_ONE = "hc_boundary_few_one"   # 2..FEW tokens in one launch: one.hc_boundary_one_few (tensor-core down tasks,
                                      # hc_up1's tasks over the tokens); only where FNX_KERNELS names it
-MAX_DECODE_TOKENS = 32       # the model routes calls with at most this many tokens through the api
+OP_PREFILL = "hc_boundary_prefill"   # more than MAX_DECODE_TOKENS tokens (a prefill chunk): prefill.hc_boundary_prefill
+                                     # (two launches and XLA's mid; bf16 or FP8 Wdown / Wup); only where named until
+                                     # its compiled tests pass and it is measured
+MAX_DECODE_TOKENS = 32       # the decode designs take at most this many tokens; longer calls are OP_PREFILL's
 MAX_FEW_TOKENS = 8           # = pallas.FEW_MAX_TOKENS
 
 
@@ -32,6 +35,8 @@ def choose(impl: str | None, not_applicable: str | None, tokens: int, fp8: bool 
     (OP_FEW, bf16 or FP8 weights, streams a power of two) when that op resolves to a kernel (named by impl or
     FNX_KERNELS; not under auto: slower in the MTP round, see dispatch.AUTO_KEEPS_REFERENCE), else the
     multi-token design (OP, dense weights only)."""
+    if tokens > MAX_DECODE_TOKENS:
+        return OP_PREFILL, dispatch.resolve(OP_PREFILL, impl, not_applicable=not_applicable)
     if impl in (None, "auto") and not_applicable is None and pow2_streams and one_launch(tokens):
         return one_launch_op(tokens), one_launch_backend(tokens)
     if tokens == 1:
@@ -97,7 +102,7 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
         tokens *= n
     fp8 = w_down_scale is not None or w_up_scale is not None
     from fnx.pallas.hc import pallas as kernel
-    if isinstance(tiles, kernel.Tiles):     # the multi-token design's tiles name that design
+    if isinstance(tiles, kernel.Tiles) and tokens <= MAX_DECODE_TOKENS:     # the multi-token design's tiles
         why = "FP8 weights (only the one-token kernel takes them)" if fp8 and tokens != 1 else None
         op, which = OP, dispatch.resolve(op_for(tokens), impl, not_applicable=why)
         if fp8 and which != "reference":
@@ -115,6 +120,12 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
             w_down = dequantize("fp8", w_down, w_down_scale).astype(h.dtype)
             w_up = dequantize("fp8", w_up, w_up_scale).astype(h.dtype)
         return reference.hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps)
+    if op == OP_PREFILL:
+        from fnx.pallas.hc import prefill
+        return prefill.hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, streams=streams, eps=eps,
+                                           interpret=dispatch.interpret_flag(which),
+                                           tiles=tiles if isinstance(tiles, prefill.TilesPrefill) else None,
+                                           w_down_scale=w_down_scale, w_up_scale=w_up_scale)
     if op in (OP_ONE, OP_FEW_ONE):
         from fnx.pallas import grid_sync
         from fnx.pallas.hc import one

@@ -1,0 +1,234 @@
+"""The hyper-connection boundary over a prefill chunk (more than MAX_DECODE_TOKENS tokens; op "hc_boundary_prefill").
+
+XLA's boundary at prefill (the reference's jnp) makes about four passes over the [M, S*D] streams: H' = H + inj_prev
+y written, Hn = GroupedRMSNorm(H') written, Hn read by the Wdown product and again by the Winj one, the gates
+m = sigmoid(u @ Wup.T) written [M, S*D] and read back with Hn by the mix (an H100 table of a 2,048-token chunk: ~140
+us a boundary, ~7% of the chunk). Here two launches and one small XLA step:
+
+  down (`_down_kernel`, grid (M / bm, S)): program (i, j) walks stream j of its bm token rows twice in chunks of
+        bk columns. First the combine, H' = round(H + round(inj_prev_j y)), stored (the new streams), and the
+        stream's sum of squares; then H' again (recomputed from H and y, read back from L2), Hn = round(H' rstd
+        (1 + w)) exactly as the reference rounds it, and its products with Wdown's rows (r in power-of-two pieces)
+        and Winj's (padded to 16 rows) on the tensor cores. Out: each stream's fp32 partials [S, M, r] and
+        [S, M, S], and rstd [M, S].
+  mid   (XLA, the reference's ops): the streams' partials summed, rounded as the products' outputs, / S, silu -> u
+        [M, r]; inj = 2 sigmoid(round / S).
+  up    (`_up_kernel`, grid (M / bm, D / bd)): program (i, n) multiplies u by the bd rows of Wup of each stream for
+        its columns, sigmoid, Hn for those columns from H' and rstd (the same rounding), and writes
+        x = round(mean_j round(m_j Hn_j)).
+
+So the streams are read twice and written once, where XLA reads them about five times and writes them three times;
+no [M, S*D] gate or normalized array exists. FP8 (128x128-block) Wdown and Wup: their codes go to the activation
+dtype exactly and each piece's block scale multiplies its fp32 product (the few-token kernels' arithmetic: within
+the weights' bf16 rounding of the reference, which dequantizes and rounds each weight first). bf16 runs match the
+reference within the tests' bound (sums in another order); fp32 runs to 1e-5; H' bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from fnx.pallas.hc import pallas as kernel
+from fnx.pallas.kernel_math import rnd
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST     # fp32 operands (the tests' fp32 runs): IEEE products; bf16: no effect
+INJ_ROWS = 16                           # Winj's S rows padded to one MMA's N (the padding masked: no memory read)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilesPrefill:
+    bm: int = 32            # token rows per program (the MMA's M: >= 16)
+    bk: int = 128           # columns per step of the down kernel (a power of two <= 128 dividing D: one FP8 block)
+    bd: int = 64            # columns of each stream per up program (>= 16, divides D and 128)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_tiles(d: int) -> TilesPrefill:
+    """The default tiles with bk and bd shrunk to powers of two that divide D (small test models)."""
+    t = TilesPrefill()
+    bk, bd = t.bk, t.bd
+    while bk > 16 and d % bk:
+        bk //= 2
+    while bd > 16 and d % bd:
+        bd //= 2
+    return dataclasses.replace(t, bk=bk, bd=bd)
+
+
+def why_not(s: int, d: int, r: int, tiles: TilesPrefill) -> str | None:
+    """None when the kernels take these dims and tiles, else why not."""
+    t = tiles
+    for name, v in (("bm", t.bm), ("bk", t.bk), ("bd", t.bd)):
+        if v < 16 or v & (v - 1):
+            return f"{name}={v} must be a power of two >= 16"
+    if d % t.bk or t.bk > 128:
+        return f"bk={t.bk} must divide D={d} and be at most 128 (one FP8 block)"
+    if d % t.bd or 128 % t.bd:
+        return f"bd={t.bd} must divide D={d} and 128"
+    if r < 16 or r % 16:
+        return f"r={r} must be a multiple of 16 (its power-of-two pieces are MMA tiles)"
+    if s > INJ_ROWS:
+        return f"{s} streams > {INJ_ROWS} (Winj's rows are one MMA tile)"
+    return None
+
+
+def _down_kernel(*refs, m, s, d, r, bm, bk, eps, has_y, has_inj, fp8):
+    it = iter(refs)
+    h_ref = next(it)
+    y_ref, ip_ref = (next(it), next(it)) if has_y else (None, None)
+    wn_ref, wd_ref = next(it), next(it)
+    sd_ref = next(it) if fp8 else None
+    wi_ref = next(it) if has_inj else None
+    h2_ref, pd_ref, rstd_ref = next(it), next(it), next(it)
+    pi_ref = next(it) if has_inj else None
+    i, j = pl.program_id(0), pl.program_id(1)
+    dt = h_ref.dtype
+    sd = s * d
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    rok = rows < m
+    inj = plt.load(ip_ref.at[rows * s + j], mask=rok, other=0.0).astype(F32) if has_y else None   # [bm]
+
+    def streams_at(c):
+        """H' of the program's rows for columns [c bk, (c+1) bk) of stream j (fp32 values of dt), and offsets."""
+        col = c * bk + jnp.arange(bk, dtype=jnp.int32)
+        off = rows[:, None] * sd + (j * d + col)[None, :]
+        hv = plt.load(h_ref.at[off], mask=rok[:, None], other=0.0).astype(F32)
+        if has_y:       # the reference's combine: the product rounded, then the sum
+            yv = plt.load(y_ref.at[rows[:, None] * d + col[None, :]], mask=rok[:, None], other=0.0).astype(F32)
+            hv = rnd(hv + rnd(yv * inj[:, None], dt), dt)
+        return col, off, hv
+
+    def first(c, ss):
+        _, off, hv = streams_at(c)
+        plt.store(h2_ref.at[off], hv.astype(dt), mask=rok[:, None])
+        return ss + jnp.sum(hv * hv, axis=1)
+
+    ss = jax.lax.fori_loop(0, d // bk, first, jnp.zeros((bm,), F32))
+    rstd = jax.lax.rsqrt(ss / d + eps)                                                     # [bm]
+    plt.store(rstd_ref.at[rows * s + j], rstd, mask=rok)
+    pieces = kernel._pieces(r, 256)
+    ncb = (sd + 127) // 128                                     # 128-column blocks of a Wdown row (its scales)
+    irow = jnp.arange(INJ_ROWS, dtype=jnp.int32)
+
+    def second(c, accs):
+        col, _, hv = streams_at(c)
+        w = plt.load(wn_ref.at[j * d + col]).astype(F32)
+        hn = ((hv * rstd[:, None]) * (1.0 + w)[None, :]).astype(dt)                       # the reference's Hn
+        out = []
+        for (p0, pn), acc in zip(pieces, accs):
+            wr = p0 + jnp.arange(pn, dtype=jnp.int32)
+            wt = plt.load(wd_ref.at[wr[:, None] * sd + (j * d + col)[None, :]]).astype(dt)     # [pn, bk]
+            p = jnp.dot(hn, wt.T, precision=HIGHEST, preferred_element_type=F32)               # [bm, pn]
+            if fp8:     # a chunk lies in one 128-column block; each row its row block's scale
+                sc = plt.load(sd_ref.at[(wr // 128) * ncb + (j * d + c * bk) // 128])             # [pn]
+                p = p * sc[None, :]
+            out.append(acc + p)
+        if has_inj:
+            wi = plt.load(wi_ref.at[irow[:, None] * sd + (j * d + col)[None, :]], mask=(irow < s)[:, None],
+                          other=0.0).astype(dt)                                                   # [16, bk]
+            out.append(accs[-1] + jnp.dot(hn, wi.T, precision=HIGHEST, preferred_element_type=F32))
+        return tuple(out)
+
+    zero = tuple(jnp.zeros((bm, pn), F32) for _, pn in pieces) + \
+        ((jnp.zeros((bm, INJ_ROWS), F32),) if has_inj else ())
+    accs = jax.lax.fori_loop(0, d // bk, second, zero)
+    for (p0, pn), acc in zip(pieces, accs):
+        wr = p0 + jnp.arange(pn, dtype=jnp.int32)
+        plt.store(pd_ref.at[(j * m + rows[:, None]) * r + wr[None, :]], acc, mask=rok[:, None])
+    if has_inj:
+        plt.store(pi_ref.at[(j * m + rows[:, None]) * s + irow[None, :]], accs[-1],
+                  mask=rok[:, None] & (irow < s)[None, :])
+
+
+def _up_kernel(u_ref, h2_ref, rstd_ref, wn_ref, wu_ref, *rest, m, s, d, r, bm, bd, fp8):
+    su_ref = rest[0] if fp8 else None
+    x_ref = rest[-1]
+    i, n = pl.program_id(0), pl.program_id(1)
+    dt = h2_ref.dtype
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    rok = (rows < m)[:, None]
+    cols = n * bd + jnp.arange(bd, dtype=jnp.int32)
+    ncb = (r + 127) // 128
+    pieces = kernel._pieces(r, 128)        # a piece lies in one 128-column block of Wup (its scale)
+    us = {k0: plt.load(u_ref.at[rows[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=rok,
+                       other=0.0) for k0, p in pieces}                                            # [bm, p]
+    acc = None
+    for j in range(s):
+        z = None
+        for k0, p in pieces:
+            k = k0 + jnp.arange(p, dtype=jnp.int32)
+            w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)          # [bd, p]
+            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)              # [bm, bd]
+            if fp8:     # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
+                q = q * plt.load(su_ref.at[jnp.full((1, 1), ((j * d + n * bd) // 128) * ncb + k0 // 128,
+                                                    jnp.int32)])
+            z = q if z is None else z + q
+        mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
+        hv = plt.load(h2_ref.at[rows[:, None] * (s * d) + (j * d + cols)[None, :]], mask=rok, other=0.0)
+        rs = plt.load(rstd_ref.at[rows * s + j], mask=rows < m, other=0.0)                        # [bm]
+        w = plt.load(wn_ref.at[j * d + cols]).astype(F32)
+        hn = rnd((hv.astype(F32) * rs[:, None]) * (1.0 + w)[None, :], dt)
+        v = rnd(mg * hn, dt)
+        acc = v if acc is None else acc + v
+    plt.store(x_ref.at[rows[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=rok)
+
+
+def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, eps: float,
+                        interpret: bool = False, tiles: TilesPrefill | None = None, w_down_scale=None,
+                        w_up_scale=None):
+    """See `fnx.pallas.hc.api.hc_boundary`: h [..., S*D], y [..., D] and inj_prev [..., S] (or both None), the
+    weights in the checkpoint layout (Wdown and Wup bf16, or FP8 with their 128x128 block scales), w_inj [S, S*D]
+    or None. Returns (H' [..., S*D], x [..., D], inj [..., S] or None)."""
+    t = tiles or default_tiles(h.shape[-1] // streams)
+    lead = h.shape[:-1]
+    m = 1
+    for a in lead:
+        m *= a
+    s, sd = streams, h.shape[-1]
+    d, r = sd // s, w_down.shape[0]
+    fp8 = w_down_scale is not None
+    if fp8 != (w_up_scale is not None):
+        raise ValueError("hc_boundary_prefill: Wdown and Wup are FP8 together (both scales) or dense together")
+    why = why_not(s, d, r, t)
+    if why is not None:
+        raise NotImplementedError(f"hc_boundary_prefill: {why}")
+    dt = h.dtype
+    has_y, has_inj = y is not None, w_inj is not None
+    flat = lambda a: a.reshape(-1)  # noqa: E731
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
+                                                                         num_stages=t.num_stages)}
+    args = [flat(h)]
+    if has_y:
+        args += [flat(y), flat(inj_prev)]
+    args += [hc_norm, flat(w_down)] + ([flat(w_down_scale)] if fp8 else []) + ([flat(w_inj)] if has_inj else [])
+    out_shape = [jax.ShapeDtypeStruct((m * sd,), dt), jax.ShapeDtypeStruct((s * m * r,), F32),
+                 jax.ShapeDtypeStruct((m * s,), F32)] + \
+        ([jax.ShapeDtypeStruct((s * m * s,), F32)] if has_inj else [])
+    nb = -(-m // t.bm)
+    outs = pl.pallas_call(
+        functools.partial(_down_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bk=t.bk, eps=float(eps), has_y=has_y,
+                          has_inj=has_inj, fp8=fp8),
+        grid=(nb, s), out_shape=out_shape, interpret=interpret, name="hc_down_prefill", **params,
+    )(*args)
+    h2, pd, rstd = outs[:3]
+    # mid: the reference's ops on the streams' summed partials (each product rounded once, as its output)
+    down = jnp.sum(pd.reshape(s, m, r), axis=0).astype(dt)
+    g = (down.astype(F32) / s).astype(dt)
+    u = jax.nn.silu(g)
+    inj = None
+    if has_inj:
+        zi = (jnp.sum(outs[3].reshape(s, m, s), axis=0).astype(dt).astype(F32) / s).astype(dt)
+        inj = (2 * jax.nn.sigmoid(zi)).reshape(*lead, s)
+    up_args = [flat(u), h2, rstd, hc_norm, flat(w_up)] + ([flat(w_up_scale)] if fp8 else [])
+    x = pl.pallas_call(
+        functools.partial(_up_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd, fp8=fp8),
+        grid=(nb, d // t.bd), out_shape=jax.ShapeDtypeStruct((m * d,), dt), interpret=interpret,
+        name="hc_up_prefill", **params,
+    )(*up_args)
+    return h2.reshape(h.shape), x.reshape(*lead, d), inj
