@@ -302,21 +302,30 @@ def _up_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bd, fp8):
             wt[j, k0] = (w, sc)
     us = {k0: plt.load(u_ref.at[tok[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=tmask,
                        other=0.0) for k0, p in pieces}                                           # [MP, p]
+    acc = gates_and_mix(us, pieces, s, dt, lambda j, k0: wt[j, k0],
+                        lambda j: plt.load(hn_ref.at[tok[:, None] * (s * d) + (j * d + cols)[None, :]], mask=tmask,
+                                           other=0.0).astype(F32))
+    plt.store(x_ref.at[tok[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=tmask)
+
+
+def gates_and_mix(us, pieces, s, dt, weight, hn_of):
+    """The up kernels' arithmetic: sum over the streams j of round(m_j Hn_j), m_j = round(sigmoid(round(u @
+    Wup_j.T))), in fp32 ([rows, bd]). us: u's [rows, p] piece per first column k0 of `pieces`; weight(j, k0) ->
+    (Wup_j's [bd, p] tile, its FP8 block scale or None), each piece's product scaled apart; hn_of(j) -> Hn_j's
+    [rows, bd] values (fp32), called after the stream's gates."""
     acc = None
     for j in range(s):
         z = None
-        for k0, p in pieces:
-            w, sc = wt[j, k0]
-            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)             # [MP, bd]
+        for k0, _ in pieces:
+            w, sc = weight(j, k0)
+            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)             # [rows, bd]
             if sc is not None:
                 q = q * sc
             z = q if z is None else z + q
         mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
-        hn = plt.load(hn_ref.at[tok[:, None] * (s * d) + (j * d + cols)[None, :]], mask=tmask,
-                      other=0.0).astype(F32)
-        v = rnd(mg * hn, dt)
+        v = rnd(mg * hn_of(j), dt)
         acc = v if acc is None else acc + v
-    plt.store(x_ref.at[tok[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=tmask)
+    return acc
 
 
 def _xla_sum(part, ss, ks: int, m: int, rows: int, s: int, d: int, eps: float, dtype):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas.hc import few
 from fnx.pallas.hc import pallas as kernel
 from fnx.pallas.kernel_math import rnd
 
@@ -158,24 +159,23 @@ def _up_kernel(u_ref, h2_ref, rstd_ref, wn_ref, wu_ref, *rest, m, s, d, r, bm, b
     pieces = kernel._pieces(r, 128)        # a piece lies in one 128-column block of Wup (its scale)
     us = {k0: plt.load(u_ref.at[rows[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=rok,
                        other=0.0) for k0, p in pieces}                                            # [bm, p]
-    acc = None
-    for j in range(s):
-        z = None
-        for k0, p in pieces:
-            k = k0 + jnp.arange(p, dtype=jnp.int32)
-            w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)          # [bd, p]
-            q = jnp.dot(us[k0], w.T, precision=HIGHEST, preferred_element_type=F32)              # [bm, bd]
-            if fp8:     # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
-                q = q * plt.load(su_ref.at[jnp.full((1, 1), ((j * d + n * bd) // 128) * ncb + k0 // 128,
-                                                    jnp.int32)])
-            z = q if z is None else z + q
-        mg = rnd(jax.nn.sigmoid(rnd(z, dt)), dt)
+    width = dict(pieces)
+
+    def weight(j, k0):      # loaded where used: a program's tiles of every stream would not fit its registers
+        k = k0 + jnp.arange(width[k0], dtype=jnp.int32)
+        w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)              # [bd, p]
+        # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
+        sc = plt.load(su_ref.at[jnp.full((1, 1), ((j * d + n * bd) // 128) * ncb + k0 // 128, jnp.int32)]) \
+            if fp8 else None
+        return w, sc
+
+    def hn_of(j):           # Hn_j of the program's columns from H' and rstd, rounded as the reference's norm
         hv = plt.load(h2_ref.at[rows[:, None] * (s * d) + (j * d + cols)[None, :]], mask=rok, other=0.0)
         rs = plt.load(rstd_ref.at[rows * s + j], mask=rows < m, other=0.0)                        # [bm]
         w = plt.load(wn_ref.at[j * d + cols]).astype(F32)
-        hn = rnd((hv.astype(F32) * rs[:, None]) * (1.0 + w)[None, :], dt)
-        v = rnd(mg * hn, dt)
-        acc = v if acc is None else acc + v
+        return rnd((hv.astype(F32) * rs[:, None]) * (1.0 + w)[None, :], dt)
+
+    acc = few.gates_and_mix(us, pieces, s, dt, weight, hn_of)
     plt.store(x_ref.at[rows[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=rok)
 
 
