@@ -36,7 +36,7 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: i
             why = "hyper-connection weights in a format the kernels do not take (dense, or FP8 128x128 blocks)"
         else:
             d = h.shape[-1] // streams
-            why = prefill.why_not(streams, d, p["input_mix_weight_down"].shape[0], prefill.default_tiles(d))
+            why = prefill.why_not(streams, d, p["input_mix_weight_down"].shape[0], prefill.default_tiles(d, m))
         return hc_api.backend(impl, why, tokens=m, fp8=all(fp8)) != "reference"
     if inject and quant.is_quantized(p["block_inject_weight"]):
         why = "quantized block_inject_weight (the kernels take it dense)"

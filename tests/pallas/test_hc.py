@@ -466,15 +466,25 @@ def test_prefill_kernels_match_reference(m, dtype, fp8, with_y, inject):
     _check_few(got, want, dtype)
 
 
-def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda():
-    """Tiles that do not divide the dims are refused with the reason; at the released shapes (S = 4, D = 2,560,
-    r = 320, FP8 Wdown / Wup) a 2,048-token boundary lowers to the two Triton launches."""
+def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda(monkeypatch):
+    """Tiles that do not divide the dims are refused with the reason; the default tiles by token count and D, and
+    FNX_HC_PREFILL_TILES over them; at the released shapes (S = 4, D = 2,560, r = 320, FP8 Wdown / Wup) a
+    2,048-token boundary lowers to the two Triton launches."""
     from fnx.model import quant
     from fnx.pallas.hc import prefill
     assert "bk=256" in prefill.why_not(4, 2560, 320, prefill.TilesPrefill(bk=256))
     assert "bd=48" in prefill.why_not(4, 2560, 320, prefill.TilesPrefill(bd=48))
     assert "r=40" in prefill.why_not(4, 2560, 40, prefill.TilesPrefill())
     assert prefill.why_not(4, 2560, 320, prefill.TilesPrefill()) is None
+    assert (prefill.default_tiles(2560, 2048).bm, prefill.default_tiles(2560, 512).bm,
+            prefill.default_tiles(2560, 40).bm) == (64, 32, 16)
+    assert (prefill.default_tiles(320, 2048).bk, prefill.default_tiles(320, 2048).bd) == (64, 64)
+    monkeypatch.setenv(prefill.TILES_ENV, "bm=32,num_warps=4")
+    assert (prefill.default_tiles(2560, 2048).bm, prefill.default_tiles(2560, 2048).num_warps) == (32, 4)
+    monkeypatch.setenv(prefill.TILES_ENV, "rows=8")
+    with pytest.raises(ValueError, match=prefill.TILES_ENV):
+        prefill.default_tiles(2560, 2048)
+    monkeypatch.delenv(prefill.TILES_ENV)
     S = jax.ShapeDtypeStruct
     m, sd, r = 2048, 10240, 320
     fp8 = jnp.float8_e4m3fn

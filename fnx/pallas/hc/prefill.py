@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -44,22 +45,36 @@ INJ_ROWS = 16                           # Winj's S rows padded to one MMA's N (t
 
 @dataclasses.dataclass(frozen=True)
 class TilesPrefill:
-    bm: int = 32            # token rows per program (the MMA's M: >= 16)
+    bm: int = 64            # token rows per program (the MMA's M: >= 16). Each row block reads all of Wdown and Wup
+                            # (from L2 after the first): (M / bm) x 6.6 MB at the released shapes
     bk: int = 128           # columns per step of the down kernel (a power of two <= 128 dividing D: one FP8 block)
-    bd: int = 64            # columns of each stream per up program (>= 16, divides D and 128)
-    num_warps: int = 4
+    bd: int = 128           # columns of each stream per up program (>= 16, divides D and 128): u is read D / bd times
+    num_warps: int = 8
     num_stages: int = 2
 
 
-def default_tiles(d: int) -> TilesPrefill:
-    """The default tiles with bk and bd shrunk to powers of two that divide D (small test models)."""
+TILES_ENV = "FNX_HC_PREFILL_TILES"      # "field=value,..." replaces fields of the chosen tiles (a benchmark knob,
+                                        # read when a program is traced), e.g. "bm=32,num_warps=4"
+
+
+def default_tiles(d: int, m: int = 1 << 30) -> TilesPrefill:
+    """Tiles for D columns a stream and M tokens: bm 64 on 8 warps from 1,024 tokens (128 down programs at 2,048:
+    one wave), 32 on 4 warps from 256, else 16; bk and bd shrunk to powers of two that divide D (small test
+    models). Not yet measured on a GPU; `FNX_HC_PREFILL_TILES` replaces fields."""
     t = TilesPrefill()
+    if m < 1024:
+        t = dataclasses.replace(t, bm=32 if m >= 256 else 16, num_warps=4)
     bk, bd = t.bk, t.bd
     while bk > 16 and d % bk:
         bk //= 2
     while bd > 16 and d % bd:
         bd //= 2
-    return dataclasses.replace(t, bk=bk, bd=bd)
+    t = dataclasses.replace(t, bk=bk, bd=bd)
+    spec = os.environ.get(TILES_ENV, "").strip()
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesPrefill, TILES_ENV))
+    return t
 
 
 def why_not(s: int, d: int, r: int, tiles: TilesPrefill) -> str | None:
@@ -185,11 +200,11 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     """See `fnx.pallas.hc.api.hc_boundary`: h [..., S*D], y [..., D] and inj_prev [..., S] (or both None), the
     weights in the checkpoint layout (Wdown and Wup bf16, or FP8 with their 128x128 block scales), w_inj [S, S*D]
     or None. Returns (H' [..., S*D], x [..., D], inj [..., S] or None)."""
-    t = tiles or default_tiles(h.shape[-1] // streams)
     lead = h.shape[:-1]
     m = 1
     for a in lead:
         m *= a
+    t = tiles or default_tiles(h.shape[-1] // streams, m)
     s, sd = streams, h.shape[-1]
     d, r = sd // s, w_down.shape[0]
     fp8 = w_down_scale is not None
