@@ -87,8 +87,10 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     h [..., S*D] (stream-major); y [..., D] and inj_prev [..., S] (or both None: no combine); hc_norm [S*D];
     w_down [r, S*D]; w_up [S*D, r]; w_inj [S, S*D] or None (the final mixer). Weights in the checkpoint layout;
     Wdown and Wup may be FP8 (float8_e4m3fn with `w_down_scale` / `w_up_scale`, one fp32 multiplier per 128x128
-    block): the one-token and few-token kernels dequantize them in registers; more than MAX_FEW_TOKENS tokens have
-    no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first, as the model does).
+    block): the one-token, few-token and prefill kernels dequantize them in registers; MAX_FEW_TOKENS to
+    MAX_DECODE_TOKENS tokens have no FP8 kernel (a named kernel raises; the reference dequantizes to h.dtype first,
+    as the model does). More than MAX_DECODE_TOKENS tokens (a prefill chunk) run `prefill.hc_boundary_prefill`
+    where op "hc_boundary_prefill" resolves to a kernel (tiles a `prefill.TilesPrefill` or None).
     One token runs in one launch where op "hc_boundary_one" resolves to a kernel (`one.hc_boundary_one`, tiles a
     `pallas.Tiles1` or None), 2..MAX_FEW_TOKENS tokens where "hc_boundary_few_one" does (`one.hc_boundary_one_few`,
     tiles a `one.TilesFewOne` or None): their barrier's counter one of the program's `grid_sync.CounterPool`
