@@ -28,25 +28,21 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: i
     why = None
     fp8 = [_fp8_ok(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     dense = [not quant.is_quantized(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
-    if m > hc_api.MAX_DECODE_TOKENS:         # a prefill chunk: op "hc_boundary_prefill" (only where named)
-        from fnx.pallas.hc import prefill
-        if inject and quant.is_quantized(p["block_inject_weight"]):
-            why = "quantized block_inject_weight (the kernels take it dense)"
-        elif not (all(dense) or all(fp8)):
-            why = "hyper-connection weights in a format the kernels do not take (dense, or FP8 128x128 blocks)"
-        else:
-            d = h.shape[-1] // streams
-            why = prefill.why_not(streams, d, p["input_mix_weight_down"].shape[0], prefill.default_tiles(d, m))
-        return hc_api.backend(impl, why, tokens=m, fp8=all(fp8)) != "reference"
     if inject and quant.is_quantized(p["block_inject_weight"]):
         why = "quantized block_inject_weight (the kernels take it dense)"
     elif not (all(dense) or all(fp8)):
         why = ("hyper-connection weights in a format the kernels do not take (dense, or FP8 128x128 blocks for "
                "Wdown and Wup together)")
-    elif all(fp8) and m > hc_api.MAX_FEW_TOKENS:
+    if m > hc_api.MAX_DECODE_TOKENS:         # a prefill chunk: op "hc_boundary_prefill" (only where named)
+        if why is None:
+            from fnx.pallas.hc import prefill
+            d = h.shape[-1] // streams
+            why = prefill.why_not(streams, d, p["input_mix_weight_down"].shape[0], prefill.default_tiles(d, m))
+        return hc_api.backend(impl, why, tokens=m, fp8=all(fp8)) != "reference"
+    if why is None and all(fp8) and m > hc_api.MAX_FEW_TOKENS:
         why = (f"FP8 hyper-connection weights at {m} tokens (the one- and few-token kernels take them, up to "
                f"{hc_api.MAX_FEW_TOKENS})")
-    elif m == 1 and streams & (streams - 1):
+    elif why is None and m == 1 and streams & (streams - 1):
         why = f"{streams} streams (the one-token kernels need a power of two)"
     return hc_api.backend(impl, why, tokens=m, fp8=all(fp8),
                           pow2_streams=streams & (streams - 1) == 0) != "reference"

@@ -470,7 +470,6 @@ def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda(monkey
     """Tiles that do not divide the dims are refused with the reason; the default tiles by token count and D, and
     FNX_HC_PREFILL_TILES over them; at the released shapes (S = 4, D = 2,560, r = 320, FP8 Wdown / Wup) a
     2,048-token boundary lowers to the two Triton launches."""
-    from fnx.model import quant
     from fnx.pallas.hc import prefill
     assert "bk=256" in prefill.why_not(4, 2560, 320, prefill.TilesPrefill(bk=256))
     assert "bd=48" in prefill.why_not(4, 2560, 320, prefill.TilesPrefill(bd=48))
@@ -494,7 +493,6 @@ def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda(monkey
         S((sd,), jnp.bfloat16), S((r, sd), fp8), S((3, 80), jnp.float32), S((sd, r), fp8), S((80, 3), jnp.float32),
         S((4, sd), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 2
-    del quant
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas.hc import few
+from fnx.pallas.hc import few, reference
 from fnx.pallas.hc import pallas as kernel
 from fnx.pallas.kernel_math import rnd
 
@@ -232,13 +232,11 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
         grid=(nb, s), out_shape=out_shape, interpret=interpret, name="hc_down_prefill", **params,
     )(*args)
     h2, pd, rstd = outs[:3]
-    # mid: the reference's ops on the streams' summed partials (each product rounded once, as its output)
-    down = jnp.sum(pd.reshape(s, m, r), axis=0).astype(dt)
-    g = (down.astype(F32) / s).astype(dt)
-    u = jax.nn.silu(g)
+    # mid: the few-token design's XLA mid on the streams' partials (each product's sum rounded once, as its output)
+    u = jax.nn.silu(reference._div(few._xla_sum(pd, None, s, m, r, s, d, eps, dt)[0], s))
     inj = None
     if has_inj:
-        zi = (jnp.sum(outs[3].reshape(s, m, s), axis=0).astype(dt).astype(F32) / s).astype(dt)
+        zi = reference._div(few._xla_sum(outs[3], None, s, m, s, s, d, eps, dt)[0], s)
         inj = (2 * jax.nn.sigmoid(zi)).reshape(*lead, s)
     up_args = [flat(u), h2, rstd, hc_norm, flat(w_up)] + ([flat(w_up_scale)] if fp8 else [])
     x = pl.pallas_call(
