@@ -273,6 +273,10 @@ def main():
     ap.add_argument("--variant-chain", type=int, default=20,
                     help="with --round-variants: each program also timed over N calls launched back to back (the "
                          "median of max(3, --chains) runs; launch gaps and host time included; 0: not timed)")
+    ap.add_argument("--variant-check", type=int, default=8,
+                    help="with --round-variants: the decode program run N steps (greedy tokens fed back) from one "
+                         "saved state under each variant, its last-position logits against the first variant's "
+                         "(max difference, argmax agreement): a variant that changes a result shows (0: skipped)")
     ap.add_argument("--only-variants", action="store_true",
                     help="with --round-variants: skip the other parts (the first variant is the baseline)")
     args = ap.parse_args()
@@ -327,13 +331,16 @@ def main():
     # every call advances the positions: dispatch timings and chained steps, decode, draft and verify calls
     cap = ctx + 64 + ((3 + args.chains) * args.reps + 2 * args.calls + 8
                       + len(variants) * (2 * args.calls + 6 + (max(3, args.chains) + 1) * args.variant_chain)
-                      ) * (args.k + 2)
+                      ) * (args.k + 2) + args.variant_check
     state = init_state(cfg, 1, cap, dtype)
     step_j = jax.jit(partial(step, cfg=cfg, moe_impl="auto"), donate_argnames=("state",))
     one = jnp.ones((1, 1), jnp.int32)
     pid = jnp.zeros((1, 1, heads), jnp.int32) if cfg.ple_layer_ids else None
     state = dict(state, pos=jnp.full_like(state["pos"], ctx))
     hold = {"s": state}
+    # --variant-check: every variant's decode program starts its checked steps from this state (a copy: the
+    # programs donate the state they are given)
+    check_from = jax.tree.map(jnp.copy, state) if variants and args.variant_check else None
 
     commit = os.environ.get("FNX_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -635,11 +642,35 @@ def main():
                 jax.block_until_ready(logits)
             return logits if block else None     # (a chained call's outputs are dropped at once: see round_programs)
         progs = {"decode": (run_step, cs.as_text())}
+        if check_from is not None:
+            checked["logits"] = checked_steps(cs)
         if not args.no_round:
             progs.update(round_programs())
         if args.prefill_table:    # the chunk's kernels under each variant (no chained timing: its state fills up)
             progs[f"prefill{args.prefill_table}"] = prefill_program(args.prefill_table)
         return progs
+
+    checked = {}
+
+    def checked_steps(cs):
+        """--variant-check steps of the compiled decode program from `check_from`, each step's greedy token fed
+        to the next: the last-position logits [steps, V] in fp32."""
+        s_ = jax.tree.map(jnp.copy, check_from)
+        tok, out = one, []
+        for _ in range(args.variant_check):
+            logits, s_, _, _ = cs(params, s_, tok, pid)
+            last = logits[:, -1].astype(jnp.float32)
+            tok = jnp.argmax(last, axis=-1).astype(jnp.int32)[:, None]
+            out.append(np.asarray(last[0]))
+        return np.stack(out)
+
+    def check_record(base_logits, logits) -> dict:
+        """This variant's checked logits against the first variant's: the largest difference relative to the
+        largest logit, whether they are the same bits, and on how many steps the greedy tokens agree."""
+        scale = float(np.abs(base_logits).max()) or 1.0
+        return {"steps": int(logits.shape[0]), "same_bits": bool(np.array_equal(base_logits, logits)),
+                "max_rel_diff": round(float(np.abs(logits - base_logits).max()) / scale, 8),
+                "argmax_agree": int((logits.argmax(-1) == base_logits.argmax(-1)).sum())}
 
     def round_programs() -> dict:
         """The draft and verify programs under the present settings, each lowered and compiled once:
@@ -708,6 +739,9 @@ def main():
                 jax.clear_caches()
                 progs = variant_programs()
                 rec = {"variant": label, "settings": env, "sweep": sweep, "base": variants[0][0], "programs": {}}
+                if "logits" in checked:
+                    checked.setdefault("base", checked["logits"])
+                    rec["check"] = check_record(checked["base"], checked.pop("logits"))
                 vdir = os.path.join(args.out, "variants", label)
                 os.makedirs(vdir, exist_ok=True)
                 for program, (fn, hlo_text) in progs.items():
@@ -735,7 +769,8 @@ def main():
                 print(f"variant done {label}: " + ", ".join(
                     f"{p} {v['kernels_per_call']:.0f} kernels {v['busy_us_per_call']:.1f} us"
                     + (f" (chained {v['chained_us_per_call']:.1f} us)" if "chained_us_per_call" in v else "")
-                    for p, v in rec["programs"].items()), flush=True)
+                    for p, v in rec["programs"].items())
+                    + (f"; check against {variants[0][0]}: {rec['check']}" if "check" in rec else ""), flush=True)
         jax.clear_caches()
         print("\n".join(variant_summary(rows)), flush=True)
         base = variants[0][0]

@@ -35,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas import pdl
+
 MAX_POLLS = 1 << 20          # ~0.5-1 s of polling (a wait is tens of us) before a program gives up: a co-residency
                              # failure costs about that per launch, then shows as NaN
 
@@ -54,7 +56,7 @@ def counter(interpret: bool = False, size: int = 1) -> jax.Array:
     block = min(size, ZERO_BLOCK)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=1 if size == 1 else 4,
                                                                          num_stages=1)}
-    return pl.pallas_call(_zero_kernel, out_shape=jax.ShapeDtypeStruct((size,), jnp.int32), interpret=interpret,
+    return pdl.pallas_call(_zero_kernel, out_shape=jax.ShapeDtypeStruct((size,), jnp.int32), interpret=interpret,
                           grid=(size // block,), out_specs=pl.BlockSpec((block,), lambda i: (i,)),
                           name="fnx_grid_sync_init", **params)()
 

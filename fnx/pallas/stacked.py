@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fnx.pallas import pdl
+
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +167,7 @@ def call(kernel, args, **kwargs):
     its given spec asks for (the grid indices mapped as before), or the whole layer where the kernel takes the
     operand whole (`BlockSpec(memory_space=ANY)` or no specs): the kernel sees the same ref either way."""
     if not any(isinstance(a, LayerRef) for a in args):
-        return pl.pallas_call(kernel, **kwargs)(*args)
+        return pdl.pallas_call(kernel, **kwargs)(*args)
     given = kwargs.pop("in_specs", None)
     if given is not None and len(given) != len(args):
         raise ValueError(f"stacked.call: {len(given)} in_specs for {len(args)} arguments")
@@ -176,4 +178,4 @@ def call(kernel, args, **kwargs):
         g = None if given is None else given[j]
         specs.append(_layer(a, g) if isinstance(a, LayerRef) else _whole(jnp.shape(a)) if g is None else g)
     arrays = [a.stack if isinstance(a, LayerRef) else a for a in args]
-    return pl.pallas_call(kernel, in_specs=specs, **kwargs)(*arrays)
+    return pdl.pallas_call(kernel, in_specs=specs, **kwargs)(*arrays)

@@ -89,7 +89,7 @@ def test_model_prefill_call_through_the_kernel(monkeypatch):
     x = jax.random.normal(kx, (1, 24, 64), dt)
     pos0 = jnp.array([30], jnp.int32)
     meta = make_meta(cfg, pos0, 24, dt)
-    monkeypatch.setattr(prefill, "choose_tiles", lambda: prefill.PrefillTiles(bq=16, bk=32, num_warps=4))
+    monkeypatch.setattr(prefill, "choose_tiles", lambda *a: prefill.PrefillTiles(bq=16, bk=32, num_warps=4))
     monkeypatch.setattr(qsa, "KEY_CHUNK", 32)
 
     def run():

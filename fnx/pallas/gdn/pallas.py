@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas.gdn.reference import L2NORM_EPS, rms_norm_gated, softplus
-from fnx.pallas import stacked
+from fnx.pallas import pdl, stacked
 from fnx.pallas.kernel_math import Partials, rnd, take_window, window_operand
 
 F32 = jnp.float32
@@ -692,7 +692,7 @@ def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, *, inter
         raise ValueError(f"gdn chunk_scan: precision {t.precision!r} must be one of {SCAN_PRECISIONS}")
     params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps,
                                                                               num_stages=t.num_stages)}
-    return pl.pallas_call(
+    return pdl.pallas_call(
         functools.partial(_chunk_scan_kernel, n=n, bv=t.block_v, precision=_scan_precision(t.precision, interpret)),
         grid=(bsz, h, dv // t.block_v),
         out_shape=(jax.ShapeDtypeStruct(new_values.shape, F32), jax.ShapeDtypeStruct(state.shape, F32)),

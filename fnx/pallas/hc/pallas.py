@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas import dispatch, stacked
+from fnx.pallas import dispatch, pdl, stacked
 from fnx.pallas.dot_acc import dot_acc
 from fnx.pallas.kernel_math import rnd
 
@@ -618,7 +618,7 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     wi = w_inj if w_inj is not None else w_down[:1]
     n_chunks = d // t.bk // t.ks
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    parts = pl.pallas_call(
+    parts = pdl.pallas_call(
         functools.partial(_down_kernel, d=d, r=r, s=s, br=t.br, bk=t.bk, n_chunks=n_chunks, n_down=n_down),
         grid=(n_prog, s, t.ks),
         in_specs=[whole, whole, whole, whole, whole],
@@ -638,7 +638,7 @@ def hc_boundary(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int, e
     up = jnp.pad(u, ((0, mp - m_tok), (0, rp - r)))
 
     # up: sigmoid gates, renormalised streams, 4-stream mean
-    x = pl.pallas_call(
+    x = pdl.pallas_call(
         functools.partial(_up_kernel, d=d, r=r, s=s, bd=t.bd, bkr=t.bkr, n_rchunks=rp // t.bkr),
         grid=(d // t.bd,),
         in_specs=[whole, whole, whole, whole, whole],

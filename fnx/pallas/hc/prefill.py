@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas import pdl
 from fnx.pallas.hc import few, reference
 from fnx.pallas.hc import pallas as kernel
 from fnx.pallas.kernel_math import rnd
@@ -226,7 +227,7 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
                  jax.ShapeDtypeStruct((m * s,), F32)] + \
         ([jax.ShapeDtypeStruct((s * m * s,), F32)] if has_inj else [])
     nb = -(-m // t.bm)
-    outs = pl.pallas_call(
+    outs = pdl.pallas_call(
         functools.partial(_down_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bk=t.bk, eps=float(eps), has_y=has_y,
                           has_inj=has_inj, fp8=fp8),
         grid=(nb, s), out_shape=out_shape, interpret=interpret, name="hc_down_prefill", **params,
@@ -239,7 +240,7 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
         zi = reference._div(few._xla_sum(outs[3], None, s, m, s, s, d, eps, dt)[0], s)
         inj = (2 * jax.nn.sigmoid(zi)).reshape(*lead, s)
     up_args = [flat(u), h2, rstd, hc_norm, flat(w_up)] + ([flat(w_up_scale)] if fp8 else [])
-    x = pl.pallas_call(
+    x = pdl.pallas_call(
         functools.partial(_up_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd, fp8=fp8),
         grid=(nb, d // t.bd), out_shape=jax.ShapeDtypeStruct((m * d,), dt), interpret=interpret,
         name="hc_up_prefill", **params,

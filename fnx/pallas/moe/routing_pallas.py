@@ -14,7 +14,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnx.pallas import kernel_math
+from fnx.pallas import kernel_math, pdl
 
 F32 = jnp.float32
 MAX_TOKENS = 64
@@ -135,7 +135,7 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, inter
         out_shape.append(jax.ShapeDtypeStruct((m, d // 2 + 1), jnp.uint32))
     kernel = functools.partial(_route_kernel, m=m, e=e, c0=c0, k=top_k, norm=norm_topk_prob, bm=bm, be=be, bk=bk,
                                acts=acts)
-    return pl.pallas_call(
+    return pdl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
         grid=(pl.cdiv(m, bm),),

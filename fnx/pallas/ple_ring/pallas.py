@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnx.pallas import pdl
 from fnx.pallas.ple_ring import layout
 
 I32 = jnp.int32          # Triton tensors are signless: addresses and words travel as int32 bit patterns
@@ -168,7 +169,7 @@ def post(ids, lo, hi, *, mem=None, interpret: bool = False):
     out_shape = [jax.ShapeDtypeStruct((steps * BP,), I32)]
     if emulate:
         out_shape.append(jax.ShapeDtypeStruct((steps * BP, 2), I32))
-    out = pl.pallas_call(
+    out = pdl.pallas_call(
         functools.partial(_post_kernel, n=n, emulate=emulate), out_shape=out_shape, grid=(steps,),
         interpret=interpret, name="ple_ring_post",
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -186,7 +187,7 @@ def wait(seq, lo, hi, timeout_us, dep, n: int, row_bytes: int, max_ids: int, *, 
         raise ValueError(f"ple_ring: a request of {n} row ids exceeds the ring's {max_ids}")
     words, wp = row_bytes // 4, _pow2(row_bytes // 4)
     steps = -(-n // BR)
-    out, ok = pl.pallas_call(
+    out, ok = pdl.pallas_call(
         functools.partial(_wait_kernel, n=n, row_bytes=row_bytes, rows_off=layout.rows_offset(max_ids),
                           emulate=mem is not None),
         out_shape=[jax.ShapeDtypeStruct((steps * BR, wp), I32), jax.ShapeDtypeStruct((steps * BR,), I32)],

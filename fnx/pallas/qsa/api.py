@@ -144,7 +144,7 @@ def prefill_backend(impl: str | None, head_dim: int, capacity: int, group: int |
     (`fnx.pallas.qsa.prefill`: one launch, online softmax over the key tiles up to each query tile's position)."""
     from fnx.pallas.qsa import prefill
     return dispatch.resolve(PREFILL_OP, impl, not_applicable=prefill.why_not(head_dim, capacity,
-                                                                             prefill.choose_tiles(), group))
+                                                                             prefill.choose_tiles(group), group))
 
 
 def qsa_prefill_attention(qh, kc, vc, mask, positions, backend: str):

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas import dispatch
+from fnx.pallas import dispatch, pdl
 from fnx.pallas.dot_acc import dot_acc
 
 F32 = jnp.float32
@@ -263,7 +263,7 @@ def combine_kernel(m, l, acc, grp: int, out_dtype, gate=None, *, interpret: bool
         args.append(buf.reshape(-1))
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=1)}
-    out = pl.pallas_call(
+    out = pdl.pallas_call(
         functools.partial(_combine_kernel, ns=ns, gp=gp, grp=grp, hd=hd, hkv=hkv, gated=gated, gate_w=gate_w,
                           gate_start=int(gate_start), out_dtype=out_dtype, bd=t.bd, splits=t.splits,
                           early=t.early),
@@ -303,7 +303,7 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
-    m, l, acc = pl.pallas_call(
+    m, l, acc = pdl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[whole, whole, whole, whole],
@@ -357,7 +357,7 @@ def qsa_index_scores(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, 
     params = {}
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=2)
-    out = pl.pallas_call(
+    out = pdl.pallas_call(
         functools.partial(_scores_kernel, n_blocks=n_blocks, hi=hi, di=di, bn=bn, cr=cr,
                           sqrt_di=float(np.sqrt(np.float32(di), dtype=np.float32))),
         grid=(bsz, n_prog),
@@ -492,7 +492,7 @@ def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg:
     kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None)
     args = (s2,) if ids is None else (s2, ids)
     out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
-    return pl.pallas_call(
+    return pdl.pallas_call(
         kernel,
         grid=(rows, n_seg) if n_seg else (rows,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(args),

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas import dispatch
+from fnx.pallas import dispatch, pdl
 from fnx.pallas.dot_acc import dot_acc
 
 F32 = jnp.float32
@@ -45,9 +45,14 @@ class PrefillTiles:
     num_stages: int = 2
 
 
-def choose_tiles() -> PrefillTiles:
-    """The defaults; `FNX_QSA_PREFILL_TILES` ("field=value,...", read when a program is traced) replaces fields."""
-    t = PrefillTiles()
+HEADS_DEFAULT = 2   # two query heads of a KV head per program where they divide the group: H100 (cc01f54, a 2,048-token
+                    # chunk) 1,254 us against 2,378 at 8K context (a 6,144-token prefix), 349 against 494 at 32K (none);
+                    # heads 4 with bq 16 level with 1; bk 128 and 3 stages do not fit the shared memory
+
+def choose_tiles(grp: int | None = None) -> PrefillTiles:
+    """The defaults for `grp` query heads per KV head (None: unknown; heads=HEADS_DEFAULT where it divides grp, else
+    1); `FNX_QSA_PREFILL_TILES` ("field=value,...", read when a program is traced) replaces fields."""
+    t = PrefillTiles(heads=HEADS_DEFAULT if grp is None or grp % HEADS_DEFAULT == 0 else 1)
     spec = os.environ.get(TILES_ENV, "").strip()
     if spec:
         t = dataclasses.replace(t, **dispatch.fields_override(spec, PrefillTiles, TILES_ENV))
@@ -115,7 +120,7 @@ def qsa_prefill_attention(qh: jax.Array, kc: jax.Array, vc: jax.Array, mask: jax
     walks end at its last position's). Returns o [B, L, Hkv, G, hd] in qh.dtype."""
     bsz, length, hkv, grp, hd = qh.shape
     cap = kc.shape[2]
-    t = tiles or choose_tiles()
+    t = tiles or choose_tiles(grp)
     why = why_not(hd, cap, t, grp)
     if why:
         raise ValueError(f"qsa_prefill_attention: {why}")
@@ -134,7 +139,7 @@ def qsa_prefill_attention(qh: jax.Array, kc: jax.Array, vc: jax.Array, mask: jax
                                                                          num_stages=t.num_stages)}
     body = functools.partial(_kernel, L=length, T=cap, hkv=hkv, grp=grp, hd=hd, bq=t.bq, bk=t.bk, heads=t.heads,
                              factor=float(hd ** -0.5), n_qt=n_qt)
-    o = pl.pallas_call(body, grid=(bsz * hkv * (grp // t.heads), n_qt), in_specs=[whole] * len(args), out_specs=whole,
+    o = pdl.pallas_call(body, grid=(bsz * hkv * (grp // t.heads), n_qt), in_specs=[whole] * len(args), out_specs=whole,
                        out_shape=jax.ShapeDtypeStruct((bsz * length * hkv * grp * hd,), dt), interpret=interpret,
                        name="qsa_prefill_attention", **params)(*args)
     return o.reshape(bsz, length, hkv, grp, hd)

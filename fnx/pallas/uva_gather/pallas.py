@@ -18,6 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnx.pallas import pdl
+
 I32 = jnp.int32         # Triton tensors are signless: addresses and words travel as int32 bit patterns (the
                         # arithmetic wraps as uint32's would; the PTX reads them unsigned)
 BR = 16                 # row requests per program
@@ -77,7 +79,7 @@ def gather_words(ids, starts, lo, hi, row_bytes: int, *, mem=None, interpret: bo
     steps = -(-n // BR)
     bits = lambda a: lax.bitcast_convert_type(a.astype(jnp.uint32), I32)                   # noqa: E731
     args = (ids.astype(I32), starts.astype(I32), bits(lo), bits(hi))
-    out = pl.pallas_call(
+    out = pdl.pallas_call(
         functools.partial(_kernel, n=n, c=c, row_bytes=row_bytes, emulate=mem is not None),
         out_shape=jax.ShapeDtypeStruct((steps * BR, wp), I32), grid=(steps,), interpret=interpret,
         name="uva_gather", compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
