@@ -523,3 +523,48 @@ def test_prefill_boundary_through_the_model_only_where_named(fp8, monkeypatch):
     _, _, _, p8 = _inputs((1, 40), 4, 64, 24, jnp.bfloat16, 1)           # r = 24: no power-of-two pieces of 16
     assert str(jax.make_jaxpr(lambda h: hyper.gated_residual(p8, h, 4, 1e-6))(h[..., :256])).count(
         "pallas_call") == 0
+
+
+def test_one_token_prefetch_lowers_with_wup_loads_and_sink():
+    """Tiles1.prefetch: down1 (one token, FP8) takes Wup and its scales as extra operands and each program loads one
+    slice of each with the evict_last policy, consumed by a side-effecting asm after its stores; up1 unchanged;
+    without it, neither. At the released shapes, lowered for CUDA."""
+    from fnx.pallas import triton_ir
+    sd, d, r = 10240, 2560, 320
+    bf, f8, f32 = jnp.bfloat16, jnp.float8_e4m3fn, jnp.float32
+    sds = [jax.ShapeDtypeStruct((1, sd), bf), jax.ShapeDtypeStruct((1, d), bf), jax.ShapeDtypeStruct((1, 4), bf),
+           jax.ShapeDtypeStruct((sd,), bf), jax.ShapeDtypeStruct((r, sd), f8), jax.ShapeDtypeStruct((sd, r), f8),
+           jax.ShapeDtypeStruct((4, sd), bf), jax.ShapeDtypeStruct((3, 80), f32), jax.ShapeDtypeStruct((80, 3), f32)]
+    base = kernel.choose_tiles1(4, d, r)
+    got = {}
+    for pf in (0, 1):
+        tiles = dataclasses.replace(base, prefetch=pf)
+        f = jax.jit(lambda *a: kernel.hc_boundary_m1(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7],
+                                                     w_up_scale=a[8], tiles=tiles))
+        got[pf] = {name: text for name, _, _, text in triton_ir.launches(f.trace(*sds).lower(
+            lowering_platforms=("cuda",)))}
+    assert set(got[0]) == set(got[1]) == {"hc_down1_fp8", "hc_up1_fp8"}
+    assert got[1]["hc_up1_fp8"] == got[0]["hc_up1_fp8"]
+    for pf, n in ((0, 0), (1, 2)):
+        down = got[pf]["hc_down1_fp8"]
+        assert down.count("evict_last") == n and down.count('"mov.b32 $0, $1;"') == n, pf
+        lines = down.splitlines()
+        if n:       # the sinks after the program's last store
+            last_store = max(i for i, ln in enumerate(lines) if "tt.store" in ln)
+            assert all(i > last_store for i, ln in enumerate(lines) if "mov.b32" in ln)
+
+
+def test_one_token_prefetch_same_bits():
+    """Tiles1.prefetch changes no result: the same bits as without it (interpret mode skips the prefetch; compiled,
+    the loads and the sink feed nothing the kernel writes)."""
+    h, y, inj, p = _inputs((1, 1), 4, 256, 32, jnp.bfloat16, 5)
+    q = _fp8(p)
+    wd, wu = q["input_mix_weight_down"], q["input_mix_weight_up"]
+    base = kernel.choose_tiles1(4, 256, 32)
+
+    def run(pf):
+        return kernel.hc_boundary_m1(h, y, inj, p["hc_norm"], wd.w, wu.w, p["block_inject_weight"], streams=4,
+                                     eps=1e-6, interpret=INTERPRET, tiles=dataclasses.replace(base, prefetch=pf),
+                                     w_down_scale=wd.scale_inv, w_up_scale=wu.scale_inv)
+    for a, b in zip(run(0), run(1)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from fnx.pallas import dispatch, pdl, stacked
+from fnx.pallas import dispatch, l2_prefetch, pdl, stacked
 from fnx.pallas.dot_acc import dot_acc
 from fnx.pallas.kernel_math import rnd
 
@@ -171,6 +171,8 @@ class Tiles1:
                             # reference; 0 = each 128-column piece's products summed first and its block scale
                             # applied to the fp32 sum (no weight rounded, one multiply per piece instead of one per
                             # weight, as the GEMV kernels do): within the weights' bf16 rounding of the reference
+    prefetch: int = 0       # one token: 1 = down1's programs also read Wup (and its scales) into L2, one slice each,
+                            # so up1 reads it from L2 (`fnx.pallas.l2_prefetch`; the same bits). Off until measured
 
 
 FEW_MAX_TOKENS = 8          # the one-token kernels also take up to this many tokens (Tiles1.tokens: how)
@@ -223,6 +225,11 @@ def _up_pieces(r: int, pieces: bool) -> list[tuple[int, int]]:
     return _pieces(r, 128) if pieces else [(0, _pow2(r))]
 
 
+def _size(a) -> int:
+    """Elements of a flat operand (an array, or a layer of a stack: `stacked.LayerRef`, [L, n])."""
+    return int(a.stack.shape[-1]) if isinstance(a, stacked.LayerRef) else int(a.size)
+
+
 def _dequant_rows(wt, sc, dt):
     """FP8 weights times their 128x128 block scales (fp32), rounded to the activation dtype: the model's
     dequantize-then-matmul arithmetic (fnx.pallas.gemv.reference.dequantize), exactly."""
@@ -246,11 +253,16 @@ def _rows_of(vals, mp: int, shape):
 
 
 def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, wround=True,
-                  fold=False):
+                  fold=False, prefetch=None):
     it = iter(refs)
     ins = _down1_inputs(it, has_y, has_inj, fp8)
+    pf_refs = [next(it) for _ in prefetch] if prefetch else []
     part_ref, rstd_ref = next(it), next(it)
     one = m == 1 or tok_grid                # one token per program (on a token grid axis: the program's token)
+    pf = []
+    if prefetch:        # the next kernel's weights into L2: one slice of each per program, issued first
+        pid = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
+        pf = [l2_prefetch.issue(ref, total, pid, block) for ref, (total, block) in zip(pf_refs, prefetch)]
 
     def store_rstd(rstd):                   # (where the one-token kernel always stored it)
         rstd_ref[...] = rstd
@@ -264,6 +276,8 @@ def _down1_kernel(*refs, s, d, r, bn, ch, q, eps, has_y, has_inj, fp8, pieces, m
         mp = rstd_ref.shape[-1]
         rstd_ref[...] = _rows_of([v.reshape(()) for v in rstds], mp, ()).reshape(1, 1, mp)
         part_ref[...] = _rows_of(accs, mp, (bn,))
+    for vals in pf:     # the program waits for its prefetched slices only here, after its stores
+        l2_prefetch.sink(vals)
 
 
 def _down1_inputs(it, has_y: bool, has_inj: bool, fp8: bool) -> tuple:
@@ -539,13 +553,18 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
                       pl.BlockSpec((1, 1, mp), lambda n, j: (n, j, 0))]
         down_shapes = [jax.ShapeDtypeStruct((mp, s, n_rows), F32), jax.ShapeDtypeStruct((n_prog, s, mp), F32)]
     tag = "" if m == 1 else "_few"
+    # Tiles1.prefetch (one token, compiled): Wup and its scales read into L2 by down1's programs for up1
+    pf_args = ((flat(w_up),) + ((flat(f32(w_up_scale)),) if fp8 else ())) if t.prefetch and m == 1 and not interpret \
+        else ()
+    pf_meta = tuple((_size(a), l2_prefetch.block_for(_size(a), n_prog * s)) for a in pf_args)
     part, rstd = stacked.call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
                           has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid,
-                          wround=bool(t.wround), fold=bool(t.fold)),
+                          wround=bool(t.wround), fold=bool(t.fold), prefetch=pf_meta or None),
         (*acts, flat(hc_norm), flat(w_down), *((flat(f32(w_down_scale)),) if fp8 else ()),
-         *((flat(w_inj),) if has_inj else ())),
-        grid=(n_prog, s, m) if grid else (n_prog, s), in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj),
+         *((flat(w_inj),) if has_inj else ()), *pf_args),
+        grid=(n_prog, s, m) if grid else (n_prog, s),
+        in_specs=[whole] * (len(acts) + 2 + fp8 + has_inj + len(pf_args)),
         out_specs=down_specs, out_shape=down_shapes,
         interpret=interpret, name=("hc_down1_fp8" if fp8 else "hc_down1") + tag, **params,
     )
