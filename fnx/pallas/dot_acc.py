@@ -41,6 +41,8 @@ try:        # jax.core's exports shrink release by release; the class itself liv
 except ImportError:     # pragma: no cover
     from jax.core import ShapedArray
 
+from fnx.pallas import triton_rules
+
 F32 = jnp.float32
 log = logging.getLogger(__name__)
 
@@ -153,13 +155,4 @@ def _takes_acc(op, acc) -> bool:
         return False
 
 
-def _register_triton() -> bool:
-    try:
-        from jax._src.pallas.triton import lowering as tl
-    except ImportError:         # pragma: no cover - a JAX without the Pallas Triton lowering
-        return False
-    tl.triton_lowering_rules[dot_acc_p] = _triton_rule
-    return True
-
-
-TRITON_REGISTERED = _register_triton()
+TRITON_REGISTERED = triton_rules.register(dot_acc_p, _triton_rule)

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plt
 
+from fnx.pallas import triton_rules
+
 try:        # the public home of Primitive in newer JAX
     from jax.extend.core import Primitive
 except ImportError:     # pragma: no cover - older JAX
@@ -29,39 +31,18 @@ sink_p = Primitive("fnx_l2_prefetch_sink")
 sink_p.multiple_results = True
 
 
-def _effect():
-    """Pallas Triton's kernel-local barrier effect (what keeps `debug_barrier` in a kernel's jaxpr)."""
-    try:
-        from jax._src.pallas.triton import primitives as tp
-        return tp.barrier_effect
-    except (ImportError, AttributeError) as err:     # pragma: no cover - a JAX without it
-        raise NotImplementedError(f"l2_prefetch: this JAX's Pallas Triton module has no barrier effect ({err})") \
-            from err
-
-
 @sink_p.def_effectful_abstract_eval
 def _abstract(vals, *, pack):
     del vals, pack
-    return (), {_effect()}
+    return (), {triton_rules.kernel_effect("l2_prefetch")}
 
 
 def _triton_rule(ctx, vals, *, pack):
-    from jax._src.lib.triton import dialect as tt_dialect
-    tt_dialect.elementwise_inline_asm([vals.type], SINK_ASM, constraints="=r,r", pure=False, packed_element=pack,
-                                      args=[vals])
+    triton_rules.side_effect_asm(vals, SINK_ASM, pack)
     return []
 
 
-def _register_triton() -> bool:
-    try:
-        from jax._src.pallas.triton import lowering as tl
-    except ImportError:         # pragma: no cover
-        return False
-    tl.triton_lowering_rules[sink_p] = _triton_rule
-    return True
-
-
-TRITON_REGISTERED = _register_triton()
+TRITON_REGISTERED = triton_rules.register(sink_p, _triton_rule)
 
 
 def block_for(total: int, programs: int, cap: int = 1 << 14) -> int:

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from fnx.pallas import triton_rules
+
 try:        # the public home of Primitive in newer JAX; jax.core's is deprecated there
     from jax.extend.core import Primitive
 except ImportError:     # pragma: no cover - older JAX
@@ -49,39 +51,18 @@ def trigger() -> bool:
     return v == "1"
 
 
-def _effect():
-    """Pallas Triton's kernel-local barrier effect (what keeps `debug_barrier` in a kernel's jaxpr)."""
-    try:
-        from jax._src.pallas.triton import primitives as tp
-        return tp.barrier_effect
-    except (ImportError, AttributeError) as err:     # pragma: no cover - a JAX without it
-        raise NotImplementedError(f"{ENV}=1: this JAX's Pallas Triton module has no barrier effect to keep the "
-                                  f"trigger in a kernel ({err}); unset {ENV}") from err
-
-
 @launch_dependents_p.def_effectful_abstract_eval
 def _abstract(lanes):
     del lanes
-    return (), {_effect()}
+    return (), {triton_rules.kernel_effect(f"{ENV}=1 (unset it)")}
 
 
 def _triton_rule(ctx, lanes):
-    from jax._src.lib.triton import dialect as tt_dialect
-    tt_dialect.elementwise_inline_asm([lanes.type], ASM, constraints="=r,r", pure=False, packed_element=1,
-                                      args=[lanes])
+    triton_rules.side_effect_asm(lanes, ASM)
     return []
 
 
-def _register_triton() -> bool:
-    try:
-        from jax._src.pallas.triton import lowering as tl
-    except ImportError:         # pragma: no cover - a JAX without the Pallas Triton lowering
-        return False
-    tl.triton_lowering_rules[launch_dependents_p] = _triton_rule
-    return True
-
-
-TRITON_REGISTERED = _register_triton()
+TRITON_REGISTERED = triton_rules.register(launch_dependents_p, _triton_rule)
 
 
 def launch_dependents():
