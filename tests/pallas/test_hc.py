@@ -80,19 +80,20 @@ def test_model_wiring():
     _close(x_k, hyper.gated_residual(p, h_r, 4, 1e-6, impl="reference")[0], TOL[jnp.bfloat16], "x")
 
 
-@pytest.mark.parametrize("pieces,fold,early", [(True, 0, 0), (False, 0, 0), (True, 1, 0), (True, 0, 1),
-                                               (False, 1, 1)])
+@pytest.mark.parametrize("pieces,fold,early,ssum", [(True, 0, 0, 0), (False, 0, 0, 0), (True, 1, 0, 0), (True, 0, 1, 0),
+                                                    (False, 1, 1, 0), (True, 1, 1, 1), (False, 0, 0, 1)])
 @pytest.mark.parametrize("d,r", [(128, 32), (320, 40)])
-def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces, fold, early):
+def test_one_token_kernels_match_reference_tightly_in_fp32(d, r, pieces, fold, early, ssum):
     """fp32 at M = 1: only the summation order differs from the reference (tolerance 1e-5), so a wrong index or
     a missed rounding step cannot hide in bf16's tolerance. D = 320 = 5 chunks of 64 and r = 40 are not powers
     of two (as the released D = 2560 and r = 320 are not): unmasked pieces (4 + 1 chunks, 32 + 8) or one padded,
     masked tile. fold 1: the stream's 1/rms on each row's sum instead of on Hn (where it multiplies differs);
-    early 1: up1's loads before its arithmetic (the same values)."""
+    early 1: up1's loads before its arithmetic (the same values); ssum 1: up1 sums the stream partials from S loads
+    (another order of the same fp32 sum)."""
     h, y, inj, p = _inputs((1, 1), 4, d, r, jnp.float32, np.random.randint(1 << 30))
     want = reference.hc_boundary(h, y, inj, *_args(p, True), streams=4, eps=1e-6)
     got = kernel.hc_boundary_m1(h, y, inj, *_args(p, True), streams=4, eps=1e-6, interpret=True,
-                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, fold=fold, early=early))
+                                tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, fold=fold, early=early, ssum=ssum))
     for g, w, what in zip(got, want, ("H'", "x", "inj")):
         _close(g, w, 1e-5, what)
 
@@ -128,11 +129,12 @@ def _fp8(p):
                 input_mix_weight_up=quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32)))
 
 
-@pytest.mark.parametrize("dtype,pieces,wround,fold", [(jnp.bfloat16, True, 1, 0), (jnp.float32, True, 1, 0),
-                                                      (jnp.float32, False, 1, 0), (jnp.bfloat16, True, 0, 0),
-                                                      (jnp.float32, True, 0, 0), (jnp.float32, False, 0, 0),
-                                                      (jnp.bfloat16, True, 0, 1), (jnp.float32, True, 0, 1)])
-def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wround, fold):
+@pytest.mark.parametrize("dtype,pieces,wround,fold,ssum", [
+    (jnp.bfloat16, True, 1, 0, 0), (jnp.float32, True, 1, 0, 0), (jnp.float32, False, 1, 0, 0),
+    (jnp.bfloat16, True, 0, 0, 0), (jnp.float32, True, 0, 0, 0), (jnp.float32, False, 0, 0, 0),
+    (jnp.bfloat16, True, 0, 1, 0), (jnp.float32, True, 0, 1, 0), (jnp.bfloat16, True, 0, 1, 1),
+    (jnp.float32, True, 0, 1, 1)])
+def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wround, fold, ssum):
     """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
     reference on the weights the model uses (dequantized, rounded to the activation dtype); and the model's
     gated_residual / boundary wiring: one and two tokens through the kernels, more than 8 tokens through the
@@ -147,7 +149,7 @@ def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wr
     got = jax.jit(lambda h, y, i: api.hc_boundary(
         h, y, i, p["hc_norm"], q["input_mix_weight_down"].w, q["input_mix_weight_up"].w, p["block_inject_weight"],
         streams=4, eps=1e-6, impl=KERNEL,
-        tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround, fold=fold, early=fold),
+        tiles=kernel.Tiles1(bn=2, bd=16, pieces=pieces, wround=wround, fold=fold, early=fold, ssum=ssum),
         w_down_scale=q["input_mix_weight_down"].scale_inv, w_up_scale=q["input_mix_weight_up"].scale_inv))(h, y, inj)
     tol = 1e-5 if dtype == jnp.float32 else TOL[dtype]
     for g, w, what in zip(got, want, ("H'", "x", "inj")):

@@ -171,6 +171,10 @@ class Tiles1:
                             # reference; 0 = each 128-column piece's products summed first and its block scale
                             # applied to the fp32 sum (no weight rounded, one multiply per piece instead of one per
                             # weight, as the GEMV kernels do): within the weights' bf16 rounding of the reference
+    ssum: int = 0           # up1: 1 = each piece's stream partials read as S loads of [p] and summed elementwise in
+                            # stream order (a sum over S in another order: fp32 rounding apart), where 0 loads them as
+                            # [S, p] and reduces over S, which Triton spreads over the warps (shared memory and CTA
+                            # barriers: 32 in the stock sm_90 build). Off until measured
     prefetch: int = 0       # one token: 1 = down1's programs also read Wup (and its scales) into L2, one slice each,
                             # so up1 reads it from L2 (`fnx.pallas.l2_prefetch`; the same bits). Off: up1 no faster
                             # (H100, 87878be: 4.62 against 4.64 us a call; its time is its own arithmetic)
@@ -365,7 +369,7 @@ def _down1_task(h_ref, y_ref, inj_ref, wn_ref, wd_ref, sd_ref, wi_ref, n, j, tok
 
 
 def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, tok_grid=False, n_prog=0,
-                wround=True, early=False):
+                wround=True, early=False, ssum=False):
     it = iter(refs)
     part_ref, rstd_ref = next(it), next(it)
     ins = _up1_inputs(it, has_y, fp8)
@@ -382,7 +386,8 @@ def _up1_kernel(*refs, s, d, r, bd, n_rows, has_y, has_inj, fp8, pieces, m=1, to
         toks.extend([pl.program_id(1)] if tok_grid else range(m))
         return toks
     xs, hos = _up1_task(part_ref, rstd_ref, *ins, i, get_toks, mp, sj, s=s, d=d, r=r, bd=bd, n_rows=n_rows, has_y=has_y,
-                        fp8=fp8, pieces=pieces, m=m, tok_grid=tok_grid, n_prog=n_prog, wround=wround, early=early)
+                        fp8=fp8, pieces=pieces, m=m, tok_grid=tok_grid, n_prog=n_prog, wround=wround, early=early,
+                        ssum=ssum)
     dt = ins[0].dtype
     if one:
         x_ref[...] = xs[0].astype(dt)
@@ -420,7 +425,7 @@ def _up1_inj(part_ref, toks, sj, *, s, n_rows, r, dt) -> list:
 
 
 def _up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref, i, get_toks, mp, sj, *, s, d, r, bd,
-              n_rows, has_y, fp8, pieces, m=1, tok_grid=False, n_prog=0, wround=True, early=False):
+              n_rows, has_y, fp8, pieces, m=1, tok_grid=False, n_prog=0, wround=True, early=False, ssum=False):
     """up1's work for output columns [i*bd, (i+1)*bd) of every stream over the tokens get_toks() returns (ints, or
     the program's token index; sj: arange(S)): (each token's x [bd] in fp32, each token's H' [S, bd])."""
     dt = h_ref.dtype
@@ -456,7 +461,13 @@ def _up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref,
         rstd = plt.load(rstd_ref.at[sj if m == 1 else (t * (n_prog * s) + sj if tok_grid else sj * mp + t)])
         return hc, rstd, plt.load(wn_ref.at[rows]).astype(F32)
 
-    def part_load(t, k, kok):   # the down kernel's partials [S, p] of a piece of r
+    def part_load(t, k, kok):   # the down kernel's partials [S, p] of a piece of r (ssum: their sum over S [p])
+        if ssum:    # S loads of [p] summed elementwise in stream order: no reduction across the warps
+            acc = None
+            for j in range(s):
+                v = plt.load(part_ref.at[_tok(t, s * n_rows, j * n_rows + k)], mask=k < r, other=0.0)
+                acc = v if acc is None else acc + v
+            return acc
         return plt.load(part_ref.at[_tok(t, s * n_rows, sj[:, None] * n_rows + k[None, :])], mask=kok, other=0.0)
     # early (Tiles1.early): the mix's operands and every piece's partials loaded before any arithmetic. As first
     # written (after the gates, a piece's partials inside its arithmetic) the stock sm_90 build issued those loads
@@ -467,8 +478,8 @@ def _up1_task(part_ref, rstd_ref, h_ref, y_ref, inj_ref, wn_ref, wu_ref, su_ref,
     for t, (mix, tparts) in zip(toks, ahead):      # tokens: the weight tiles are shared
         z = None
         for pi_, (k, kok, wt, psc) in enumerate(tiles):     # (not `i`: the program's index, used below)
-            parts = tparts[pi_] if tparts is not None else part_load(t, k, kok)           # [S, p]
-            v = rnd(rnd(jnp.sum(parts, axis=0), dt) / s, dt)
+            parts = tparts[pi_] if tparts is not None else part_load(t, k, kok)    # [S, p] ([p]: ssum)
+            v = rnd(rnd(parts if ssum else jnp.sum(parts, axis=0), dt) / s, dt)
             u = rnd(v * rnd(jax.nn.sigmoid(v), dt), dt)                                # silu, rounded like the model
             piece = jnp.sum(wt.astype(F32) * u[None, None, :], axis=2)                   # [S, bd]
             if psc is not None:
@@ -590,7 +601,7 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     up = stacked.call(
         functools.partial(_up1_kernel, s=s, d=d, r=r, bd=t.bd, n_rows=n_rows, has_y=has_y, has_inj=has_inj,
                           fp8=fp8, pieces=tuple(_up_pieces(r, t.pieces)), m=m, tok_grid=grid, n_prog=n_prog,
-                          wround=bool(t.wround), early=bool(t.early)),
+                          wround=bool(t.wround), early=bool(t.early), ssum=bool(t.ssum)),
         (flat(part), flat(rstd), *acts, flat(hc_norm), flat(w_up), *((flat(f32(w_up_scale)),) if fp8 else ())),
         grid=(d // t.bd, m) if grid else (d // t.bd,), in_specs=[whole] * (len(acts) + 4 + fp8), out_specs=specs,
         out_shape=outs, interpret=interpret, name=("hc_up1_fp8" if fp8 else "hc_up1") + tag, **params,
