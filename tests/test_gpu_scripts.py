@@ -307,11 +307,11 @@ def test_probe_launch_round_variants(tmp_path):
     settings (here one forces two one-token kernels in interpret mode, which changes the step's program on a CPU
     too), profiled, a table per program and variant, and the summary against the first variant. --prefill-table:
     a 16-token prefill chunk is one more program of each variant (its table, no chained timing). --save-hlo: each
-    program's optimized HLO beside its table."""
+    program's optimized HLO beside its table. --variant-check: each variant's decode steps against the first's."""
     stdout = _run(["scripts/probe_launch.py", "--tiny", "--layers", "4", "--no-scan", "--reps", "1", "--calls", "1",
                    "--chains", "1", "--context", "100", "--draft-vocab", "64", "--kernel-table", "--out", str(tmp_path),
                    "--prefill-table", "16", "--save-hlo",
-                   "--variant-chain", "2", "--only-variants", "--round-variants",
+                   "--variant-chain", "2", "--variant-check", "2", "--only-variants", "--round-variants",
                    "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     assert {r["part"] for r in recs} == {"round variant", "kernel table", "compiles"}  # --only-variants: no other
@@ -320,6 +320,9 @@ def test_probe_launch_round_variants(tmp_path):
     var = [r for r in recs if r["part"] == "round variant"]
     assert [(r["variant"], r["settings"]) for r in var] == [
         ("base", {}), ("m1", {"FNX_KERNELS": "hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"})]
+    # --variant-check: two greedy steps from one saved state per variant, against the first variant's
+    assert var[0]["check"] == {"steps": 2, "same_bits": True, "max_rel_diff": 0.0, "argmax_agree": 2}
+    assert var[1]["check"]["steps"] == 2 and var[1]["check"]["max_rel_diff"] < 0.05, var[1]["check"]
     ops = [{p: v["hlo_launch_ops"] for p, v in r["programs"].items()} for r in var]
     assert set(ops[0]) == {"decode", "draft", "verify", "prefill16"}
     assert ops[1]["decode"] > ops[0]["decode"], ops        # the interpreted kernels are in the step's program
