@@ -556,9 +556,10 @@ def test_one_token_prefetch_lowers_with_wup_loads_and_sink():
             assert all(i > last_store for i, ln in enumerate(lines) if "mov.b32" in ln)
 
 
+@pytest.mark.gpu
 def test_one_token_prefetch_same_bits():
-    """Tiles1.prefetch changes no result: the same bits as without it (interpret mode skips the prefetch; compiled,
-    the loads and the sink feed nothing the kernel writes)."""
+    """Tiles1.prefetch changes no result, compiled: the same bits as without it (the loads and the sink feed nothing
+    the kernel writes). GPU only: interpret mode skips the prefetch, so on a CPU both runs are one program."""
     h, y, inj, p = _inputs((1, 1), 4, 256, 32, jnp.bfloat16, 5)
     q = _fp8(p)
     wd, wu = q["input_mix_weight_down"], q["input_mix_weight_up"]

@@ -230,11 +230,6 @@ def _up_pieces(r: int, pieces: bool) -> list[tuple[int, int]]:
     return _pieces(r, 128) if pieces else [(0, _pow2(r))]
 
 
-def _size(a) -> int:
-    """Elements of a flat operand (an array, or a layer of a stack: `stacked.LayerRef`, [L, n])."""
-    return int(a.stack.shape[-1]) if isinstance(a, stacked.LayerRef) else int(a.size)
-
-
 def _dequant_rows(wt, sc, dt):
     """FP8 weights times their 128x128 block scales (fp32), rounded to the activation dtype: the model's
     dequantize-then-matmul arithmetic (fnx.pallas.gemv.reference.dequantize), exactly."""
@@ -568,7 +563,7 @@ def hc_boundary_m1(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams: int
     # Tiles1.prefetch (one token, compiled): Wup and its scales read into L2 by down1's programs for up1
     pf_args = ((flat(w_up),) + ((flat(f32(w_up_scale)),) if fp8 else ())) if t.prefetch and m == 1 and not interpret \
         else ()
-    pf_meta = tuple((_size(a), l2_prefetch.block_for(_size(a), n_prog * s)) for a in pf_args)
+    pf_meta = tuple((int(a.size), l2_prefetch.block_for(int(a.size), n_prog * s)) for a in pf_args)
     part, rstd = stacked.call(
         functools.partial(_down1_kernel, s=s, d=d, r=r, bn=t.bn, ch=ch, q=q, eps=eps, has_y=has_y,
                           has_inj=has_inj, fp8=fp8, pieces=tuple(_down_pieces(q, t.pieces)), m=m, tok_grid=grid,
