@@ -13,6 +13,12 @@ from fnx.pallas.hc import api, reference
 from fnx.pallas.hc import pallas as kernel
 from tests.pallas.kernel_mode import INTERPRET, KERNEL  # noqa: F401
 
+
+def _ext(*values):
+    """A parametrized case of a variant the served tiles do not take: an `extended` case (conftest.py)."""
+    return pytest.param(*values, marks=pytest.mark.extended)
+
+
 # x and inj: bf16 products and fp32 sums in another order (split-K) give a few ulp; H' is the same jnp ops.
 TOL = {jnp.bfloat16: 2e-2, jnp.float32: 1e-5}
 
@@ -130,9 +136,9 @@ def _fp8(p):
 
 
 @pytest.mark.parametrize("dtype,pieces,wround,fold,ssum", [
-    (jnp.bfloat16, True, 1, 0, 0), (jnp.float32, True, 1, 0, 0), (jnp.float32, False, 1, 0, 0),
-    (jnp.bfloat16, True, 0, 0, 0), (jnp.float32, True, 0, 0, 0), (jnp.float32, False, 0, 0, 0),
-    (jnp.bfloat16, True, 0, 1, 0), (jnp.float32, True, 0, 1, 0), (jnp.bfloat16, True, 0, 1, 1),
+    (jnp.bfloat16, True, 1, 0, 0), _ext(jnp.float32, True, 1, 0, 0), (jnp.float32, False, 1, 0, 0),
+    _ext(jnp.bfloat16, True, 0, 0, 0), (jnp.float32, True, 0, 0, 0), _ext(jnp.float32, False, 0, 0, 0),
+    _ext(jnp.bfloat16, True, 0, 1, 0), _ext(jnp.float32, True, 0, 1, 0), (jnp.bfloat16, True, 0, 1, 1),
     (jnp.float32, True, 0, 1, 1)])
 def test_one_token_fp8_kernels_match_the_dequantized_reference(dtype, pieces, wround, fold, ssum):
     """FP8 Wdown / Wup (r = 160 and S*D = 1280: partial 128-row and 128-column blocks on both) against the
@@ -188,9 +194,9 @@ def test_one_token_fp8_kernels_lower_for_cuda_released_shapes():
 
 
 @pytest.mark.parametrize("m,dtype,fp8,tokens,fold", [
-    (2, jnp.float32, False, "grid", 0), (5, jnp.float32, True, "grid", 0), (5, jnp.bfloat16, True, "grid", 0),
-    (8, jnp.bfloat16, False, "grid", 0), (2, jnp.float32, False, "loop", 0), (5, jnp.float32, True, "loop", 0),
-    (5, jnp.bfloat16, True, "loop", 0), (5, jnp.float32, True, "grid", 1), (3, jnp.float32, True, "loop", 1)])
+    (2, jnp.float32, False, "grid", 0), (5, jnp.float32, True, "grid", 0), _ext(5, jnp.bfloat16, True, "grid", 0),
+    (8, jnp.bfloat16, False, "grid", 0), _ext(2, jnp.float32, False, "loop", 0), _ext(5, jnp.float32, True, "loop", 0),
+    (5, jnp.bfloat16, True, "loop", 0), _ext(5, jnp.float32, True, "grid", 1), (3, jnp.float32, True, "loop", 1)])
 def test_few_token_kernels_match_reference(m, dtype, fp8, tokens, fold, monkeypatch):
     """2..8 tokens (an MTP verify window) through the one-token kernels (op "hc_boundary_few"), one program per
     token on a grid axis ("grid") or each program walking the tokens ("loop"), with the combine and the injection, bf16 or FP8 Wdown / Wup, D and r not powers of two:
@@ -451,9 +457,9 @@ def test_few_token_mma_design_checks_its_tiles_and_lowers_for_cuda():
         assert text.count("hc_down_few") and text.count("hc_up_few") == (2 if up == "mma" else 0)
 
 
-@pytest.mark.parametrize("m,dtype,fp8,with_y,inject", [(40, F32_, True, True, True), (40, BF, True, True, True),
-                                                       (33, BF, False, True, True), (64, F32_, False, False, False),
-                                                       (17, BF, True, False, True)])
+@pytest.mark.parametrize("m,dtype,fp8,with_y,inject", [_ext(40, F32_, True, True, True), (40, BF, True, True, True),
+                                                       _ext(33, BF, False, True, True), (64, F32_, False, False, False),
+                                                       _ext(17, BF, True, False, True)])   # off by default: measured
 def test_prefill_kernels_match_reference(m, dtype, fp8, with_y, inject):
     """The prefill boundary (`prefill.hc_boundary_prefill`, op "hc_boundary_prefill"): the combine, the norm and
     the Wdown / Winj products in one launch per (row block, stream), XLA's mid, the gates and the mix in another;

@@ -52,11 +52,15 @@ def _run_both(cfg, p, wins, st, pos0, meta):
     prods = [take_window(b, s, n) for (b, s), n in zip(wins, sizes)]
     ref = jax.jit(lambda st: qsa.prep(p, prods, st, pos0, meta["cos"], meta["sin"], meta["rope_fn"], cfg,
                                       meta["n_valid"]))(st)
+    return ref, _run_kernel(cfg, p, wins, st, pos0, meta)
+
+
+def _run_kernel(cfg, p, wins, st, pos0, meta):
+    """The kernel alone (op "qsa_prep" on `wins`), as _run_both runs it."""
     length = meta["cos"].shape[1]
     bcos, bsin = qsa.block_rope_tables(pos0, length, cfg, meta["cos"].dtype)
-    got = jax.jit(lambda st: api.qsa_prep(*wins, qsa.prep_norms(p), meta["cos"], meta["sin"], bcos, bsin, pos0,
-                                          meta["n_valid"], st, cfg, KERNEL))(st)
-    return ref, got
+    return jax.jit(lambda st: api.qsa_prep(*wins, qsa.prep_norms(p), meta["cos"], meta["sin"], bcos, bsin, pos0,
+                                           meta["n_valid"], st, cfg, KERNEL))(st)
 
 
 def _near(got, want, dt, what):
@@ -104,8 +108,12 @@ def test_prep_kernel_matches_the_model(dt, length, pos, n_valid):
         assert all(np.any(knew[b][:, t] != kold[b][:, t]) for t in written)
 
 
-@pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("length,pos,n_valid", [(1, (70, 13), (1, 1)), (5, (61, 94), (3, 5)), (8, (0, 89), (8, 2))])
+@pytest.mark.parametrize("dt,length,pos,n_valid", [
+    (jnp.bfloat16, 5, (61, 94), (3, 5)),
+    *(pytest.param(dt, *case, marks=pytest.mark.extended)     # the knobs' other cases: FNX_EXTENDED_TESTS=1 or a GPU
+      for dt, case in ((jnp.bfloat16, (1, (70, 13), (1, 1))), (jnp.bfloat16, (8, (0, 89), (8, 2))),
+                       (jnp.float32, (1, (70, 13), (1, 1))), (jnp.float32, (5, (61, 94), (3, 5))),
+                       (jnp.float32, (8, (0, 89), (8, 2)))))])
 def test_early_loads_give_the_same_bits(dt, length, pos, n_valid, monkeypatch):
     """`early` 1 (FNX_QSA_PREP_EARLY) only moves the loads before the stores: every output the same bits as
     without it (one token, the verify window with a short row, eight tokens past the capacity); with the ring in
@@ -117,17 +125,17 @@ def test_early_loads_give_the_same_bits(dt, length, pos, n_valid, monkeypatch):
     for early, ring in (("0", "0"), ("1", "0"), ("1", "1")):
         monkeypatch.setenv(prep.EARLY_ENV, early)
         monkeypatch.setenv(prep.RING_ENV, ring)
-        outs[early + ring] = jax.tree.leaves(_run_both(cfg, p, wins, st, pos0, meta)[1])
+        outs[early + ring] = jax.tree.leaves(_run_kernel(cfg, p, wins, st, pos0, meta))
     for got in ("10", "11"):
         for a, b in zip(outs["00"], outs[got], strict=True):
             np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
     monkeypatch.setenv(prep.EARLY_ENV, "0")
     with pytest.raises(ValueError, match="needs the early loads"):
-        _run_both(cfg, p, wins, st, pos0, meta)
+        _run_kernel(cfg, p, wins, st, pos0, meta)
     monkeypatch.setenv(prep.RING_ENV, "0")
     monkeypatch.setenv(prep.EARLY_ENV, "yes")
     with pytest.raises(ValueError, match="0 or 1"):
-        _run_both(cfg, p, wins, st, pos0, meta)
+        _run_kernel(cfg, p, wins, st, pos0, meta)
 
 
 def test_prep_kernel_keeps_the_cache_dtype():

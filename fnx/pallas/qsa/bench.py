@@ -133,7 +133,7 @@ def prefill_cases(quick: bool) -> list[BenchCase]:
     from fnx.pallas.qsa import prefill
     out = []
     length = 64 if quick else 2048
-    for ctx, pos0 in (((512, 384),) if quick else ((8192, 6144), (32768, 0))):
+    for ctx, pos0 in (((256, 128),) if quick else ((8192, 6144), (32768, 0))):
         rng = np.random.default_rng(ctx + pos0)
         positions = pos0 + np.arange(length)
         tok = np.arange(ctx)
