@@ -171,14 +171,22 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="8 x 512 and 40 x 60 passages, 4+4 prompts")
     ap.add_argument("--skip", default="", help="comma list of: untrained,quant,mtp,float32")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--variants", default="",
+                    help="';'-separated 'LABEL: FNX_ENV=VALUE ...': the bf16 model's perplexity protocols again under "
+                         "each variant's settings (e.g. a kernel's precision knob), with KL and top-1 against the "
+                         "default run, e.g. 'tf32: FNX_GDN_SCAN_TILES=precision=tf32;ref: FNX_KERNELS=gdn_prefill="
+                         "reference'")
     args = ap.parse_args(argv)
+    from fnx.pallas.bench import parse_variants
+    variants = parse_variants(args.variants) if args.variants else []
     ckpt = Path(args.ckpt)
     skip = set(filter(None, args.skip.split(",")))
     docs = load_heldout(ckpt)
     n_long, n_short = (8, 40) if args.quick else (40, 300)
     protos = {"long": passages(docs, n_long, 512), "short": passages(docs, n_short, 60)}
     meta = {"ckpt": str(ckpt.relative_to(ROOT) if ckpt.is_relative_to(ROOT) else ckpt),
-            "machine": f"{platform.machine()} CPU ({os.cpu_count()} cores)", "jax": jax.__version__,
+            "machine": (f"{platform.machine()} CPU ({os.cpu_count()} cores)" if jax.default_backend() == "cpu"
+                        else jax.devices()[0].device_kind), "jax": jax.__version__,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = []
 
@@ -196,6 +204,17 @@ def main(argv=None):
         emit({"metric": "perplexity", "model": "bf16", "protocol": name, "passages": int(toks.shape[0]),
               "tokens_per_passage": int(toks.shape[1]), "nll": round(v, 5), "ppl": round(math.exp(v), 3),
               "seconds": round(time.time() - t, 1)})
+    for label, env in variants:
+        from fnx.pallas.bench import settings
+        for name, toks in protos.items():
+            with settings(env):           # fnx reads its knobs when a program is traced: caches cleared in and out
+                lp = logprobs(bf16, toks)
+            v = nll(lp, toks)
+            emit({"metric": "variant", "model": f"bf16+{label}", "settings": env, "protocol": name,
+                  "passages": int(toks.shape[0]), "tokens_per_passage": int(toks.shape[1]), "nll": round(v, 5),
+                  "ppl": round(math.exp(v), 3),
+                  "ppl_vs_bf16_pct": round(100 * (math.exp(v - nll(ref_lp[name], toks)) - 1), 4),
+                  **{f"vs_bf16_{k}": round(x, 8) for k, x in compare(ref_lp[name], lp).items()}})
     if "float32" not in skip:
         f32 = fnx.load(ckpt, dtype=jnp.float32)
         for name, toks in protos.items():
@@ -257,6 +276,10 @@ def main(argv=None):
         if r["metric"] == "perplexity":
             print(f"| perplexity | {r['model']} | {r['protocol']} x{r['tokens_per_passage']} | {r['passages']} | "
                   f"{r['ppl']} |")
+        elif r["metric"] == "variant":
+            print(f"| variant | {r['model']} | {r['protocol']} | {r['passages']} | ppl {r['ppl']} "
+                  f"({r['ppl_vs_bf16_pct']:+.3f}%), KL {r['vs_bf16_kl_mean']:.2e}, "
+                  f"top-1 {r['vs_bf16_top1_agree']:.4f} |")
         elif r["metric"] == "quant" and r.get("status") != "missing":
             print(f"| quant | {r['model']} | {r['protocol']} | {r['passages']} | ppl {r['ppl']} "
                   f"({r['ppl_vs_bf16_pct']:+.2f}%), KL {r['kl_mean']:.2e}, top-1 {r['top1_agree']:.4f} |")
