@@ -31,7 +31,9 @@ def load(paths: list[str]) -> list[dict]:
                 line = line.strip()
                 if line.startswith("{"):
                     rec = json.loads(line)
-                    if rec.get("part") == "round variant":
+                    if rec.get("part") == "round variant" and "error" in rec:   # did not compile: no timing
+                        print(f"# variant {rec['variant']!r} failed: {rec['error']}", file=sys.stderr)
+                    elif rec.get("part") == "round variant":
                         recs.append(rec)
     return recs
 

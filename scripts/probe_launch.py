@@ -734,43 +734,62 @@ def main():
         import kernel_table_diff as ktd   # scripts/ is this script's folder on sys.path
         rows, tables = [], {}
         sweep = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"   # this run's variants (scripts/pick_winners.py)
+
+        def variant_record(label, env):
+            """One variant's programs compiled, profiled and summarized (its record, emitted)."""
+            progs = variant_programs()
+            rec = {"variant": label, "settings": env, "sweep": sweep, "base": variants[0][0], "programs": {}}
+            if "logits" in checked:
+                checked.setdefault("base", checked["logits"])
+                rec["check"] = check_record(checked["base"], checked.pop("logits"))
+            vdir = os.path.join(args.out, "variants", label)
+            os.makedirs(vdir, exist_ok=True)
+            for program, (fn, hlo_text) in progs.items():
+                extra = {"variant": label}
+                if args.save_hlo:
+                    with gzip.open(os.path.join(vdir, f"hlo_{program}_{label}.txt.gz"), "wt") as f:
+                        f.write(hlo_text)
+                if args.kernel_table:
+                    led = write_table(fn, hlo_text, f"{program}_{label}", program, top=0, out_dir=vdir,
+                                      extra=extra)
+                    tables.setdefault(program, {})[label] = os.path.join(vdir, f"kernel_table_{program}_{label}"
+                                                                               ".jsonl")
+                else:
+                    led = ledger.profile(fn, args.calls)
+                rec["programs"][program] = {
+                    "hlo_launch_ops": len(hlo_fusions(hlo_text)),   # what could launch: changes on a CPU too
+                    "kernels_per_call": led["launches_per_call"],
+                    "busy_us_per_call": round(led["busy_ms_per_call"] * 1e3, 2),
+                    "families": {f: [v["kernels_per_call"], round(v["ms_per_call"] * 1e3, 2)]
+                                 for f, v in led["families"].items()}}
+                if args.variant_chain and not program.startswith("prefill"):
+                    rec["programs"][program].update(chained_timing(fn))
+            emit({"part": "round variant", **rec})
+            return rec
+
         for label, env in variants:
             with settings(env):   # the variant's FNX_ settings while its programs are traced, then restored
                 jax.clear_caches()
-                progs = variant_programs()
-                rec = {"variant": label, "settings": env, "sweep": sweep, "base": variants[0][0], "programs": {}}
-                if "logits" in checked:
-                    checked.setdefault("base", checked["logits"])
-                    rec["check"] = check_record(checked["base"], checked.pop("logits"))
-                vdir = os.path.join(args.out, "variants", label)
-                os.makedirs(vdir, exist_ok=True)
-                for program, (fn, hlo_text) in progs.items():
-                    extra = {"variant": label}
-                    if args.save_hlo:
-                        with gzip.open(os.path.join(vdir, f"hlo_{program}_{label}.txt.gz"), "wt") as f:
-                            f.write(hlo_text)
-                    if args.kernel_table:
-                        led = write_table(fn, hlo_text, f"{program}_{label}", program, top=0, out_dir=vdir,
-                                          extra=extra)
-                        tables.setdefault(program, {})[label] = os.path.join(vdir, f"kernel_table_{program}_{label}"
-                                                                                   ".jsonl")
-                    else:
-                        led = ledger.profile(fn, args.calls)
-                    rec["programs"][program] = {
-                        "hlo_launch_ops": len(hlo_fusions(hlo_text)),   # what could launch: changes on a CPU too
-                        "kernels_per_call": led["launches_per_call"],
-                        "busy_us_per_call": round(led["busy_ms_per_call"] * 1e3, 2),
-                        "families": {f: [v["kernels_per_call"], round(v["ms_per_call"] * 1e3, 2)]
-                                     for f, v in led["families"].items()}}
-                    if args.variant_chain and not program.startswith("prefill"):
-                        rec["programs"][program].update(chained_timing(fn))
-                emit({"part": "round variant", **rec})
-                rows.append(rec)
-                print(f"variant done {label}: " + ", ".join(
-                    f"{p} {v['kernels_per_call']:.0f} kernels {v['busy_us_per_call']:.1f} us"
-                    + (f" (chained {v['chained_us_per_call']:.1f} us)" if "chained_us_per_call" in v else "")
-                    for p, v in rec["programs"].items())
-                    + (f"; check against {variants[0][0]}: {rec['check']}" if "check" in rec else ""), flush=True)
+                try:
+                    rec = variant_record(label, env)
+                except Exception as exc:  # noqa: BLE001 - a variant that cannot compile (e.g. tiles past the
+                    # shared memory) is reported and the sweep goes on; the baseline's failure ends it
+                    if label == variants[0][0]:
+                        raise
+                    checked.pop("logits", None)
+                    for by_label in tables.values():     # no diff against a table it left half written
+                        by_label.pop(label, None)
+                    msg = (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:400]
+                    emit({"part": "round variant", "variant": label, "settings": env, "sweep": sweep,
+                          "base": variants[0][0], "error": msg})
+                    print(f"variant failed {label}: {msg}", flush=True)
+                    continue
+            rows.append(rec)
+            print(f"variant done {label}: " + ", ".join(
+                f"{p} {v['kernels_per_call']:.0f} kernels {v['busy_us_per_call']:.1f} us"
+                + (f" (chained {v['chained_us_per_call']:.1f} us)" if "chained_us_per_call" in v else "")
+                for p, v in rec["programs"].items())
+                + (f"; check against {variants[0][0]}: {rec['check']}" if "check" in rec else ""), flush=True)
         jax.clear_caches()
         print("\n".join(variant_summary(rows)), flush=True)
         base = variants[0][0]

@@ -312,12 +312,17 @@ def test_probe_launch_round_variants(tmp_path):
                    "--chains", "1", "--context", "100", "--draft-vocab", "64", "--kernel-table", "--out", str(tmp_path),
                    "--prefill-table", "16", "--save-hlo",
                    "--variant-chain", "2", "--variant-check", "2", "--only-variants", "--round-variants",
-                   "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"], tmp_path)
+                   "base: ; m1: FNX_KERNELS=hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret; "
+                   "bad: FNX_KERNELS=hc_boundary_m1=pallas_interpret FNX_HC_M1_TILES=bogus=1"], tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "probe.jsonl").read_text().splitlines()]
     assert {r["part"] for r in recs} == {"round variant", "kernel table", "compiles"}  # --only-variants: no other
     by = recs[-1]["by_function"]                                                   # one compile a program a variant
     assert (by["jit(step)"][0], by["jit(draft_program)"][0], by["jit(verify_program)"][0]) == (4, 2, 2), by
-    var = [r for r in recs if r["part"] == "round variant"]
+    # a variant that cannot build its programs is reported, and the sweep goes on without it
+    failed = [r for r in recs if r["part"] == "round variant" and "error" in r]
+    assert [r["variant"] for r in failed] == ["bad"] and "bogus" in failed[0]["error"], failed
+    assert "variant failed bad: " in stdout
+    var = [r for r in recs if r["part"] == "round variant" and "error" not in r]
     assert [(r["variant"], r["settings"]) for r in var] == [
         ("base", {}), ("m1", {"FNX_KERNELS": "hc_boundary_m1=pallas_interpret,gdn_step=pallas_interpret"})]
     # --variant-check: two greedy steps from one saved state per variant, against the first variant's
@@ -367,12 +372,15 @@ def test_pick_winners_compares_each_sweep_with_its_own_base_and_merges_the_winne
             rec("b", "m1", {"FNX_HC_M1_TILES": "early=1", "FNX_GEMV_XFIRST": "1"}, 490, 305, 905),  # step -20
             rec("b", "gs8", {"FNX_GEMV_TILES": "fp8:2560:6144:1=bn=8,split=1"}, 500, 305, 905),  # step -10: wins
             rec("b", "gs4", {"FNX_GEMV_TILES": "fp8:2560:6144:1=bn=4,split=1/fp8:1280:2560:1=rows=2"},
-                505, 305, 905)]                                  # step -5: wins, its 2560 x 6144 item loses to gs8
+                505, 305, 905),                                  # step -5: wins, its 2560 x 6144 item loses to gs8
+            {"part": "round variant", "sweep": "b", "base": "base", "variant": "smem",      # did not compile
+             "settings": {"FNX_GDN_SCAN_TILES": "num_stages=3"}, "error": "RESOURCE_EXHAUSTED: shared memory"}]
     path = tmp_path / "probe.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     out = _run(["scripts/pick_winners.py", str(path)], tmp_path)
     won = {ln.split()[0] for ln in out.splitlines() if "  yes  " in ln}
     assert won == {"pair", "xla1", "fold", "m1", "gs8", "gs4"}, out
+    assert "smem" not in out               # a variant that failed to compile has no row (its error on stderr)
     exports = _run(["scripts/pick_winners.py", str(path), "--export"], tmp_path).splitlines()
     env = dict(line.removeprefix("export ").split("=", 1) for line in exports)
     assert env == {"FNX_KERNELS": "gemv_pair_many=pallas", "FNX_HC_FEW_TILES": "mid=pallas,pre=fold",
