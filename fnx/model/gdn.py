@@ -13,9 +13,11 @@ from jax import lax
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
-from fnx.pallas.gdn.api import gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window, window_takes_partials
+from fnx.pallas.gdn.api import gdn_chunk_prep, gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window
+from fnx.pallas.gdn.api import window_takes_partials
 from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after, window_of  # noqa: F401  (PLE)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
+from fnx.pallas.gdn.reference import unit_lower_inverse  # noqa: F401  (the chunked form's inverse)
 
 CHUNK = 64
 INTRA_ENV = "FNX_GDN_INTRA"         # the chunked form's XLA products: "highest" (fp32) or "tf32x3" (a GPU knob)
@@ -48,71 +50,18 @@ def intra_precision():
     return table[v]
 
 
-def unit_lower_inverse(a: jax.Array, precision=HIGHEST) -> jax.Array:
-    """(I + L)^-1 for L the strictly lower triangle of a [..., C, C] (the diagonal and above are ignored), by
-    matmuls only: recursive 2 x 2 block inversion, [[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]], from
-    1 x 1 blocks up to C x C in ceil(log2 C) levels of batched matmuls. Every intermediate is a block of the
-    inverse itself, so nothing grows beyond the inverse's own entries (a Neumann-series product, also matmuls
-    only, lost 6x the tolerance on the trained fnx-mini model: the powers of L grow large and cancel).
-    Why not LAPACK's triangular solve: on the CPU it is a custom call that waits on XLA's intra-op pool from inside
-    it, and two devices of one process running it at once on a 2-core host deadlocked the pool (the 2-process
-    jax.distributed forward)."""
-    c = a.shape[-1]
-    size = 1 << max(c - 1, 0).bit_length()                     # the next power of two (1 for c = 1)
-    m = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0)
-    if size != c:                                              # pad with identity rows: no coupling, unit diagonal
-        m = jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, size - c), (0, size - c)])
-    batch = m.shape[:-2]
-    mm = lambda x, y: jnp.matmul(x, y, precision=precision)     # noqa: E731
-    blocks = jnp.ones((*batch, size, 1, 1), a.dtype)            # the inverse's diagonal blocks, s x s each
-    s = 1
-    while s < size:
-        nb = size // (2 * s)
-        pairs = blocks.reshape(*batch, nb, 2, s, s)
-        inv_a, inv_b = pairs[..., 0, :, :], pairs[..., 1, :, :]
-        # the coupling block of each pair: rows of its second half, columns of its first half
-        diag = jnp.diagonal(m.reshape(*batch, nb, 2 * s, nb, 2 * s), axis1=-4, axis2=-2)   # [..., 2s, 2s, nb]
-        x = jnp.moveaxis(diag, -1, -3)[..., s:, :s]                                      # [..., nb, s, s]
-        low = -mm(mm(inv_b, x), inv_a)
-        top = jnp.concatenate([inv_a, jnp.zeros_like(inv_a)], axis=-1)
-        bottom = jnp.concatenate([low, inv_b], axis=-1)
-        blocks = jnp.concatenate([top, bottom], axis=-2)                                 # [..., nb, 2s, 2s]
-        s *= 2
-    return blocks[..., 0, :c, :c]
-
-
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None):
-    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results. The intra-chunk
-    products run batched over the chunks in XLA; the sequential pass over the chunks is `gdn_chunk_scan`."""
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None,
+                       prep_impl: str | None = None):
+    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results. The per-chunk part
+    (op "gdn_chunk_prep": the in-chunk decays, the intra-chunk products and the unit-lower inverse; XLA's batched
+    products by default, `reference.chunk_prep`) then the sequential pass over the chunks (`gdn_chunk_scan`)."""
     b, length, h, dk = k.shape
     dv = v.shape[-1]
-    pad = (-length) % chunk
-    tr = lambda a: jnp.moveaxis(a, 1, 2)                    # [B, H, L, ...]
-    q, k, v, g, beta = (tr(a) for a in (q, k, v, g, beta))
-    if pad:
-        q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
-        g, beta = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (g, beta))
-    n = (length + pad) // chunk
-    split = lambda a: a.reshape(b, h, n, chunk, *a.shape[3:])
-    v_beta, k_beta = split(v * beta[..., None]), split(k * beta[..., None])
-    q, k = split(q), split(k)
-    cum = jnp.cumsum(split(g), axis=-1)                     # [B, H, N, C]
-    upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
-    pair = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
-    prec = intra_precision()
-    mm = lambda a, c: jnp.matmul(a, c, precision=prec)
+    n = -(-length // chunk)
     apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
-    k_t = jnp.swapaxes(k, -1, -2)
-    ut = mm(k_beta, k_t) * pair
-    intra = mm(q, apart(k_t)) * pair
-    decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
-    inv = unit_lower_inverse(ut, prec)
-    new_values, k_cumdecay = mm(inv, v_beta), mm(apart(inv), decayed_k_beta)
-    q = q * jnp.exp(cum)[..., None]
-    k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1])                     # [B, H, N]
+    parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, impl=prep_impl)
     # the chunks one after another: one Pallas launch (op "gdn_prefill") or XLA's scan (the reference)
-    o, state = gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl=impl)
+    o, state = gdn_chunk_scan(*parts, state, impl=impl)
     o = o.reshape(b, h, n * chunk, dv)[:, :, :length]
     return jnp.moveaxis(o, 1, 2), state
 

@@ -613,6 +613,77 @@ def test_chunked_prefill_through_the_kernel_matches_token_by_token():
         api.gdn_chunk_scan(*(a.astype(jnp.bfloat16) for a in bad[:1]), *bad[1:], impl=KERNEL)
 
 
+def _prep_inputs(key, b, length, h, dk, dv):
+    ks = jax.random.split(key, 5)
+    q = reference.l2norm(jax.random.normal(ks[0], (b, length, h, dk))) * dk ** -0.5
+    k = reference.l2norm(jax.random.normal(ks[1], (b, length, h, dk)))
+    v = jax.random.normal(ks[2], (b, length, h, dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, length, h)))           # log decays, as the model's gates
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, length, h)))
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("b,length,h,dk,dv", [(1, 150, 2, 32, 32), (2, 64, 1, 16, 32), (1, 40, 1, 128, 64)])
+def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv):
+    """Op "gdn_chunk_prep": one program per (sequence, head, chunk) computes the chunked form's per-chunk operands
+    by 16 x 16 blocks (the unit-lower inverse by block forward substitution, where XLA's reference doubles its
+    blocks level by level): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale, the
+    decayed q and k and the chunk decays exactly; a partial last chunk (150 and 40 tokens) reads zeros past L."""
+    args = _prep_inputs(seed(), b, length, h, dk, dv)
+    want = reference.chunk_prep(*args, 64)
+    got = jax.jit(lambda *a: api.gdn_chunk_prep(*a, 64, impl=KERNEL))(*args)
+    for name, g_, w in zip(("new_values", "k_cumdecay", "q", "intra", "k", "chunk_decay"), got, want, strict=True):
+        assert g_.shape == w.shape and g_.dtype == jnp.float32, (name, g_.shape, w.shape)
+        np.testing.assert_allclose(np.asarray(g_), np.asarray(w), rtol=1e-5,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(w))), err_msg=name)
+    intra = np.asarray(got[3])
+    assert not np.any(np.triu(intra, 1)), "intra is lower triangular (the causal pairs only)"
+
+
+def test_chunked_prefill_through_the_prep_kernel(monkeypatch):
+    """The model's chunked form with op "gdn_chunk_prep" named (FNX_KERNELS) runs the kernel, not XLA's products,
+    and agrees with the token-by-token reference, with either chunk pass; "auto" keeps XLA's products (not measured
+    on a GPU yet), and shapes the kernel cannot block are refused with the reason."""
+    from fnx.model import gdn
+    from fnx.pallas.gdn import prep
+    q, k, v, g, beta, state = inputs(seed(), 150, hk=HV, dtype=jnp.float32)
+    q, k = reference.l2norm(q) * DK ** -0.5, reference.l2norm(k)
+    want_o, want_s = reference.delta_rule_recurrent(q, k, v, g, beta, state)
+    calls = []
+    real = prep.chunk_prep
+    monkeypatch.setattr(prep, "chunk_prep", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv("FNX_KERNELS", f"gdn_chunk_prep={KERNEL}")
+    for impl in (KERNEL, "reference"):
+        o, s = jax.jit(lambda *a, impl=impl: gdn.delta_rule_chunked(*a, impl=impl))(q, k, v, g, beta, state)
+        np.testing.assert_allclose(np.asarray(o), np.asarray(want_o), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(s), np.asarray(want_s), rtol=1e-4, atol=1e-4)
+    assert len(calls) == 2
+    monkeypatch.delenv("FNX_KERNELS")
+    jax.make_jaxpr(lambda *a: gdn.delta_rule_chunked(*a, impl="reference"))(q, k, v, g, beta, state)
+    assert len(calls) == 2, "auto keeps XLA's products"
+    from fnx.pallas import dispatch
+    assert api.OP_CHUNK_PREP not in dispatch.VERIFIED_ON_GPU
+    bad = _prep_inputs(seed(), 1, 20, 1, 24, 32)                         # dk 24: not a power of two
+    with pytest.raises(Exception, match="power-of-two"):
+        api.gdn_chunk_prep(*bad, 64, impl=KERNEL)
+    with pytest.raises(ValueError, match="must be"):
+        api.gdn_chunk_prep(bad[0], bad[1], bad[2][:, :10], *bad[3:], 64, impl=KERNEL)
+
+
+def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():
+    """The kernel at the released GDN shapes (48 value heads of 128, a 2,048-token chunk, "tf32x3" products)
+    lowers for CUDA: one launch per layer."""
+    from jax import lax
+
+    from fnx.pallas.gdn import prep
+    sds = jax.ShapeDtypeStruct
+    b, length, h, d = 1, 2048, 48, 128
+    f = jax.jit(lambda *a: prep.chunk_prep(*a, 64, precision=lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
+    text = f.trace(*(sds((b, length, h, d), jnp.float32),) * 3, *(sds((b, length, h), jnp.float32),) * 2).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("gdn_chunk_prep") >= 1
+
+
 def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch):
     """gdn_layer's multi-token path leaves the chunk pass's backend to fnx.pallas.dispatch (impl None, as its
     decode ops), so FNX_KERNELS=gdn_prefill=... reaches gdn_chunk_scan: the reference and the kernel each run when

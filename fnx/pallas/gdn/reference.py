@@ -194,6 +194,74 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     return o, conv_state, rec
 
 
+def unit_lower_inverse(a: jax.Array, precision=lax.Precision.HIGHEST) -> jax.Array:
+    """(I + L)^-1 for L the strictly lower triangle of a [..., C, C] (the diagonal and above are ignored), by
+    matmuls only: recursive 2 x 2 block inversion, [[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]], from
+    1 x 1 blocks up to C x C in ceil(log2 C) levels of batched matmuls. Every intermediate is a block of the
+    inverse itself, so nothing grows beyond the inverse's own entries (a Neumann-series product, also matmuls
+    only, lost 6x the tolerance on the trained fnx-mini model: the powers of L grow large and cancel).
+    Why not LAPACK's triangular solve: on the CPU it is a custom call that waits on XLA's intra-op pool from inside
+    it, and two devices of one process running it at once on a 2-core host deadlocked the pool (the 2-process
+    jax.distributed forward)."""
+    c = a.shape[-1]
+    size = 1 << max(c - 1, 0).bit_length()                     # the next power of two (1 for c = 1)
+    m = jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), a, 0)
+    if size != c:                                              # pad with identity rows: no coupling, unit diagonal
+        m = jnp.pad(m, [(0, 0)] * (m.ndim - 2) + [(0, size - c), (0, size - c)])
+    batch = m.shape[:-2]
+    mm = lambda x, y: jnp.matmul(x, y, precision=precision)     # noqa: E731
+    blocks = jnp.ones((*batch, size, 1, 1), a.dtype)            # the inverse's diagonal blocks, s x s each
+    s = 1
+    while s < size:
+        nb = size // (2 * s)
+        pairs = blocks.reshape(*batch, nb, 2, s, s)
+        inv_a, inv_b = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        # the coupling block of each pair: rows of its second half, columns of its first half
+        diag = jnp.diagonal(m.reshape(*batch, nb, 2 * s, nb, 2 * s), axis1=-4, axis2=-2)   # [..., 2s, 2s, nb]
+        x = jnp.moveaxis(diag, -1, -3)[..., s:, :s]                                      # [..., nb, s, s]
+        low = -mm(mm(inv_b, x), inv_a)
+        top = jnp.concatenate([inv_a, jnp.zeros_like(inv_a)], axis=-1)
+        bottom = jnp.concatenate([low, inv_b], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)                                 # [..., nb, 2s, 2s]
+        s *= 2
+    return blocks[..., 0, :c, :c]
+
+
+def chunk_prep(q, k, v, g, beta, chunk: int, precision=lax.Precision.HIGHEST, apart=lambda a: a):
+    """The per-chunk part of the chunked (WY / UT) gated delta rule, batched over the chunks (XLA's products): q
+    [B, L, H, dk] (already scaled), k [B, L, H, dk], v [B, L, H, dv], g (log decay) and beta [B, L, H], L padded to
+    N chunks of `chunk` tokens with zeros. Returns `chunk_scan`'s operands: new_values [B, H, N, C, dv], k_cumdecay
+    [B, H, N, C, dk] (inv (k_beta decay)), q decayed [B, H, N, C, dk], intra [B, H, N, C, C] (q k^T with the pair
+    decays), k decayed to the chunk's end [B, H, N, C, dk], chunk_decay [B, H, N]; all fp32. `precision`: the
+    products'; `apart`: what the second product of a pair sharing an operand reads it through (the model's
+    optimization barrier keeps XLA from merging the pair)."""
+    b, length, h, dk = k.shape
+    pad = (-length) % chunk
+    tr = lambda a: jnp.moveaxis(a, 1, 2)                    # [B, H, L, ...]  # noqa: E731
+    q, k, v, g, beta = (tr(a) for a in (q, k, v, g, beta))
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, 0), (0, pad), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, 0), (0, pad))) for a in (g, beta))
+    n = (length + pad) // chunk
+    split = lambda a: a.reshape(b, h, n, chunk, *a.shape[3:])     # noqa: E731
+    v_beta, k_beta = split(v * beta[..., None]), split(k * beta[..., None])
+    q, k = split(q), split(k)
+    cum = jnp.cumsum(split(g), axis=-1)                     # [B, H, N, C]
+    upper = jnp.triu(jnp.ones((chunk, chunk), bool), 1)
+    pair = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
+    mm = lambda a, c: jnp.matmul(a, c, precision=precision)     # noqa: E731
+    k_t = jnp.swapaxes(k, -1, -2)
+    ut = mm(k_beta, k_t) * pair
+    intra = mm(q, apart(k_t)) * pair
+    decayed_k_beta = k_beta * jnp.exp(cum)[..., None]
+    inv = unit_lower_inverse(ut, precision)
+    new_values, k_cumdecay = mm(inv, v_beta), mm(apart(inv), decayed_k_beta)
+    q = q * jnp.exp(cum)[..., None]
+    k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])                     # [B, H, N]
+    return new_values, k_cumdecay, q, intra, k, chunk_decay
+
+
 def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state):
     """The sequential part of the chunked (WY / UT) form, over N chunks of C tokens, in fp32 at HIGHEST precision.
     Per chunk n: v_new = nv_n - kcd_n S; o_n = q_n S + intra_n v_new; S = S * decay_n + k_n^T v_new.
