@@ -65,7 +65,6 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
     last = off                                                   # the chunk's summed log decay
     beta = [load_vec(b_ref, i) for i in range(nb)]
     kk = [load(k_ref, i, dk, ck) for i in range(nb)]
-    kb = [kk[i] * beta[i][:, None] for i in range(nb)]
     out = functools.partial(_store, n=n, b=b, h=h)
     a_blk = {}
     for i in range(nb):
@@ -73,7 +72,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
         for j in range(i + 1):
             diff = cum[i][:, None] - cum[j][None, :]
             pair = jnp.exp(jnp.where(lower, diff, -jnp.inf)) if i == j else jnp.exp(diff)
-            a = dot(kb[i], kk[j].T) * pair
+            a = dot(kk[i] * beta[i][:, None], kk[j].T) * pair
             a_blk[i, j] = jnp.where(strict, a, 0.0) if i == j else a
             out(ia_ref, i, j, dot(qi, kk[j].T) * pair)
         for j in range(i + 1, nb):
@@ -96,12 +95,15 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
             for m in range(j + 1, i):
                 acc = acc + dot(a_blk[i, m], x_blk[m, j])
             x_blk[i, j] = -dot(x_blk[i, i], acc)
-    vb = [load(v_ref, j, dv, cv) * beta[j][:, None] for j in range(nb)]
-    kbd = [kb[j] * jnp.exp(cum[j])[:, None] for j in range(nb)]
+    # the products with X, a row block at a time (v's and k's blocks read again for each, from L1 / L2, rather
+    # than kept live in registers through the whole program)
     for i in range(nb):
-        nv, kcd = dot(x_blk[i, 0], vb[0]), dot(x_blk[i, 0], kbd[0])
-        for j in range(1, i + 1):
-            nv, kcd = nv + dot(x_blk[i, j], vb[j]), kcd + dot(x_blk[i, j], kbd[j])
+        nv = kcd = None
+        for j in range(i + 1):
+            vb = load(v_ref, j, dv, cv) * beta[j][:, None]
+            kbd = load(k_ref, j, dk, ck) * beta[j][:, None] * jnp.exp(cum[j])[:, None]
+            pv, pk = dot(x_blk[i, j], vb), dot(x_blk[i, j], kbd)
+            nv, kcd = (pv, pk) if nv is None else (nv + pv, kcd + pk)
         out(nv_ref, i, None, nv)
         out(kcd_ref, i, None, kcd)
     cd_ref[b, h, n] = jnp.exp(last)
