@@ -51,15 +51,16 @@ def intra_precision():
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None,
-                       prep_impl: str | None = None):
-    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results. The per-chunk part
-    (op "gdn_chunk_prep": the in-chunk decays, the intra-chunk products and the unit-lower inverse; XLA's batched
-    products by default, `reference.chunk_prep`) then the sequential pass over the chunks (`gdn_chunk_scan`)."""
-    b, length, h, dk = k.shape
-    dv = v.shape[-1]
+                       prep_impl: str | None = None, rep: int = 1):
+    """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results (q and k may hold the
+    key heads only, each read by `rep` value heads in turn). The per-chunk part (op "gdn_chunk_prep": the in-chunk
+    decays, the intra-chunk products and the unit-lower inverse; XLA's batched products by default,
+    `reference.chunk_prep`) then the sequential pass over the chunks (`gdn_chunk_scan`)."""
+    b, length, h, dv = v.shape
     n = -(-length // chunk)
     apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
-    parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, impl=prep_impl)
+    parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, impl=prep_impl,
+                           rep=rep)
     # the chunks one after another: one Pallas launch (op "gdn_prefill") or XLA's scan (the reference)
     o, state = gdn_chunk_scan(*parts, state, impl=impl)
     o = o.reshape(b, h, n * chunk, dv)[:, :, :length]
@@ -123,12 +124,10 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     q, k, v, g, beta, conv_state, conv_x = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"],
                                                           p["dt_bias"], n_valid, key_heads=hk, key_head_dim=dk,
                                                           value_heads=hv)
-    if hv != hk:
-        q, k = (jnp.repeat(t, hv // hk, axis=2) for t in (q, k))
     q, k, v = (t.astype(F32) for t in (q, k, v))
-    q, k = l2norm(q), l2norm(k)
+    q, k = l2norm(q), l2norm(k)             # per key head: value head h reads key head h // (hv // hk)
     # impl None, as gdn_step and gdn_window above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
     # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
-    o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state)
+    o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state, rep=hv // hk)
     o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
     return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}

@@ -613,25 +613,30 @@ def test_chunked_prefill_through_the_kernel_matches_token_by_token():
         api.gdn_chunk_scan(*(a.astype(jnp.bfloat16) for a in bad[:1]), *bad[1:], impl=KERNEL)
 
 
-def _prep_inputs(key, b, length, h, dk, dv):
+def _prep_inputs(key, b, length, h, dk, dv, rep=1):
     ks = jax.random.split(key, 5)
-    q = reference.l2norm(jax.random.normal(ks[0], (b, length, h, dk))) * dk ** -0.5
-    k = reference.l2norm(jax.random.normal(ks[1], (b, length, h, dk)))
+    q = reference.l2norm(jax.random.normal(ks[0], (b, length, h // rep, dk))) * dk ** -0.5
+    k = reference.l2norm(jax.random.normal(ks[1], (b, length, h // rep, dk)))
     v = jax.random.normal(ks[2], (b, length, h, dv))
     g = -jax.nn.softplus(jax.random.normal(ks[3], (b, length, h)))           # log decays, as the model's gates
     beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, length, h)))
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("b,length,h,dk,dv", [(1, 150, 2, 32, 32), (2, 64, 1, 16, 32), (1, 40, 1, 128, 64)])
-def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv):
+@pytest.mark.parametrize("b,length,h,dk,dv,rep", [(1, 150, 2, 32, 32, 1), (2, 64, 1, 16, 32, 1),
+                                                   (1, 40, 1, 128, 64, 1), (2, 90, 6, 16, 32, 3)])
+def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv, rep):
     """Op "gdn_chunk_prep": one program per (sequence, head, chunk) computes the chunked form's per-chunk operands
     by 16 x 16 blocks (the unit-lower inverse by block forward substitution, where XLA's reference doubles its
     blocks level by level): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale, the
-    decayed q and k and the chunk decays exactly; a partial last chunk (150 and 40 tokens) reads zeros past L."""
-    args = _prep_inputs(seed(), b, length, h, dk, dv)
-    want = reference.chunk_prep(*args, 64)
-    got = jax.jit(lambda *a: api.gdn_chunk_prep(*a, 64, impl=KERNEL))(*args)
+    decayed q and k and the chunk decays exactly; a partial last chunk (150, 40 and 90 tokens) reads zeros past L;
+    with rep 3 the kernel reads each key head for three value heads in place (the reference's q, k repeated)."""
+    args = _prep_inputs(seed(), b, length, h, dk, dv, rep)
+    q, k = (jnp.repeat(t, rep, axis=2) for t in args[:2])
+    want = reference.chunk_prep(q, k, *args[2:], 64)
+    got = jax.jit(lambda *a: api.gdn_chunk_prep(*a, 64, impl=KERNEL, rep=rep))(*args)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.array_equal(x, y)), want,
+                                     api.gdn_chunk_prep(*args, 64, impl="reference", rep=rep)))
     for name, g_, w in zip(("new_values", "k_cumdecay", "q", "intra", "k", "chunk_decay"), got, want, strict=True):
         assert g_.shape == w.shape and g_.dtype == jnp.float32, (name, g_.shape, w.shape)
         np.testing.assert_allclose(np.asarray(g_), np.asarray(w), rtol=1e-5,
@@ -668,6 +673,8 @@ def test_chunked_prefill_through_the_prep_kernel(monkeypatch):
         api.gdn_chunk_prep(*bad, 64, impl=KERNEL)
     with pytest.raises(ValueError, match="must be"):
         api.gdn_chunk_prep(bad[0], bad[1], bad[2][:, :10], *bad[3:], 64, impl=KERNEL)
+    with pytest.raises(ValueError, match="key heads x rep"):
+        api.gdn_chunk_prep(*bad, 64, impl=KERNEL, rep=2)
 
 
 def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():

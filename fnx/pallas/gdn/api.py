@@ -233,32 +233,38 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
 OP_CHUNK_PREP = "gdn_chunk_prep"
 
 
-def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda a: a, impl: str | None = None):
+def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda a: a, impl: str | None = None,
+                   rep: int = 1):
     """The per-chunk part of the chunked gated delta rule (`reference.chunk_prep` has the shapes and outputs):
     XLA's batched products (the reference, at `precision`, HIGHEST by default; `apart` the model's barrier
     between products sharing an operand) or one Pallas launch (`prep.chunk_prep`, its products at the chunk
-    scan's precision, `ScanTiles.precision`). Op name for FNX_KERNELS: "gdn_chunk_prep" (off under "auto" until
-    its compiled kernel is measured)."""
+    scan's precision, `ScanTiles.precision`). q and k may hold the key heads only (`rep` > 1: value head h reads
+    key head h // rep, `jnp.repeat` order): the reference repeats them, the kernel reads them in place. Op name
+    for FNX_KERNELS: "gdn_chunk_prep" (off under "auto" until its compiled kernel is measured)."""
     from jax import lax
-    bsz, length, h, dk = k.shape
-    dv = v.shape[-1]
-    for name, a, want in (("q", q, (bsz, length, h, dk)), ("v", v, (bsz, length, h, dv)),
+    bsz, length, hk, dk = k.shape
+    h, dv = v.shape[2:]
+    if rep < 1 or hk * rep != h:
+        raise ValueError(f"gdn_chunk_prep: {hk} key heads x rep {rep} must be v's {h} value heads")
+    for name, a, want in (("q", q, (bsz, length, hk, dk)), ("v", v, (bsz, length, h, dv)),
                           ("g", g, (bsz, length, h)), ("beta", beta, (bsz, length, h))):
         if a.shape != want:
-            raise ValueError(f"gdn_chunk_prep: {name} {a.shape} must be {want} (k is {k.shape})")
+            raise ValueError(f"gdn_chunk_prep: {name} {a.shape} must be {want} (k is {k.shape}, rep {rep})")
     why = None
     if not (_is_pow2(dk) and _is_pow2(dv)) or min(dk, dv) < 16 or dk > CHUNK_SCAN_MAX_DK or chunk % 16:
         why = (f"the kernel's 16 x 16 blocks need a chunk that 16 divides ({chunk}) and power-of-two head dims of "
                f"at least 16 (dk {dk}, dv {dv}), dk <= {CHUNK_SCAN_MAX_DK}")
     backend = dispatch.resolve(OP_CHUNK_PREP, impl, not_applicable=why)
     if backend == "reference":
+        if rep > 1:
+            q, k = (jnp.repeat(t, rep, axis=2) for t in (q, k))
         return reference.chunk_prep(q, k, v, g, beta, chunk, lax.Precision.HIGHEST if precision is None else precision,
                                     apart)
     from fnx.pallas.gdn import pallas as scan_kernel
     from fnx.pallas.gdn import prep
     t = scan_kernel.scan_tiles(dv)
     return prep.chunk_prep(q, k, v, g, beta, chunk, precision=scan_kernel._scan_precision(t.precision, False),
-                           interpret=dispatch.interpret_flag(backend))
+                           interpret=dispatch.interpret_flag(backend), rep=rep)
 
 
 OP_PREFILL = "gdn_prefill"

@@ -34,7 +34,7 @@ R = 16              # rows per block (the tensor cores' smallest M, N and K)
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, ko_ref, cd_ref, *,
-            length, heads, chunk, dk, dv, precision):
+            length, heads, rep, chunk, dk, dv, precision):
     b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nb = chunk // R
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=F32)
@@ -43,17 +43,19 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
     lower = rr[:, None] >= rr[None, :]
     strict = rr[:, None] > rr[None, :]
 
-    def rows(i):
-        t = n * chunk + i * R + rr                               # the block's tokens
-        return t, t < length, (b * length + jnp.minimum(t, length - 1)) * heads + h
+    def rows(i, key=False):
+        """The block's tokens: in range, and their rows in a value-head array (or, `key`, a key-head one)."""
+        t = n * chunk + i * R + rr
+        tc = b * length + jnp.minimum(t, length - 1)
+        return t < length, (tc * (heads // rep) + h // rep) if key else (tc * heads + h)
 
-    def load(ref, i, d, cols):
-        _, ok, row = rows(i)
+    def load(ref, i, d, cols, key=False):
+        ok, row = rows(i, key)
         at = (row[:, None], cols[None, :])
         return plt.load(ref.at[at], mask=jnp.broadcast_to(ok[:, None], (R, d)), other=0.0).astype(F32)
 
     def load_vec(ref, i):
-        _, ok, row = rows(i)
+        ok, row = rows(i)
         return plt.load(ref.at[row], mask=ok, other=0.0).astype(F32)
 
     # the cumulative log decay: each block's own prefix sums plus the blocks before it
@@ -64,11 +66,11 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
         off = off + jnp.sum(gi)
     last = off                                                   # the chunk's summed log decay
     beta = [load_vec(b_ref, i) for i in range(nb)]
-    kk = [load(k_ref, i, dk, ck) for i in range(nb)]
+    kk = [load(k_ref, i, dk, ck, key=True) for i in range(nb)]
     out = functools.partial(_store, n=n, b=b, h=h)
     a_blk = {}
     for i in range(nb):
-        qi = load(q_ref, i, dk, ck)
+        qi = load(q_ref, i, dk, ck, key=True)
         for j in range(i + 1):
             diff = cum[i][:, None] - cum[j][None, :]
             pair = jnp.exp(jnp.where(lower, diff, -jnp.inf)) if i == j else jnp.exp(diff)
@@ -101,7 +103,7 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
         nv = kcd = None
         for j in range(i + 1):
             vb = load(v_ref, j, dv, cv) * beta[j][:, None]
-            kbd = load(k_ref, j, dk, ck) * beta[j][:, None] * jnp.exp(cum[j])[:, None]
+            kbd = load(k_ref, j, dk, ck, key=True) * beta[j][:, None] * jnp.exp(cum[j])[:, None]
             pv, pk = dot(x_blk[i, j], vb), dot(x_blk[i, j], kbd)
             nv, kcd = (pv, pk) if nv is None else (nv + pv, kcd + pk)
         out(nv_ref, i, None, nv)
@@ -117,19 +119,20 @@ def _store(ref, i, j, val, *, n, b, h):
         ref[b, h, n, rows, pl.ds(j * R, R)] = val
 
 
-def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = False, num_warps: int = 4):
-    """`reference.chunk_prep` in one launch (shapes checked by `api.gdn_chunk_prep`): q, k [B, L, H, dk], v
-    [B, L, H, dv], g, beta [B, L, H] (any float dtype; computed in fp32); the outputs fp32 in `chunk_scan`'s
-    layout."""
-    bsz, length, h, dk = k.shape
-    dv = v.shape[-1]
+def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = False, num_warps: int = 4,
+               rep: int = 1):
+    """`reference.chunk_prep` in one launch (shapes checked by `api.gdn_chunk_prep`): q, k [B, L, H / rep, dk]
+    (value head h reads key head h // rep), v [B, L, H, dv], g, beta [B, L, H] (any float dtype; computed in
+    fp32); the outputs fp32 in `chunk_scan`'s layout, per value head."""
+    bsz, length, h, dv = v.shape
+    dk = k.shape[-1]
     n = -(-length // chunk)
-    flat = lambda a: a.reshape(bsz * length * h, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, h))
+    flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, head))
     shapes = [(bsz, h, n, chunk, dv), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, chunk),
               (bsz, h, n, chunk, dk), (bsz, h, n)]
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=1)}
     return pdl.pallas_call(
-        functools.partial(_kernel, length=length, heads=h, chunk=chunk, dk=dk, dv=dv,
+        functools.partial(_kernel, length=length, heads=h, rep=rep, chunk=chunk, dk=dk, dv=dv,
                           precision=lax.Precision.HIGHEST if interpret else precision),
         grid=(bsz, h, n),
         out_shape=tuple(jax.ShapeDtypeStruct(s, F32) for s in shapes),
