@@ -1,9 +1,10 @@
 """Instructions per kind of the MoE decode kernels' SASS, on a machine without a GPU.
 
 The two Pallas kernels are lowered for CUDA on the CPU (`lowering_platforms=("cuda",)`) at the released shapes, the
-Triton IR of each launch is printed as text, and a stock Triton wheel compiles it for sm_90 or `--arch` (its own `ptxas`; no GPU
-is needed) in a separate interpreter; `cuobjdump` gives the SASS and the registers. The stock Triton is not the
-one XLA embeds, so the counts show the shape of the code (what a change adds or removes), not the device's bits.
+Triton IR of each launch is printed as text, and a stock Triton wheel compiles it for sm_90 or `--arch` (its own
+`ptxas`; no GPU is needed) in a separate interpreter; `cuobjdump` gives the SASS and the registers. The stock
+Triton is not the one XLA embeds, so the counts show the shape of the code (what a change adds or removes), not
+the device's bits.
 
 Setup once (Triton stays out of the project's environment):
     python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.5.0
@@ -20,6 +21,7 @@ Run:
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
     python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router)
     python scripts/sass_count.py nvfp4 64 --moe-blocks    # the prefill grouped MoE kernels, blocks of 64 rows
+    python scripts/sass_count.py fp8 2048 precision=tf32 --gdn-prep   # the chunked GDN's per-chunk kernel
 """
 
 from __future__ import annotations
@@ -194,6 +196,18 @@ def moe_blocks_kernels(fmt: str, b: int, tiles, n_blocks: int = 832) -> list[tup
         lowering_platforms=("cuda",)))
 
 
+def gdn_prep_kernels(m: int, precision: str, num_warps: int) -> list[tuple[str, int, int, str]]:
+    """The same for the chunked GDN's per-chunk kernel (op "gdn_chunk_prep") over an m-token chunk at the released
+    shapes (48 value heads over 16 key heads of 128, chunks of 64), its products at `precision`."""
+    from fnx.pallas.gdn import pallas as gk
+    from fnx.pallas.gdn import prep
+    fn = lambda *a: prep.chunk_prep(*a, 64, precision=gk._scan_precision(precision, False),  # noqa: E731
+                                    num_warps=num_warps, rep=3)
+    f32 = jnp.float32
+    return _launches(jax.jit(fn).trace(S((1, m, 16, 128), f32), S((1, m, 16, 128), f32), S((1, m, 48, 128), f32),
+                                       S((1, m, 48), f32), S((1, m, 48), f32)).lower(lowering_platforms=("cuda",)))
+
+
 def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
     """The same for the MoE router (512 experts, top 10, renormalized) at m tokens."""
     from fnx.pallas.moe import routing_pallas
@@ -232,6 +246,8 @@ def main() -> None:
                     "chunk at 8K context (fields: PrefillTiles', e.g. bk=32)")
     ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
                     "m rows (fields: experts_pallas.Tiles', e.g. block_n=128)")
+    ap.add_argument("--gdn-prep", action="store_true", help="count the chunked GDN's per-chunk kernel over an m-token "
+                    "chunk (fields: precision=tf32x3|tf32|ieee,num_warps=N)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -242,6 +258,13 @@ def main() -> None:
             os.environ[qk.COMBINE_TILES_ENV] = args.fields
             tiles = str(qk.combine_tiles())
         launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
+    elif args.gdn_prep:
+        kv = dict(item.split("=", 1) for item in args.fields.split(",") if item)
+        unknown = set(kv) - {"precision", "num_warps"}
+        if unknown:
+            raise SystemExit(f"--gdn-prep fields: precision and num_warps only, not {sorted(unknown)}")
+        tiles = {"precision": kv.get("precision", "tf32x3"), "num_warps": int(kv.get("num_warps", 4))}
+        launches = gdn_prep_kernels(args.m, tiles["precision"], tiles["num_warps"])
     elif args.moe_blocks:
         from fnx.model import quant as q
         from fnx.pallas import dispatch
@@ -328,7 +351,7 @@ def main() -> None:
                 os.makedirs(args.dump, exist_ok=True)
                 with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
                     f.write(sass)
-            ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)
+            ops = opcodes(sass)
             regs = re.search(r"REG:(\d+)", res)
             kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))
             print(f"{name}: {len(ops)} instructions, {regs.group(1) if regs else '?'} registers, {warps} warps; "
@@ -364,6 +387,12 @@ def load_groups(ops: list[str]) -> int:
         elif op in ("BAR", "STG"):
             open_run = False
     return groups
+
+
+def opcodes(sass: str) -> list[str]:
+    """Each instruction's opcode in a cuobjdump SASS listing, in order (addresses of 4 hex digits or more: a kernel
+    past 64 KB of code has 5-digit ones)."""
+    return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M)
 
 
 def loop_bodies(sass: str) -> list[tuple[int, int, list[str]]]:

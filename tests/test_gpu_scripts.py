@@ -558,6 +558,9 @@ def test_sass_count_finds_loop_bodies():
         "        /*0060*/                   BRA 0x60;"])
     (start, end, body), = sass_count.loop_bodies(listing)
     assert (start, end) == (0x20, 0x40) and body == ["HMMA", "IMAD", "BRA"]
+    # every instruction counted, past 64 KB of code too (5-digit addresses)
+    long = listing + "\n        /*1fff0*/                   STL [R1], R2 ;"
+    assert sass_count.opcodes(long) == ["MOV", "LDG", "HMMA", "IMAD", "BRA", "EXIT", "BRA", "STL"]
 
 
 def test_sass_count_counts_loads_after_the_first_barrier():

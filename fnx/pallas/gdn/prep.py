@@ -66,21 +66,23 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
         off = off + jnp.sum(gi)
     last = off                                                   # the chunk's summed log decay
     beta = [load_vec(b_ref, i) for i in range(nb)]
-    kk = [load(k_ref, i, dk, ck, key=True) for i in range(nb)]
     out = functools.partial(_store, n=n, b=b, h=h)
     a_blk = {}
     for i in range(nb):
-        qi = load(q_ref, i, dk, ck, key=True)
+        # a row block's q and k, and each earlier key block read again (L1 / L2) rather than all kept live
+        qi, ki = load(q_ref, i, dk, ck, key=True), load(k_ref, i, dk, ck, key=True)
+        kbi = ki * beta[i][:, None]
         for j in range(i + 1):
+            kj = ki if j == i else load(k_ref, j, dk, ck, key=True)
             diff = cum[i][:, None] - cum[j][None, :]
             pair = jnp.exp(jnp.where(lower, diff, -jnp.inf)) if i == j else jnp.exp(diff)
-            a = dot(kk[i] * beta[i][:, None], kk[j].T) * pair
+            a = dot(kbi, kj.T) * pair
             a_blk[i, j] = jnp.where(strict, a, 0.0) if i == j else a
-            out(ia_ref, i, j, dot(qi, kk[j].T) * pair)
+            out(ia_ref, i, j, dot(qi, kj.T) * pair)
         for j in range(i + 1, nb):
             out(ia_ref, i, j, jnp.zeros((R, R), F32))
         out(qo_ref, i, None, qi * jnp.exp(cum[i])[:, None])
-        out(ko_ref, i, None, kk[i] * jnp.exp(last - cum[i])[:, None])
+        out(ko_ref, i, None, ki * jnp.exp(last - cum[i])[:, None])
     # X = (I + A)^-1, block lower triangular: the diagonal blocks by forward substitution over their rows
     x_blk = {}
     for i in range(nb):
