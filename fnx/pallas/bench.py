@@ -194,21 +194,25 @@ _checked: dict = {}
 
 def check_case(case: BenchCase) -> dict:
     """{} without case.check; else case.fn against case.check on the first argument set: max |fn - check| over
-    max |check| ("max_rel_err") and "check": "ok", or "mismatch" past case.check_tol (or not finite)."""
+    max |check| ("max_rel_err"; for several outputs the largest of each output's own) and "check": "ok", or
+    "mismatch" past case.check_tol (or not finite)."""
     if case.check is None:
         return {}
     args = case.arg_sets[0]
+    as_list = lambda out: [np.asarray(o, np.float32) for o in (out if isinstance(out, (tuple, list)) else [out])]  # noqa: E731
     with settings(case.env):
-        got = np.asarray(jax.jit(case.fn)(*args), np.float32)
+        got = as_list(jax.jit(case.fn)(*args))
     hit = _checked.get((id(case.check), id(args[0])))
     if hit is not None and hit[0] is case.check and hit[1] is args[0]:
         want = hit[2]        # cases that share a check object and arguments (tile variants) compute it once
     else:
-        want = np.asarray(jax.jit(case.check)(*args), np.float32)
+        want = as_list(jax.jit(case.check)(*args))
         if len(_checked) > 16:
             _checked.clear()
         _checked[(id(case.check), id(args[0]))] = (case.check, args[0], want)
-    err = float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), 1e-30))
+    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
+        return {"max_rel_err": "shapes differ", "check": "mismatch"}
+    err = max(float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30)) for g, w in zip(got, want))
     return {"max_rel_err": round(err, 5) if np.isfinite(err) else str(err),
             "check": "ok" if np.isfinite(err) and err <= case.check_tol else "mismatch"}
 

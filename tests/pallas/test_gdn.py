@@ -628,8 +628,9 @@ def _prep_inputs(key, b, length, h, dk, dv, rep=1):
 def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv, rep):
     """Op "gdn_chunk_prep": one program per (sequence, head, chunk) computes the chunked form's per-chunk operands
     by 16 x 16 blocks (the unit-lower inverse by block forward substitution, where XLA's reference doubles its
-    blocks level by level): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale, the
-    decayed q and k and the chunk decays exactly; a partial last chunk (150, 40 and 90 tokens) reads zeros past L;
+    blocks level by level): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale (the
+    cumulative decay and the products summed in another order); a partial last chunk (150, 40 and 90 tokens) reads
+    zeros past L;
     with rep 3 the kernel reads each key head for three value heads in place (the reference's q, k repeated)."""
     args = _prep_inputs(seed(), b, length, h, dk, dv, rep)
     q, k = (jnp.repeat(t, rep, axis=2) for t in args[:2])

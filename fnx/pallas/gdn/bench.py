@@ -175,8 +175,46 @@ def prefill_cases(quick: bool) -> list[BenchCase]:
     return out
 
 
+def chunk_prep_cases(quick: bool) -> list[BenchCase]:
+    """The chunked form's per-chunk part (op gdn_chunk_prep) over one prefill chunk of one sequence: XLA's batched
+    products (the model's reference, fp32) against the one-launch kernel (its products "tf32x3", the scan's
+    default, and "tf32"), q and k per key head (16 of the 48 value heads' 3 each). Bytes: q, k per key head, v,
+    g, beta read once; the fp32 outputs written once (the floor of a memory-bound kernel); checked against the
+    reference before timing (every output within 1e-4 of its scale, "tf32" products within 1e-2)."""
+    out = []
+    for tokens in ((128,) if quick else (2048, 512)):
+        n = -(-tokens // CHUNK)
+        per_set = 4 * tokens * (2 * HK * DK + HV * DV + 2 * HV) + 4 * HV * n * (CHUNK * (DV + 3 * DK + CHUNK) + 1)
+
+        def make(i, _t=tokens):
+            ks = jax.random.split(jax.random.key(i), 5)
+            q = jax.random.normal(ks[0], (1, _t, HK, DK))
+            q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) * DK ** -0.5
+            k = jax.random.normal(ks[1], (1, _t, HK, DK))
+            k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+            return (q, k, jax.random.normal(ks[2], (1, _t, HV, DV)),
+                    -jax.nn.softplus(jax.random.normal(ks[3], (1, _t, HV))),
+                    jax.nn.sigmoid(jax.random.normal(ks[4], (1, _t, HV))))
+        sets = [make(i) for i in range(n_sets(per_set))]
+        shape = f"B=1 tokens={tokens} HK={HK} HV={HV} dk={DK} dv={DV} chunk={CHUNK}"
+        ref = lambda *a: api.gdn_chunk_prep(*a, CHUNK, impl="reference", rep=HV // HK)  # noqa: E731
+        out.append(BenchCase(kernel="gdn_chunk_prep", shape=shape, impl="reference", fn=ref, arg_sets=sets,
+                             bytes=per_set, extra={"tokens": tokens}))
+        for precision in ("tf32x3",) if quick else ("tf32x3", "tf32"):
+            def fn(*a, _p=precision):
+                from fnx.pallas.gdn import pallas as scan_kernel
+                from fnx.pallas.gdn import prep
+                from fnx.pallas import dispatch
+                return prep.chunk_prep(*a, CHUNK, precision=scan_kernel._scan_precision(_p, False), rep=HV // HK,
+                                       interpret=dispatch.why_unavailable("pallas") is not None)
+            out.append(BenchCase(kernel="gdn_chunk_prep", shape=shape, impl=f"pallas:{precision}", fn=fn,
+                                 arg_sets=sets, bytes=per_set, extra={"tokens": tokens, "precision": precision},
+                                 check=ref, check_tol=1e-4 if precision == "tf32x3" else 1e-2))
+    return out
+
+
 def cases(quick: bool) -> list[BenchCase]:
-    out = step_cases(quick) + window_cases(quick) + prefill_cases(quick)
+    out = step_cases(quick) + window_cases(quick) + prefill_cases(quick) + chunk_prep_cases(quick)
     batches = (1,) if quick else (1, 8, 32)
     for bsz in batches:
         for length in (1, 5):

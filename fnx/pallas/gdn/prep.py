@@ -1,5 +1,5 @@
 """Op "gdn_chunk_prep": the per-chunk part of the chunked gated delta rule (prefill) in one launch, one program
-per (sequence, value head, chunk of C tokens), where XLA runs it as ~27 kernels a layer (the cumulative decay, the
+per (sequence, value head, chunk of C tokens), where XLA runs it as ~30 kernels a layer (the cumulative decay, the
 pair decays, the batched intra-chunk products, the unit-lower inverse's levels, the scalings, transposes and
 pads). `reference.chunk_prep` is the arithmetic; the outputs are `chunk_scan`'s operands, in its layout.
 
