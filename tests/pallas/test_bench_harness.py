@@ -55,6 +55,11 @@ def test_check_case_flags_a_variant_that_computes_something_else():
     assert ok["check"] == "ok" and abs(ok["max_rel_err"] - 0.005) < 1e-4
     assert check_case(case(lambda a: a * 2, lambda a: a * 3))["check"] == "mismatch"
     assert check_case(case(lambda a: a * jnp.nan, lambda a: a))["check"] == "mismatch"
+    # several outputs: each against its own, the largest error of each relative to its own scale
+    two = check_case(case(lambda a: (a * 2, a * 1000), lambda a: (a * 2, a * 1000 + 1)))
+    assert two["check"] == "ok" and abs(two["max_rel_err"] - 1 / 1001) < 1e-5, two     # |1| over max 1001
+    assert check_case(case(lambda a: (a * 2, a * 3), lambda a: (a * 2, a * 2)))["check"] == "mismatch"
+    assert check_case(case(lambda a: (a, a), lambda a: (a,)))["check"] == "mismatch"
 
 
 def test_check_case_computes_a_shared_check_once():
