@@ -4,6 +4,8 @@ benchmarks/results/eval_quality.jsonl; a markdown table is printed last.
 
     python scripts/eval_quality.py                                  # checkpoints/fnx-mini, every protocol
     python scripts/eval_quality.py --quick                          # fewer passages (a smoke run)
+    python scripts/eval_quality.py --skip untrained,quant,mtp --variants "tf32: FNX_GDN_SCAN_TILES=precision=tf32"
+                                    # a knob's cost in accuracy: KL / top-1 of each variant against the default run
 
 Protocols (as the seed note's "40 x 512-token and 300 x 60-token passages"): passages are contiguous windows of
 the held-out documents (`checkpoints/fnx-mini/heldout.npz`, documents never trained on), each run from a fresh
