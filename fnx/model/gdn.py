@@ -50,17 +50,15 @@ def intra_precision():
     return table[v]
 
 
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None,
-                       prep_impl: str | None = None, rep: int = 1):
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None, rep: int = 1):
     """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results (q and k may hold the
     key heads only, each read by `rep` value heads in turn). The per-chunk part (op "gdn_chunk_prep": the in-chunk
     decays, the intra-chunk products and the unit-lower inverse; XLA's batched products by default,
-    `reference.chunk_prep`) then the sequential pass over the chunks (`gdn_chunk_scan`)."""
+    `reference.chunk_prep`; FNX_KERNELS picks) then the sequential pass over the chunks (`gdn_chunk_scan`, `impl`)."""
     b, length, h, dv = v.shape
     n = -(-length // chunk)
     apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
-    parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, impl=prep_impl,
-                           rep=rep)
+    parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, rep=rep)
     # the chunks one after another: one Pallas launch (op "gdn_prefill") or XLA's scan (the reference)
     o, state = gdn_chunk_scan(*parts, state, impl=impl)
     o = o.reshape(b, h, n * chunk, dv)[:, :, :length]
