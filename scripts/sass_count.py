@@ -201,7 +201,7 @@ def gdn_prep_kernels(m: int, precision: str, num_warps: int) -> list[tuple[str, 
     shapes (48 value heads over 16 key heads of 128, chunks of 64), its products at `precision`."""
     from fnx.pallas.gdn import pallas as gk
     from fnx.pallas.gdn import prep
-    fn = lambda *a: prep.chunk_prep(*a, 64, precision=gk._scan_precision(precision, False),  # noqa: E731
+    fn = lambda *a: prep.chunk_prep(*a, 64, precision=gk.scan_precision(precision, False),  # noqa: E731
                                     num_warps=num_warps, rep=3)
     f32 = jnp.float32
     return _launches(jax.jit(fn).trace(S((1, m, 16, 128), f32), S((1, m, 16, 128), f32), S((1, m, 48, 128), f32),

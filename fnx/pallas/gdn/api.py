@@ -263,7 +263,7 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda
     from fnx.pallas.gdn import pallas as scan_kernel
     from fnx.pallas.gdn import prep
     t = scan_kernel.scan_tiles(dv)
-    return prep.chunk_prep(q, k, v, g, beta, chunk, precision=scan_kernel._scan_precision(t.precision, False),
+    return prep.chunk_prep(q, k, v, g, beta, chunk, precision=scan_kernel.scan_precision(t.precision, False),
                            interpret=dispatch.interpret_flag(backend), rep=rep)
 
 

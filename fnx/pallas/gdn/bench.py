@@ -205,7 +205,7 @@ def chunk_prep_cases(quick: bool) -> list[BenchCase]:
                 from fnx.pallas.gdn import pallas as scan_kernel
                 from fnx.pallas.gdn import prep
                 from fnx.pallas import dispatch
-                return prep.chunk_prep(*a, CHUNK, precision=scan_kernel._scan_precision(_p, False), rep=HV // HK,
+                return prep.chunk_prep(*a, CHUNK, precision=scan_kernel.scan_precision(_p, False), rep=HV // HK,
                                        interpret=dispatch.why_unavailable("pallas") is not None)
             out.append(BenchCase(kernel="gdn_chunk_prep", shape=shape, impl=f"pallas:{precision}", fn=fn,
                                  arg_sets=sets, bytes=per_set, extra={"tokens": tokens, "precision": precision},

@@ -659,7 +659,8 @@ def scan_tiles(dv: int) -> ScanTiles:
     return t
 
 
-def _scan_precision(name: str, interpret: bool):
+def scan_precision(name: str, interpret: bool):
+    """The dot precision a ScanTiles.precision name asks for (HIGHEST in the interpreter)."""
     if interpret:       # XLA:CPU has no TF32 algorithms: the interpreter checks the arithmetic at fp32
         return lax.Precision.HIGHEST
     return {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
@@ -693,7 +694,7 @@ def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, *, inter
     params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps,
                                                                               num_stages=t.num_stages)}
     return pdl.pallas_call(
-        functools.partial(_chunk_scan_kernel, n=n, bv=t.block_v, precision=_scan_precision(t.precision, interpret)),
+        functools.partial(_chunk_scan_kernel, n=n, bv=t.block_v, precision=scan_precision(t.precision, interpret)),
         grid=(bsz, h, dv // t.block_v),
         out_shape=(jax.ShapeDtypeStruct(new_values.shape, F32), jax.ShapeDtypeStruct(state.shape, F32)),
         interpret=interpret, name="gdn_chunk_scan", **params,
