@@ -45,6 +45,7 @@ import fnx  # noqa: E402
 from fnx.model.api import Model  # noqa: E402
 from fnx.model.transformer import init_state, step  # noqa: E402
 from fnx.ple import initial_context, ngram_ids  # noqa: E402
+from fnx.pallas.bench import settings  # noqa: E402
 
 DEFAULT_CKPT = ROOT / "checkpoints" / "fnx-mini"
 RESULTS = ROOT / "benchmarks" / "results" / "eval_quality.jsonl"
@@ -207,7 +208,6 @@ def main(argv=None):
               "tokens_per_passage": int(toks.shape[1]), "nll": round(v, 5), "ppl": round(math.exp(v), 3),
               "seconds": round(time.time() - t, 1)})
     for label, env in variants:
-        from fnx.pallas.bench import settings
         for name, toks in protos.items():
             with settings(env):           # fnx reads its knobs when a program is traced: caches cleared in and out
                 lp = logprobs(bf16, toks)
