@@ -196,13 +196,13 @@ def moe_blocks_kernels(fmt: str, b: int, tiles, n_blocks: int = 832) -> list[tup
         lowering_platforms=("cuda",)))
 
 
-def gdn_prep_kernels(m: int, precision: str, num_warps: int) -> list[tuple[str, int, int, str]]:
+def gdn_prep_kernels(m: int, precision: str, tiles) -> list[tuple[str, int, int, str]]:
     """The same for the chunked GDN's per-chunk kernel (op "gdn_chunk_prep") over an m-token chunk at the released
-    shapes (48 value heads over 16 key heads of 128, chunks of 64), its products at `precision`."""
+    shapes (48 value heads over 16 key heads of 128, chunks of 64), its products at `precision`, `tiles` a PrepTiles."""
     from fnx.pallas.gdn import pallas as gk
     from fnx.pallas.gdn import prep
     fn = lambda *a: prep.chunk_prep(*a, 64, precision=gk.scan_precision(precision, False),  # noqa: E731
-                                    num_warps=num_warps, rep=3)
+                                    tiles=tiles, rep=3)
     f32 = jnp.float32
     return _launches(jax.jit(fn).trace(S((1, m, 16, 128), f32), S((1, m, 16, 128), f32), S((1, m, 48, 128), f32),
                                        S((1, m, 48), f32), S((1, m, 48), f32)).lower(lowering_platforms=("cuda",)))
@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
                     "m rows (fields: experts_pallas.Tiles', e.g. block_n=128)")
     ap.add_argument("--gdn-prep", action="store_true", help="count the chunked GDN's per-chunk kernel over an m-token "
-                    "chunk (fields: precision=tf32x3|tf32|ieee,num_warps=N)")
+                    "chunk (fields: precision=tf32x3|tf32|ieee and PrepTiles' block_d, num_warps, num_stages)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -259,12 +259,14 @@ def main() -> None:
             tiles = str(qk.combine_tiles())
         launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
     elif args.gdn_prep:
+        from fnx.pallas import dispatch
+        from fnx.pallas.gdn import prep
         kv = dict(item.split("=", 1) for item in args.fields.split(",") if item)
-        unknown = set(kv) - {"precision", "num_warps"}
-        if unknown:
-            raise SystemExit(f"--gdn-prep fields: precision and num_warps only, not {sorted(unknown)}")
-        tiles = {"precision": kv.get("precision", "tf32x3"), "num_warps": int(kv.get("num_warps", 4))}
-        launches = gdn_prep_kernels(args.m, tiles["precision"], tiles["num_warps"])
+        precision = kv.pop("precision", "tf32x3")
+        tiles = dataclasses.replace(prep.PrepTiles(), **dispatch.fields_override(
+            ",".join(f"{k}={v}" for k, v in kv.items()), prep.PrepTiles, "--gdn-prep fields (and precision)"))
+        launches = gdn_prep_kernels(args.m, precision, tiles)
+        tiles = {"precision": precision, **dataclasses.asdict(tiles)}
     elif args.moe_blocks:
         from fnx.model import quant as q
         from fnx.pallas import dispatch

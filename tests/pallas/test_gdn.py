@@ -627,8 +627,8 @@ def _prep_inputs(key, b, length, h, dk, dv, rep=1):
                                                    (1, 40, 1, 128, 64, 1), (2, 90, 6, 16, 32, 3)])
 def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv, rep):
     """Op "gdn_chunk_prep": one program per (sequence, head, chunk) computes the chunked form's per-chunk operands
-    by 16 x 16 blocks (the unit-lower inverse by block forward substitution, where XLA's reference doubles its
-    blocks level by level): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale (the
+    on whole-chunk tiles (the unit-lower inverse doubled level by level as XLA's reference, its coupling blocks
+    masked rather than sliced): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale (the
     cumulative decay and the products summed in another order); a partial last chunk (150, 40 and 90 tokens) reads
     zeros past L;
     with rep 3 the kernel reads each key head for three value heads in place (the reference's q, k repeated)."""
@@ -676,6 +676,15 @@ def test_chunked_prefill_through_the_prep_kernel(monkeypatch):
         api.gdn_chunk_prep(bad[0], bad[1], bad[2][:, :10], *bad[3:], 64, impl=KERNEL)
     with pytest.raises(ValueError, match="key heads x rep"):
         api.gdn_chunk_prep(*bad, 64, impl=KERNEL, rep=2)
+    fine = _prep_inputs(seed(), 1, 20, 1, 16, 32)
+    with pytest.raises(Exception, match="power-of-two chunk"):
+        api.gdn_chunk_prep(*fine, 48, impl=KERNEL)                      # whole-chunk tiles: a power of two
+    assert prep.prep_tiles() == prep.PrepTiles()
+    monkeypatch.setenv(prep.PREP_TILES_ENV, "num_warps=4")
+    assert prep.prep_tiles().num_warps == 4
+    monkeypatch.setenv(prep.PREP_TILES_ENV, "warps=4")
+    with pytest.raises(ValueError, match="FNX_GDN_PREP_TILES"):
+        prep.prep_tiles()
 
 
 def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():

@@ -251,9 +251,9 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda
         if a.shape != want:
             raise ValueError(f"gdn_chunk_prep: {name} {a.shape} must be {want} (k is {k.shape}, rep {rep})")
     why = None
-    if not (_is_pow2(dk) and _is_pow2(dv)) or min(dk, dv) < 16 or dk > CHUNK_SCAN_MAX_DK or chunk % 16:
-        why = (f"the kernel's 16 x 16 blocks need a chunk that 16 divides ({chunk}) and power-of-two head dims of "
-               f"at least 16 (dk {dk}, dv {dv}), dk <= {CHUNK_SCAN_MAX_DK}")
+    if not (_is_pow2(dk) and _is_pow2(dv) and _is_pow2(chunk)) or min(dk, dv, chunk) < 16 or dk > CHUNK_SCAN_MAX_DK:
+        why = (f"the kernel's whole-chunk tiles need a power-of-two chunk ({chunk}) and power-of-two head dims "
+               f"(dk {dk}, dv {dv}), each at least 16, dk <= {CHUNK_SCAN_MAX_DK}")
     backend = dispatch.resolve(OP_CHUNK_PREP, impl, not_applicable=why)
     if backend == "reference":
         if rep > 1:

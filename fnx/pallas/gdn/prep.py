@@ -4,22 +4,33 @@ pair decays, the batched intra-chunk products, the unit-lower inverse's levels, 
 pads). `reference.chunk_prep` is the arithmetic; the outputs are `chunk_scan`'s operands, in its layout.
 
 A program reads its chunk's rows of q, k, v, g and beta straight from the model's [B, L, H, d] arrays (rows past
-L read as zeros: the reference's padding) in blocks of R = 16 rows, and works on 16 x 16 blocks throughout (the
-Triton lowering cannot slice a register tile, so no tile is ever cut: every block is its own load or product):
+L read as zeros: the reference's padding; q and k per key head) and works on whole [C, C] tiles and [C, BD]
+column blocks of the [C, d] ones (C a power of two, 64 in the model; BD `PrepTiles.block_d`), every product a
+tensor-core dot:
 
-- cum: the in-chunk cumulative log decay, per block (a masked row sum) plus the blocks before it;
-- A_ij = (k_beta_i k_j^T) * exp(cum_i - cum_j) (strictly lower on the diagonal blocks), intra_ij = (q_i k_j^T) *
-  exp(cum_i - cum_j) (lower with the diagonal; zero blocks above);
-- X = (I + A)^-1 by blocks: X_ii by forward substitution over its 16 rows, X_ij = -X_ii sum_m A_im X_mj;
-- new_values_i = sum_j X_ij v_beta_j, k_cumdecay_i = sum_j X_ij (k_beta_j exp(cum_j)), q_i exp(cum_i), k_i
-  exp(cum_last - cum_i), exp(cum_last).
+- cum: the in-chunk cumulative log decay (a masked row sum of a [C, C] tile), pair_ij = exp(cum_i - cum_j) on the
+  lower triangle;
+- A = (k_beta k^T) * pair strictly lower, intra = (q k^T) * pair;
+- X = (I + A)^-1 by the reference's doubling, with masks in place of slices: X holds the inverse's diagonal
+  blocks of s x s; the coupling blocks of each 2s x 2s block (rows of its second half, columns of its first)
+  are L_s = A masked there, and X - (X L_s) X is the inverse's diagonal blocks of 2s x 2s (1 -> C in log2 C
+  levels, two [C, C, C] products each from s = 2; every intermediate a block of the inverse, as the reference);
+- new_values = X v_beta, k_cumdecay = X (k_beta exp(cum)), q exp(cum), k exp(cum_last - cum), exp(cum_last).
 
 The products' precision is the chunk scan's (`ScanTiles.precision`: "tf32x3" by default, "ieee", "tf32"); the
-interpreter computes them at fp32. Off by default (not measured yet): FNX_KERNELS=gdn_chunk_prep=pallas."""
+interpreter computes them at fp32. Warps and stages: `PrepTiles`, FNX_GDN_PREP_TILES. Off by default (not
+measured yet): FNX_KERNELS=gdn_chunk_prep=pallas.
+
+The first form (the forty-ninth session) worked on 16 x 16 blocks with a forward substitution over each diagonal
+block's rows: ~100 small dots and 64 dependent row steps a program, 255 registers with spills under "tf32x3"; on an
+H100 it took 7.0 ms a layer at 2,048 tokens ("tf32" 0.69 ms) against XLA's ~0.53 ms (BENCHMARKS, fiftieth
+session)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,98 +41,82 @@ from jax.experimental.pallas import triton as plt
 from fnx.pallas import pdl
 
 F32 = jnp.float32
-R = 16              # rows per block (the tensor cores' smallest M, N and K)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepTiles:
+    block_d: int = 32       # BD: the head-dim columns of q, k, v a product reads at a time (a power of two >= 16)
+    num_warps: int = 8
+    num_stages: int = 1
+
+
+PREP_TILES_ENV = "FNX_GDN_PREP_TILES"     # a benchmark knob: fields replaced in the chunk prep's default tiles
+
+
+def prep_tiles() -> PrepTiles:
+    """The chunk prep's tiles, with the fields FNX_GDN_PREP_TILES names replaced (e.g. "num_warps=4"; read when
+    a program is traced)."""
+    t = PrepTiles()
+    spec = os.environ.get(PREP_TILES_ENV, "").strip()
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, PrepTiles, PREP_TILES_ENV))
+    return t
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, ko_ref, cd_ref, *,
-            length, heads, rep, chunk, dk, dv, precision):
+            length, heads, rep, chunk, dk, dv, bd, precision):
     b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    nb = chunk // R
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=F32)
-    rr = jnp.arange(R, dtype=jnp.int32)
-    ck, cv = jnp.arange(dk, dtype=jnp.int32), jnp.arange(dv, dtype=jnp.int32)
-    lower = rr[:, None] >= rr[None, :]
-    strict = rr[:, None] > rr[None, :]
+    rr = jnp.arange(chunk, dtype=jnp.int32)
+    ri, rj = rr[:, None], rr[None, :]
+    lower, strict = ri >= rj, ri > rj
+    t = n * chunk + rr
+    ok = t < length
+    tc = b * length + jnp.minimum(t, length - 1)
+    vrow, krow = tc * heads + h, tc * (heads // rep) + h // rep
 
-    def rows(i, key=False):
-        """The block's tokens: in range, and their rows in a value-head array (or, `key`, a key-head one)."""
-        t = n * chunk + i * R + rr
-        tc = b * length + jnp.minimum(t, length - 1)
-        return t < length, (tc * (heads // rep) + h // rep) if key else (tc * heads + h)
+    def load(ref, row, j):
+        """Columns [j * bd, (j + 1) * bd) of the chunk's rows."""
+        cols = j * bd + jnp.arange(bd, dtype=jnp.int32)
+        return plt.load(ref.at[row[:, None], cols[None, :]], mask=jnp.broadcast_to(ok[:, None], (chunk, bd)),
+                        other=0.0).astype(F32)
 
-    def load(ref, i, d, cols, key=False):
-        ok, row = rows(i, key)
-        at = (row[:, None], cols[None, :])
-        return plt.load(ref.at[at], mask=jnp.broadcast_to(ok[:, None], (R, d)), other=0.0).astype(F32)
+    def store(ref, j, val):
+        ref[b, h, n, :, pl.ds(j * bd, bd)] = val
 
-    def load_vec(ref, i):
-        ok, row = rows(i)
-        return plt.load(ref.at[row], mask=ok, other=0.0).astype(F32)
-
-    # the cumulative log decay: each block's own prefix sums plus the blocks before it
-    cum, off = [], jnp.zeros((), F32)
-    for i in range(nb):
-        gi = load_vec(g_ref, i)
-        cum.append(off + jnp.sum(jnp.where(lower, gi[None, :], 0.0), axis=1))
-        off = off + jnp.sum(gi)
-    last = off                                                   # the chunk's summed log decay
-    beta = [load_vec(b_ref, i) for i in range(nb)]
-    out = functools.partial(_store, n=n, b=b, h=h)
-    a_blk = {}
-    for i in range(nb):
-        # a row block's q and k, and each earlier key block read again (L1 / L2) rather than all kept live
-        qi, ki = load(q_ref, i, dk, ck, key=True), load(k_ref, i, dk, ck, key=True)
-        kbi = ki * beta[i][:, None]
-        for j in range(i + 1):
-            kj = ki if j == i else load(k_ref, j, dk, ck, key=True)
-            diff = cum[i][:, None] - cum[j][None, :]
-            pair = jnp.exp(jnp.where(lower, diff, -jnp.inf)) if i == j else jnp.exp(diff)
-            a = dot(kbi, kj.T) * pair
-            a_blk[i, j] = jnp.where(strict, a, 0.0) if i == j else a
-            out(ia_ref, i, j, dot(qi, kj.T) * pair)
-        for j in range(i + 1, nb):
-            out(ia_ref, i, j, jnp.zeros((R, R), F32))
-        out(qo_ref, i, None, qi * jnp.exp(cum[i])[:, None])
-        out(ko_ref, i, None, ki * jnp.exp(last - cum[i])[:, None])
-    # X = (I + A)^-1, block lower triangular: the diagonal blocks by forward substitution over their rows
-    x_blk = {}
-    for i in range(nb):
-        a = a_blk[i, i]
-        x = jnp.zeros((R, R), F32)
-        for r in range(R):
-            ar = jnp.sum(jnp.where(rr[:, None] == r, a, 0.0), axis=0)               # row r of A_ii: [R] over c
-            xr = (rr == r).astype(F32) - jnp.sum(ar[:, None] * x, axis=0)            # e_r - sum_c A_rc X_c
-            x = jnp.where(rr[:, None] == r, xr[None, :], x)
-        x_blk[i, i] = x
-    for i in range(1, nb):
-        for j in range(i - 1, -1, -1):
-            acc = dot(a_blk[i, j], x_blk[j, j])
-            for m in range(j + 1, i):
-                acc = acc + dot(a_blk[i, m], x_blk[m, j])
-            x_blk[i, j] = -dot(x_blk[i, i], acc)
-    # the products with X, a row block at a time (v's and k's blocks read again for each, from L1 / L2, rather
-    # than kept live in registers through the whole program)
-    for i in range(nb):
-        nv = kcd = None
-        for j in range(i + 1):
-            vb = load(v_ref, j, dv, cv) * beta[j][:, None]
-            kbd = load(k_ref, j, dk, ck, key=True) * beta[j][:, None] * jnp.exp(cum[j])[:, None]
-            pv, pk = dot(x_blk[i, j], vb), dot(x_blk[i, j], kbd)
-            nv, kcd = (pv, pk) if nv is None else (nv + pv, kcd + pk)
-        out(nv_ref, i, None, nv)
-        out(kcd_ref, i, None, kcd)
+    g = plt.load(g_ref.at[vrow], mask=ok, other=0.0).astype(F32)
+    beta = plt.load(b_ref.at[vrow], mask=ok, other=0.0).astype(F32)
+    cum = jnp.sum(jnp.where(lower, g[None, :], 0.0), axis=1)             # in-chunk cumulative log decay
+    last = jnp.sum(g)
+    pair = jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], -jnp.inf))
+    # k k^T and q k^T summed over column blocks of BD (a [C, BD] tile of each live at a time, not [C, dk])
+    kk = qk = None
+    for j in range(dk // bd):
+        kj, qj = load(k_ref, krow, j), load(q_ref, krow, j)
+        pk, pq = dot(kj * beta[:, None], kj.T), dot(qj, kj.T)
+        kk, qk = (pk, pq) if kk is None else (kk + pk, qk + pq)
+        store(qo_ref, j, qj * jnp.exp(cum)[:, None])
+        store(ko_ref, j, kj * jnp.exp(last - cum)[:, None])
+    a = jnp.where(strict, kk * pair, 0.0)
+    ia_ref[b, h, n] = qk * pair
+    # X = (I + A)^-1: the pairs of 1 x 1 blocks need no product, then doubling with masked coupling blocks
+    x = jnp.where(ri == rj, 1.0, 0.0) - jnp.where((ri // 2 == rj // 2) & strict, a, 0.0)
+    s = 2
+    while s < chunk:
+        couple = (ri // (2 * s) == rj // (2 * s)) & (ri // s != rj // s)
+        x = x - dot(dot(x, jnp.where(couple, a, 0.0)), x)
+        s *= 2
+    # v and k read again, a column block at a time (from L2)
+    for j in range(dv // bd):
+        store(nv_ref, j, dot(x, load(v_ref, vrow, j) * beta[:, None]))
+    kscale = (beta * jnp.exp(cum))[:, None]
+    for j in range(dk // bd):
+        store(kcd_ref, j, dot(x, load(k_ref, krow, j) * kscale))
     cd_ref[b, h, n] = jnp.exp(last)
 
 
-def _store(ref, i, j, val, *, n, b, h):
-    rows = pl.ds(i * R, R)
-    if j is None:
-        ref[b, h, n, rows, :] = val
-    else:
-        ref[b, h, n, rows, pl.ds(j * R, R)] = val
-
-
-def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = False, num_warps: int = 4,
+def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = False, tiles: PrepTiles | None = None,
                rep: int = 1):
     """`reference.chunk_prep` in one launch (shapes checked by `api.gdn_chunk_prep`): q, k [B, L, H / rep, dk]
     (value head h reads key head h // rep), v [B, L, H, dv], g, beta [B, L, H] (any float dtype; computed in
@@ -132,9 +127,17 @@ def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = Fal
     flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, head))
     shapes = [(bsz, h, n, chunk, dv), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, chunk),
               (bsz, h, n, chunk, dk), (bsz, h, n)]
-    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=1)}
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"gdn_chunk_prep: the kernel's whole-chunk tiles need a power-of-two chunk >= 16, got {chunk}")
+    t = prep_tiles() if tiles is None else tiles
+    bd = min(t.block_d, dk, dv)
+    if bd < 16 or bd & (bd - 1) or dk % bd or dv % bd:
+        raise ValueError(f"gdn_chunk_prep: block_d {t.block_d} must be a power of two >= 16 dividing dk {dk} and "
+                         f"dv {dv}")
+    params = {} if interpret else {
+        "compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)}
     return pdl.pallas_call(
-        functools.partial(_kernel, length=length, heads=h, rep=rep, chunk=chunk, dk=dk, dv=dv,
+        functools.partial(_kernel, length=length, heads=h, rep=rep, chunk=chunk, dk=dk, dv=dv, bd=bd,
                           precision=lax.Precision.HIGHEST if interpret else precision),
         grid=(bsz, h, n),
         out_shape=tuple(jax.ShapeDtypeStruct(s, F32) for s in shapes),
