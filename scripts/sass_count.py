@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
                     "m rows (fields: experts_pallas.Tiles', e.g. block_n=128)")
     ap.add_argument("--gdn-prep", action="store_true", help="count the chunked GDN's per-chunk kernel over an m-token "
-                    "chunk (fields: precision=tf32x3|tf32|ieee and PrepTiles' block_d, num_warps, num_stages)")
+                    "chunk (fields: precision=tf32|tf32x3|ieee and PrepTiles' block_d, num_warps, num_stages)")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -262,7 +262,8 @@ def main() -> None:
         from fnx.pallas import dispatch
         from fnx.pallas.gdn import prep
         kv = dict(item.split("=", 1) for item in args.fields.split(",") if item)
-        precision = kv.pop("precision", "tf32x3")
+        from fnx.pallas.gdn import pallas as gk
+        precision = kv.pop("precision", gk.ScanTiles().precision)
         tiles = dataclasses.replace(prep.PrepTiles(), **dispatch.fields_override(
             ",".join(f"{k}={v}" for k, v in kv.items()), prep.PrepTiles, "--gdn-prep fields (and precision)"))
         launches = gdn_prep_kernels(args.m, precision, tiles)

@@ -58,6 +58,11 @@ VERIFIED_ON_GPU = {
     "gemv_pair": "H200, 2026-12-01, commit 1e3722f: tests/pallas/test_gemv.py -k pair (all 7); with the tuned rows-2 "
                  "tiles: 2026-12-02, commit 93f8284, -k pair_equals (all 5)",
     "gdn_decode": "H200, 2026-11-30, commit f2cc69b: tests/pallas/test_gdn.py (all 14)",
+    # with "tf32" products (the chunked path's default) a 4-layer 2,048-token chunk 14.79 ms against 16.93 with
+    # "tf32x3" and XLA's prep (H100, 4a8ea81, the kernel at 8 warps; at 4, the default since, alone 284 us a layer
+    # against 422); with other products "auto" keeps XLA's (api.chunk_prep_auto_reason)
+    "gdn_chunk_prep": "H100, 2026-12-06, commit 4a8ea81: tests/pallas/test_gdn.py -k 'chunk_prep or chunked_prefill' "
+                      "(all 7)",
     "gdn_step": "H200, 2026-12-01, commit d8545d0: tests/pallas/test_gdn.py (all 25; also 1f19306, all 23)",
     # the 4-layer MTP verify program at 8K (thirty-first H200 session): 173 kernels and 0.946 ms of kernel time
     # against 181 / 0.958 with the model's ops for the window (the conv, gates and norm as XLA fusions)

@@ -233,6 +233,15 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
 OP_CHUNK_PREP = "gdn_chunk_prep"
 
 
+def chunk_prep_auto_reason(precision: str) -> str | None:
+    """Why "auto" keeps XLA's products for the chunk prep at the chunked path's `precision` (None: the kernel).
+    H100, 2,048 tokens, 48 heads, a layer: the kernel 284 us with "tf32" products against XLA's 592 (its fp32
+    products); with "tf32x3" 834 us (three products each and their operand splits), so XLA keeps those."""
+    if precision == "tf32":
+        return None
+    return f"its {precision!r} products measured slower than XLA's (H100: 834 against 592 us a layer at 2,048 tokens)"
+
+
 def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda a: a, impl: str | None = None,
                    rep: int = 1):
     """The per-chunk part of the chunked gated delta rule (`reference.chunk_prep` has the shapes and outputs):
@@ -240,7 +249,8 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda
     between products sharing an operand) or one Pallas launch (`prep.chunk_prep`, its products at the chunk
     scan's precision, `ScanTiles.precision`). q and k may hold the key heads only (`rep` > 1: value head h reads
     key head h // rep, `jnp.repeat` order): the reference repeats them, the kernel reads them in place. Op name
-    for FNX_KERNELS: "gdn_chunk_prep" (off under "auto" until its compiled kernel is measured)."""
+    for FNX_KERNELS: "gdn_chunk_prep" ("auto": the kernel with "tf32" products, the default; XLA's with the
+    others, `chunk_prep_auto_reason`)."""
     from jax import lax
     bsz, length, hk, dk = k.shape
     h, dv = v.shape[2:]
@@ -254,15 +264,16 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda
     if not (_is_pow2(dk) and _is_pow2(dv) and _is_pow2(chunk)) or min(dk, dv, chunk) < 16 or dk > CHUNK_SCAN_MAX_DK:
         why = (f"the kernel's whole-chunk tiles need a power-of-two chunk ({chunk}) and power-of-two head dims "
                f"(dk {dk}, dv {dv}), each at least 16, dk <= {CHUNK_SCAN_MAX_DK}")
-    backend = dispatch.resolve(OP_CHUNK_PREP, impl, not_applicable=why)
+    from fnx.pallas.gdn import pallas as scan_kernel
+    t = scan_kernel.scan_tiles(dv)
+    backend = dispatch.resolve(OP_CHUNK_PREP, impl, not_applicable=why, prefer_reference=chunk_prep_auto_reason(
+        t.precision))
     if backend == "reference":
         if rep > 1:
             q, k = (jnp.repeat(t, rep, axis=2) for t in (q, k))
         return reference.chunk_prep(q, k, v, g, beta, chunk, lax.Precision.HIGHEST if precision is None else precision,
                                     apart)
-    from fnx.pallas.gdn import pallas as scan_kernel
     from fnx.pallas.gdn import prep
-    t = scan_kernel.scan_tiles(dv)
     return prep.chunk_prep(q, k, v, g, beta, chunk, precision=scan_kernel.scan_precision(t.precision, False),
                            interpret=dispatch.interpret_flag(backend), rep=rep)
 

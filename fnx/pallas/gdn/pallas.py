@@ -633,7 +633,14 @@ def gdn_window(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_
 # sums three tensor-core products (about fp32 accuracy); "tf32" is one product (10 mantissa bits). Measured on the
 # H200 (89aa848, BV 32, 4 warps): "tf32x3" 0.42 ms for 1K tokens and 3.07 ms for 8K, against XLA's scan 0.69 and
 # 5.01 ms ("tf32" 0.17 / 1.14 ms, BV 64 or 8 warps slower), and its compiled test meets the 1e-5 bound of the fp32
-# scan (0400fd0): so "tf32x3" is the default and `auto` runs the kernel.
+# scan (0400fd0): so "tf32x3" was the default and `auto` runs the kernel.
+# "tf32" is the default since the fiftieth session (H100, 4a8ea81): with the one-launch chunk prep (op
+# "gdn_chunk_prep", whose products take the same precision) a 4-layer 2,048-token prefill chunk took 14.79 ms
+# against 16.93 with "tf32x3" and XLA's prep (-12.7%), and the trained fnx-mini's next-token distributions moved by
+# KL 1.2e-3 from the "tf32x3" run (top-1 98.1%, perplexity +0.04%), where "ieee" moves them 7e-4 (any change at
+# all, from the bf16 model's rounding) and the float32 model 1.5e-3 (BENCHMARKS, fiftieth session).
+# FNX_GDN_SCAN_TILES=precision=tf32x3 takes the more exact products back (and XLA's prep: the kernel's tf32x3 is
+# slower than it).
 SCAN_PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
@@ -642,7 +649,7 @@ class ScanTiles:
     block_v: int = 32       # BV: state columns per program (a power of two dividing dv, at least 16)
     num_warps: int = 4
     num_stages: int = 1
-    precision: str = "tf32x3"   # one of SCAN_PRECISIONS (the interpreter computes every one at HIGHEST)
+    precision: str = "tf32"     # one of SCAN_PRECISIONS (the interpreter computes every one at HIGHEST)
 
 
 SCAN_TILES_ENV = "FNX_GDN_SCAN_TILES"     # a benchmark knob: fields replaced in the chunk scan's default tiles

@@ -17,9 +17,10 @@ tensor-core dot:
   levels, two [C, C, C] products each from s = 2; every intermediate a block of the inverse, as the reference);
 - new_values = X v_beta, k_cumdecay = X (k_beta exp(cum)), q exp(cum), k exp(cum_last - cum), exp(cum_last).
 
-The products' precision is the chunk scan's (`ScanTiles.precision`: "tf32x3" by default, "ieee", "tf32"); the
-interpreter computes them at fp32. Warps and stages: `PrepTiles`, FNX_GDN_PREP_TILES. Off by default (not
-measured yet): FNX_KERNELS=gdn_chunk_prep=pallas.
+The products' precision is the chunk scan's (`ScanTiles.precision`: "tf32" by default, "tf32x3", "ieee"); the
+interpreter computes them at fp32. Column blocks, warps and stages: `PrepTiles`, FNX_GDN_PREP_TILES. H100, 2,048
+tokens, 48 heads (fiftieth session): 284 us a layer with "tf32" products against XLA's 592, so "auto" runs it
+there; with "tf32x3" 834 us (1,586 at 8 warps), so "auto" keeps XLA's (`api.chunk_prep_auto_reason`).
 
 The first form (the forty-ninth session) worked on 16 x 16 blocks with a forward substitution over each diagonal
 block's rows: ~100 small dots and 64 dependent row steps a program, 255 registers with spills under "tf32x3"; on an
@@ -45,8 +46,9 @@ F32 = jnp.float32
 
 @dataclasses.dataclass(frozen=True)
 class PrepTiles:
-    block_d: int = 32       # BD: the head-dim columns of q, k, v a product reads at a time (a power of two >= 16)
-    num_warps: int = 4      # H100, "tf32x3", 2,048 tokens: 834 us a layer at 4 warps, 1,586 at 8
+    block_d: int = 32       # BD: the head-dim columns of q, k, v a product reads at a time (a power of two >= 16;
+                            # 64: 292 us against 284)
+    num_warps: int = 4      # H100, 2,048 tokens: "tf32" 284 us a layer (422 at 8 warps), "tf32x3" 834 (1,586)
     num_stages: int = 1
 
 
