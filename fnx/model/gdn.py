@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from fnx.model.fuse import linear_windows
@@ -50,19 +49,18 @@ def intra_precision():
     return table[v]
 
 
-def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None, rep: int = 1):
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | None = None, rep: int = 1,
+                       out_dtype=None):
     """Chunked (WY / UT-transform) form of the same recurrence; same arguments and results (q and k may hold the
     key heads only, each read by `rep` value heads in turn). The per-chunk part (op "gdn_chunk_prep": the in-chunk
     decays, the intra-chunk products and the unit-lower inverse; XLA's batched products by default,
-    `reference.chunk_prep`; FNX_KERNELS picks) then the sequential pass over the chunks (`gdn_chunk_scan`, `impl`)."""
-    b, length, h, dv = v.shape
-    n = -(-length // chunk)
+    `reference.chunk_prep`; FNX_KERNELS picks) then the sequential pass over the chunks (`gdn_chunk_scan`, `impl`).
+    out_dtype: o's dtype (fp32 by default; the scan kernel may store it so, `ScanTiles.tokens_out`)."""
+    length = v.shape[1]
     apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
     parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, rep=rep)
     # the chunks one after another: one Pallas launch (op "gdn_prefill") or XLA's scan (the reference)
-    o, state = gdn_chunk_scan(*parts, state, impl=impl)
-    o = o.reshape(b, h, n * chunk, dv)[:, :, :length]
-    return jnp.moveaxis(o, 1, 2), state
+    return gdn_chunk_scan(*parts, state, impl=impl, tokens=(length, F32 if out_dtype is None else out_dtype))
 
 
 def rec_after(aux: dict, n_keep: jax.Array, conv_width: int | None = None):
@@ -126,6 +124,6 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
     q, k = l2norm(q), l2norm(k)             # per key head: value head h reads key head h // (hv // hk)
     # impl None, as gdn_step and gdn_window above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
     # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
-    o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state, rep=hv // hk)
-    o = rms_norm_gated(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
+    o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state, rep=hv // hk, out_dtype=x.dtype)
+    o = rms_norm_gated(o, z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
     return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}

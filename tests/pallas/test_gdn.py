@@ -605,6 +605,29 @@ def test_chunk_scan_kernel_matches_reference(bsz, h, n, c, dk, dv, bv, precision
                                    atol=tol * float(jnp.max(jnp.abs(want))))
 
 
+@pytest.mark.parametrize("bsz,n,length,dtype", [(2, 3, 150, jnp.bfloat16), (1, 2, 128, jnp.float32),
+                                                 (2, 1, 1, jnp.bfloat16)])
+def test_chunk_scan_stores_the_tokens_layout(bsz, n, length, dtype):
+    """`ScanTiles.tokens_out`: asked for o as [B, L, H, dv] in a dtype (the model's layout), the kernel stores it
+    so itself (rows past L masked off) with the same bits as its [B, H, N, C, dv] fp32 output rearranged and
+    converted by XLA (the default), and close to the reference; L outside the chunks is refused."""
+    from fnx.pallas.gdn.pallas import ScanTiles
+    h, c, dk, dv = 3, 64, 32, 64
+    args = chunk_scan_args(seed(), bsz, h, n, c, dk, dv)
+    run = lambda tiles: jax.jit(lambda *a: api.gdn_chunk_scan(*a, impl=KERNEL, tiles=tiles,  # noqa: E731
+                                                              tokens=(length, dtype)))(*args)
+    o_xla, s_xla = run(ScanTiles(block_v=32))
+    o_st, s_st = run(ScanTiles(block_v=32, tokens_out=1))
+    assert o_st.shape == o_xla.shape == (bsz, length, h, dv) and o_st.dtype == o_xla.dtype == dtype
+    assert bool(jnp.array_equal(o_st, o_xla)) and bool(jnp.array_equal(s_st, s_xla))
+    want_o, want_s = api.gdn_chunk_scan(*args, impl="reference", tokens=(length, dtype))
+    np.testing.assert_allclose(np.asarray(o_st, np.float32), np.asarray(want_o, np.float32),
+                               rtol=1e-2 if dtype == jnp.bfloat16 else 1e-5,
+                               atol=(1e-2 if dtype == jnp.bfloat16 else 1e-5) * float(jnp.max(jnp.abs(want_o))))
+    with pytest.raises(ValueError, match="tokens"):
+        api.gdn_chunk_scan(*args, impl=KERNEL, tokens=(n * c + 1, dtype))
+
+
 def test_chunked_prefill_through_the_kernel_matches_token_by_token(exact_scan):
     """The model's chunked form (fnx.model.gdn.delta_rule_chunked, 150 tokens: two chunks of 64 and a padded one)
     with the chunk pass in the kernel equals the token-by-token reference and the XLA scan; the op's refusals
@@ -753,8 +776,9 @@ def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():
 def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch, exact_scan):
     """gdn_layer's multi-token path leaves the chunk pass's backend to fnx.pallas.dispatch (impl None, as its
     decode ops), so FNX_KERNELS=gdn_prefill=... reaches gdn_chunk_scan: the reference and the kernel each run when
-    named (70 tokens: two chunks; the second sequence padded after 50), with the same outputs and states, and a
-    backend the op does not have is refused."""
+    named (70 tokens: two chunks; the second sequence padded after 50), with the same outputs and states (and the
+    same bits with the kernel storing o in the layer's layout, `ScanTiles.tokens_out`), and a backend the op does
+    not have is refused."""
     from types import SimpleNamespace
 
     from fnx.model import gdn
@@ -789,6 +813,9 @@ def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch, exact_scan):
         assert ref_calls == ["reference"] and kernel_calls == ["kernel"], (ref_calls, kernel_calls)
         for g, r in zip(got, want):            # y, the conv state (moved, not computed), the recurrent state
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+        monkeypatch.setenv(kernel.SCAN_TILES_ENV, "precision=tf32x3,tokens_out=1")    # o stored by the kernel
+        stored, _ = run(KERNEL)
+        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(stored, got)), "tokens_out: the same bits"
         with pytest.raises(ValueError, match="gdn_prefill supports"):
             run("triton")
     finally:
@@ -809,6 +836,10 @@ def test_chunk_scan_lowers_for_cuda_released_shapes(precision):
     fn = functools.partial(kernel.chunk_scan, tiles=kernel.ScanTiles(precision=precision))
     text = jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("gdn_chunk_scan") >= 1 and "__gpu$xla.gpu.triton" in text
+    fn = functools.partial(kernel.chunk_scan, tiles=kernel.ScanTiles(precision=precision, tokens_out=1),
+                           tokens=(1000, jnp.bfloat16))                 # o stored as [B, L, H, dv] bf16
+    text = jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("gdn_chunk_scan") >= 1
     with pytest.raises(ValueError, match="precision 'fp64'"):
         jax.jit(functools.partial(kernel.chunk_scan, tiles=kernel.ScanTiles(precision="fp64"))).trace(*sds)
 

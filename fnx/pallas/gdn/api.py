@@ -283,11 +283,14 @@ CHUNK_SCAN_MAX_DK = 256         # the kernel holds a [dk, BV] fp32 state tile an
 
 
 def gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl: str | None = None, *,
-                   tiles=None):
+                   tiles=None, tokens=None):
     """The sequential pass of the chunked gated delta rule (prefill) over N chunks of C tokens: per chunk
     v_new = nv - kcd S, o = q S + intra v_new, S = S * decay + k^T v_new, in fp32 (`reference.chunk_scan` has the
     shapes). One Pallas launch holds each (sequence, head, value-column block)'s state tile across all chunks,
-    where XLA's scan runs several small kernels per chunk. Op name for FNX_KERNELS: "gdn_prefill"."""
+    where XLA's scan runs several small kernels per chunk. Op name for FNX_KERNELS: "gdn_prefill".
+    tokens: (L, dtype) to have o as [B, L, H, dv] in that dtype (the first L of the N * C rows; the model's
+    layout), rearranged by XLA or, with `ScanTiles.tokens_out`, stored so by the kernel; None: [B, H, N, C, dv]
+    fp32."""
     bsz, h, n, c, dv = new_values.shape
     dk = k.shape[-1]
     want = {"k_cumdecay": (bsz, h, n, c, dk), "q": (bsz, h, n, c, dk), "k": (bsz, h, n, c, dk),
@@ -302,9 +305,19 @@ def gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl
     if not (_is_pow2(dk) and _is_pow2(dv) and _is_pow2(c)) or min(dk, dv, c) < 16 or dk > CHUNK_SCAN_MAX_DK:
         why = (f"the kernel's dots need power-of-two dims of at least 16 (chunk {c}, dk {dk}, dv {dv}) and dk <= "
                f"{CHUNK_SCAN_MAX_DK}")
+    if tokens is not None and not 0 < tokens[0] <= n * c:
+        raise ValueError(f"gdn_chunk_scan: tokens {tokens[0]} must be in 1..{n * c} ({n} chunks of {c})")
     backend = dispatch.resolve(OP_PREFILL, impl, not_applicable=why)
+
+    def rearranged(o):          # [B, H, N, C, dv] fp32 -> [B, L, H, dv] in the caller's dtype
+        return jnp.moveaxis(o.reshape(bsz, h, n * c, dv)[:, :, :tokens[0]], 1, 2).astype(tokens[1])
+
     if backend == "reference":
-        return reference.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state)
+        o, s = reference.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state)
+        return (o if tokens is None else rearranged(o)), s
     from fnx.pallas.gdn import pallas as kernel
-    return kernel.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state,
-                             interpret=dispatch.interpret_flag(backend), tiles=tiles)
+    t = tiles or kernel.scan_tiles(dv)
+    stored = tokens is not None and t.tokens_out
+    o, s = kernel.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state,
+                             interpret=dispatch.interpret_flag(backend), tiles=t, tokens=tokens if stored else None)
+    return (o if tokens is None or stored else rearranged(o)), s

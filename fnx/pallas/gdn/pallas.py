@@ -650,6 +650,11 @@ class ScanTiles:
     num_warps: int = 4
     num_stages: int = 1
     precision: str = "tf32"     # one of SCAN_PRECISIONS (the interpreter computes every one at HIGHEST)
+    # 1: where the caller asks for o in its tokens' layout ([B, L, H, dv] in its dtype, `api.gdn_chunk_scan`
+    # `tokens`), the kernel stores it so (rows past L masked), and the transposing conversion XLA runs after it
+    # otherwise (a [2,048, 48, 128] bf16 one: ~53 us a GDN layer on the H100) goes; 0: o stored [B, H, N, C, dv]
+    # fp32 and XLA rearranges it. The same bits either way (both round fp32 to the dtype to nearest even).
+    tokens_out: int = 0
 
 
 SCAN_TILES_ENV = "FNX_GDN_SCAN_TILES"     # a benchmark knob: fields replaced in the chunk scan's default tiles
@@ -674,7 +679,8 @@ def scan_precision(name: str, interpret: bool):
             "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}[name]
 
 
-def _chunk_scan_kernel(nv_ref, kcd_ref, q_ref, ia_ref, k_ref, cd_ref, s_ref, o_ref, sout_ref, *, n, bv, precision):
+def _chunk_scan_kernel(nv_ref, kcd_ref, q_ref, ia_ref, k_ref, cd_ref, s_ref, o_ref, sout_ref, *, n, bv, precision,
+                       tokens=None):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * bv, bv)
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=F32)
@@ -683,15 +689,28 @@ def _chunk_scan_kernel(nv_ref, kcd_ref, q_ref, ia_ref, k_ref, cd_ref, s_ref, o_r
         nv = nv_ref[b, h, i, :, cols]                       # [C, BV]
         kcd, qi, ki = kcd_ref[b, h, i], q_ref[b, h, i], k_ref[b, h, i]     # [C, dk]
         v_new = nv - dot(kcd, s)
-        o_ref[b, h, i, :, cols] = dot(qi, s) + dot(ia_ref[b, h, i], v_new)
+        o = dot(qi, s) + dot(ia_ref[b, h, i], v_new)
+        if tokens is None:
+            o_ref[b, h, i, :, cols] = o
+        else:       # rows (b, t, h) of the caller's [B * L * H, dv]: the chunk's tokens in range only
+            length, heads, dtype = tokens
+            c = o.shape[0]
+            t = i * c + jnp.arange(c, dtype=jnp.int32)
+            # not clamped: the masked rows' indices stay distinct (the interpreter's masked store writes back
+            # what it read at each index, so two lanes on one row could race; a GPU never touches them)
+            rows = (b * length + t) * heads + h
+            cc = j * bv + jnp.arange(bv, dtype=jnp.int32)
+            pltriton.store(o_ref.at[rows[:, None], cc[None, :]], o.astype(dtype),
+                      mask=jnp.broadcast_to((t < length)[:, None], (c, bv)))
         return s * cd_ref[b, h, i] + dot(ki.T, v_new)
 
     sout_ref[b, h, :, cols] = lax.fori_loop(0, n, body, s_ref[b, h, :, cols])
 
 
 def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, *, interpret: bool = False,
-               tiles: ScanTiles | None = None):
-    """`api.gdn_chunk_scan` in one launch (shapes checked there): (o [B, H, N, C, dv], final state) in fp32."""
+               tiles: ScanTiles | None = None, tokens=None):
+    """`api.gdn_chunk_scan` in one launch (shapes checked there): (o [B, H, N, C, dv] fp32, final state fp32);
+    with `tokens` (length L, dtype) o comes as [B, L, H, dv] in that dtype, stored so by the kernel."""
     bsz, h, n, c, dv = new_values.shape
     t = tiles or scan_tiles(dv)
     if dv % t.block_v or t.block_v < 16 or t.block_v & (t.block_v - 1):
@@ -700,9 +719,19 @@ def chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, *, inter
         raise ValueError(f"gdn chunk_scan: precision {t.precision!r} must be one of {SCAN_PRECISIONS}")
     params = {} if interpret else {"compiler_params": pltriton.CompilerParams(num_warps=t.num_warps,
                                                                               num_stages=t.num_stages)}
-    return pdl.pallas_call(
-        functools.partial(_chunk_scan_kernel, n=n, bv=t.block_v, precision=scan_precision(t.precision, interpret)),
+    if tokens is not None:
+        length, dtype = tokens
+        if not 0 < length <= n * c:
+            raise ValueError(f"gdn chunk_scan: {length} tokens do not fit {n} chunks of {c}")
+        o_shape = jax.ShapeDtypeStruct((bsz * length * h, dv), dtype)
+        tokens = (length, h, jnp.dtype(dtype))
+    else:
+        o_shape = jax.ShapeDtypeStruct(new_values.shape, F32)
+    o, s = pdl.pallas_call(
+        functools.partial(_chunk_scan_kernel, n=n, bv=t.block_v, precision=scan_precision(t.precision, interpret),
+                          tokens=tokens),
         grid=(bsz, h, dv // t.block_v),
-        out_shape=(jax.ShapeDtypeStruct(new_values.shape, F32), jax.ShapeDtypeStruct(state.shape, F32)),
+        out_shape=(o_shape, jax.ShapeDtypeStruct(state.shape, F32)),
         interpret=interpret, name="gdn_chunk_scan", **params,
     )(new_values, k_cumdecay, q, intra, k, chunk_decay, state)
+    return (o if tokens is None else o.reshape(bsz, tokens[0], h, dv)), s
