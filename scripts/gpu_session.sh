@@ -30,7 +30,8 @@
 #   scripts/gpu_session.sh roundtable  # every kernel of the step, draft and verify at 8K (ROUND_CTX), matched to HLO
 #   scripts/gpu_session.sh roundsweep  # roundtable's programs once per ROUND_VARIANTS entry, in one process
 #   scripts/gpu_session.sh chunkprep   # op gdn_chunk_prep: compiled tests, then a 2,048-token chunk with and without
-#                                      # it (sweep; CHUNKPREP_VARIANTS more, e.g. "w8: FNX_GDN_PREP_TILES=num_warps=8")
+#                                      # it (sweep; CHUNKPREP_VARIANTS other variants against base, e.g.
+#                                      # "inp: FNX_GDN_PREP_TILES=in_place=1;tok: FNX_GDN_SCAN_TILES=tokens_out=1")
 #   scripts/gpu_session.sh cmdbuf    # XLA command-buffer update modes against a step's host time (CMDBUF_MODES)
 #   scripts/gpu_session.sh moved     # which buffers move between step calls, per allocator (MOVED_ALLOCS)
 #   scripts/gpu_session.sh graph     # host cost per kernel node of a bare chain of N kernels (GRAPH_NODES, GRAPH_MODES)
@@ -292,8 +293,8 @@ case "$part" in
       VERIFY_S=${CHUNKPREP_VERIFY_S:-150} bash scripts/gpu_session.sh verify
     OUT="$OUT" SWEEP_S=${CHUNKPREP_SWEEP_S:-240} ROUND_PREFILL=2048 \
       ROUND_ARGS="--fp8-head --draft-vocab 32768 --draft-fp8 --no-round" \
-      ROUND_VARIANTS="base: ;xlaprep: FNX_KERNELS=gdn_chunk_prep=reference;x3: FNX_GDN_SCAN_TILES=precision=tf32x3\
-${CHUNKPREP_VARIANTS:+;$CHUNKPREP_VARIANTS}" bash scripts/gpu_session.sh roundsweep | grep -E "^variant (done|failed)|^rc "
+      ROUND_VARIANTS="base: ;${CHUNKPREP_VARIANTS:-xlaprep: FNX_KERNELS=gdn_chunk_prep=reference;x3: \
+FNX_GDN_SCAN_TILES=precision=tf32x3}" bash scripts/gpu_session.sh roundsweep | grep -E "^variant (done|failed)|^rc "
     grep -h '"gdn_chunk' "$OUT"/tables/kernel_table_prefill2048_*.jsonl | cut -c1-160
     if [ "${CHUNKPREP_BENCH:-0}" = 1 ]; then
       timeout ${CHUNKPREP_BENCH_S:-200} python scripts/bench_kernels.py --only gdn --filter gdn_chunk_prep \

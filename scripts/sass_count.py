@@ -201,9 +201,15 @@ def gdn_prep_kernels(m: int, precision: str, tiles) -> list[tuple[str, int, int,
     shapes (48 value heads over 16 key heads of 128, chunks of 64), its products at `precision`, `tiles` a PrepTiles."""
     from fnx.pallas.gdn import pallas as gk
     from fnx.pallas.gdn import prep
+    f32 = jnp.float32
+    if tiles.in_place:      # q, k, v read from the conv output [1, m, 2 x 16 x 128 + 48 x 128] bf16
+        conv = prep.ConvInput(key_heads=16, key_dim=128, scale=128 ** -0.5, eps=1e-6)
+        fn = lambda c, g, b: prep.chunk_prep(c, None, None, g, b, 64, tiles=tiles, rep=3, conv=conv,  # noqa: E731
+                                             precision=gk.scan_precision(precision, False))
+        return _launches(jax.jit(fn).trace(S((1, m, 10240), BF16), S((1, m, 48), f32), S((1, m, 48), f32)).lower(
+            lowering_platforms=("cuda",)))
     fn = lambda *a: prep.chunk_prep(*a, 64, precision=gk.scan_precision(precision, False),  # noqa: E731
                                     tiles=tiles, rep=3)
-    f32 = jnp.float32
     return _launches(jax.jit(fn).trace(S((1, m, 16, 128), f32), S((1, m, 16, 128), f32), S((1, m, 48, 128), f32),
                                        S((1, m, 48), f32), S((1, m, 48), f32)).lower(lowering_platforms=("cuda",)))
 

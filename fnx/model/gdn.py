@@ -12,7 +12,8 @@ from jax import lax
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
-from fnx.pallas.gdn.api import gdn_chunk_prep, gdn_chunk_scan, gdn_recurrent, gdn_step, gdn_window
+from fnx.pallas.gdn.api import gdn_chunk_prep, gdn_chunk_prep_conv, gdn_chunk_scan, gdn_recurrent, gdn_step
+from fnx.pallas.gdn.api import gdn_window
 from fnx.pallas.gdn.api import window_takes_partials
 from fnx.pallas.gdn.reference import causal_conv, conv_and_gates, window_after, window_of  # noqa: F401  (PLE)
 from fnx.pallas.gdn.reference import delta_rule_recurrent, l2norm  # noqa: F401  (the token-by-token reference)
@@ -61,6 +62,17 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | 
     parts = gdn_chunk_prep(q, k, v, g, beta, chunk, precision=intra_precision(), apart=apart, rep=rep)
     # the chunks one after another: one Pallas launch (op "gdn_prefill") or XLA's scan (the reference)
     return gdn_chunk_scan(*parts, state, impl=impl, tokens=(length, F32 if out_dtype is None else out_dtype))
+
+
+def delta_rule_chunked_conv(conv, g, beta, state, *, key_heads: int, key_dim: int, chunk: int = CHUNK,
+                            impl: str | None = None, out_dtype=None):
+    """`delta_rule_chunked` from the GDN conv output conv [B, L, 2 HK dk + HV dv] (g, beta [B, L, HV]): q and k
+    l2-normed, q scaled by dk^-1/2 (the layer's prefill) by `gdn_chunk_prep_conv`, where the prep kernel may read
+    them in place (`PrepTiles.in_place`); o [B, L, HV, dv] in out_dtype (fp32 by default), the final state."""
+    apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
+    parts = gdn_chunk_prep_conv(conv, g, beta, chunk, key_heads=key_heads, key_dim=key_dim, scale=key_dim ** -0.5,
+                                precision=intra_precision(), apart=apart)
+    return gdn_chunk_scan(*parts, state, impl=impl, tokens=(conv.shape[1], F32 if out_dtype is None else out_dtype))
 
 
 def rec_after(aux: dict, n_keep: jax.Array, conv_width: int | None = None):
@@ -117,13 +129,11 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
                 dict(parts, rec0=rec0))
     qkv, z, b, a = (w.get() for w in wins)
     z = z.reshape(bsz, length, hv, dv)
-    q, k, v, g, beta, conv_state, conv_x = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"],
-                                                          p["dt_bias"], n_valid, key_heads=hk, key_head_dim=dk,
-                                                          value_heads=hv)
-    q, k, v = (t.astype(F32) for t in (q, k, v))
-    q, k = l2norm(q), l2norm(k)             # per key head: value head h reads key head h // (hv // hk)
-    # impl None, as gdn_step and gdn_window above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
+    conv, g, beta, conv_state, _ = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"], p["dt_bias"],
+                                                  n_valid, key_heads=hk, key_head_dim=dk, value_heads=hv, split=False)
+    # q, k and v out of conv (q, k l2-normed per key head: value head h reads key head h // (hv // hk), q scaled by
+    # dk^-1/2). impl None, as gdn_step and gdn_window above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
     # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
-    o, rec_state = delta_rule_chunked(q * dk ** -0.5, k, v, g, beta, rec_state, rep=hv // hk, out_dtype=x.dtype)
+    o, rec_state = delta_rule_chunked_conv(conv, g, beta, rec_state, key_heads=hk, key_dim=dk, out_dtype=x.dtype)
     o = rms_norm_gated(o, z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
     return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}

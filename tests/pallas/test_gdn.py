@@ -727,6 +727,39 @@ def test_chunked_prefill_through_the_prep_kernel(monkeypatch, exact_scan):
         prep.prep_tiles()
 
 
+@pytest.mark.parametrize("b,length,hk,rep,dk,dv,dtype", [(2, 150, 2, 3, 32, 32, jnp.bfloat16),
+                                                         (1, 64, 1, 1, 16, 32, jnp.float32)])
+def test_chunk_prep_reads_the_conv_output_in_place(b, length, hk, rep, dk, dv, dtype, monkeypatch, exact_scan):
+    """`PrepTiles.in_place` (FNX_GDN_PREP_TILES=in_place=1): from the GDN conv output [B, L, 2 HK dk + HV dv] the
+    kernel reads q, k and v as its column groups in place and l2-norms q and k itself (q then scaled): every
+    output equals XLA's split, l2norm and scale followed by the reference prep within 1e-5 of its scale; without
+    in_place the api makes q, k, v in XLA and runs the kernel as usual (within 1e-5 too); a conv width that is
+    not 2 HK dk + HV dv is refused."""
+    from fnx.pallas.gdn import prep
+    hv = hk * rep
+    ks = jax.random.split(seed(), 3)
+    conv = jax.nn.silu(jax.random.normal(ks[0], (b, length, 2 * hk * dk + hv * dv))).astype(dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[1], (b, length, hv)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[2], (b, length, hv)))
+    kw = dict(key_heads=hk, key_dim=dk, scale=dk ** -0.5)
+    want = api.gdn_chunk_prep_conv(conv, g, beta, 64, impl="reference", **kw)
+    calls = []
+    real = prep.chunk_prep
+    monkeypatch.setattr(prep, "chunk_prep", lambda *a, **k: calls.append(k.get("conv")) or real(*a, **k))
+    for in_place in (1, 0):
+        monkeypatch.setenv(prep.PREP_TILES_ENV, f"in_place={in_place}")
+        calls.clear()
+        got = jax.jit(lambda c, g_, b_: api.gdn_chunk_prep_conv(c, g_, b_, 64, impl=KERNEL, **kw))(conv, g, beta)
+        assert len(calls) == 1 and (calls[0] is not None) == bool(in_place), calls
+        for name, x, w in zip(("new_values", "k_cumdecay", "q", "intra", "k", "chunk_decay"), got, want, strict=True):
+            assert x.shape == w.shape and x.dtype == jnp.float32, (name, x.shape, w.shape)
+            np.testing.assert_allclose(np.asarray(x), np.asarray(w), rtol=1e-5,
+                                       atol=1e-5 * float(jnp.max(jnp.abs(w))), err_msg=f"{name} in_place={in_place}")
+    g6 = jnp.zeros((1, 16, 6))
+    with pytest.raises(ValueError, match="not 2 x"):          # 2 x 2 x 16 + 6 x 16 is 160, not 161
+        api.gdn_chunk_prep_conv(jnp.zeros((1, 16, 161)), g6, g6, 64, impl=KERNEL, key_heads=2, key_dim=16, scale=1.0)
+
+
 def test_chunk_prep_auto_follows_the_products_precision(monkeypatch):
     """Where the compiled kernel can run (a GPU, simulated here), "auto" takes the one-launch chunk prep with "tf32"
     products (the default: 284 against XLA's 592 us a layer on the H100) and XLA's products with "tf32x3" or
@@ -770,6 +803,12 @@ def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():
     f = jax.jit(lambda *a: prep.chunk_prep(*a, 64, precision=lax.DotAlgorithmPreset.TF32_TF32_F32_X3))
     text = f.trace(*(sds((b, length, h, d), jnp.float32),) * 3, *(sds((b, length, h), jnp.float32),) * 2).lower(
         lowering_platforms=("cuda",)).as_text()
+    assert text.count("gdn_chunk_prep") >= 1
+    conv = prep.ConvInput(key_heads=16, key_dim=d, scale=d ** -0.5, eps=1e-6)       # in place from the conv output
+    f = jax.jit(lambda c, g, b_: prep.chunk_prep(c, None, None, g, b_, 64, rep=3, conv=conv,
+                                                 precision=lax.DotAlgorithmPreset.TF32_TF32_F32))
+    text = f.trace(sds((b, length, 2 * 16 * d + h * d), jnp.bfloat16), *(sds((b, length, h), jnp.float32),) * 2
+                   ).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("gdn_chunk_prep") >= 1
 
 
@@ -816,6 +855,13 @@ def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch, exact_scan):
         monkeypatch.setenv(kernel.SCAN_TILES_ENV, "precision=tf32x3,tokens_out=1")    # o stored by the kernel
         stored, _ = run(KERNEL)
         assert all(bool(jnp.array_equal(a, b)) for a, b in zip(stored, got)), "tokens_out: the same bits"
+        from fnx.pallas.gdn import prep
+        monkeypatch.setenv(prep.PREP_TILES_ENV, "in_place=1")        # the prep kernel reads the conv output
+        monkeypatch.setenv("FNX_KERNELS", f"gdn_prefill={KERNEL},gdn_chunk_prep={KERNEL}")
+        jax.clear_caches()
+        in_place = jax.jit(lambda p, x: gdn.gdn_layer(p, x, kw["conv_state"], kw["rec"], cfg, n_valid)[:3])(p, x)
+        for g, r in zip(in_place, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
         with pytest.raises(ValueError, match="gdn_prefill supports"):
             run("triton")
     finally:

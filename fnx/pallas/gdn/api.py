@@ -242,6 +242,18 @@ def chunk_prep_auto_reason(precision: str) -> str | None:
     return f"its {precision!r} products measured slower than XLA's (H100: 834 against 592 us a layer at 2,048 tokens)"
 
 
+def _chunk_prep_backend(dk: int, dv: int, chunk: int, impl: str | None) -> str:
+    """Op "gdn_chunk_prep"'s backend for these shapes (the refusal or auto's reason where the kernel does not
+    serve them)."""
+    why = None
+    if not (_is_pow2(dk) and _is_pow2(dv) and _is_pow2(chunk)) or min(dk, dv, chunk) < 16 or dk > CHUNK_SCAN_MAX_DK:
+        why = (f"the kernel's whole-chunk tiles need a power-of-two chunk ({chunk}) and power-of-two head dims "
+               f"(dk {dk}, dv {dv}), each at least 16, dk <= {CHUNK_SCAN_MAX_DK}")
+    from fnx.pallas.gdn import pallas as scan_kernel
+    return dispatch.resolve(OP_CHUNK_PREP, impl, not_applicable=why,
+                            prefer_reference=chunk_prep_auto_reason(scan_kernel.scan_tiles(dv).precision))
+
+
 def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda a: a, impl: str | None = None,
                    rep: int = 1):
     """The per-chunk part of the chunked gated delta rule (`reference.chunk_prep` has the shapes and outputs):
@@ -260,22 +272,51 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda
                           ("g", g, (bsz, length, h)), ("beta", beta, (bsz, length, h))):
         if a.shape != want:
             raise ValueError(f"gdn_chunk_prep: {name} {a.shape} must be {want} (k is {k.shape}, rep {rep})")
-    why = None
-    if not (_is_pow2(dk) and _is_pow2(dv) and _is_pow2(chunk)) or min(dk, dv, chunk) < 16 or dk > CHUNK_SCAN_MAX_DK:
-        why = (f"the kernel's whole-chunk tiles need a power-of-two chunk ({chunk}) and power-of-two head dims "
-               f"(dk {dk}, dv {dv}), each at least 16, dk <= {CHUNK_SCAN_MAX_DK}")
-    from fnx.pallas.gdn import pallas as scan_kernel
-    t = scan_kernel.scan_tiles(dv)
-    backend = dispatch.resolve(OP_CHUNK_PREP, impl, not_applicable=why, prefer_reference=chunk_prep_auto_reason(
-        t.precision))
+    backend = _chunk_prep_backend(dk, dv, chunk, impl)
     if backend == "reference":
         if rep > 1:
             q, k = (jnp.repeat(t, rep, axis=2) for t in (q, k))
         return reference.chunk_prep(q, k, v, g, beta, chunk, lax.Precision.HIGHEST if precision is None else precision,
                                     apart)
+    from fnx.pallas.gdn import pallas as scan_kernel
     from fnx.pallas.gdn import prep
+    t = scan_kernel.scan_tiles(dv)
     return prep.chunk_prep(q, k, v, g, beta, chunk, precision=scan_kernel.scan_precision(t.precision, False),
                            interpret=dispatch.interpret_flag(backend), rep=rep)
+
+
+def gdn_chunk_prep_conv(conv, g, beta, chunk: int, *, key_heads: int, key_dim: int, scale: float,
+                        precision=None, apart=lambda a: a, impl: str | None = None):
+    """`gdn_chunk_prep` from the GDN conv output conv [B, L, 2 HK dk + HV dv] (after its silu; g, beta
+    [B, L, HV]): q, k, v are its column groups, q and k l2-normed (fp32) and q multiplied by `scale`, as the model's
+    prefill does. With the kernel chosen (op "gdn_chunk_prep", the same choice as `gdn_chunk_prep`) and
+    `PrepTiles.in_place` (FNX_GDN_PREP_TILES=in_place=1), the kernel reads them from conv in place and l2-norms
+    them itself; otherwise XLA makes q, k and v first and `gdn_chunk_prep` runs as usual."""
+    from fnx.pallas.gdn import prep
+    bsz, length, width = conv.shape
+    hv = g.shape[-1]
+    hk, dk = key_heads, key_dim
+    dv = (width - 2 * hk * dk) // hv if hv else 0
+    if hv % hk or dv <= 0 or 2 * hk * dk + hv * dv != width:
+        raise ValueError(f"gdn_chunk_prep_conv: conv's {width} columns are not 2 x {hk} key heads x {dk} + {hv} value "
+                         f"heads (g {g.shape})")
+    for name, a in (("g", g), ("beta", beta)):
+        if a.shape != (bsz, length, hv):
+            raise ValueError(f"gdn_chunk_prep_conv: {name} {a.shape} must be {(bsz, length, hv)}")
+    t = prep.prep_tiles()
+    if t.in_place:
+        backend = _chunk_prep_backend(dk, dv, chunk, impl)
+        if backend != "reference":
+            from fnx.pallas.gdn import pallas as scan_kernel
+            return prep.chunk_prep(conv, None, None, g, beta, chunk, interpret=dispatch.interpret_flag(backend),
+                                   precision=scan_kernel.scan_precision(scan_kernel.scan_tiles(dv).precision, False),
+                                   rep=hv // hk, conv=prep.ConvInput(hk, dk, float(scale), reference.L2NORM_EPS))
+        impl = backend
+    q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
+    q, k = (reference.l2norm(a.reshape(bsz, length, hk, dk).astype(jnp.float32)) for a in (q, k))
+    v = v.reshape(bsz, length, hv, dv).astype(jnp.float32)
+    return gdn_chunk_prep(q * scale, k, v, g, beta, chunk, precision=precision, apart=apart, impl=impl,
+                          rep=hv // hk)
 
 
 OP_PREFILL = "gdn_prefill"

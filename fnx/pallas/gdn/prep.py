@@ -50,6 +50,10 @@ class PrepTiles:
                             # 64: 292 us against 284)
     num_warps: int = 4      # H100, 2,048 tokens: "tf32" 284 us a layer (422 at 8 warps), "tf32x3" 834 (1,586)
     num_stages: int = 1
+    # 1: the model's prefill hands the kernel the conv output, which it reads q, k and v from in place, l2-norming q
+    # and k itself (`api.gdn_chunk_prep_conv`): XLA's split, conversion and l2norm kernels go (~90 us a GDN layer at
+    # 2,048 tokens on the H100); 0: XLA makes q, k and v first. Off until measured.
+    in_place: int = 0
 
 
 PREP_TILES_ENV = "FNX_GDN_PREP_TILES"     # a benchmark knob: fields replaced in the chunk prep's default tiles
@@ -67,7 +71,7 @@ def prep_tiles() -> PrepTiles:
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, ko_ref, cd_ref, *,
-            length, heads, rep, chunk, dk, dv, bd, precision):
+            length, heads, rep, chunk, dk, dv, bd, precision, conv=None):
     b, h, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dot = functools.partial(jnp.dot, precision=precision, preferred_element_type=F32)
     rr = jnp.arange(chunk, dtype=jnp.int32)
@@ -76,26 +80,54 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
     t = n * chunk + rr
     ok = t < length
     tc = b * length + jnp.minimum(t, length - 1)
-    vrow, krow = tc * heads + h, tc * (heads // rep) + h // rep
+    grow = tc * heads + h                                   # g and beta: rows of (b, t, value head)
+    if conv is None:        # q, k [B * L * HK, dk], v [B * L * H, dv]
+        vrow, krow = grow, tc * (heads // rep) + h // rep
+        qoff = koff = voff = 0
+    else:                   # q, k and v the conv output's columns [B * L, 2 HK dk + H dv]
+        vrow = krow = tc
+        hk = heads // rep
+        qoff, koff, voff = (h // rep) * dk, (hk + h // rep) * dk, 2 * hk * dk + h * dv
 
-    def load(ref, row, j):
-        """Columns [j * bd, (j + 1) * bd) of the chunk's rows."""
-        cols = j * bd + jnp.arange(bd, dtype=jnp.int32)
+    def load_raw(ref, row, off, j):
+        """Columns off + [j * bd, (j + 1) * bd) of the chunk's rows."""
+        cols = off + j * bd + jnp.arange(bd, dtype=jnp.int32)
         return plt.load(ref.at[row[:, None], cols[None, :]], mask=jnp.broadcast_to(ok[:, None], (chunk, bd)),
                         other=0.0).astype(F32)
+
+    if conv is None:
+        rq = rk = None
+    else:                   # the l2norm's row scales: a pass over the column blocks first
+        sq = sk = None
+        for j in range(dk // bd):
+            qj, kj = load_raw(q_ref, krow, qoff, j), load_raw(k_ref, krow, koff, j)
+            pq, pk = jnp.sum(qj * qj, axis=1), jnp.sum(kj * kj, axis=1)
+            sq, sk = (pq, pk) if sq is None else (sq + pq, sk + pk)
+        rq, rk = lax.rsqrt(sq + conv.eps), lax.rsqrt(sk + conv.eps)
+
+    def load_q(j):          # column block j of the chunk's q rows (in place: l2-normed, then scaled)
+        x = load_raw(q_ref, krow, qoff, j)
+        return x if rq is None else (x * rq[:, None]) * conv.scale
+
+    def load_k(j):          # ... of k (in place: l2-normed)
+        x = load_raw(k_ref, krow, koff, j)
+        return x if rk is None else x * rk[:, None]
+
+    def load_v(j):
+        return load_raw(v_ref, vrow, voff, j)
 
     def store(ref, j, val):
         ref[b, h, n, :, pl.ds(j * bd, bd)] = val
 
-    g = plt.load(g_ref.at[vrow], mask=ok, other=0.0).astype(F32)
-    beta = plt.load(b_ref.at[vrow], mask=ok, other=0.0).astype(F32)
+    g = plt.load(g_ref.at[grow], mask=ok, other=0.0).astype(F32)
+    beta = plt.load(b_ref.at[grow], mask=ok, other=0.0).astype(F32)
     cum = jnp.sum(jnp.where(lower, g[None, :], 0.0), axis=1)             # in-chunk cumulative log decay
     last = jnp.sum(g)
     pair = jnp.exp(jnp.where(lower, cum[:, None] - cum[None, :], -jnp.inf))
     # k k^T and q k^T summed over column blocks of BD (a [C, BD] tile of each live at a time, not [C, dk])
     kk = qk = None
     for j in range(dk // bd):
-        kj, qj = load(k_ref, krow, j), load(q_ref, krow, j)
+        kj, qj = load_k(j), load_q(j)
         pk, pq = dot(kj * beta[:, None], kj.T), dot(qj, kj.T)
         kk, qk = (pk, pq) if kk is None else (kk + pk, qk + pq)
         store(qo_ref, j, qj * jnp.exp(cum)[:, None])
@@ -111,22 +143,44 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, b_ref, nv_ref, kcd_ref, qo_ref, ia_ref, 
         s *= 2
     # v and k read again, a column block at a time (from L2)
     for j in range(dv // bd):
-        store(nv_ref, j, dot(x, load(v_ref, vrow, j) * beta[:, None]))
+        store(nv_ref, j, dot(x, load_v(j) * beta[:, None]))
     kscale = (beta * jnp.exp(cum))[:, None]
     for j in range(dk // bd):
-        store(kcd_ref, j, dot(x, load(k_ref, krow, j) * kscale))
+        store(kcd_ref, j, dot(x, load_k(j) * kscale))
     cd_ref[b, h, n] = jnp.exp(last)
 
 
+@dataclasses.dataclass(frozen=True)
+class ConvInput:
+    """q, k and v read in place from the GDN conv output [B, L, 2 HK dk + H dv] (after its silu): q and k
+    l2-normed in the kernel (x rsqrt(sum x^2 + eps), fp32), q then multiplied by `scale`."""
+    key_heads: int
+    key_dim: int
+    scale: float
+    eps: float
+
+
 def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = False, tiles: PrepTiles | None = None,
-               rep: int = 1):
+               rep: int = 1, conv: ConvInput | None = None):
     """`reference.chunk_prep` in one launch (shapes checked by `api.gdn_chunk_prep`): q, k [B, L, H / rep, dk]
     (value head h reads key head h // rep), v [B, L, H, dv], g, beta [B, L, H] (any float dtype; computed in
-    fp32); the outputs fp32 in `chunk_scan`'s layout, per value head."""
-    bsz, length, h, dv = v.shape
-    dk = k.shape[-1]
+    fp32); the outputs fp32 in `chunk_scan`'s layout, per value head. With `conv`: q is the conv output
+    [B, L, 2 HK dk + H dv] (k and v None; H = HK x rep), read in place (`api.gdn_chunk_prep_conv`)."""
+    if conv is None:
+        bsz, length, h, dv = v.shape
+        dk = k.shape[-1]
+        flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, head))
+        q, k, v = flat(q), flat(k), flat(v)
+    else:
+        bsz, length, width = q.shape
+        h, dk = conv.key_heads * rep, conv.key_dim
+        dv = (width - 2 * conv.key_heads * dk) // h
+        if dv <= 0 or 2 * conv.key_heads * dk + h * dv != width:
+            raise ValueError(f"gdn_chunk_prep: a conv output of {width} columns is not 2 x {conv.key_heads} x {dk} "
+                             f"+ {h} value heads")
+        q = k = v = q.reshape(bsz * length, width)
     n = -(-length // chunk)
-    flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, head))
+    flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (g, beta: rows of (b, t, head))
     shapes = [(bsz, h, n, chunk, dv), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, chunk),
               (bsz, h, n, chunk, dk), (bsz, h, n)]
     if chunk < 16 or chunk & (chunk - 1):
@@ -140,8 +194,8 @@ def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = Fal
         "compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)}
     return pdl.pallas_call(
         functools.partial(_kernel, length=length, heads=h, rep=rep, chunk=chunk, dk=dk, dv=dv, bd=bd,
-                          precision=lax.Precision.HIGHEST if interpret else precision),
+                          precision=lax.Precision.HIGHEST if interpret else precision, conv=conv),
         grid=(bsz, h, n),
         out_shape=tuple(jax.ShapeDtypeStruct(s, F32) for s in shapes),
         interpret=interpret, name="gdn_chunk_prep", **params,
-    )(flat(q), flat(k), flat(v), flat(g), flat(beta))
+    )(q, k, v, flat(g), flat(beta))

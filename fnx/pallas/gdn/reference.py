@@ -150,25 +150,28 @@ def gdn_recurrent(q, k, v, g, beta, state, keep_steps: bool = False, *, scale: f
 
 
 def conv_and_gates(qkv, b, a, conv_state, conv_w, a_log, dt_bias, n_valid, *, key_heads: int, key_head_dim: int,
-                   value_heads: int):
+                   value_heads: int, split: bool = True):
     """The GDN layer's ops between its input projections and the recurrence, for L tokens: the causal conv and
     silu, split into q, k [B, L, HK, dk] and v [B, L, HV, dv], beta = sigmoid(b) and the log decay
     g = -exp(A_log) softplus(a + dt_bias) (fp32; both 0 on padding tokens past n_valid [B]).
-    Returns (q, k, v, g, beta, conv_state after n_valid tokens, conv_x [B, K-1+L, C])."""
+    Returns (q, k, v, g, beta, conv_state after n_valid tokens, conv_x [B, K-1+L, C]); with split=False
+    (conv [B, L, C], g, beta, conv_state, conv_x): the conv output whole, for a reader of its columns in place."""
     bsz, length, _ = qkv.shape
     conv, conv_x = causal_conv(qkv, conv_state, conv_w)
     conv_state = window_of(conv_state, qkv, n_valid, conv_state.shape[1])     # not from conv_x (see window_of)
     conv = jax.nn.silu(conv)
-    dk = key_head_dim                                      # C = 2 HK dk + HV dv
-    q, k, v = jnp.split(conv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
-    q = q.reshape(bsz, length, key_heads, dk)
-    k = k.reshape(bsz, length, key_heads, dk)
-    v = v.reshape(bsz, length, value_heads, -1)
     beta = jax.nn.sigmoid(b)
     g = -jnp.exp(a_log.astype(F32)) * softplus(a.astype(F32) + dt_bias.astype(F32))
     valid = (jnp.arange(length)[None, :] < n_valid[:, None])[..., None]          # [B, L, 1]
     g = jnp.where(valid, g, 0.0)                                                   # padding: no decay, no write
     beta = jnp.where(valid, beta.astype(F32), 0.0)
+    if not split:
+        return conv, g, beta, conv_state, conv_x
+    dk = key_head_dim                                      # C = 2 HK dk + HV dv
+    q, k, v = jnp.split(conv, [key_heads * dk, 2 * key_heads * dk], axis=-1)
+    q = q.reshape(bsz, length, key_heads, dk)
+    k = k.reshape(bsz, length, key_heads, dk)
+    v = v.reshape(bsz, length, value_heads, -1)
     return q, k, v, g, beta, conv_state, conv_x
 
 
