@@ -289,7 +289,7 @@ case "$part" in
                # "tf32" products): its compiled tests, then the 4-layer 2,048-token chunk with the defaults against
                # XLA's prep and against the earlier defaults ("tf32x3", XLA's prep), one process; its bench cases
                # with CHUNKPREP_BENCH=1
-    OUT="$OUT" VERIFY_FILES=tests/pallas/test_gdn.py VERIFY_K="chunk_prep or chunked_prefill" \
+    OUT="$OUT" VERIFY_FILES=tests/pallas/test_gdn.py VERIFY_K="${CHUNKPREP_K:-chunk_prep or chunked_prefill or tokens_layout or layer_prefill}" \
       VERIFY_S=${CHUNKPREP_VERIFY_S:-150} bash scripts/gpu_session.sh verify
     OUT="$OUT" SWEEP_S=${CHUNKPREP_SWEEP_S:-240} ROUND_PREFILL=2048 \
       ROUND_ARGS="--fp8-head --draft-vocab 32768 --draft-fp8 --no-round" \
