@@ -701,7 +701,7 @@ def _chunk_scan_kernel(nv_ref, kcd_ref, q_ref, ia_ref, k_ref, cd_ref, s_ref, o_r
             rows = (b * length + t) * heads + h
             cc = j * bv + jnp.arange(bv, dtype=jnp.int32)
             pltriton.store(o_ref.at[rows[:, None], cc[None, :]], o.astype(dtype),
-                      mask=jnp.broadcast_to((t < length)[:, None], (c, bv)))
+                           mask=jnp.broadcast_to((t < length)[:, None], (c, bv)))
         return s * cd_ref[b, h, i] + dot(ki.T, v_new)
 
     sout_ref[b, h, :, cols] = lax.fori_loop(0, n, body, s_ref[b, h, :, cols])
