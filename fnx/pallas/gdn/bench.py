@@ -210,6 +210,32 @@ def chunk_prep_cases(quick: bool) -> list[BenchCase]:
             out.append(BenchCase(kernel="gdn_chunk_prep", shape=shape, impl=f"pallas:{precision}", fn=fn,
                                  arg_sets=sets, bytes=per_set, extra={"tokens": tokens, "precision": precision},
                                  check=ref, check_tol=1e-4 if precision == "tf32x3" else 1e-2))
+        if quick:
+            continue
+        # from the conv output (bf16 [1, L, 2 HK dk + HV dv], as the layer's prefill hands it over): XLA's split,
+        # l2norm and products, the kernel after XLA's split and l2norm, and the kernel reading it in place
+        conv_bytes = 2 * tokens * (2 * HK * DK + HV * DV) + 8 * tokens * HV + 4 * HV * n * (
+            CHUNK * (DV + 3 * DK + CHUNK) + 1)
+
+        def make_conv(i, _t=tokens):
+            ks = jax.random.split(jax.random.key(i), 3)
+            conv = jax.nn.silu(jax.random.normal(ks[0], (1, _t, 2 * HK * DK + HV * DV))).astype(jnp.bfloat16)
+            return (conv, -jax.nn.softplus(jax.random.normal(ks[1], (1, _t, HV))),
+                    jax.nn.sigmoid(jax.random.normal(ks[2], (1, _t, HV))))
+        conv_sets = [make_conv(i) for i in range(n_sets(conv_bytes))]
+        kw = dict(key_heads=HK, key_dim=DK, scale=DK ** -0.5)
+        conv_ref = lambda *a, _kw=kw: api.gdn_chunk_prep_conv(*a, CHUNK, impl="reference", **_kw)  # noqa: E731
+        out.append(BenchCase(kernel="gdn_chunk_prep", shape=shape + " from conv", impl="reference", fn=conv_ref,
+                             arg_sets=conv_sets, bytes=conv_bytes, extra={"tokens": tokens, "conv": True}))
+        for label, in_place in (("pallas", 0), ("pallas:in_place", 1)):
+            def conv_fn(*a, _kw=kw):
+                from fnx.pallas import dispatch
+                impl = "pallas" if dispatch.why_unavailable("pallas") is None else "pallas_interpret"
+                return api.gdn_chunk_prep_conv(*a, CHUNK, impl=impl, **_kw)
+            out.append(BenchCase(kernel="gdn_chunk_prep", shape=shape + " from conv", impl=label, fn=conv_fn,
+                                 arg_sets=conv_sets, bytes=conv_bytes, check=conv_ref, check_tol=1e-2,
+                                 env={"FNX_GDN_PREP_TILES": f"in_place={in_place}"},
+                                 extra={"tokens": tokens, "conv": True, "in_place": in_place}))
     return out
 
 
