@@ -266,9 +266,9 @@ def main() -> None:
         launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
     elif args.gdn_prep:
         from fnx.pallas import dispatch
+        from fnx.pallas.gdn import pallas as gk
         from fnx.pallas.gdn import prep
         kv = dict(item.split("=", 1) for item in args.fields.split(",") if item)
-        from fnx.pallas.gdn import pallas as gk
         precision = kv.pop("precision", gk.ScanTiles().precision)
         tiles = dataclasses.replace(prep.PrepTiles(), **dispatch.fields_override(
             ",".join(f"{k}={v}" for k, v in kv.items()), prep.PrepTiles, "--gdn-prep fields (and precision)"))

@@ -254,6 +254,15 @@ def _chunk_prep_backend(dk: int, dv: int, chunk: int, impl: str | None) -> str:
                             prefer_reference=chunk_prep_auto_reason(scan_kernel.scan_tiles(dv).precision))
 
 
+def _prep_kernel(backend: str, dv: int, *args, **kw):
+    """`prep.chunk_prep` on `backend` ("pallas" or "pallas_interpret"), its products at the chunk scan's
+    precision."""
+    from fnx.pallas.gdn import pallas as scan_kernel
+    from fnx.pallas.gdn import prep
+    return prep.chunk_prep(*args, precision=scan_kernel.scan_precision(scan_kernel.scan_tiles(dv).precision, False),
+                           interpret=dispatch.interpret_flag(backend), **kw)
+
+
 def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda a: a, impl: str | None = None,
                    rep: int = 1):
     """The per-chunk part of the chunked gated delta rule (`reference.chunk_prep` has the shapes and outputs):
@@ -278,11 +287,7 @@ def gdn_chunk_prep(q, k, v, g, beta, chunk: int, *, precision=None, apart=lambda
             q, k = (jnp.repeat(t, rep, axis=2) for t in (q, k))
         return reference.chunk_prep(q, k, v, g, beta, chunk, lax.Precision.HIGHEST if precision is None else precision,
                                     apart)
-    from fnx.pallas.gdn import pallas as scan_kernel
-    from fnx.pallas.gdn import prep
-    t = scan_kernel.scan_tiles(dv)
-    return prep.chunk_prep(q, k, v, g, beta, chunk, precision=scan_kernel.scan_precision(t.precision, False),
-                           interpret=dispatch.interpret_flag(backend), rep=rep)
+    return _prep_kernel(backend, dv, q, k, v, g, beta, chunk, rep=rep)
 
 
 def gdn_chunk_prep_conv(conv, g, beta, chunk: int, *, key_heads: int, key_dim: int, scale: float,
@@ -307,10 +312,8 @@ def gdn_chunk_prep_conv(conv, g, beta, chunk: int, *, key_heads: int, key_dim: i
     if t.in_place:
         backend = _chunk_prep_backend(dk, dv, chunk, impl)
         if backend != "reference":
-            from fnx.pallas.gdn import pallas as scan_kernel
-            return prep.chunk_prep(conv, None, None, g, beta, chunk, interpret=dispatch.interpret_flag(backend),
-                                   precision=scan_kernel.scan_precision(scan_kernel.scan_tiles(dv).precision, False),
-                                   rep=hv // hk, conv=prep.ConvInput(hk, dk, float(scale), reference.L2NORM_EPS))
+            return _prep_kernel(backend, dv, conv, None, None, g, beta, chunk, rep=hv // hk,
+                                conv=prep.ConvInput(hk, dk, float(scale), reference.L2NORM_EPS))
         impl = backend
     q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
     q, k = (reference.l2norm(a.reshape(bsz, length, hk, dk).astype(jnp.float32)) for a in (q, k))

@@ -166,10 +166,10 @@ def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = Fal
     (value head h reads key head h // rep), v [B, L, H, dv], g, beta [B, L, H] (any float dtype; computed in
     fp32); the outputs fp32 in `chunk_scan`'s layout, per value head. With `conv`: q is the conv output
     [B, L, 2 HK dk + H dv] (k and v None; H = HK x rep), read in place (`api.gdn_chunk_prep_conv`)."""
+    flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, head))
     if conv is None:
         bsz, length, h, dv = v.shape
         dk = k.shape[-1]
-        flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (free: rows of (b, t, head))
         q, k, v = flat(q), flat(k), flat(v)
     else:
         bsz, length, width = q.shape
@@ -180,7 +180,6 @@ def chunk_prep(q, k, v, g, beta, chunk: int, *, precision, interpret: bool = Fal
                              f"+ {h} value heads")
         q = k = v = q.reshape(bsz * length, width)
     n = -(-length // chunk)
-    flat = lambda a: a.reshape(-1, *a.shape[3:])     # noqa: E731  (g, beta: rows of (b, t, head))
     shapes = [(bsz, h, n, chunk, dv), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, dk), (bsz, h, n, chunk, chunk),
               (bsz, h, n, chunk, dk), (bsz, h, n)]
     if chunk < 16 or chunk & (chunk - 1):
