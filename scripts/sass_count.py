@@ -22,6 +22,7 @@ Run:
     python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router)
     python scripts/sass_count.py nvfp4 64 --moe-blocks    # the prefill grouped MoE kernels, blocks of 64 rows
     python scripts/sass_count.py fp8 2048 precision=tf32 --gdn-prep   # the chunked GDN's per-chunk kernel
+    python scripts/sass_count.py fp8 2048 precision=tf32 --gdn-prep --maxnreg 168   # its spills under a cap
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ _COMPILE = """
 import sys, triton
 from triton.backends.compiler import GPUTarget
 opts = {"num_warps": int(sys.argv[2]), "num_stages": int(sys.argv[4])}
+if len(sys.argv) > 6 and sys.argv[6] != "0":
+    opts["maxnreg"] = int(sys.argv[6])
 k = triton.compile(sys.argv[1], target=GPUTarget("cuda", int(sys.argv[5]), 32), options=opts)
 open(sys.argv[3], "wb").write(k.asm["cubin"])
 """
@@ -253,7 +256,9 @@ def main() -> None:
     ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
                     "m rows (fields: experts_pallas.Tiles', e.g. block_n=128)")
     ap.add_argument("--gdn-prep", action="store_true", help="count the chunked GDN's per-chunk kernel over an m-token "
-                    "chunk (fields: precision=tf32|tf32x3|ieee and PrepTiles' block_d, num_warps, num_stages)")
+                    "chunk (fields: precision=tf32|tf32x3|ieee and PrepTiles', e.g. in_place=1,loop=1)")
+    ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (the stock Triton's maxnreg "
+                    "option; 0: ptxas chooses): what fewer registers would cost in spills")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
     ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
     args = ap.parse_args()
@@ -350,8 +355,8 @@ def main() -> None:
             src, cubin = os.path.join(tmp, f"{name}.ttir"), os.path.join(tmp, f"{name}.cubin")
             with open(src, "w") as f:
                 f.write(text)
-            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin, str(stages), str(args.arch)],
-                           check=True)
+            subprocess.run([args.python, "-c", _COMPILE, src, str(warps), cubin, str(stages), str(args.arch),
+                            str(args.maxnreg)], check=True)
             sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
                                   text=True, check=True).stdout
             res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", cubin], capture_output=True,

@@ -657,12 +657,13 @@ def _prep_inputs(key, b, length, h, dk, dv, rep=1):
     return q, k, v, g, beta
 
 
-@pytest.mark.parametrize("b,length,h,dk,dv,rep,precision", [(1, 150, 2, 32, 32, 1, "tf32x3"),
-                                                             (2, 64, 1, 16, 32, 1, "tf32x3"),
-                                                             (1, 40, 1, 128, 64, 1, "tf32x3"),
-                                                             (2, 90, 6, 16, 32, 3, "tf32x3"),
-                                                             (1, 150, 6, 128, 128, 3, "tf32")])
-def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv, rep, precision, monkeypatch):
+@pytest.mark.parametrize("b,length,h,dk,dv,rep,precision,loop", [(1, 150, 2, 32, 32, 1, "tf32x3", 0),
+                                                                  (2, 64, 1, 16, 32, 1, "tf32x3", 1),
+                                                                  (1, 40, 1, 128, 64, 1, "tf32x3", 0),
+                                                                  (2, 90, 6, 16, 32, 3, "tf32x3", 1),
+                                                                  (1, 150, 6, 128, 128, 3, "tf32", 0),
+                                                                  (1, 150, 6, 128, 128, 3, "tf32", 1)])
+def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv, rep, precision, loop, monkeypatch):
     """Op "gdn_chunk_prep": one program per (sequence, head, chunk) computes the chunked form's per-chunk operands
     on whole-chunk tiles (the unit-lower inverse doubled level by level as XLA's reference, its coupling blocks
     masked rather than sliced): every output equals `reference.chunk_prep` in fp32 within 1e-5 of its scale (the
@@ -670,9 +671,12 @@ def test_chunk_prep_kernel_matches_reference(b, length, h, dk, dv, rep, precisio
     zeros past L;
     with rep 3 the kernel reads each key head for three value heads in place (the reference's q, k repeated).
     Its products take the chunk scan's precision: "tf32x3" held to the fp32 bound on a GPU, "tf32" (the default)
-    to 5e-3 of the scale there; the interpreter computes both at fp32."""
+    to 5e-3 of the scale there; the interpreter computes both at fp32. `PrepTiles.loop` 1 (the column-block passes
+    as loops in the kernel) is held to the same bounds."""
     from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn import prep
     monkeypatch.setenv(kernel.SCAN_TILES_ENV, f"precision={precision}")
+    monkeypatch.setenv(prep.PREP_TILES_ENV, f"loop={loop}")
     tol = 5e-3 if precision == "tf32" and not INTERPRET else 1e-5
     args = _prep_inputs(seed(), b, length, h, dk, dv, rep)
     q, k = (jnp.repeat(t, rep, axis=2) for t in args[:2])
@@ -727,14 +731,15 @@ def test_chunked_prefill_through_the_prep_kernel(monkeypatch, exact_scan):
         prep.prep_tiles()
 
 
-@pytest.mark.parametrize("b,length,hk,rep,dk,dv,dtype", [(2, 150, 2, 3, 32, 32, jnp.bfloat16),
-                                                         (1, 64, 1, 1, 16, 32, jnp.float32)])
-def test_chunk_prep_reads_the_conv_output_in_place(b, length, hk, rep, dk, dv, dtype, monkeypatch, exact_scan):
+@pytest.mark.parametrize("b,length,hk,rep,dk,dv,dtype,loop", [(2, 150, 2, 3, 32, 32, jnp.bfloat16, 0),
+                                                              (2, 150, 2, 3, 32, 32, jnp.bfloat16, 1),
+                                                              (1, 64, 1, 1, 16, 32, jnp.float32, 0)])
+def test_chunk_prep_reads_the_conv_output_in_place(b, length, hk, rep, dk, dv, dtype, loop, monkeypatch, exact_scan):
     """`PrepTiles.in_place` (FNX_GDN_PREP_TILES=in_place=1): from the GDN conv output [B, L, 2 HK dk + HV dv] the
     kernel reads q, k and v as its column groups in place and l2-norms q and k itself (q then scaled): every
     output equals XLA's split, l2norm and scale followed by the reference prep within 1e-5 of its scale; without
     in_place the api makes q, k, v in XLA and runs the kernel as usual (within 1e-5 too); a conv width that is
-    not 2 HK dk + HV dv is refused."""
+    not 2 HK dk + HV dv is refused. With `PrepTiles.loop` 1 too (the l2norm's pass a loop in the kernel)."""
     from fnx.pallas.gdn import prep
     hv = hk * rep
     ks = jax.random.split(seed(), 3)
@@ -747,7 +752,7 @@ def test_chunk_prep_reads_the_conv_output_in_place(b, length, hk, rep, dk, dv, d
     real = prep.chunk_prep
     monkeypatch.setattr(prep, "chunk_prep", lambda *a, **k: calls.append(k.get("conv")) or real(*a, **k))
     for in_place in (1, 0):
-        monkeypatch.setenv(prep.PREP_TILES_ENV, f"in_place={in_place}")
+        monkeypatch.setenv(prep.PREP_TILES_ENV, f"in_place={in_place},loop={loop}")
         calls.clear()
         got = jax.jit(lambda c, g_, b_: api.gdn_chunk_prep_conv(c, g_, b_, 64, impl=KERNEL, **kw))(conv, g, beta)
         assert len(calls) == 1 and (calls[0] is not None) == bool(in_place), calls
@@ -794,7 +799,8 @@ def test_chunk_prep_auto_follows_the_products_precision(monkeypatch):
 
 def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():
     """The kernel at the released GDN shapes (48 value heads of 128, a 2,048-token chunk, "tf32x3" products)
-    lowers for CUDA: one launch per layer."""
+    lowers for CUDA: one launch per layer; in place from the conv output with "tf32" products too, its column-block
+    passes unrolled and as loops."""
     from jax import lax
 
     from fnx.pallas.gdn import prep
@@ -805,11 +811,13 @@ def test_chunk_prep_lowers_for_cuda_at_the_released_shapes():
         lowering_platforms=("cuda",)).as_text()
     assert text.count("gdn_chunk_prep") >= 1
     conv = prep.ConvInput(key_heads=16, key_dim=d, scale=d ** -0.5, eps=1e-6)       # in place from the conv output
-    f = jax.jit(lambda c, g, b_: prep.chunk_prep(c, None, None, g, b_, 64, rep=3, conv=conv,
-                                                 precision=lax.DotAlgorithmPreset.TF32_TF32_F32))
-    text = f.trace(sds((b, length, 2 * 16 * d + h * d), jnp.bfloat16), *(sds((b, length, h), jnp.float32),) * 2
-                   ).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("gdn_chunk_prep") >= 1
+    for loop in (0, 1):     # PrepTiles.loop 1: the column-block passes as loops in the kernel
+        f = jax.jit(lambda c, g, b_, loop=loop: prep.chunk_prep(
+            c, None, None, g, b_, 64, rep=3, conv=conv, precision=lax.DotAlgorithmPreset.TF32_TF32_F32,
+            tiles=prep.PrepTiles(in_place=1, loop=loop)))
+        text = f.trace(sds((b, length, 2 * 16 * d + h * d), jnp.bfloat16), *(sds((b, length, h), jnp.float32),) * 2
+                       ).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("gdn_chunk_prep") >= 1
 
 
 def test_layer_prefill_takes_the_fnx_kernels_choice(monkeypatch, exact_scan):
