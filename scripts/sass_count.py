@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ if len(sys.argv) > 6 and sys.argv[6] != "0":
     opts["maxnreg"] = int(sys.argv[6])
 k = triton.compile(sys.argv[1], target=GPUTarget("cuda", int(sys.argv[5]), 32), options=opts)
 open(sys.argv[3], "wb").write(k.asm["cubin"])
+open(sys.argv[3][:-len(".cubin")] + ".ttgir", "w").write(k.asm["ttgir"])
 """
 
 
@@ -260,7 +262,8 @@ def main() -> None:
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (the stock Triton's maxnreg "
                     "option; 0: ptxas chooses): what fewer registers would cost in spills")
     ap.add_argument("--python", default="/tmp/tvenv/bin/python", help="an interpreter with the triton wheel")
-    ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS written there as <name>.sass")
+    ap.add_argument("--dump", default=None, help="a folder: each kernel's SASS, Triton IR and "
+                    "stock TTGIR (its layouts) written there as <name>.sass / .ttir / .ttgir")
     args = ap.parse_args()
     if args.qsa or args.route:
         tiles = "(the served defaults)"
@@ -365,6 +368,8 @@ def main() -> None:
                 os.makedirs(args.dump, exist_ok=True)
                 with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
                     f.write(sass)
+                shutil.copy(src, os.path.join(args.dump, f"{name}.ttir"))
+                shutil.copy(cubin[:-len(".cubin")] + ".ttgir", os.path.join(args.dump, f"{name}.ttgir"))
             ops = opcodes(sass)
             regs = re.search(r"REG:(\d+)", res)
             kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(ops).most_common(12))

@@ -1596,6 +1596,30 @@ def test_experts_blocks_mma16_lower_for_cuda(fmt):
         assert dots and all("xf16>" in ln.split(":")[-1].split("->")[0] for ln in dots), dots
 
 
+def test_experts_blocks_nvfp4_offsets_keep_their_alignment():
+    """The NVFP4 blocks' K loops mark their column offsets (k0 / 2 for the packed bytes and the activation halves,
+    k0 / 16 for the group scales) as multiples of their step in the Triton IR (`Tiles.aligned`, the default):
+    without the marks the floor division's sign fixes hide the alignment and the stock sm_90 build loads each tile
+    a byte or two at a time. With `aligned` 0 only the loop's own K offset is marked. Interpret mode ignores the
+    marks (the same bits: the blocks' tests run the default)."""
+    S = jax.ShapeDtypeStruct
+    from fnx.pallas import triton_ir
+    marks = {}
+    for aligned in (1, 0):
+        t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), "nvfp4")), aligned=aligned)
+        fn = functools.partial(experts_pallas.experts_blocks, tiles=t)
+        lowered = jax.jit(fn).trace(_spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"),
+                                    S((40, 64, 2560), BF16), S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        launches = triton_ir.launches(lowered)
+        assert [name for name, *_ in launches] == ["moe_gate_up", "moe_down"]
+        marks[aligned] = [[ln.split("{tt.divisibility = dense<")[1].split(">")[0] for ln in text.splitlines()
+                           if "arith.select" in ln and "tt.divisibility" in ln] for *_, text in launches]
+    bk = experts_pallas.block_tiles(_spec((512, 1280, 2560), "nvfp4")).block_k
+    for got in marks[1]:            # each kernel: its byte / half offsets (bk / 2) and its scale offsets (bk / 16)
+        assert str(bk // 2) in got and str(bk // 16) in got, marks
+    assert marks[0] == [[], []], marks
+
+
 def test_block_tiles_knob(monkeypatch):
     """FNX_MOE_BLOCK_TILES replaces fields of the prefill blocks' default tiles; an unknown field is refused."""
     gu, _ = _weights("nvfp4", 27)
