@@ -1596,12 +1596,30 @@ def test_experts_blocks_mma16_lower_for_cuda(fmt):
         assert dots and all("xf16>" in ln.split(":")[-1].split("->")[0] for ln in dots), dots
 
 
+@pytest.mark.parametrize("mma16", [0, 1])
+def test_experts_blocks_aligned_same_bits(mma16):
+    """`Tiles.aligned` 1 (the NVFP4 K loops' column offsets marked as multiples of their step): the same bits as
+    without, with plain and fp16 products, blocks' own rows and rows gathered by index (compiled on a GPU, the
+    vector loads it allows read the same bytes)."""
+    gu, dn = _weights("nvfp4", 29)
+    xb = jax.random.normal(_key(30), (4, 16, D), jnp.float32).astype(BF16).at[1, 11:].set(0)
+    be = jnp.array([2, 9, 2, E - 1], jnp.int32)
+    rows = xb.reshape(-1, D)
+    row_of = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)[::-1, ::-1]
+    base = dataclasses.replace(TILES, mma16=mma16)
+    for kw, args, blocks in (({}, (xb,), xb), ({"row_of": row_of}, (rows,), rows[row_of])):
+        got = [experts_pallas.experts_blocks(gu, dn, *args, be, interpret=INTERPRET, **kw,
+                                             tiles=dataclasses.replace(base, aligned=a)) for a in (0, 1)]
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32))
+        _close(got[1], reference.experts_blocks(gu, dn, blocks, be))
+
+
 def test_experts_blocks_nvfp4_offsets_keep_their_alignment():
     """The NVFP4 blocks' K loops mark their column offsets (k0 / 2 for the packed bytes and the activation halves,
-    k0 / 16 for the group scales) as multiples of their step in the Triton IR (`Tiles.aligned`, the default):
-    without the marks the floor division's sign fixes hide the alignment and the stock sm_90 build loads each tile
-    a byte or two at a time. With `aligned` 0 only the loop's own K offset is marked. Interpret mode ignores the
-    marks (the same bits: the blocks' tests run the default)."""
+    k0 / 16 for the group scales) as multiples of their step in the Triton IR with `Tiles.aligned` 1: without the
+    marks the floor division's sign fixes hide the alignment and the stock sm_90 build loads each tile a byte or two
+    at a time. With `aligned` 0 (the default until measured) only the loop's own K offset is marked. Interpret mode
+    ignores the marks (the same bits)."""
     S = jax.ShapeDtypeStruct
     from fnx.pallas import triton_ir
     marks = {}

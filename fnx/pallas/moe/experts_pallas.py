@@ -65,11 +65,11 @@ class Tiles:
                              # (exact), each 128-column block's products summed, then times its block scale. The
                              # weights are not rounded to bf16 first (as the decode kernels' `wround` 0): within
                              # the tolerance of the reference, not its bits
-    aligned: int = 1         # the K loops' NVFP4 column offsets (k0 / 2 for the packed bytes and the activation
+    aligned: int = 0         # 1: the K loops' NVFP4 column offsets (k0 / 2 for the packed bytes and the activation
                              # halves, k0 / 16 for the group scales) marked as multiples of their step, so the tiles
                              # load as 16-byte vectors (and pipeline: cp.async) instead of a byte or two at a time;
                              # stock sm_90 build of the 64-row NVFP4 blocks: gate/up 952 -> 682 instructions a K step,
-                             # down 663 -> 445. The same bits; 0 is the earlier plain division, for comparison
+                             # down 663 -> 445. The same bits. Off until measured on a GPU
 
 
 def _pow2(n: int) -> int:
@@ -88,7 +88,7 @@ def _rows(r0, n, stride=1):
     return pl.ds(r0, n) if stride == 1 else pl.ds(r0, n, stride)
 
 
-def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=True):
+def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=False):
     """Rows r0, r0 + stride, ... (bn of them), input columns [k0, k0+bk) of expert e's matrix, dequantized and
     rounded to dt: [bn, bk]. NVFP4 returns the pair (even columns, odd columns), each [bn, bk/2]: the low and high
     nibbles of the packed bytes as they lie, never interleaved in registers; the caller dots them with the even and
@@ -109,7 +109,7 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=True)
     return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
 
 
-def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=True):
+def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=False):
     """An NVFP4 tile's packed codes [bn, bk/2] (uint32) and its group scales in `scale_dtype`, one per packed byte
     ([bn, bk/2]), of rows `rs` and input columns [k0, k0+bk)."""
     w_ref, s_ref, _ = refs
@@ -118,12 +118,12 @@ def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=True):
     return p, jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
 
 
-def _part(k0, div: int, step: int, aligned: bool = True):
+def _part(k0, div: int, step: int, aligned: bool = False):
     """k0 // div for a K offset k0 that is a multiple of `step` (a traced loop index times the step, or an int),
     marked as a multiple of step // div: Python's floor division of a traced int lowers to a signed division with
     sign fixes, after which Triton no longer knows the offset's alignment and loads the tile an element at a time
     (the stock sm_90 build of the NVFP4 blocks: byte loads of the packed weights, 2-byte loads of the activations).
-    `aligned` False (`Tiles.aligned` 0) leaves the plain division, for comparison."""
+    Only with `aligned` (`Tiles.aligned` 1); otherwise the plain division."""
     q = k0 // div
     return q if isinstance(q, int) or not aligned else pl.multiple_of(q, max(1, step // div))
 
@@ -147,7 +147,7 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
 
 
-def _unpack(experts_ref, rest, fmt, bk, aligned=True):
+def _unpack(experts_ref, rest, fmt, bk, aligned=False):
     """A kernel's common start: (activation refs (even, odd columns for NVFP4, else one), weight refs, output ref,
     slot, column block, expert id, activation columns per K step, K step -> its first activation column)."""
     halves = fmt == "nvfp4"
@@ -166,7 +166,7 @@ def _silu_mul(acc_g, acc_u, dt):
     return (silu * acc_u.astype(dt).astype(F32)).astype(dt)
 
 
-def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=True):
+def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False):
     """`_weight_tile`'s NVFP4 pair for `Tiles.mma16`: code * 2^-14 * group scale in fp16 (exact), without the
     row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16."""
     p, sc = _nvfp4_codes(refs, e, _rows(r0, bn, stride), bn, k0, bk, meta, jnp.float16,    # E4M3 -> fp16: exact
@@ -175,7 +175,7 @@ def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=True):
 
 
 def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
-                    mma16=False, gather=False, split_store=False, aligned=True):
+                    mma16=False, gather=False, split_store=False, aligned=False):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
@@ -260,7 +260,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
                 act_ref[s, :, pl.ds(c0, width)] = a
 
 
-def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=True):
+def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=False):
     """Program (s, j): output columns [j bn, (j+1) bn) of slot s. NVFP4: the two act refs give the even and odd
     intermediate columns; with `odd_at` both are the one split act buffer (`_gate_up_kernel`'s `split`), the odd
     columns from column odd_at on."""
