@@ -114,6 +114,33 @@ def _e2m1_asm_i(half: str) -> str:
 E2M1_ASM_VARIANTS = ("prmt", "shifts", "imad")   # `_E2M1_ASM`, `_e2m1_asm_q`, `_e2m1_asm_i`
 
 
+def _e2m1_asm_h(half: str) -> str:
+    """`_E2M1_ASM` (the `half` nibbles of four bytes) with the fp16 values as the block's outputs, packed as an fp16
+    operand packs them: $0 the values of bytes 0 and 1 (low and high half), $1 those of bytes 2 and 3 (Triton
+    packs 16-bit results of a `pack` 4 block two to a 32-bit register), the input word $2; no conversion to fp32.
+    For products on fp16 operands (the prefill blocks' `Tiles.e2m1_asm`)."""
+    text = _E2M1_ASM.format(*E2M1_ASM_SHIFTS[half]).replace(".reg .b16 h0, h1;\n", "").replace("$4", "$2")
+    for reg, (a, b) in enumerate((("$0", "$1"), ("$2", "$3"))):
+        text = text.replace(f"or.b32 w, t1, t2;\nmov.b32 {{h0, h1}}, w; cvt.f32.f16 {a}, h0; cvt.f32.f16 {b}, h1;",
+                            f"or.b32 ${reg}, t1, t2;", 1)
+    return text
+
+
+def e2m1_pair_f16(packed, asm: bool = False):
+    """Packed NVFP4 bytes (uint8, low nibble = even column) -> (low, high) nibble values x 2^-14 in fp16 (exact:
+    `e2m1_f16`'s values). asm=True (inside a Pallas Triton kernel on an NVIDIA GPU only) decodes four bytes per
+    inline-PTX block (`_e2m1_asm_h`: shifts and masks of the whole word, two codes per instruction, the fp16 bits
+    straight into the outputs); the jnp form, which the interpreter runs, works on one 32-bit value per code."""
+    if asm:
+        from jax.experimental.pallas import triton as plt
+        out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
+        u8 = packed.astype(jnp.uint8)
+        return tuple(plt.elementwise_inline_asm(_e2m1_asm_h(h), args=[u8], constraints="=r,=r,r", pack=4,
+                                                result_shape_dtypes=[out])[0] for h in ("low", "high"))
+    p = packed.astype(jnp.uint32)
+    return e2m1_f16(p & 0xF), e2m1_f16(p >> 4)
+
+
 def e2m1_pair_f32(packed, asm: bool = False, variant: str = "prmt"):
     """Packed NVFP4 bytes (uint8, low nibble = even column) -> (low, high) nibble values x 2^-14 in fp32, the
     values of `e2m1_f16` (callers fold E2M1_F16_SCALE into a scale). asm=True (inside a Pallas Triton kernel on an

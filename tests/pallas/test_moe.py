@@ -704,9 +704,9 @@ def test_e2m1_f16_codes():
 
 
 def _run_ptx(asm, regs):
-    """The integer subset of PTX the "asmq" and "asmi" blocks use (shl, shr, and, or on b32, mul.lo / mad.lo on u32,
-    mov of a b32 into two b16 halves, cvt.f32.f16), run on NumPy arrays: regs maps operand names to uint32 arrays;
-    returns the registers after."""
+    """The integer subset of PTX the "asmq", "asmi" and fp16-pair blocks use (shl, shr, and, or on b32, mul.lo /
+    mad.lo on u32, prmt, mov of an immediate or of a b32 into two b16 halves, cvt.f32.f16), run on NumPy arrays:
+    regs maps operand names to uint32 arrays; returns the registers after."""
     regs = dict(regs)
     body = "\n".join(ln for ln in asm.splitlines() if not ln.startswith((".reg", "{", "}")))
     for stmt in filter(None, (st.strip() for st in body.replace("\n", " ").split(";"))):
@@ -726,6 +726,18 @@ def _run_ptx(asm, regs):
         elif op == "mad.lo.u32":
             prod = val(args[1]).astype(np.uint64) * np.uint64(val(args[2])) + val(args[3]).astype(np.uint64)
             regs[args[0]] = prod.astype(np.uint32)
+        elif op == "prmt.b32":          # the default mode: each selector nibble picks a byte of {b, a}, bit 3 its sign
+            src = (val(args[2]).astype(np.uint64) << np.uint64(32)) | val(args[1]).astype(np.uint64)
+            sel, out = int(args[3], 0), np.zeros_like(val(args[1]))
+            for i in range(4):
+                nib = (sel >> (4 * i)) & 0xF
+                byte = ((src >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)).astype(np.uint32)
+                if nib & 8:
+                    byte = np.where(byte & 0x80, np.uint32(0xFF), np.uint32(0))
+                out = out | (byte << np.uint32(8 * i))
+            regs[args[0]] = out
+        elif op == "mov.b32" and len(args) == 2:    # mov.b32 d, immediate
+            regs[args[0]] = np.full_like(next(iter(regs.values())), val(args[1]), dtype=np.uint32)
         elif op == "mov.b32":           # mov.b32 {lo, hi}, w
             w = regs[args[2]]
             regs[args[0]], regs[args[1]] = (w & 0xFFFF).astype(np.uint16), (w >> 16).astype(np.uint16)
@@ -752,6 +764,22 @@ def test_e2m1_shift_only_ptx_places_the_codes(block):
             codes = jnp.asarray((by[:, b].astype(np.uint32) >> shift) & 0xF)
             want = np.asarray(kernel_math.e2m1_f16(codes).astype(jnp.float32))
             np.testing.assert_array_equal(out[f"${b}"].view(np.uint32), want.view(np.uint32))
+
+
+def test_e2m1_fp16_pair_ptx_packs_the_codes():
+    """The prefill blocks' e2m1 PTX (`kernel_math._e2m1_asm_h`, `Tiles.e2m1_asm`), run instruction by instruction on
+    32-bit words (every byte value in every position, and random words): $0 holds bytes 0 and 1's low (or high)
+    nibble values as fp16 in its low and high halves, $1 bytes 2 and 3's, the bits of the jnp decode
+    (`e2m1_pair_f16`) the interpreter runs."""
+    rng = np.random.default_rng(5)
+    q = np.concatenate([np.arange(256, dtype=np.uint32) * np.uint32(0x01010101),
+                        rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    by = jnp.asarray(q.view(np.uint8).reshape(-1, 4))
+    want = [np.asarray(v).view(np.uint16).astype(np.uint32) for v in kernel_math.e2m1_pair_f16(by)]
+    for half, w in zip(("low", "high"), want):
+        out = _run_ptx(kernel_math._e2m1_asm_h(half), {"$2": q})
+        for reg, (b0, b1) in (("$0", (0, 1)), ("$1", (2, 3))):
+            np.testing.assert_array_equal(out[reg], w[:, b0] | (w[:, b1] << np.uint32(16)), err_msg=f"{half} {reg}")
 
 
 def _f16(u):
@@ -1598,9 +1626,10 @@ def test_experts_blocks_mma16_lower_for_cuda(fmt):
 
 @pytest.mark.parametrize("mma16", [0, 1])
 def test_experts_blocks_aligned_same_bits(mma16):
-    """`Tiles.aligned` 1 (the NVFP4 K loops' column offsets marked as multiples of their step): the same bits as
-    without, with plain and fp16 products, blocks' own rows and rows gathered by index (compiled on a GPU, the
-    vector loads it allows read the same bytes)."""
+    """`Tiles.aligned` 1 (the NVFP4 K loops' column offsets marked as multiples of their step) and, with fp16
+    products, `Tiles.e2m1_asm` 1 (the codes decoded by inline PTX into fp16 pairs): the same bits as without, with
+    blocks' own rows and rows gathered by index (compiled on a GPU: the vector loads read the same bytes, the PTX
+    gives the jnp decode's values; the interpreter runs the jnp decode)."""
     gu, dn = _weights("nvfp4", 29)
     xb = jax.random.normal(_key(30), (4, 16, D), jnp.float32).astype(BF16).at[1, 11:].set(0)
     be = jnp.array([2, 9, 2, E - 1], jnp.int32)
@@ -1608,10 +1637,12 @@ def test_experts_blocks_aligned_same_bits(mma16):
     row_of = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)[::-1, ::-1]
     base = dataclasses.replace(TILES, mma16=mma16)
     for kw, args, blocks in (({}, (xb,), xb), ({"row_of": row_of}, (rows,), rows[row_of])):
+        fields = [{"aligned": 0}, {"aligned": 1}] + ([{"aligned": 1, "e2m1_asm": 1}] if mma16 else [])
         got = [experts_pallas.experts_blocks(gu, dn, *args, be, interpret=INTERPRET, **kw,
-                                             tiles=dataclasses.replace(base, aligned=a)) for a in (0, 1)]
-        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32))
-        _close(got[1], reference.experts_blocks(gu, dn, blocks, be))
+                                             tiles=dataclasses.replace(base, **f)) for f in fields]
+        for f, g in zip(fields[1:], got[1:]):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(got[0], np.float32), err_msg=str(f))
+        _close(got[-1], reference.experts_blocks(gu, dn, blocks, be))
 
 
 def test_experts_blocks_nvfp4_offsets_keep_their_alignment():
@@ -1619,7 +1650,7 @@ def test_experts_blocks_nvfp4_offsets_keep_their_alignment():
     k0 / 16 for the group scales) as multiples of their step in the Triton IR with `Tiles.aligned` 1: without the
     marks the floor division's sign fixes hide the alignment and the stock sm_90 build loads each tile a byte or two
     at a time. With `aligned` 0 (the default until measured) only the loop's own K offset is marked. Interpret mode
-    ignores the marks (the same bits)."""
+    ignores the marks (the same bits). With `e2m1_asm` 1 the gate/up kernel decodes its codes by inline PTX."""
     S = jax.ShapeDtypeStruct
     from fnx.pallas import triton_ir
     marks = {}
@@ -1633,6 +1664,12 @@ def test_experts_blocks_nvfp4_offsets_keep_their_alignment():
         marks[aligned] = [[ln.split("{tt.divisibility = dense<")[1].split(">")[0] for ln in text.splitlines()
                            if "arith.select" in ln and "tt.divisibility" in ln] for *_, text in launches]
     bk = experts_pallas.block_tiles(_spec((512, 1280, 2560), "nvfp4")).block_k
+    t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), "nvfp4")), aligned=1, e2m1_asm=1)
+    lowered = jax.jit(functools.partial(experts_pallas.experts_blocks, tiles=t)).trace(
+        _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((40, 64, 2560), BF16),
+        S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    gate_up, down = (text for *_, text in triton_ir.launches(lowered))
+    assert "prmt.b32" in gate_up and "prmt.b32" not in down     # e2m1_asm: the gate/up's codes by inline PTX
     for got in marks[1]:            # each kernel: its byte / half offsets (bk / 2) and its scale offsets (bk / 16)
         assert str(bk // 2) in got and str(bk // 16) in got, marks
     assert marks[0] == [[], []], marks

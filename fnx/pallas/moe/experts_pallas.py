@@ -70,6 +70,10 @@ class Tiles:
                              # load as 16-byte vectors (and pipeline: cp.async) instead of a byte or two at a time;
                              # stock sm_90 build of the 64-row NVFP4 blocks: gate/up 952 -> 682 instructions a K step,
                              # down 663 -> 445. The same bits. Off until measured on a GPU
+    e2m1_asm: int = 0        # NVFP4 gate/up with mma16: 1 = the codes decoded four bytes per inline-PTX block into
+                             # fp16 pairs (`kernel_math.e2m1_pair_f16`), where the jnp decode works on one 32-bit
+                             # value per code; the same values (the interpreter runs the jnp decode). Off until
+                             # measured on a GPU
 
 
 def _pow2(n: int) -> int:
@@ -109,11 +113,11 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=False
     return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
 
 
-def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=False):
-    """An NVFP4 tile's packed codes [bn, bk/2] (uint32) and its group scales in `scale_dtype`, one per packed byte
-    ([bn, bk/2]), of rows `rs` and input columns [k0, k0+bk)."""
+def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=False, codes_dtype=jnp.uint32):
+    """An NVFP4 tile's packed codes [bn, bk/2] (`codes_dtype`) and its group scales in `scale_dtype`, one per packed
+    byte ([bn, bk/2]), of rows `rs` and input columns [k0, k0+bk)."""
     w_ref, s_ref, _ = refs
-    p = w_ref[e, rs, pl.ds(_part(k0, 2, bk, aligned), bk // 2)].astype(jnp.uint32)
+    p = w_ref[e, rs, pl.ds(_part(k0, 2, bk, aligned), bk // 2)].astype(codes_dtype)
     sc = s_ref[e, rs, pl.ds(_part(k0, group, bk, aligned), bk // group)].astype(scale_dtype)      # [bn, bk/group]
     return p, jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
 
@@ -166,16 +170,18 @@ def _silu_mul(acc_g, acc_u, dt):
     return (silu * acc_u.astype(dt).astype(F32)).astype(dt)
 
 
-def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False):
+def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False, asm=False):
     """`_weight_tile`'s NVFP4 pair for `Tiles.mma16`: code * 2^-14 * group scale in fp16 (exact), without the
-    row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16."""
+    row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16. With `asm` the codes are
+    decoded four bytes per inline-PTX block (`kernel_math.e2m1_pair_f16`; a compiled kernel only)."""
     p, sc = _nvfp4_codes(refs, e, _rows(r0, bn, stride), bn, k0, bk, meta, jnp.float16,    # E4M3 -> fp16: exact
-                         aligned)
-    return kernel_math.e2m1_f16(p & 0xF) * sc, kernel_math.e2m1_f16(p >> 4) * sc
+                         aligned, jnp.uint8 if asm else jnp.uint32)
+    lo, hi = kernel_math.e2m1_pair_f16(p, asm)
+    return lo * sc, hi * sc
 
 
 def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
-                    mma16=False, gather=False, split_store=False, aligned=False):
+                    mma16=False, gather=False, split_store=False, aligned=False, asm=False):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
@@ -210,7 +216,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         if not mma16:
             return _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride, aligned)
         if fmt == "nvfp4":
-            return _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride, aligned)
+            return _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride, aligned, asm)
         return w_refs[0][e, _rows(r0, width, stride), pl.ds(k0, bk)].astype(jnp.float16)   # E4M3 -> fp16: exact
 
     @pl.when(e < n_exp)
@@ -409,7 +415,8 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16, gather=gather,
-                          split_store=split_store, aligned=bool(tiles.aligned)),
+                          split_store=split_store, aligned=bool(tiles.aligned),
+                          asm=bool(tiles.e2m1_asm) and mma16 and fmt1 == "nvfp4" and not interpret),
         (experts, *lead, *xs, *w1, *back),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
