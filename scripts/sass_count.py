@@ -190,15 +190,22 @@ def qsa_prefill_kernels(tiles, m: int, ctx: int = 8192) -> list[tuple[str, int, 
     return _launches(jax.jit(fn).trace(*sds).lower(lowering_platforms=("cuda",)))
 
 
-def moe_blocks_kernels(fmt: str, b: int, tiles, n_blocks: int = 832) -> list[tuple[str, int, int, str]]:
+def moe_blocks_kernels(fmt: str, b: int, tiles, n_blocks: int = 832, gather: bool = False
+                       ) -> list[tuple[str, int, int, str]]:
     """The same for the prefill grouped matmul's blocks (`experts_pallas.experts_blocks`, op "moe_grouped"):
-    n_blocks blocks of b rows at the released expert shapes."""
+    n_blocks blocks of b rows at the released expert shapes; with `gather` the blocks' rows read by index from
+    2,048 token rows (`row_of`: the model's default, `FNX_MOE_KERNEL_GATHER`)."""
     from fnx.pallas.moe import experts_pallas
     n_exp, d, inter = 512, 2560, 640
-    fn = lambda xb, e, gu, dn: experts_pallas.experts_blocks(gu, dn, xb, e, tiles=tiles)  # noqa: E731
-    return _launches(jax.jit(fn).trace(S((n_blocks, b, d), BF16), S((n_blocks,), jnp.int32),
-                                       W((n_exp, 2 * inter, d), fmt), W((n_exp, d, inter), fmt)).lower(
-        lowering_platforms=("cuda",)))
+    args = [S((n_blocks,), jnp.int32), W((n_exp, 2 * inter, d), fmt), W((n_exp, d, inter), fmt)]
+    if gather:
+        fn = lambda x, e, gu, dn, ro: experts_pallas.experts_blocks(  # noqa: E731
+            gu, dn, x, e, tiles=tiles, row_of=ro)
+        args = [S((2048, d), BF16), *args, S((n_blocks, b), jnp.int32)]
+    else:
+        fn = lambda xb, e, gu, dn: experts_pallas.experts_blocks(gu, dn, xb, e, tiles=tiles)  # noqa: E731
+        args = [S((n_blocks, b, d), BF16), *args]
+    return _launches(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
 
 
 def gdn_prep_kernels(m: int, precision: str, tiles) -> list[tuple[str, int, int, str]]:
@@ -257,6 +264,8 @@ def main() -> None:
                     "chunk at 8K context (fields: PrefillTiles', e.g. bk=32)")
     ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
                     "m rows (fields: experts_pallas.Tiles', e.g. block_n=128)")
+    ap.add_argument("--gather", action="store_true", help="with --moe-blocks: the blocks' rows read by index from "
+                    "the token rows (the model's default)")
     ap.add_argument("--gdn-prep", action="store_true", help="count the chunked GDN's per-chunk kernel over an m-token "
                     "chunk (fields: precision=tf32|tf32x3|ieee and PrepTiles', e.g. in_place=1,loop=1)")
     ap.add_argument("--maxnreg", type=int, default=0, help="cap the registers a thread (the stock Triton's maxnreg "
@@ -289,7 +298,7 @@ def main() -> None:
         tiles = ep.default_tiles(2560, 640, ep.block_tiles(q.abstract_weight((512, 1280, 2560), args.fmt)))
         if args.fields:
             tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, ep.Tiles, "fields"))
-        launches = moe_blocks_kernels(args.fmt, args.m, tiles)
+        launches = moe_blocks_kernels(args.fmt, args.m, tiles, gather=args.gather)
     elif args.qsa_prefill:
         from fnx.pallas import dispatch
         from fnx.pallas.qsa import prefill
