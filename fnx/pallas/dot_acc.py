@@ -66,10 +66,11 @@ def _impl(acc, a, b, *, trans_b: bool, precision=None):
     return acc + lax.dot_general(a, b, _dims(trans_b), precision=precision, preferred_element_type=F32)
 
 
-def dot_acc(acc, a, b, *, trans_b: bool = False, precision=lax.Precision.HIGHEST):
+def dot_acc(acc, a, b, *, trans_b: bool = False, precision=lax.Precision.HIGHEST, fuse: bool | None = None):
     """acc [m, n] fp32 + a [m, k] @ b [k, n] (b [n, k] with trans_b), products in fp32 at `precision` (as
-    `lax.dot_general`'s; None: the default). With FNX_DOT_ACC=1, in a Pallas kernel on the Triton lowering the
-    accumulator goes into the tensor-core product; otherwise, and off that lowering, acc + dot_general."""
+    `lax.dot_general`'s; None: the default). With FNX_DOT_ACC=1 (or `fuse` True, a kernel's own measured choice;
+    None: the variable decides), in a Pallas kernel on the Triton lowering the accumulator goes into the
+    tensor-core product; otherwise, and off that lowering, acc + dot_general."""
     if a.ndim != 2 or b.ndim != 2 or acc.ndim != 2:
         raise ValueError(f"dot_acc: 2-D operands only, got acc {acc.shape}, a {a.shape}, b {b.shape}")
     m, k = a.shape
@@ -78,7 +79,7 @@ def dot_acc(acc, a, b, *, trans_b: bool = False, precision=lax.Precision.HIGHEST
         raise ValueError(f"dot_acc: acc {acc.shape} + a {a.shape} @ b {b.shape}{'.T' if trans_b else ''} do not fit")
     if acc.dtype != F32:
         raise ValueError(f"dot_acc: the accumulator is fp32, got {acc.dtype}")
-    if not fused():
+    if not (fused() if fuse is None else fuse):
         return _impl(acc, a, b, trans_b=trans_b, precision=precision)
     return dot_acc_p.bind(acc, a, b, trans_b=bool(trans_b), precision=precision)
 

@@ -1629,7 +1629,8 @@ def test_experts_blocks_aligned_same_bits(mma16):
     """`Tiles.aligned` 1 (the NVFP4 K loops' column offsets marked as multiples of their step) and, with fp16
     products, `Tiles.e2m1_asm` 1 (the codes decoded by inline PTX into fp16 pairs): the same bits as without, with
     blocks' own rows and rows gathered by index (compiled on a GPU: the vector loads read the same bytes, the PTX
-    gives the jnp decode's values; the interpreter runs the jnp decode)."""
+    gives the jnp decode's values; the interpreter runs the jnp decode). With `Tiles.dot_acc` 1 as well (the NVFP4
+    blocks' defaults) within the reference's bound."""
     gu, dn = _weights("nvfp4", 29)
     xb = jax.random.normal(_key(30), (4, 16, D), jnp.float32).astype(BF16).at[1, 11:].set(0)
     be = jnp.array([2, 9, 2, E - 1], jnp.int32)
@@ -1637,20 +1638,27 @@ def test_experts_blocks_aligned_same_bits(mma16):
     row_of = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)[::-1, ::-1]
     base = dataclasses.replace(TILES, mma16=mma16)
     for kw, args, blocks in (({}, (xb,), xb), ({"row_of": row_of}, (rows,), rows[row_of])):
-        fields = [{"aligned": 0}, {"aligned": 1}] + ([{"aligned": 1, "e2m1_asm": 1}] if mma16 else [])
+        off = {"aligned": 0, "e2m1_asm": 0, "dot_acc": 0}
+        fields = [off, {**off, "aligned": 1}] + ([{**off, "aligned": 1, "e2m1_asm": 1}] if mma16 else [])
         got = [experts_pallas.experts_blocks(gu, dn, *args, be, interpret=INTERPRET, **kw,
                                              tiles=dataclasses.replace(base, **f)) for f in fields]
         for f, g in zip(fields[1:], got[1:]):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(got[0], np.float32), err_msg=str(f))
-        _close(got[-1], reference.experts_blocks(gu, dn, blocks, be))
+        want = reference.experts_blocks(gu, dn, blocks, be)
+        _close(got[-1], want)
+        # with the products accumulated in the tensor core (`dot_acc`, the NVFP4 blocks' default): fp32 sums in
+        # another order, so within the reference's bound rather than the same bits
+        _close(experts_pallas.experts_blocks(gu, dn, *args, be, interpret=INTERPRET, **kw, tiles=dataclasses.replace(
+            base, **{**fields[-1], "dot_acc": 1})), want)
 
 
 def test_experts_blocks_nvfp4_offsets_keep_their_alignment():
     """The NVFP4 blocks' K loops mark their column offsets (k0 / 2 for the packed bytes and the activation halves,
-    k0 / 16 for the group scales) as multiples of their step in the Triton IR with `Tiles.aligned` 1: without the
-    marks the floor division's sign fixes hide the alignment and the stock sm_90 build loads each tile a byte or two
-    at a time. With `aligned` 0 (the default until measured) only the loop's own K offset is marked. Interpret mode
-    ignores the marks (the same bits). With `e2m1_asm` 1 the gate/up kernel decodes its codes by inline PTX."""
+    k0 / 16 for the group scales) as multiples of their step in the Triton IR with `Tiles.aligned` 1 (the
+    default): without the marks the floor division's sign fixes hide the alignment and the stock sm_90 build loads
+    each tile a byte or two at a time. With `aligned` 0 (the earlier build) only the loop's own K offset is marked.
+    Interpret mode ignores the marks (the same bits). With `e2m1_asm` 1 the gate/up kernel decodes its codes by
+    inline PTX."""
     S = jax.ShapeDtypeStruct
     from fnx.pallas import triton_ir
     marks = {}

@@ -52,11 +52,13 @@ class PrepTiles:
     num_stages: int = 1
     # 1: the model's prefill hands the kernel the conv output, which it reads q, k and v from in place, l2-norming q
     # and k itself (`api.gdn_chunk_prep_conv`): XLA's split, conversion and l2norm kernels go (~90 us a GDN layer at
-    # 2,048 tokens on the H100); 0: XLA makes q, k and v first. Off until measured.
+    # 2,048 tokens on the H100); 0: XLA makes q, k and v first. Off: measured slower (H100, fifty-first session: the
+    # kernel 1,103 against 746 us for three layers, the 4-layer 2,048-token chunk +3.2%)
     in_place: int = 0
     # 1: the column-block passes over q, k and v as loops in the kernel (one block's tiles live at a time), where 0
     # unrolls them and the build issues every block's loads at once: stock sm_90 build, "tf32", 2,048 tokens: 4,944
-    # instructions and no spills against 5,856 and 85 (both near 255 registers). Off until measured.
+    # instructions and no spills against 5,856 and 85 (both near 255 registers). Off: the kernel 691 against 746 us
+    # for three layers, the chunk -0.5% (inside the spread; H100, fifty-first session)
     loop: int = 0
 
 

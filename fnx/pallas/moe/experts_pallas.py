@@ -65,15 +65,22 @@ class Tiles:
                              # (exact), each 128-column block's products summed, then times its block scale. The
                              # weights are not rounded to bf16 first (as the decode kernels' `wround` 0): within
                              # the tolerance of the reference, not its bits
-    aligned: int = 0         # 1: the K loops' NVFP4 column offsets (k0 / 2 for the packed bytes and the activation
+    aligned: int = 1         # the K loops' NVFP4 column offsets (k0 / 2 for the packed bytes and the activation
                              # halves, k0 / 16 for the group scales) marked as multiples of their step, so the tiles
-                             # load as 16-byte vectors (and pipeline: cp.async) instead of a byte or two at a time;
+                             # load as 16-byte vectors (pipelined: cp.async) instead of a byte or two at a time;
                              # stock sm_90 build of the 64-row NVFP4 blocks: gate/up 952 -> 682 instructions a K step,
-                             # down 663 -> 445. The same bits. Off until measured on a GPU
-    e2m1_asm: int = 0        # NVFP4 gate/up with mma16: 1 = the codes decoded four bytes per inline-PTX block into
-                             # fp16 pairs (`kernel_math.e2m1_pair_f16`), where the jnp decode works on one 32-bit
-                             # value per code; the same values (the interpreter runs the jnp decode). Off until
-                             # measured on a GPU
+                             # down 663 -> 445. The same bits. H100 (fifty-first session), the 4-layer 2,048-token
+                             # chunk: 14,428 -> 12,989 us (gate/up 3,991 -> 3,364, down 2,312 -> 1,508); 0: the
+                             # earlier loads
+    e2m1_asm: int = 1        # NVFP4 gate/up with mma16: the codes decoded four bytes per inline-PTX block into fp16
+                             # pairs (`kernel_math.e2m1_pair_f16`), where the jnp decode works on one 32-bit value per
+                             # code; the same values (the interpreter runs the jnp decode). With dot_acc: the chunk
+                             # 12,151 -> 11,931 us (gate/up 2,562 -> 2,344), H100; 0: the jnp decode
+    dot_acc: int = 0         # 1: the K loops' products accumulate in the tensor core (`fnx.pallas.dot_acc`, as
+                             # FNX_DOT_ACC=1 does for every kernel), not by one FADD per accumulator element a step;
+                             # fp32 sums in the tensor core's order (an ulp apart). The NVFP4 prefill blocks' default
+                             # (BLOCK_TILES_BY_FORMAT): with aligned and e2m1_asm the chunk 12,241 -> 11,931 us (down
+                             # 1,508 -> 1,440), H100. 0: as FNX_DOT_ACC says (bf16 / FP8 blocks: not measured)
 
 
 def _pow2(n: int) -> int:
@@ -132,17 +139,18 @@ def _part(k0, div: int, step: int, aligned: bool = False):
     return q if isinstance(q, int) or not aligned else pl.multiple_of(q, max(1, step // div))
 
 
-def _tile_dot(acc, x_tiles, w):
+def _tile_dot(acc, x_tiles, w, fuse=False):
     """acc + x @ w.T in fp32 for a dense tile w, or the sum over the even and odd halves for an NVFP4 pair. With
-    FNX_DOT_ACC=1 each product accumulates into acc in turn (`dot_acc`: the tensor core's own accumulation)."""
+    `fuse` (`Tiles.dot_acc`) or FNX_DOT_ACC=1 each product accumulates into acc in turn (`dot_acc`: the tensor
+    core's own accumulation)."""
     ws = w if isinstance(w, tuple) else (w,)
-    if not dot_acc_fused():
+    if not (fuse or dot_acc_fused()):
         part = _dot_t(x_tiles[0], ws[0])
         for x, wt in zip(x_tiles[1:], ws[1:]):
             part = part + _dot_t(x, wt)
         return acc + part
     for x, wt in zip(x_tiles, ws):
-        acc = dot_acc(acc, x, wt, trans_b=True, precision=None)
+        acc = dot_acc(acc, x, wt, trans_b=True, precision=None, fuse=True)
     return acc
 
 
@@ -181,7 +189,7 @@ def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False, asm=False)
 
 
 def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
-                    mma16=False, gather=False, split_store=False, aligned=False, asm=False):
+                    mma16=False, gather=False, split_store=False, aligned=False, asm=False, fuse=False):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
@@ -235,7 +243,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
             for t in range(sub):
                 k0 = pl.multiple_of((kk * sub + t) * bk, bk)
                 xs = [x_tile(r, k0).astype(xdt) for r in x_refs]
-                blk = [_tile_dot(blk[i], xs, tile(i, k0)) for i in range(n_acc)]
+                blk = [_tile_dot(blk[i], xs, tile(i, k0), fuse) for i in range(n_acc)]
             if not fp8_16:
                 return tuple(blk)
             bo = meta[0]
@@ -266,7 +274,7 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
                 act_ref[s, :, pl.ds(c0, width)] = a
 
 
-def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=False):
+def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=False, fuse=False):
     """Program (s, j): output columns [j bn, (j+1) bn) of slot s. NVFP4: the two act refs give the even and odd
     intermediate columns; with `odd_at` both are the one split act buffer (`_gate_up_kernel`'s `split`), the odd
     columns from column odd_at on."""
@@ -280,7 +288,7 @@ def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, 
             k0 = pl.multiple_of(kk * bk, bk)
             a = [r[s, :, pl.ds(o + col(k0), kw)] for r, o in zip(a_refs, offsets)]
             w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta, aligned=aligned)
-            return _tile_dot(acc, a, w)
+            return _tile_dot(acc, a, w, fuse)
 
         acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((y_ref.shape[1], bn), F32))
         y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
@@ -304,7 +312,7 @@ BLOCK_TILES = Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warp
 # session, 95044db): 1,024 tokens 4.40 ms against 6.11 ms at BLOCK_TILES, 4,096 tokens 8.54 against 11.78 ms.
 # With `mma16` (the gate/up on fp16 tensor cores, no fp32 / bf16 step per weight) the NVFP4 blocks took 6.35 ms
 # against 6.88 ms for 4,096 tokens (H100, 75817ec, one run each; compiled tests passed there): on by default.
-BLOCK_TILES_BY_FORMAT = {"nvfp4": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1)}
+BLOCK_TILES_BY_FORMAT = {"nvfp4": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, dot_acc=1)}
 
 
 BLOCK_TILES_ENV = "FNX_MOE_BLOCK_TILES"     # a benchmark knob: fields replaced in the prefill blocks' tiles
@@ -416,7 +424,8 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16, gather=gather,
                           split_store=split_store, aligned=bool(tiles.aligned),
-                          asm=bool(tiles.e2m1_asm) and mma16 and fmt1 == "nvfp4" and not interpret),
+                          asm=bool(tiles.e2m1_asm) and mma16 and fmt1 == "nvfp4" and not interpret,
+                          fuse=bool(tiles.dot_acc)),
         (experts, *lead, *xs, *w1, *back),
         out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
         grid=(s, inter // bn),
@@ -426,7 +435,8 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     acts = (act, act) if halves else (act[:, :, 0::2], act[:, :, 1::2]) if fmt2 == "nvfp4" else (act,)
     return stacked.call(
         functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2,
-                          odd_at=inter // 2 if halves else 0, aligned=bool(tiles.aligned)),
+                          odd_at=inter // 2 if halves else 0, aligned=bool(tiles.aligned),
+                          fuse=bool(tiles.dot_acc)),
         (experts, *acts, *w2),
         out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
         grid=(s, d // bn2),
