@@ -129,8 +129,8 @@ def _e2m1_asm_h(half: str) -> str:
 def e2m1_pair_f16(packed, asm: bool = False):
     """Packed NVFP4 bytes (uint8, low nibble = even column) -> (low, high) nibble values x 2^-14 in fp16 (exact:
     `e2m1_f16`'s values). asm=True (inside a Pallas Triton kernel on an NVIDIA GPU only) decodes four bytes per
-    inline-PTX block (`_e2m1_asm_h`: shifts and masks of the whole word, two codes per instruction, the fp16 bits
-    straight into the outputs); the jnp form, which the interpreter runs, works on one 32-bit value per code."""
+    inline-PTX block (`_e2m1_asm_h`: byte permutes, then two codes per shift / and / or, the fp16 bits straight
+    into the outputs); the jnp form, which the interpreter runs, works on one 32-bit value per code."""
     if asm:
         from jax.experimental.pallas import triton as plt
         out = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
