@@ -123,6 +123,8 @@ def _e2m1_asm_h(half: str) -> str:
     for reg, (a, b) in enumerate((("$0", "$1"), ("$2", "$3"))):
         text = text.replace(f"or.b32 w, t1, t2;\nmov.b32 {{h0, h1}}, w; cvt.f32.f16 {a}, h0; cvt.f32.f16 {b}, h1;",
                             f"or.b32 ${reg}, t1, t2;", 1)
+    if "cvt." in text or "h0" in text:      # `_E2M1_ASM`'s text changed under this rewrite
+        raise AssertionError(f"_e2m1_asm_h: the fp32 block no longer rewrites to fp16 outputs:\n{text}")
     return text
 
 
