@@ -1625,6 +1625,64 @@ def test_experts_blocks_mma16_lower_for_cuda(fmt):
 
 
 @pytest.mark.parametrize("mma16", [0, 1])
+@pytest.mark.parametrize("halves", ["split_store", "split_act", "xla"])
+def test_experts_blocks_down16_within_the_reference(mma16, halves):
+    """`Tiles.down16` (NVFP4 down experts on fp16 tensor cores: stage 1 stores its act as fp16, prescaled per row and
+    column block by a power of two, stage 2 scales each K step back): every row within the quantized bound of the
+    reference at its own scale, rows of very different scales (1e-4, 1e5) and zero rows included, whichever way
+    the act's even / odd halves are laid out, from gathered rows too; deterministic; FP8 experts ignore it (the
+    same bits)."""
+    gu, dn = _weights("nvfp4", 35)
+    xb = jax.random.normal(_key(36), (4, 16, D), jnp.float32)
+    xb = xb.at[1].multiply(1e-4).at[3, :4].multiply(1e5).at[2, 3:].set(0).astype(BF16)
+    be = jnp.array([2, 2, 0, E - 1], jnp.int32)
+    lay = {"split_store": {"split_store": 1}, "split_act": {"split_act": 1}, "xla": {}}[halves]
+    base = dataclasses.replace(TILES, block_k2=64, mma16=mma16, **lay)
+    t16 = dataclasses.replace(base, down16=1)
+    got = experts_pallas.experts_blocks(gu, dn, xb, be, interpret=INTERPRET, tiles=t16)
+    want = reference.experts_blocks(gu, dn, xb, be)
+    for b in range(3):              # block 3 names no expert (E - 1 is one: the last is checked with the rest)
+        for r in range(16):
+            if np.asarray(want[b, r], np.float32).any():
+                _close(got[b, r], want[b, r], bound=QUANT_BOUND)
+    assert not np.asarray(got[2, 3:], np.float32).any()
+    again = experts_pallas.experts_blocks(gu, dn, xb, be, interpret=INTERPRET, tiles=t16)
+    np.testing.assert_array_equal(np.asarray(again).view(np.uint16), np.asarray(got).view(np.uint16))
+    rows = xb.reshape(-1, D)
+    row_of = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)[::-1, ::-1]
+    gathered = experts_pallas.experts_blocks(gu, dn, rows, be, interpret=INTERPRET, row_of=row_of, tiles=t16)
+    np.testing.assert_array_equal(
+        np.asarray(gathered).view(np.uint16),
+        np.asarray(experts_pallas.experts_blocks(gu, dn, rows[row_of], be, interpret=INTERPRET, tiles=t16))
+        .view(np.uint16))
+    gf, df = _weights("fp8", 37)
+    np.testing.assert_array_equal(
+        np.asarray(experts_pallas.experts_blocks(gf, df, xb, be, interpret=INTERPRET, tiles=t16), np.float32),
+        np.asarray(experts_pallas.experts_blocks(gf, df, xb, be, interpret=INTERPRET, tiles=base), np.float32))
+    wide = dataclasses.replace(t16, block_n=64, block_k2=128)       # a K step across two stage-1 column blocks
+    assert "down16" in experts_pallas.blocks_not_applicable(gu, dn, 16, wide)
+    assert experts_pallas.blocks_not_applicable(gf, df, 16, dataclasses.replace(wide, mma16=0)) is None
+
+
+def test_experts_blocks_down16_lower_for_cuda():
+    """`Tiles.down16` at the released widths, blocks of 64 rows: two Triton launches, the gate/up with the act (fp16)
+    and its per-block 2^-s as outputs, the down kernel's products on fp16 operands with the codes decoded by inline
+    PTX."""
+    S = jax.ShapeDtypeStruct
+    from fnx.pallas import triton_ir
+    t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), "nvfp4")), down16=1)
+    lowered = jax.jit(functools.partial(experts_pallas.experts_blocks, tiles=t)).trace(
+        _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((40, 64, 2560), BF16),
+        S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+    launches = triton_ir.launches(lowered)
+    assert [name for name, *_ in launches] == ["moe_gate_up", "moe_down"]
+    down = launches[1][3]
+    dots = [ln for ln in down.splitlines() if "tt.dot" in ln]
+    assert dots and all("xf16>" in ln.split(":")[-1].split("->")[0] for ln in dots), dots
+    assert "prmt.b32" in down
+
+
+@pytest.mark.parametrize("mma16", [0, 1])
 def test_experts_blocks_aligned_same_bits(mma16):
     """`Tiles.aligned` 1 (the NVFP4 K loops' column offsets marked as multiples of their step) and, with fp16
     products, `Tiles.e2m1_asm` 1 (the codes decoded by inline PTX into fp16 pairs): the same bits as without, with

@@ -81,6 +81,15 @@ class Tiles:
                              # fp32 sums in the tensor core's order (an ulp apart). The NVFP4 prefill blocks' default
                              # (BLOCK_TILES_BY_FORMAT): with aligned and e2m1_asm the chunk 12,241 -> 11,931 us (down
                              # 1,508 -> 1,440), H100. 0: as FNX_DOT_ACC says (bf16 / FP8 blocks: not measured)
+    down16: int = 0          # NVFP4 down experts: 1 = stage 1 stores its act as fp16, each row's block_n columns
+                             # prescaled by a power of two into fp16's range (`kernel_math.hfma_prescale` of their
+                             # max |a|; the 2^-s in a second output [S, I / block_n, Mp]), and stage 2 multiplies on
+                             # fp16 tensor cores: each code times its E4M3 group scale in fp16 (exact, the gate/up's
+                             # `mma16` decode, by inline PTX with e2m1_asm), each K step's products times its rows'
+                             # 2^-s, the row global after the loop. Where 0 decodes every weight through fp32 and
+                             # bf16 (stock sm_90 build: 11.8 instructions a weight against the gate/up's 4.9). Needs
+                             # block_n a multiple of block_k2 (a K step inside one stage-1 column block). Within the
+                             # tolerance of the reference, not its bits (the weights are not rounded to bf16)
 
 
 def _pow2(n: int) -> int:
@@ -189,7 +198,7 @@ def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False, asm=False)
 
 
 def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
-                    mma16=False, gather=False, split_store=False, aligned=False, asm=False, fuse=False):
+                    mma16=False, gather=False, split_store=False, aligned=False, asm=False, fuse=False, down16=None):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
@@ -197,15 +206,19 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
     input after the weights: each row's 2^-s), and the products fp16 (`_f16_tile`; FP8: the E4M3 weights as fp16,
     a 128-column block's steps summed before its scale). With `gather` the first input after the expert ids is
     row_of [S, Mp] and the activations (and 2^-s) are token rows: the program reads its slot's rows by index. With
-    `split_store` the columns are computed as by default and stored into the halves `split` writes."""
-    back_ref = rowof_ref = None
+    `split_store` the columns are computed as by default and stored into the halves `split` writes. With `down16`
+    (the activations' dtype: `Tiles.down16`) the act is stored as fp16, each row's columns of this program times a
+    power of two, and the last output [S, I / bn, Mp] takes each row's 2^-s at row j."""
+    back_ref = rowof_ref = s16_ref = None
+    if down16 is not None:
+        *rest, s16_ref = rest
     if gather:          # the slot's rows are gathered here from the token rows (`row_of`), not from a slot buffer
         rowof_ref, *rest = rest
     if mma16:
         *rest, back_ref, out_ref = rest
         rest = (*rest, out_ref)
     x_refs, w_refs, act_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk, aligned)
-    dt = act_ref.dtype
+    dt = act_ref.dtype if down16 is None else down16
     xdt = jnp.float16 if mma16 else dt
     parts = ((j * bn, 1, j * bn),) if not split else \
         tuple((j * bn + par, 2, par * (inter // 2) + j * (bn // 2)) for par in (0, 1))   # (first row, stride, column)
@@ -264,8 +277,13 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
                     a = a * (w_refs[2][e, _rows(r0, width, stride)].astype(F32) * kernel_math.E2M1_F16_SCALE)[None, :]
                 scaled.append(a)
             accs = scaled
-        for (_, _, c0), acc_g, acc_u in zip(parts, accs[0::2], accs[1::2]):
-            a = _silu_mul(acc_g, acc_u, dt)
+        acts = [_silu_mul(acc_g, acc_u, dt) for acc_g, acc_u in zip(accs[0::2], accs[1::2])]
+        if s16_ref is not None:     # the program's columns of each row into fp16's range by one power of two
+            mx = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(a.astype(F32)), axis=1) for a in acts])
+            up, back16 = kernel_math.hfma_prescale(mx)
+            acts = [(a.astype(F32) * up[:, None]).astype(jnp.float16) for a in acts]
+            s16_ref[s, j, :] = back16
+        for (_, _, c0), a in zip(parts, acts):
             if split_store:     # column c to c // 2 (even c) or inter / 2 + c // 2 (odd c): the down kernel's halves
                 c = c0 + jnp.arange(width, dtype=jnp.int32)
                 pos = c // 2 + (c % 2) * (inter // 2)
@@ -274,23 +292,38 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
                 act_ref[s, :, pl.ds(c0, width)] = a
 
 
-def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=False, fuse=False):
+def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=False, fuse=False,
+                 col_block=0, asm=False):
     """Program (s, j): output columns [j bn, (j+1) bn) of slot s. NVFP4: the two act refs give the even and odd
     intermediate columns; with `odd_at` both are the one split act buffer (`_gate_up_kernel`'s `split`), the odd
-    columns from column odd_at on."""
+    columns from column odd_at on. With `col_block` (NVFP4, `Tiles.down16`: stage 1's block_n) the act is fp16,
+    prescaled per row and col_block columns, and the input after the weights gives each row's 2^-s per column
+    block: fp16 products, each K step's scaled back by its rows' 2^-s (asm: the codes decoded by inline PTX)."""
+    s16_ref = None
+    if col_block:
+        *rest, y_ref = rest
+        *rest, s16_ref = rest
+        rest = (*rest, y_ref)
     a_refs, w_refs, y_ref, s, j, e, kw, col = _unpack(experts_ref, rest, fmt, bk, aligned)
     dt = y_ref.dtype
     offsets = (0, odd_at) if len(a_refs) == 2 else (0,)
+    rows = y_ref.shape[1]
 
     @pl.when(e < n_exp)
     def _():
         def step(kk, acc):
             k0 = pl.multiple_of(kk * bk, bk)
             a = [r[s, :, pl.ds(o + col(k0), kw)] for r, o in zip(a_refs, offsets)]
-            w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta, aligned=aligned)
-            return _tile_dot(acc, a, w, fuse)
+            if not col_block:
+                w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta, aligned=aligned)
+                return _tile_dot(acc, a, w, fuse)
+            w = _f16_tile(w_refs, e, j * bn, bn, k0, bk, meta, aligned=aligned, asm=asm)
+            part = _tile_dot(jnp.zeros((rows, bn), F32), a, w, fuse)
+            return acc + part * s16_ref[s, (kk * bk) // col_block, :][:, None]
 
-        acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((y_ref.shape[1], bn), F32))
+        acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((rows, bn), F32))
+        if col_block:       # the row's global scale (x 2^14: the fp16 codes' 2^-14)
+            acc = acc * (w_refs[2][e, pl.ds(j * bn, bn)].astype(F32) * kernel_math.E2M1_F16_SCALE)[None, :]
         y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
 
 
@@ -347,6 +380,9 @@ def tiles_not_applicable(gate_up, down, tiles: Tiles) -> str | None:
         return f"Pallas MoE tiles {tiles} do not divide D={d}, I={inter} (or are < 16)"
     if tiles.split_act and bn < 2 * MIN_ROWS:
         return f"Pallas MoE tiles {tiles}: split_act computes two tiles of block_n / 2 >= {MIN_ROWS} columns"
+    if tiles.down16 and reference.weight_format(down) == "nvfp4" and bn % bk2:
+        return (f"Pallas MoE tiles {tiles}: down16 scales each K step of stage 2 by one stage-1 column block, so "
+                f"block_n ({bn}) must be a multiple of block_k2 ({bk2})")
     try:
         fmt1, _, meta1 = reference.kernel_operands(gate_up)
         fmt2, _, meta2 = reference.kernel_operands(down)
@@ -415,29 +451,33 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
         xh = (x.astype(F32) * up[..., None]).astype(jnp.float16)
         xs, back = ((xh[..., 0::2], xh[..., 1::2]) if fmt1 == "nvfp4" else (xh,)), (down_s,)
     gather = row_of is not None and (kernel_gather() if gather is None else gather)
+    down16 = bool(tiles.down16) and fmt2 == "nvfp4"
+    asm = bool(tiles.e2m1_asm) and not interpret
     lead = ()
     if gather:                  # the kernel reads its rows; rows past m name row 0 (their results are unused)
         lead = (jnp.pad(row_of.astype(jnp.int32), ((0, 0), (0, mp - m))),)
     elif row_of is not None:    # the prepared rows into their slots
         xs, back = tuple(a[row_of] for a in xs), tuple(a[row_of] for a in back)
+    act_shape = jax.ShapeDtypeStruct((s, mp, inter), jnp.float16 if down16 else dt)
     act = stacked.call(     # expert weights may be layers of stacks (fnx.pallas.stacked): read in place
         functools.partial(_gate_up_kernel, fmt=fmt1, meta=meta1, n_exp=n_exp, m=m, mp=mp, inter=inter, d=d,
                           bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16, gather=gather,
                           split_store=split_store, aligned=bool(tiles.aligned),
-                          asm=bool(tiles.e2m1_asm) and mma16 and fmt1 == "nvfp4" and not interpret,
-                          fuse=bool(tiles.dot_acc)),
+                          asm=asm and mma16 and fmt1 == "nvfp4", fuse=bool(tiles.dot_acc),
+                          down16=jnp.dtype(dt) if down16 else None),
         (experts, *lead, *xs, *w1, *back),
-        out_shape=jax.ShapeDtypeStruct((s, mp, inter), dt),
+        out_shape=(act_shape, jax.ShapeDtypeStruct((s, inter // bn, mp), F32)) if down16 else act_shape,
         grid=(s, inter // bn),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
     )
+    act, back16 = act if down16 else (act, None)
     halves = split or split_store               # the act buffer holds the even columns, then the odd ones
     acts = (act, act) if halves else (act[:, :, 0::2], act[:, :, 1::2]) if fmt2 == "nvfp4" else (act,)
     return stacked.call(
         functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2,
                           odd_at=inter // 2 if halves else 0, aligned=bool(tiles.aligned),
-                          fuse=bool(tiles.dot_acc)),
-        (experts, *acts, *w2),
+                          fuse=bool(tiles.dot_acc), col_block=bn if down16 else 0, asm=asm),
+        (experts, *acts, *w2, *((back16,) if down16 else ())),
         out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
         grid=(s, d // bn2),
         interpret=interpret, compiler_params=params, name="moe_down",
