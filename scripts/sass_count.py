@@ -226,6 +226,14 @@ def gdn_prep_kernels(m: int, precision: str, tiles) -> list[tuple[str, int, int,
                                        S((1, m, 48), f32), S((1, m, 48), f32)).lower(lowering_platforms=("cuda",)))
 
 
+def dequant_kernels(n: int, k: int) -> list[tuple[str, int, int, str]]:
+    """The same for the FP8 block dequantization kernel (op "dequant_fp8") of an [n, k] weight."""
+    from fnx.pallas.gemv import dequant
+    fn = lambda w, s: dequant.dequantize_fp8(w, s, (128, 128), BF16)  # noqa: E731
+    return _launches(jax.jit(fn).trace(S((n, k), jnp.float8_e4m3fn), S((-(-n // 128), -(-k // 128)), jnp.float32))
+                     .lower(lowering_platforms=("cuda",)))
+
+
 def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
     """The same for the MoE router (512 experts, top 10, renormalized) at m tokens."""
     from fnx.pallas.moe import routing_pallas
@@ -260,6 +268,8 @@ def main() -> None:
     ap.add_argument("--qsa", action="store_true", help="count a QSA layer's decode kernels at m tokens, 8K context "
                     "(fields: the combine's CombineTiles', e.g. bd=8,early=1)")
     ap.add_argument("--route", action="store_true", help="count the MoE router kernel at m tokens")
+    ap.add_argument("--dequant", default=None, metavar="NxK", help="count the FP8 block dequantization kernel of "
+                    "an NxK weight (fmt and m ignored)")
     ap.add_argument("--qsa-prefill", action="store_true", help="count the QSA prefill attention over an m-token "
                     "chunk at 8K context (fields: PrefillTiles', e.g. bk=32)")
     ap.add_argument("--moe-blocks", action="store_true", help="count the prefill grouped MoE kernels over blocks of "
@@ -291,6 +301,11 @@ def main() -> None:
             ",".join(f"{k}={v}" for k, v in kv.items()), prep.PrepTiles, "--gdn-prep fields (and precision)"))
         launches = gdn_prep_kernels(args.m, precision, tiles)
         tiles = {"precision": precision, **dataclasses.asdict(tiles)}
+    elif args.dequant:
+        from fnx.pallas.gemv import dequant
+        n, k = (int(v) for v in args.dequant.lower().split("x"))
+        tiles = dequant.choose_tiles(n, k)
+        launches = dequant_kernels(n, k)
     elif args.moe_blocks:
         from fnx.model import quant as q
         from fnx.pallas import dispatch

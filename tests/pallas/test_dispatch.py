@@ -152,6 +152,8 @@ def test_known_ops_cover_every_kernel_module():
              qsa_api.COMBINE_OP, qsa_api.PREP_OP, qsa_api.PREFILL_OP, gemv_api.PAIR_OP, gemv_api.PAIR_MANY_OP, "moe_route",
              "moe_route_acts", "moe_experts", "moe_decode", "moe_grouped"}
     names |= {f"gemv_{f}{s}" for f in gemv_api.FORMATS for s in ("", "_argmax")}
+    from fnx.pallas.gemv import dequant
+    names.add(dequant.OP)
     assert names == set(dispatch.KNOWN_OPS)
     for table in (dispatch.VERIFIED_ON_GPU, dispatch.AUTO_KEEPS_REFERENCE, dict.fromkeys(dispatch.MESH_READY)):
         assert set(table) <= set(dispatch.KNOWN_OPS), set(table) - set(dispatch.KNOWN_OPS)

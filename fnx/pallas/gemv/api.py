@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fnx.pallas import dispatch, kernel_math, stacked
+from fnx.pallas.gemv import dequant
 from fnx.pallas.gemv import pallas as gp
 from fnx.pallas.gemv import reference
 
@@ -308,8 +309,13 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
         why = "a window of x on a mesh (the per-shard kernel takes whole rows)"
     backend = dispatch.resolve(f"gemv_{fmt}", impl, not_applicable=why)
     if backend == "reference":
-        w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         x = x if x_cols is None else x[..., :x_cols]
+        if fmt == "fp8" and impl in (None, "auto"):     # prefill-sized: the dequantization may be a kernel
+            dq = dispatch.resolve(dequant.OP, None, not_applicable=dequant.why_not(w.shape, block, w.dtype))
+            if dq != "reference":
+                return reference.linear(x, dequant.dequantize_fp8(w, scale, block, x.dtype,
+                                                                  interpret=dispatch.interpret_flag(dq)))
+        w, scale, scale_2 = (stacked.materialize(a) for a in (w, scale, scale_2))
         return reference.linear(x, reference.dequantize(fmt, w, scale, scale_2, block, group))
     lead, k = x.shape[:-1], xk[-1]
     x2 = x.reshape(-1, x.shape[-1])
