@@ -78,6 +78,9 @@ def test_prefill_products_take_the_kernel_where_named(monkeypatch):
     assert len(kernels) == 1
     assert not [e for e in jax.make_jaxpr(functools.partial(run, impl="reference"))(x, q.w).eqns
                 if e.primitive.name == "pallas_call"]
+    small = x[:api.MAX_M]           # decode-sized: XLA's dequantize-and-dot (or the GEMV kernels), never this kernel
+    assert not [e for e in jax.make_jaxpr(functools.partial(run, impl="auto"))(small, q.w).eqns
+                if e.primitive.name == "pallas_call" and "dequant" in str(e.params.get("name", ""))]
     monkeypatch.delenv("FNX_KERNELS")
     jax.clear_caches()
     auto = jax.make_jaxpr(run)(x, q.w).eqns

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import pathlib
 
@@ -310,7 +311,8 @@ def linear(x: jax.Array, w: jax.Array, *, fmt: str = "bf16", scale=None, scale_2
     backend = dispatch.resolve(f"gemv_{fmt}", impl, not_applicable=why)
     if backend == "reference":
         x = x if x_cols is None else x[..., :x_cols]
-        if fmt == "fp8" and impl in (None, "auto"):     # prefill-sized: the dequantization may be a kernel
+        if fmt == "fp8" and impl in (None, "auto") and math.prod(xk[:-1]) > MAX_M:
+            # prefill-sized (at decode sizes XLA fuses the dequantization into its product): a kernel may write it
             dq = dispatch.resolve(dequant.OP, None, not_applicable=dequant.why_not(w.shape, block, w.dtype))
             if dq != "reference":
                 return reference.linear(x, dequant.dequantize_fp8(w, scale, block, x.dtype,
