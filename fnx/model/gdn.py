@@ -12,6 +12,8 @@ from jax import lax
 
 from fnx.model.fuse import linear_windows
 from fnx.model.ops import F32, HIGHEST, linear, rms_norm_gated
+from fnx.pallas import dispatch
+from fnx.pallas.gdn import out_norm
 from fnx.pallas.gdn.api import gdn_chunk_prep, gdn_chunk_prep_conv, gdn_chunk_scan, gdn_recurrent, gdn_step
 from fnx.pallas.gdn.api import gdn_window
 from fnx.pallas.gdn.api import window_takes_partials
@@ -65,14 +67,16 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = CHUNK, impl: str | 
 
 
 def delta_rule_chunked_conv(conv, g, beta, state, *, key_heads: int, key_dim: int, chunk: int = CHUNK,
-                            impl: str | None = None, out_dtype=None):
+                            impl: str | None = None, out_dtype=None, raw: bool = False):
     """`delta_rule_chunked` from the GDN conv output conv [B, L, 2 HK dk + HV dv] (g, beta [B, L, HV]): q and k
     l2-normed, q scaled by dk^-1/2 (the layer's prefill) by `gdn_chunk_prep_conv`, where the prep kernel may read
-    them in place (`PrepTiles.in_place`); o [B, L, HV, dv] in out_dtype (fp32 by default), the final state."""
+    them in place (`PrepTiles.in_place`); o [B, L, HV, dv] in out_dtype (fp32 by default), the final state. With
+    `raw`, o as the chunk scan leaves it: [B, HV, N, C, dv] fp32 (for `fnx.pallas.gdn.out_norm`)."""
     apart = lax.optimization_barrier if split_dots() else (lambda a: a)     # noqa: E731
     parts = gdn_chunk_prep_conv(conv, g, beta, chunk, key_heads=key_heads, key_dim=key_dim, scale=key_dim ** -0.5,
                                 precision=intra_precision(), apart=apart)
-    return gdn_chunk_scan(*parts, state, impl=impl, tokens=(conv.shape[1], F32 if out_dtype is None else out_dtype))
+    return gdn_chunk_scan(*parts, state, impl=impl,
+                          tokens=None if raw else (conv.shape[1], F32 if out_dtype is None else out_dtype))
 
 
 def rec_after(aux: dict, n_keep: jax.Array, conv_width: int | None = None):
@@ -127,13 +131,22 @@ def gdn_layer(p: dict, x: jax.Array, conv_state: jax.Array, rec_state: jax.Array
                                                      key_heads=hk, eps=cfg.rms_norm_eps, act=cfg.output_gate_type)
         return (linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state,
                 dict(parts, rec0=rec0))
-    qkv, z, b, a = (w.get() for w in wins)
-    z = z.reshape(bsz, length, hv, dv)
+    zwin = wins[1]
+    qkv, b, a = (w.get() for w in (wins[0], wins[2], wins[3]))
     conv, g, beta, conv_state, _ = conv_and_gates(qkv, b, a, conv_state, p["conv1d"], p["A_log"], p["dt_bias"],
                                                   n_valid, key_heads=hk, key_head_dim=dk, value_heads=hv, split=False)
     # q, k and v out of conv (q, k l2-normed per key head: value head h reads key head h // (hv // hk), q scaled by
     # dk^-1/2). impl None, as gdn_step and gdn_window above: op "gdn_prefill" takes fnx.pallas.dispatch's choice
     # (FNX_KERNELS, dispatch.force; the reference under a mesh) when the layer is traced
-    o, rec_state = delta_rule_chunked_conv(conv, g, beta, rec_state, key_heads=hk, key_dim=dk, out_dtype=x.dtype)
-    o = rms_norm_gated(o, z, p["norm"], cfg.rms_norm_eps, cfg.output_gate_type)
+    raw_shape = (bsz, hv, -(-length // CHUNK), CHUNK, dv)       # the chunk scan's own layout of o
+    norm_backend = dispatch.resolve(out_norm.OP, None,
+                                    not_applicable=out_norm.why_not(raw_shape, dv, cfg.output_gate_type))
+    if norm_backend != "reference":     # the norm reads o in the scan's layout and z in place (op "gdn_out_norm")
+        o, rec_state = delta_rule_chunked_conv(conv, g, beta, rec_state, key_heads=hk, key_dim=dk, raw=True)
+        o = out_norm.out_norm(o, (zwin.buf, zwin.start), p["norm"], cfg.rms_norm_eps, cfg.output_gate_type, length,
+                              x.dtype, impl=norm_backend)
+    else:
+        o, rec_state = delta_rule_chunked_conv(conv, g, beta, rec_state, key_heads=hk, key_dim=dk, out_dtype=x.dtype)
+        o = rms_norm_gated(o, zwin.get().reshape(bsz, length, hv, dv), p["norm"], cfg.rms_norm_eps,
+                           cfg.output_gate_type)
     return linear(o.reshape(bsz, length, hv * dv), p["out_proj"]), conv_state, rec_state, {}
