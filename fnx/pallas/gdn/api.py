@@ -326,6 +326,13 @@ OP_PREFILL = "gdn_prefill"
 CHUNK_SCAN_MAX_DK = 256         # the kernel holds a [dk, BV] fp32 state tile and [C, dk] chunk tiles in registers
 
 
+def scan_tokens(o, length: int, dtype):
+    """The chunk scan's o [B, H, N, C, dv] (fp32) as the model's tokens: the first `length` rows, [B, L, H, dv] in
+    `dtype`."""
+    bsz, h, n, c, dv = o.shape
+    return jnp.moveaxis(o.reshape(bsz, h, n * c, dv)[:, :, :length], 1, 2).astype(dtype)
+
+
 def gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl: str | None = None, *,
                    tiles=None, tokens=None):
     """The sequential pass of the chunked gated delta rule (prefill) over N chunks of C tokens: per chunk
@@ -352,9 +359,7 @@ def gdn_chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state, impl
     if tokens is not None and not 0 < tokens[0] <= n * c:
         raise ValueError(f"gdn_chunk_scan: tokens {tokens[0]} must be in 1..{n * c} ({n} chunks of {c})")
     backend = dispatch.resolve(OP_PREFILL, impl, not_applicable=why)
-
-    def rearranged(o):          # [B, H, N, C, dv] fp32 -> [B, L, H, dv] in the caller's dtype
-        return jnp.moveaxis(o.reshape(bsz, h, n * c, dv)[:, :, :tokens[0]], 1, 2).astype(tokens[1])
+    rearranged = lambda o: scan_tokens(o, *tokens)      # noqa: E731
 
     if backend == "reference":
         o, s = reference.chunk_scan(new_values, k_cumdecay, q, intra, k, chunk_decay, state)

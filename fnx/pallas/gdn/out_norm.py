@@ -6,10 +6,11 @@ rearranges o to its tokens [B, L, H, dv] in the activation dtype and applies `re
 gate z, a window of the fused input projection. XLA fuses the two (transposes, the norm's reduction, the gate) into
 one kernel that an H100 table of a 4-layer 2,048-token chunk (BENCHMARKS.md, fifty-first session, `fusion_698`)
 has at ~160 us a GDN layer for ~100 MB of traffic (o read in fp32, z read, the output written): about five times
-its bytes' time. Here one program takes `bt` tokens of one head: o's rows are contiguous in the scan's layout, z's
-and the output's rows are 128-column runs at the token stride. The arithmetic is the reference's: o rounded to the
-activation dtype, its fp32 mean square over dv, rsqrt, rounded, times the weight in the activation dtype, times
-sigmoid (or silu) of z in fp32, rounded once. Only the mean's summation order is the kernel's own.
+its bytes' time. Here one program takes TOKENS (32) tokens of one head: o's rows are contiguous in the scan's
+layout, z's and the output's rows are 128-column runs at the token stride. The arithmetic is the reference's: o
+rounded to the activation dtype, its fp32 mean square over dv, rsqrt, rounded, times the weight in the activation
+dtype, times sigmoid (or silu) of z in fp32, rounded once; the exp, rsqrt and the mean's summation order are the
+kernel's own (within one bf16 step of the model's ops).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from fnx.pallas import dispatch
 from fnx.pallas.gdn import reference
-from fnx.pallas.kernel_math import window_operand
+from fnx.pallas.gdn.api import scan_tokens
+from fnx.pallas.kernel_math import take_window, window_operand
 
 F32 = jnp.float32
 OP = "gdn_out_norm"
@@ -49,7 +51,7 @@ def _kernel(o_ref, z_ref, w_ref, out_ref, *, length, z_start, dv, eps, act):
     rows = t0 + jnp.arange(TOKENS, dtype=jnp.int32)
     ok = (rows < length)[:, None]
     dt = out_ref.dtype
-    x = o_ref[b, h, pl.ds(t0, TOKENS), :].astype(dt).astype(F32)           # [bt, dv]: o as the model rounds it
+    x = o_ref[b, h, pl.ds(t0, TOKENS), :].astype(dt).astype(F32)           # [TOKENS, dv]: o as the model rounds it
     hn = (x * jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)).astype(dt)
     hn = w_ref[...].astype(dt)[None, :] * hn
     c0 = z_start + h * dv
@@ -89,11 +91,10 @@ def out_norm_tokens(o, z, w, eps: float, act: str, length: int, dtype, *, interp
 
 def out_norm_reference(o, z, w, eps: float, act: str, length: int, dtype):
     """The model's ops: o rearranged to its tokens and rounded to `dtype`, then `reference.rms_norm_gated`."""
-    bsz, h, n, c, dv = o.shape
+    bsz, h, _, _, dv = o.shape
     zbuf, z_start = window_operand(z, h * dv, (bsz, length), "gdn_out_norm z")
-    zz = zbuf[..., z_start:z_start + h * dv].reshape(bsz, length, h, dv)
-    tokens = jnp.moveaxis(o.reshape(bsz, h, n * c, dv)[:, :, :length], 1, 2).astype(dtype)
-    return reference.rms_norm_gated(tokens, zz, w, eps, act)
+    zz = take_window(zbuf, z_start, h * dv).reshape(bsz, length, h, dv)
+    return reference.rms_norm_gated(scan_tokens(o, length, dtype), zz, w, eps, act)
 
 
 def out_norm(o, z, w, eps: float, act: str, length: int, dtype, impl: str | None = None):
