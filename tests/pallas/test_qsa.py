@@ -161,6 +161,18 @@ def test_v_first_gives_the_same_bits(dtype):
     assert kernel.choose_tiles(1, 2, 2051, kernel.Choice(vfirst=1)).vfirst == 1
 
 
+def test_split_kernel_alone_gives_the_partials_the_merge_takes():
+    """`qsa_decode_splits` (what the benchmark times apart from the merge) returns the partials that `combine`
+    merges into the reference's output: [rows, Hkv, n_splits, Gp] and [..., hd], one split per program."""
+    q, kc, vc, idx = _inputs(jnp.float32, bsz=2, length=2, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=9)
+    t = kernel.Tiles(block_n=16, iters=2, n_splits=3)
+    m, l, acc = kernel.qsa_decode_splits(q, kc, vc, idx, tiles=t, interpret=True)
+    assert m.shape == l.shape == (4, 2, 3, 16) and acc.shape == (4, 2, 3, 16, 32)
+    got = np.asarray(kernel.combine(m, l, acc)[:, :, :3]).reshape(2, 2, 6, 32)
+    want = np.asarray(reference.qsa_decode_attention(q, kc, vc, idx))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_tile_choice_covers_every_slot_and_its_knobs(monkeypatch):
     """`choose_tiles`: the selected slots split over about `Choice.programs` programs, every slot in exactly one
     program's range and no program without a slot; `FNX_QSA_TILES` replaces the choice's fields (bad specs raise,

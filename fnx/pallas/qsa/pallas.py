@@ -281,11 +281,28 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
     launch, not XLA's three reductions), and with gate = (buffer [B*L, W], start) the output gate applied there
     too (see combine_kernel); gate needs fused_combine."""
     bsz, length, hq, hd = q.shape
-    _, hkv, seq_len, hd_k = k_cache.shape
-    n_sel = idx.shape[-1]
+    hkv, hd_k = k_cache.shape[1], k_cache.shape[3]
     if hq % hkv or hd_k != hd or hd & (hd - 1) or hd < 16:
         raise ValueError(f"qsa_decode_attention: q {q.shape} and cache {k_cache.shape} need Hq % Hkv == 0, the same "
                          "head_dim, and a power-of-two head_dim >= 16")
+    m, l, acc = qsa_decode_splits(q, k_cache, v_cache, idx, interpret=interpret, tiles=tiles)
+    dt, grp = q.dtype, hq // hkv
+    if fused_combine:
+        return combine_kernel(m, l, acc, grp, dt, gate, interpret=interpret).reshape(bsz, length, hq, hd)
+    if gate is not None:
+        raise ValueError("qsa_decode_attention: the output gate rides on the fused combine (fused_combine=True)")
+    o = combine(m, l, acc)[:, :, :grp]                                # [rows, Hkv, G, hd]
+    return o.astype(dt).reshape(bsz, length, hq, hd)
+
+
+def qsa_decode_splits(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx: jax.Array, *,
+                      interpret: bool = False, tiles: Tiles | None = None):
+    """The split kernel of `qsa_decode_attention` alone (one launch): its partials m, l [rows, Hkv, n_splits, Gp]
+    and acc [rows, Hkv, n_splits, Gp, hd] (fp32), which `combine` / `combine_kernel` merge. Benchmarks time it
+    apart from the merge."""
+    bsz, length, hq, hd = q.shape
+    _, hkv, seq_len, _ = k_cache.shape
+    n_sel = idx.shape[-1]
     dt = q.dtype
     grp = hq // hkv
     gp = max(16, _pow2(grp))
@@ -317,12 +334,7 @@ def qsa_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, i
         name="qsa_decode_attention",
         **params,
     )(qg, ix, kf, vf)
-    if fused_combine:
-        return combine_kernel(m, l, acc, grp, dt, gate, interpret=interpret).reshape(bsz, length, hq, hd)
-    if gate is not None:
-        raise ValueError("qsa_decode_attention: the output gate rides on the fused combine (fused_combine=True)")
-    o = combine(m, l, acc)[:, :, :grp]                                # [rows, Hkv, G, hd]
-    return o.astype(dt).reshape(bsz, length, hq, hd)
+    return m, l, acc
 
 
 def _scores_kernel(q_ref, pos_ref, blk_ref, out_ref, *, n_blocks, hi, di, bn, cr, sqrt_di):
