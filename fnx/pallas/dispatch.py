@@ -113,6 +113,12 @@ VERIFIED_ON_GPU = {
                   "decode cases at the measured tiles); the loads-first kernels at e055557 (all 21 decode tests); "
                   "group sums, hfma and unrounded weights at 93f8284 (all 15 of those tests)",
     "moe_grouped": "H200, 2026-12-01, commit e055557: tests/pallas/test_moe.py blocks and grouped cases (all 5)",
+    # on under auto for prefill chunks: the 4-layer 2,048-token chunk at 8K (H100, e2b0c6b, 2026-12-07, one process
+    # with the base): the kernel 111.1 us for the three GDN layers where XLA's transpose + norm fusion took 159.7
+    # (-48.6 us); the 24-layer 8K prefill's kernel time 265.5 ms against 266.7 (its wall time level, 30,141 against
+    # 30,269 tok/s). BENCHMARKS.md, fifty-third session
+    "gdn_out_norm": "H100, 2026-12-07, commit e2b0c6b: tests/pallas/test_gdn_out_norm.py (all)",
+    "dequant_fp8": "H100, 2026-12-07, commit e2b0c6b: tests/pallas/test_dequant.py (all)",
 }
 
 # Verified ops that "auto" still leaves on the reference, with the measurement that says why (logged once);
@@ -127,6 +133,10 @@ AUTO_KEEPS_REFERENCE = {
                  "fused decode path (moe_decode) runs the routing kernel on its own backend: the two were measured "
                  "together",
     "moe_experts": "measured slower: see moe_route",
+    "dequant_fp8": "measured slower: in the 4-layer 2,048-token prefill chunk at 8K its 35 launches took 410.5 us "
+                   "where XLA's dequantizing fusions of the same weights took 424.5, and the chunk 12,136 us against "
+                   "12,059 (H100, commit e2b0c6b, BENCHMARKS.md fifty-third session): XLA's fusions already stream "
+                   "at the bandwidth. Only FNX_KERNELS names it",
     # qsa_decode_attention: "auto" keeps the masked dense path per call below a KV capacity of 8K
     # (fnx.pallas.qsa.api.auto_reason: slower at 1K in the whole step, faster at 8K in it, 2x at 32K in isolation)
     "qsa_index_scores": "measured slower: apart at 8K context (2,122 blocks) 283.6 us per call against 5.4 us for "
