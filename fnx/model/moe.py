@@ -33,6 +33,20 @@ def route_logits(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype):
     return logits, w.astype(dtype), idx
 
 
+def _route_rows(lw, logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype):
+    """The routing of a call on the non-decode paths: past the decode sizes (more than the router kernel's
+    MAX_TOKENS rows: prefill chunks) through op "moe_route_prefill" where it resolves to a kernel, which reads the
+    logits in place in the fused product (`lw`, their window) where XLA runs a softmax fusion and a sort of every
+    row for lax.top_k; otherwise `route_logits`. Returns (weights, ids)."""
+    from fnx.pallas import dispatch
+    from fnx.pallas.moe import api as moe_kernels
+    if logits.shape[0] > moe_kernels.MAX_ROUTE_TOKENS and \
+            dispatch.resolve(moe_kernels.PREFILL_ROUTE_OP) != "reference":
+        return moe_kernels.route_prefill(lw.buf, top_k, norm_topk_prob, dtype, cols=(lw.start, lw.size))
+    _, w, idx = route_logits(logits, top_k, norm_topk_prob, dtype)
+    return w, idx
+
+
 def _expert_gather(gate_up, down, x: jax.Array, idx: jax.Array) -> jax.Array:
     """x [T, D], idx [T, K] -> per-(token, k) expert outputs [T, K, D]. The expert weights are arrays or
     quantized (`quant.Fp8Block` / `quant.Nvfp4`); only the K chosen experts per token are dequantized."""
@@ -229,7 +243,7 @@ def moe_block(p: dict, x: jax.Array, top_k: int, norm_topk_prob: bool, impl: str
         from fnx.pallas.moe import api as moe_kernels
         w, idx = moe_kernels.route(logits, top_k, norm_topk_prob, xt.dtype, impl=impl)
     else:
-        _, w, idx = route_logits(logits, top_k, norm_topk_prob, xt.dtype)
+        w, idx = _route_rows(wins[0], logits, top_k, norm_topk_prob, xt.dtype)
     if callable(impl):  # a mesh-aware expert runner (fnx.parallel.ExpertParallel): per-shard experts + one psum
         outs = impl(ex["gate_up_proj"], ex["down_proj"], xt, idx)
     elif impl == "gather":

@@ -154,7 +154,8 @@ def test_known_ops_cover_every_kernel_module():
     names |= {f"gemv_{f}{s}" for f in gemv_api.FORMATS for s in ("", "_argmax")}
     from fnx.pallas.gemv import dequant
     from fnx.pallas.gdn import out_norm
-    names |= {dequant.OP, out_norm.OP}
+    from fnx.pallas.moe import api as moe_api
+    names |= {dequant.OP, out_norm.OP, moe_api.PREFILL_ROUTE_OP}
     assert names == set(dispatch.KNOWN_OPS)
     for table in (dispatch.VERIFIED_ON_GPU, dispatch.AUTO_KEEPS_REFERENCE, dict.fromkeys(dispatch.MESH_READY)):
         assert set(table) <= set(dispatch.KNOWN_OPS), set(table) - set(dispatch.KNOWN_OPS)

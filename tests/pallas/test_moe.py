@@ -155,6 +155,64 @@ def test_route_reads_a_window_of_a_wider_product(impl):
         routing_pallas.route(buf, 6, True, BF16, interpret=True, cols=(10, 64))
 
 
+@pytest.mark.parametrize("norm,dtype", [(True, BF16), (False, jnp.float32)])
+def test_prefill_route_matches_the_reference(monkeypatch, norm, dtype):
+    """Op "moe_route_prefill" (the router kernel over a prefill chunk's rows): 300 rows (not a whole number of
+    programs) of 512 experts, top-10, tie rows among them, read as a window of a wider product: the reference's ids
+    exactly, its weights to an ulp, at the default rows per program and at 1 and 64 (FNX_MOE_ROUTE_PREFILL_BLOCK,
+    read when a program is traced); a bad value raises."""
+    m, e, k = 300, 512, 10
+    lg = jax.random.normal(_key(301), (m, e + 7), jnp.float32)
+    lg = lg.at[3, 10:30].set(4.0).at[4].set(0.5).at[5, 100:110].set(3.0).at[5, 200:205].set(3.0)
+    buf = lg.astype(dtype)
+    w_ref, ids_ref = reference.route(buf[:, 5:5 + e], k, norm, dtype)
+    for block in (None, "1", "64"):
+        if block is None:
+            monkeypatch.delenv(routing_pallas.PREFILL_BLOCK_ENV, raising=False)
+        else:
+            monkeypatch.setenv(routing_pallas.PREFILL_BLOCK_ENV, block)
+        jax.clear_caches()
+        w, ids = api.route_prefill(buf, k, norm, dtype, impl=KERNEL, cols=(5, e))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref), err_msg=str(block))
+        if jnp.dtype(dtype) == jnp.float32:
+            np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=5e-7, atol=0)
+        else:
+            _assert_bf16_weights(w, w_ref)
+    np.testing.assert_array_equal(np.asarray(ids_ref[4]), np.arange(k))       # the all-equal row: ids 0..9
+    monkeypatch.setenv(routing_pallas.PREFILL_BLOCK_ENV, "3")
+    with pytest.raises(ValueError, match="power of two"):
+        api.route_prefill(buf, k, norm, dtype, impl=KERNEL, cols=(5, e))
+
+
+def test_prefill_route_in_the_moe_block_and_its_lowering(monkeypatch):
+    """The MoE block over 80 rows (past the decode router's 64) through op "moe_route_prefill" where FNX_KERNELS names
+    it: one router kernel reading the logits in place, the same ids and output as XLA's routing; under "auto" on
+    the CPU, and at decode sizes, XLA's. The kernel lowers for CUDA over a 2,048-token chunk of 512 experts."""
+    p, x = _block_params(*_weights("bf16", 21), _key(22), (1, 80, D))
+    y_ref, _, ids_ref = moe.moe_block(p, x, K, True, impl="gather")
+    monkeypatch.setenv("FNX_KERNELS", f"{api.PREFILL_ROUTE_OP}={KERNEL}")
+    jax.clear_caches()
+    run = lambda q, x: moe.moe_block(q, x, K, True, impl="gather")      # noqa: E731
+    y, _, ids = run(p, x)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+    _close(y, y_ref)
+    from tests.pallas.verify_round import pallas_calls
+    names = list(pallas_calls(jax.make_jaxpr(run)(p, x).jaxpr.eqns))
+    assert names == ["moe_route"], names
+    assert not list(pallas_calls(jax.make_jaxpr(run)(p, x[:, :8]).jaxpr.eqns))        # decode sizes: XLA's
+    monkeypatch.delenv("FNX_KERNELS")
+    jax.clear_caches()
+    if dispatch.why_unavailable("pallas") is not None:      # the CPU: "auto" runs XLA's routing
+        assert not list(pallas_calls(jax.make_jaxpr(run)(p, x).jaxpr.eqns))
+    logits = jax.ShapeDtypeStruct((2048, 512 + 7), BF16)
+    text = jax.jit(lambda lg: routing_pallas.route(lg, 10, True, BF16, block_m=routing_pallas.prefill_block_m(),
+                                                   cols=(0, 512), max_tokens=None)).trace(logits).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "moe_route" in text
+    with pytest.raises(NotImplementedError, match="M <= 64"):
+        routing_pallas.route(jnp.zeros((65, 16), BF16), 4, True, interpret=True)
+
+
 def test_route_ties():
     e, k = 32, 6
     base = jax.random.normal(_key(7), (8, e), jnp.float32)

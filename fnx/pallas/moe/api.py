@@ -56,6 +56,27 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl:
                                 num_warps=routing_pallas.default_warps()) + after
 
 
+PREFILL_ROUTE_OP = "moe_route_prefill"
+
+
+def route_prefill(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl: str | None = None,
+                  cols: tuple[int, int] | None = None):
+    """`route` for calls of any number of rows, op "moe_route_prefill": the router kernel over programs of
+    `routing_pallas.prefill_block_m()` rows, or the reference (XLA's softmax and lax.top_k, whose sort of every
+    row is a kernel of its own). The same contract as `route` without `acts_of`; `cols` read in place."""
+    e = cols[1] if cols is not None else logits.shape[1]
+    why = None if e <= routing_pallas.MAX_EXPERTS else \
+        f"the Pallas router takes E <= {routing_pallas.MAX_EXPERTS}; got E={e}"
+    backend = dispatch.resolve(PREFILL_ROUTE_OP, impl, not_applicable=why)
+    if backend == "reference":
+        if cols is not None:
+            logits = kernel_math.take_window(logits, cols[0], cols[1])
+        return reference.route(logits, top_k, norm_topk_prob, dtype)
+    return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
+                                cols=None if cols is None else tuple(cols), block_m=routing_pallas.prefill_block_m(),
+                                num_warps=routing_pallas.default_warps(), max_tokens=None)
+
+
 def decode_takes_activations(x, top_k: int, gate_up, down, shared_down,
                              tiles: decode_pallas.DecodeTiles | None = None) -> bool:
     """Whether the decode kernels for this call take their activations as `mma_activations` (e2m1 "mma"), which

@@ -1,4 +1,6 @@
 """Top-k softmax routing in one Pallas (Triton lowering) launch: logits [M, E] -> weights [M, K], ids [M, K].
+Decode-sized calls (M <= MAX_TOKENS, op "moe_route") and prefill chunks (op "moe_route_prefill", programs of
+`prefill_block_m()` rows: where XLA runs a softmax fusion and a full sort of each row for lax.top_k).
 
 Each program holds a [block_m, E] block of rows (E <= 1024, rounded up to a power of two): fp32 softmax
 (max, exp, sum, divide, as jax.nn.softmax), then K rounds of "take the maximum, lowest id among equals, knock
@@ -28,6 +30,23 @@ WARPS_ENV = "FNX_MOE_ROUTE_WARPS"   # the router kernel's warps (1, 2, 4, 8; def
                                     # at one row its softmax and K max / argmin passes are block reductions, each a
                                     # shared-memory exchange and barrier at 4 warps, shuffles alone at 1 (a benchmark
                                     # knob, not yet measured)
+
+
+PREFILL_BLOCK_ENV = "FNX_MOE_ROUTE_PREFILL_BLOCK"   # rows per program of the prefill router (op
+                                    # "moe_route_prefill"; 1..64, a power of two; default PREFILL_BLOCK_M), read when a
+                                    # program is traced: a benchmark knob
+PREFILL_BLOCK_M = 8                 # a prefill chunk's 2,048 rows as 256 programs of [8, 512] (not yet measured)
+
+
+def prefill_block_m() -> int:
+    """Rows per program of the prefill router: FNX_MOE_ROUTE_PREFILL_BLOCK where set, else PREFILL_BLOCK_M."""
+    import os
+    spec = os.environ.get(PREFILL_BLOCK_ENV, "").strip()
+    if not spec:
+        return PREFILL_BLOCK_M
+    if not spec.isdigit() or int(spec) not in (1, 2, 4, 8, 16, 32, 64):
+        raise ValueError(f"{PREFILL_BLOCK_ENV}={spec!r}: a power of two from 1 to 64 (rows per program)")
+    return int(spec)
 
 
 def default_warps() -> int:
@@ -107,21 +126,25 @@ def acts_chunk(d: int) -> int | None:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "dtype", "interpret", "block_m",
-                                             "num_warps", "cols"))
+                                             "num_warps", "cols", "max_tokens"))
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, interpret: bool = False,
-          block_m: int = BLOCK_M, num_warps: int = 4, cols: tuple[int, int] | None = None, acts_of=None):
+          block_m: int = BLOCK_M, num_warps: int = 4, cols: tuple[int, int] | None = None, acts_of=None,
+          max_tokens: int | None = MAX_TOKENS):
     """logits [M, E] -> (weights [M, K] `dtype`, ids [M, K] int32), as reference.route; programs of `block_m`
     rows (a power of two), one launch. `cols` (start, E): the logits are those columns of a wider product
     [M, W], read in place. `acts_of`: x [M, D] (one row per program): the programs also write
     `decode_pallas.mma_activations(x)` [M, D / 2 + 1] uint32 (the decode kernels' e2m1 "mma" operand), returned
-    third, in place of an XLA fusion of its own."""
+    third, in place of an XLA fusion of its own. `max_tokens` None: any M (the prefill router, op
+    "moe_route_prefill": programs of `block_m` rows, the grid over M)."""
     m, w_cols = logits.shape
     c0, e = cols if cols is not None else (0, w_cols)
     if c0 < 0 or e <= 0 or c0 + e > w_cols:
         raise ValueError(f"router columns [{c0}, {c0 + e}) are outside the product's {w_cols} columns")
-    if m > MAX_TOKENS or e > MAX_EXPERTS or top_k > e:
-        raise NotImplementedError(f"the Pallas router handles M <= {MAX_TOKENS} tokens, E <= {MAX_EXPERTS} "
+    if (max_tokens is not None and m > max_tokens) or e > MAX_EXPERTS or top_k > e:
+        raise NotImplementedError(f"the Pallas router handles M <= {max_tokens} tokens, E <= {MAX_EXPERTS} "
                                   f"experts and top_k <= E; got M={m}, E={e}, top_k={top_k}; use the reference")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"route: block_m {block_m} must be a power of two")
     dtype = jnp.dtype(dtype or logits.dtype)
     bm, be, bk = min(_pow2(m), _pow2(block_m)), _pow2(e), _pow2(top_k)
     out_shape = [jax.ShapeDtypeStruct((m, top_k), dtype), jax.ShapeDtypeStruct((m, top_k), jnp.int32)]
