@@ -465,6 +465,24 @@ def test_block_topk_long_rows_in_segments(nb, k, seg):
         kernel.qsa_block_topk(jnp.asarray(s), k, interpret=True, seg=k // 2 if k > 1 else 3)
 
 
+@pytest.mark.parametrize("nb,k,seg", [(2122, 512, 0), (70, 16, 0), (33, 1, 0), (2122, 64, 512), (257, 32, 64)])
+def test_block_topk_early_stop_gives_the_same_set(monkeypatch, nb, k, seg):
+    """FNX_QSA_TOPK_EARLY=1 (the search stops once exactly k keys are >= its prefix): the set lax.top_k picks on the
+    same rows as the full search (distinct, tied, -inf, zero, equal and huge scores; relu-sum rows like the
+    indexer's, which stop early; one and two launches); a bad value raises."""
+    s = _topk_scores(nb * 31 + k, nb)
+    rng = np.random.default_rng(nb + k)
+    relu = np.maximum(rng.standard_normal((4, 64)) @ rng.standard_normal((64, nb)), 0).sum(0).astype(np.float32)
+    s = np.concatenate([s.reshape(6, nb), relu[None]])
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
+    monkeypatch.setenv(kernel.TOPK_EARLY_ENV, "1")
+    run = jax.jit(lambda x: kernel.qsa_block_topk(x, k, interpret=INTERPRET, **({"seg": seg} if seg else {})))
+    np.testing.assert_array_equal(np.asarray(run(jnp.asarray(s))), want)
+    monkeypatch.setenv(kernel.TOPK_EARLY_ENV, "2")
+    with pytest.raises(ValueError, match="FNX_QSA_TOPK_EARLY"):
+        kernel.qsa_block_topk(jnp.asarray(s), k, interpret=True)
+
+
 def test_block_topk_long_rows_dispatch(monkeypatch):
     """Past TOPK_MAX_BLOCKS (64K context) the api asks op "qsa_block_topk_long": the two-launch kernel where it is
     named, lax.top_k's sort under "auto" until the kernel's compiled tests pass; rows whose candidates would not fit

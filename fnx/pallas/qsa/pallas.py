@@ -392,6 +392,20 @@ def qsa_index_scores(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, 
 # it, the lowest blocks first (the tie rule of lax.top_k), and writes their block numbers in ascending order.
 
 TOPK_MAX_BLOCKS = 16384     # a row's scores stay in one program's registers (64K tokens of context at cr = 4)
+TOPK_EARLY_ENV = "FNX_QSA_TOPK_EARLY"   # 1: the bit-by-bit search stops once exactly k keys are >= its prefix (read
+                                        # when a program is traced; 0, the default, until measured on a GPU)
+
+
+def topk_early() -> bool:
+    """Whether the top-k kernel's search stops early (`FNX_QSA_TOPK_EARLY`): the k-th key's bits are built from the
+    top while counting keys >= the prefix; once that count is exactly k, the keys >= the prefix are the row's k best
+    (none below it can enter, none above it can leave), so the remaining bits change nothing. With distinct real
+    scores that happens after ~15-23 of the 31 counts (a CPU simulation at 2,122-16,384 blocks, k = 512, relu-sum
+    scores); ties at the boundary run all 31. Each count is a CTA-wide reduction, the kernel's critical path."""
+    v = os.environ.get(TOPK_EARLY_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{TOPK_EARLY_ENV}={v!r}: 1 (stop once exactly k keys are >= the prefix) or 0")
+    return v == "1"
 
 
 def _sortable(s):
@@ -401,12 +415,12 @@ def _sortable(s):
     return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
 
 
-def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False):
+def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, early: bool = False):
     """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
     positions in ascending order (a permutation of the row written to out, the chosen first).
     seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
     segment) and also writes the chosen keys and their columns. keys (the second stage): s holds int32 keys and
-    refs[0] the columns they stand for, which are written instead of positions."""
+    refs[0] the columns they stand for, which are written instead of positions. early: see `topk_early`."""
     if keys:
         ids_ref, out_ref = refs
     elif seg:
@@ -430,12 +444,25 @@ def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bo
         return jnp.sum(jnp.where(key >= t, 1, 0))
 
     # the k-th largest key: its sign first, then each lower bit set where at least k keys stay >= the prefix
-    kth = jnp.where(count_ge(jnp.int32(0)) >= k, jnp.int32(0), lowest)
+    n0 = count_ge(jnp.int32(0))
+    kth = jnp.where(n0 >= k, jnp.int32(0), lowest)
 
     def bit(j, kth):
         cand = kth | jnp.left_shift(jnp.int32(1), 30 - j)
         return jnp.where(count_ge(cand) >= k, cand, kth)
-    kth = jax.lax.fori_loop(0, 31, bit, kth)
+    if early:       # carry count_ge(kth) too, and stop once it is exactly k (topk_early)
+        def more(c):
+            return (c[0] < 31) & (c[2] != k)
+
+        def step(c):
+            j, kth, n = c
+            cand = kth | jnp.left_shift(jnp.int32(1), 30 - j)
+            nc = count_ge(cand)
+            return j + 1, jnp.where(nc >= k, cand, kth), jnp.where(nc >= k, nc, n)
+        n_kth = jnp.where(n0 >= k, n0, nbp)          # every lane's key is >= lowest
+        kth = jax.lax.while_loop(more, step, (jnp.int32(0), kth, n_kth))[1]
+    else:
+        kth = jax.lax.fori_loop(0, 31, bit, kth)
     above = key > kth
     tie = jnp.where(key == kth, 1, 0)
     need = k - jnp.sum(jnp.where(above, 1, 0))
@@ -501,7 +528,8 @@ def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg:
     if not interpret:
         params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
     n = rows * max(n_seg, 1) * nbp
-    kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None)
+    kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None,
+                               early=topk_early())
     args = (s2,) if ids is None else (s2, ids)
     out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
     return pdl.pallas_call(
