@@ -161,6 +161,22 @@ def test_v_first_gives_the_same_bits(dtype):
     assert kernel.choose_tiles(1, 2, 2051, kernel.Choice(vfirst=1)).vfirst == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_loads_ahead_give_the_same_bits(dtype):
+    """`Tiles.ahead` (the next step's gathers and the step after's indices issued by hand before each step's
+    arithmetic): the same bits as the default walk at one step per program, two, and five with a ragged last
+    program (its steps past the selection load nothing); the tile choice carries it and builds it with one stage."""
+    q, kc, vc, idx = _inputs(dtype, bsz=2, length=2, hq=6, hkv=2, hd=32, seq=150, n_sel=70, seed=13)
+    for t in (kernel.Tiles(block_n=16, iters=1, n_splits=5), kernel.Tiles(block_n=16, iters=2, n_splits=3),
+              kernel.Tiles(block_n=16, iters=5, n_splits=1)):
+        run = lambda t: np.asarray(api.qsa_decode_attention(q, kc, vc, idx, impl=KERNEL, tiles=t), np.float32)  # noqa
+        np.testing.assert_array_equal(run(dataclasses.replace(t, ahead=1)), run(t), err_msg=str(t))
+    t = kernel.choose_tiles(8, 2, 2051, kernel.Choice(ahead=1))
+    assert (t.ahead, t.num_stages, t.iters) == (1, 1, 4)
+    with pytest.raises(ValueError, match="ahead 0 or 1"):
+        kernel.parse_choice("ahead=2", "FNX_QSA_TILES")
+
+
 def test_split_kernel_alone_gives_the_partials_the_merge_takes():
     """`qsa_decode_splits` (what the benchmark times apart from the merge) returns the partials that `combine`
     merges into the reference's output: [rows, Hkv, n_splits, Gp] and [..., hd], one split per program."""
@@ -190,7 +206,7 @@ def test_tile_choice_covers_every_slot_and_its_knobs(monkeypatch):
     monkeypatch.setenv(kernel.TILES_ENV, "programs=1056,num_warps=8")
     t = kernel.choose_tiles(8, 2, 2051)
     assert (t.n_splits, t.iters, t.num_warps) == (65, 1, 8)       # 66 programs a row wanted, 65 chunks of 32
-    for bad, why in (("block_n=24", "power of"), ("programs=0", "programs"), ("vfirst=2", "vfirst 0 or 1"),
+    for bad, why in (("block_n=24", "power of"), ("programs=0", "programs"), ("vfirst=2", "vfirst and ahead 0 or 1"),
                      ("splits=4", "not field=value")):
         monkeypatch.setenv(kernel.TILES_ENV, bad)
         with pytest.raises(ValueError, match=why):

@@ -40,6 +40,10 @@ class Tiles:
                              # of 30) and the kernel takes 56 registers instead of 80. With iters > 1 the loop is
                              # pipelined (cp.async) and the order changes nothing. The same bits. Built 2026-12-05,
                              # not yet measured: FNX_QSA_TILES=vfirst=1
+    ahead: int = 0           # 1: step i + 1's gathers and step i + 2's indices issued by hand before step i's
+                             # arithmetic and carried in registers (`_kernel_ahead`), the kernel built with one stage
+                             # (no Triton pipelining). The same bits. Built 2026-12-07, not yet measured:
+                             # FNX_QSA_TILES=ahead=1
 
 
 def _pow2(n: int) -> int:
@@ -55,6 +59,7 @@ class Choice:
     num_warps: int = 4
     num_stages: int = 2
     vfirst: int = 0          # see Tiles.vfirst
+    ahead: int = 0           # see Tiles.ahead
 
 
 TILES_ENV = "FNX_QSA_TILES"
@@ -64,10 +69,10 @@ def parse_choice(spec: str, what: str) -> Choice:
     """The default `Choice` with the fields of `spec` ("field=value,...") over it; a bad spec raises, naming `what`
     (the knob it came from)."""
     c = Choice(**dispatch.fields_override(spec, Choice, what))
-    if c.programs < 1 or c.num_warps < 1 or c.num_stages < 1 or c.vfirst not in (0, 1) or \
+    if c.programs < 1 or c.num_warps < 1 or c.num_stages < 1 or c.vfirst not in (0, 1) or c.ahead not in (0, 1) or \
             (c.block_n and (c.block_n < 16 or c.block_n & (c.block_n - 1))):
         raise ValueError(f"{what}={spec!r}: programs, num_warps and num_stages >= 1, block_n 0 or a power of "
-                         f"two >= 16, vfirst 0 or 1 (got {c})")
+                         f"two >= 16, vfirst and ahead 0 or 1 (got {c})")
     return c
 
 
@@ -86,12 +91,12 @@ def choose_tiles(n_rows: int, hkv: int, n_sel: int, choice: Choice | None = None
     n_splits = min(chunks, want)
     iters = -(-chunks // n_splits)
     n_splits = -(-chunks // iters)
-    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits, num_warps=c.num_warps, num_stages=c.num_stages,
-                 vfirst=c.vfirst)
+    return Tiles(block_n=block_n, iters=iters, n_splits=n_splits, num_warps=c.num_warps,
+                 num_stages=1 if c.ahead else c.num_stages, vfirst=c.vfirst, ahead=c.ahead)
 
 
 def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv, seq_len, hd, block_n, iters,
-            sm_scale, grp, gp, n_sel, vfirst=0):
+            sm_scale, grp, gp, n_sel, vfirst=0, ahead=0):
     bl, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     base = (bl // length * hkv + g) * seq_len
     cols = jnp.arange(hd, dtype=jnp.int32)
@@ -101,6 +106,9 @@ def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv,
     q = q_ref[heads[:, None], jnp.broadcast_to(cols[None, :], (gp, hd))]
     dt = q.dtype
     sel = jnp.arange(block_n, dtype=jnp.int32)
+    if ahead:
+        return _kernel_ahead(q, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, bl=bl, c=c, base=base, cols=cols,
+                             sel=sel, block_n=block_n, iters=iters, sm_scale=sm_scale, gp=gp, n_sel=n_sel, hd=hd)
 
     def body(i, carry):
         m, l, acc = carry
@@ -130,6 +138,56 @@ def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv,
 
     init = (jnp.full((gp,), -jnp.inf, F32), jnp.zeros((gp,), F32), jnp.zeros((gp, hd), F32))
     m, l, acc = jax.lax.fori_loop(0, iters, body, init)
+    m_ref[...] = m
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+
+def _kernel_ahead(q, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, bl, c, base, cols, sel, block_n, iters,
+                  sm_scale, gp, n_sel, hd):
+    """`_kernel`'s walk with its loads issued ahead by hand (`Tiles.ahead`): step i + 1's K / V gathers and step
+    i + 2's indices are issued at the top of step i, before step i's arithmetic, and carried to the next step in
+    registers, so a step waits on one memory round trip overlapped with the arithmetic before it instead of two
+    after it. (The Triton pipeliner's schedule for `_kernel` at num_stages 2, read from its TTGIR: each step's
+    arithmetic first, then a plain load of the next step's indices, then the next gathers, waited on at once by
+    the next step.) Steps past the program's `iters` load nothing (their indices masked to -1). The same
+    arithmetic in the same order as `_kernel`: the same bits."""
+    dt = q.dtype
+
+    def load_idx(i):
+        at = (c * iters + i) * block_n + sel
+        ok = (at < n_sel) & (i < iters)
+        ix = plt.load(idx_ref.at[jnp.full((block_n,), bl, jnp.int32), jnp.minimum(at, n_sel - 1)], mask=ok,
+                      other=-1)
+        return jnp.where(ok, ix, -1)
+
+    def load_kv(ix):
+        valid = ix >= 0
+        at = ((base + jnp.where(valid, ix, 0))[:, None], cols[None, :])
+        kv_mask = jnp.broadcast_to(valid[:, None], (block_n, hd))
+        return plt.load(k_ref.at[at], mask=kv_mask, other=0.0), plt.load(v_ref.at[at], mask=kv_mask, other=0.0)
+
+    def body(i, carry):
+        m, l, acc, ix, k, v, ix_next = carry
+        k_next, v_next = load_kv(ix_next)                       # step i + 1's gathers (none past the last step)
+        ix_after = load_idx(i + 2)
+        valid = ix >= 0
+        s = jnp.dot(q, k.T, precision=HIGHEST, preferred_element_type=F32)          # [Gp, block_n]
+        s = (s.astype(dt).astype(F32) * sm_scale).astype(dt).astype(F32)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_use)
+        p = jnp.exp(s - m_use[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = dot_acc(acc * alpha[:, None], p.astype(dt), v.astype(dt))
+        return m_new, l, acc, ix_next, k_next, v_next, ix_after
+
+    ix0 = load_idx(0)
+    k0, v0 = load_kv(ix0)
+    init = (jnp.full((gp,), -jnp.inf, F32), jnp.zeros((gp,), F32), jnp.zeros((gp, hd), F32), ix0, k0, v0,
+            load_idx(1))
+    m, l, acc = jax.lax.fori_loop(0, iters, body, init)[:3]
     m_ref[...] = m
     l_ref[...] = l
     acc_ref[...] = acc
@@ -314,12 +372,13 @@ def qsa_decode_splits(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, idx:
     vf = v_cache.astype(dt).reshape(bsz * hkv * seq_len, hd)
 
     kernel = functools.partial(_kernel, length=length, hkv=hkv, seq_len=seq_len, hd=hd, block_n=t.block_n,
-                               iters=t.iters, sm_scale=hd ** -0.5, grp=grp, gp=gp, n_sel=n_sel, vfirst=t.vfirst)
+                               iters=t.iters, sm_scale=hd ** -0.5, grp=grp, gp=gp, n_sel=n_sel, vfirst=t.vfirst,
+                               ahead=t.ahead)
     grid = (rows, hkv, t.n_splits)
     whole = pl.BlockSpec(memory_space=pl.ANY)
     params = {}
     if not interpret:
-        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+        params["compiler_params"] = plt.CompilerParams(num_warps=t.num_warps, num_stages=1 if t.ahead else t.num_stages)
     m, l, acc = pdl.pallas_call(
         kernel,
         grid=grid,
