@@ -1722,6 +1722,30 @@ def test_experts_blocks_down16_within_the_reference(mma16, halves):
     assert experts_pallas.blocks_not_applicable(gf, df, 16, dataclasses.replace(wide, mma16=0)) is None
 
 
+@pytest.mark.parametrize("mma16,halves,down16", [(0, "xla", 0), (1, "split_store", 0), (1, "split_act", 0),
+                                                 (1, "split_store", 1)])
+def test_experts_blocks_scales_ahead_give_the_same_bits(mma16, halves, down16):
+    """`Tiles.sahead` (each K step's NVFP4 group scales loaded a step ahead and carried): the same bits as loading
+    them in the step, both kernels, with and without fp16 products and either act layout, from gathered rows too,
+    with several K steps in each kernel (block_k 64 over D = 256, block_k2 64 over I = 128); FP8 experts ignore it."""
+    gu, dn = _weights("nvfp4", 41)
+    xb = jax.random.normal(_key(42), (4, 16, D), jnp.float32).astype(BF16)
+    be = jnp.array([1, 1, 0, E], jnp.int32)            # the last block names no expert
+    lay = {"split_store": {"split_store": 1}, "split_act": {"split_act": 1}, "xla": {}}[halves]
+    base = dataclasses.replace(TILES, block_k=64, block_k2=64, mma16=mma16, down16=down16, **lay)
+    ahead = dataclasses.replace(base, sahead=1)
+    bits = lambda y: np.asarray(y).view(np.uint16)         # noqa: E731
+    run = lambda t, *a, **kw: experts_pallas.experts_blocks(gu, dn, *a, interpret=INTERPRET, tiles=t, **kw)  # noqa
+    np.testing.assert_array_equal(bits(run(ahead, xb, be)), bits(run(base, xb, be)))
+    rows = xb.reshape(-1, D)
+    row_of = jnp.arange(64, dtype=jnp.int32).reshape(4, 16)[::-1]
+    np.testing.assert_array_equal(bits(run(ahead, rows, be, row_of=row_of)), bits(run(base, rows, be, row_of=row_of)))
+    gf, df = _weights("fp8", 43)
+    np.testing.assert_array_equal(
+        bits(experts_pallas.experts_blocks(gf, df, xb, be, interpret=INTERPRET, tiles=ahead)),
+        bits(experts_pallas.experts_blocks(gf, df, xb, be, interpret=INTERPRET, tiles=base)))
+
+
 def test_experts_blocks_down16_lower_for_cuda():
     """`Tiles.down16` at the released widths, blocks of 64 rows: two Triton launches, the gate/up with the act (fp16)
     and its per-block 2^-s as outputs, the down kernel's products on fp16 operands with the codes decoded by inline

@@ -90,6 +90,13 @@ class Tiles:
                              # bf16 (stock sm_90 build: 11.8 instructions a weight against the gate/up's 4.9). Needs
                              # block_n a multiple of block_k2 (a K step inside one stage-1 column block). Within the
                              # tolerance of the reference, not its bits (the weights are not rounded to bf16)
+    sahead: int = 0          # NVFP4 blocks: 1 = each K step's group scales loaded one step ahead and carried in
+                             # registers. A step's [rows, K / 16] E4M3 scales are 2 bytes a thread, too few for the
+                             # pipeliner's cp.async, so in the stock sm_90 build (TTGIR) they are a plain load inside
+                             # the K loop that each step waits on after its copies arrive: a memory round trip per K
+                             # step on the program's critical path (40 steps at D = 2,560 in the gate/up kernel, 10 in
+                             # the down kernel). Ahead, the next step's load is in flight during this step's products.
+                             # The same bits. Built 2026-12-07, not yet measured: FNX_MOE_BLOCK_TILES=sahead=1
 
 
 def _pow2(n: int) -> int:
@@ -108,7 +115,7 @@ def _rows(r0, n, stride=1):
     return pl.ds(r0, n) if stride == 1 else pl.ds(r0, n, stride)
 
 
-def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=False):
+def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=False, sc=None):
     """Rows r0, r0 + stride, ... (bn of them), input columns [k0, k0+bk) of expert e's matrix, dequantized and
     rounded to dt: [bn, bk]. NVFP4 returns the pair (even columns, odd columns), each [bn, bk/2]: the low and high
     nibbles of the packed bytes as they lie, never interleaved in registers; the caller dots them with the even and
@@ -124,17 +131,25 @@ def _weight_tile(fmt, refs, e, r0, bn, k0, bk, dt, meta, stride=1, aligned=False
         s = s_ref[e, r0 // bo, k0 // bi]            # the rows lie in one block (bo a multiple of the tile's span)
         return (q * s).astype(dt)
     # nvfp4: packed [bn, bk/2] (low nibble = even element), scale per `group` values, global per row
-    p, sc = _nvfp4_codes(refs, e, rs, bn, k0, bk, meta, F32, aligned)
+    p, sc = _nvfp4_codes(refs, e, rs, bn, k0, bk, meta, F32, aligned, sc=sc)
     sc = sc * (refs[2][e, rs].astype(F32) * kernel_math.E2M1_F16_SCALE)[:, None]
     return (_e2m1(p & 0xF) * sc).astype(dt), (_e2m1(p >> 4) * sc).astype(dt)
 
 
-def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=False, codes_dtype=jnp.uint32):
+def _nvfp4_scales(refs, e, rs, k0, bk, group, aligned=False):
+    """An NVFP4 tile's group scales as stored (E4M3), [bn, bk/group], of rows `rs` and input columns [k0, k0+bk)."""
+    return refs[1][e, rs, pl.ds(_part(k0, group, bk, aligned), bk // group)]
+
+
+def _nvfp4_codes(refs, e, rs, bn, k0, bk, group, scale_dtype, aligned=False, codes_dtype=jnp.uint32, sc=None):
     """An NVFP4 tile's packed codes [bn, bk/2] (`codes_dtype`) and its group scales in `scale_dtype`, one per packed
-    byte ([bn, bk/2]), of rows `rs` and input columns [k0, k0+bk)."""
-    w_ref, s_ref, _ = refs
+    byte ([bn, bk/2]), of rows `rs` and input columns [k0, k0+bk); sc: the scales loaded already
+    (`_nvfp4_scales`, `Tiles.sahead`)."""
+    w_ref = refs[0]
     p = w_ref[e, rs, pl.ds(_part(k0, 2, bk, aligned), bk // 2)].astype(codes_dtype)
-    sc = s_ref[e, rs, pl.ds(_part(k0, group, bk, aligned), bk // group)].astype(scale_dtype)      # [bn, bk/group]
+    if sc is None:
+        sc = _nvfp4_scales(refs, e, rs, k0, bk, group, aligned)
+    sc = sc.astype(scale_dtype)                                                                    # [bn, bk/group]
     return p, jnp.broadcast_to(sc[:, :, None], (bn, bk // group, group // 2)).reshape(bn, bk // 2)
 
 
@@ -187,18 +202,19 @@ def _silu_mul(acc_g, acc_u, dt):
     return (silu * acc_u.astype(dt).astype(F32)).astype(dt)
 
 
-def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False, asm=False):
+def _f16_tile(refs, e, r0, bn, k0, bk, meta, stride=1, aligned=False, asm=False, sc=None):
     """`_weight_tile`'s NVFP4 pair for `Tiles.mma16`: code * 2^-14 * group scale in fp16 (exact), without the
     row's global scale (the caller scales the products): ([bn, bk/2], [bn, bk/2]) fp16. With `asm` the codes are
     decoded four bytes per inline-PTX block (`kernel_math.e2m1_pair_f16`; a compiled kernel only)."""
     p, sc = _nvfp4_codes(refs, e, _rows(r0, bn, stride), bn, k0, bk, meta, jnp.float16,    # E4M3 -> fp16: exact
-                         aligned, jnp.uint8 if asm else jnp.uint32)
+                         aligned, jnp.uint8 if asm else jnp.uint32, sc=sc)
     lo, hi = kernel_math.e2m1_pair_f16(p, asm)
     return lo * sc, hi * sc
 
 
 def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, bk, per_slot=False, split=False,
-                    mma16=False, gather=False, split_store=False, aligned=False, asm=False, fuse=False, down16=None):
+                    mma16=False, gather=False, split_store=False, aligned=False, asm=False, fuse=False, down16=None,
+                    sahead=False):
     """Program (s, j): the intermediate columns [j bn, (j+1) bn) of slot s. With `split` the act buffer holds the
     even intermediate columns in its first half and the odd ones in its second (the NVFP4 down kernel's operand
     halves, so no copy splits them): the program computes its even and odd columns as two tiles of bn / 2 from the
@@ -208,7 +224,8 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
     row_of [S, Mp] and the activations (and 2^-s) are token rows: the program reads its slot's rows by index. With
     `split_store` the columns are computed as by default and stored into the halves `split` writes. With `down16`
     (the activations' dtype: `Tiles.down16`) the act is stored as fp16, each row's columns of this program times a
-    power of two, and the last output [S, I / bn, Mp] takes each row's 2^-s at row j."""
+    power of two, and the last output [S, I / bn, Mp] takes each row's 2^-s at row j. With `sahead` (NVFP4,
+    `Tiles.sahead`) each K step's group scales are loaded a step ahead."""
     back_ref = rowof_ref = s16_ref = None
     if down16 is not None:
         *rest, s16_ref = rest
@@ -232,12 +249,12 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
         r0, stride, _ = parts[i // 2]
         return r0 + (inter if i % 2 else 0), stride
 
-    def tile(i, k0):
+    def tile(i, k0, sc=None):
         r0, stride = first_row(i)
         if not mma16:
-            return _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride, aligned)
+            return _weight_tile(fmt, w_refs, e, r0, width, k0, bk, dt, meta, stride, aligned, sc=sc)
         if fmt == "nvfp4":
-            return _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride, aligned, asm)
+            return _f16_tile(w_refs, e, r0, width, k0, bk, meta, stride, aligned, asm, sc=sc)
         return w_refs[0][e, _rows(r0, width, stride), pl.ds(k0, bk)].astype(jnp.float16)   # E4M3 -> fp16: exact
 
     @pl.when(e < n_exp)
@@ -263,7 +280,22 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
             return tuple(accs[i] + blk[i] * w_refs[1][e, first_row(i)[0] // bo, kk] for i in range(n_acc))
 
         zero = jnp.zeros((mp, width), F32)
-        accs = jax.lax.fori_loop(0, d // (bk * sub), step, (zero,) * n_acc)
+        n_steps = d // (bk * sub)
+        if sahead and fmt == "nvfp4":
+            def scales(kk):         # every accumulator's scales of step kk (the last step's again past the end)
+                k0 = pl.multiple_of(jnp.minimum(kk, n_steps - 1) * bk, bk)
+                return tuple(_nvfp4_scales(w_refs, e, _rows(first_row(i)[0], width, first_row(i)[1]), k0, bk, meta,
+                                           aligned) for i in range(n_acc))
+
+            def step_ahead(kk, carry):
+                accs, sc = carry
+                nxt = scales(kk + 1)            # in flight during this step's products
+                k0 = pl.multiple_of(kk * bk, bk)
+                xs = [x_tile(r, k0).astype(xdt) for r in x_refs]
+                return tuple(_tile_dot(accs[i], xs, tile(i, k0, sc[i]), fuse) for i in range(n_acc)), nxt
+            accs = jax.lax.fori_loop(0, n_steps, step_ahead, ((zero,) * n_acc, scales(0)))[0]
+        else:
+            accs = jax.lax.fori_loop(0, n_steps, step, (zero,) * n_acc)
         if mma16:       # products of prescaled rows: 2^-s back per row; NVFP4's global (x 2^14) per weight row
             if gather:
                 back = back_ref[src][:, None]
@@ -293,12 +325,13 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
 
 
 def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, aligned=False, fuse=False,
-                 col_block=0, asm=False):
+                 col_block=0, asm=False, sahead=False):
     """Program (s, j): output columns [j bn, (j+1) bn) of slot s. NVFP4: the two act refs give the even and odd
     intermediate columns; with `odd_at` both are the one split act buffer (`_gate_up_kernel`'s `split`), the odd
     columns from column odd_at on. With `col_block` (NVFP4, `Tiles.down16`: stage 1's block_n) the act is fp16,
     prescaled per row and col_block columns, and the input after the weights gives each row's 2^-s per column
-    block: fp16 products, each K step's scaled back by its rows' 2^-s (asm: the codes decoded by inline PTX)."""
+    block: fp16 products, each K step's scaled back by its rows' 2^-s (asm: the codes decoded by inline PTX).
+    `sahead` (NVFP4, `Tiles.sahead`): each K step's group scales loaded a step ahead."""
     s16_ref = None
     if col_block:
         *rest, y_ref = rest
@@ -311,17 +344,30 @@ def _down_kernel(experts_ref, *rest, fmt, meta, n_exp, inter, bn, bk, odd_at=0, 
 
     @pl.when(e < n_exp)
     def _():
-        def step(kk, acc):
+        n_steps = inter // bk
+        ahead = sahead and fmt == "nvfp4"
+
+        def scales(kk):             # step kk's group scales (the last step's again past the end)
+            k0 = pl.multiple_of(jnp.minimum(kk, n_steps - 1) * bk, bk)
+            return _nvfp4_scales(w_refs, e, pl.ds(j * bn, bn), k0, bk, meta, aligned)
+
+        def step(kk, carry):
+            acc, sc = carry if ahead else (carry, None)
+            nxt = scales(kk + 1) if ahead else None             # in flight during this step's products
             k0 = pl.multiple_of(kk * bk, bk)
             a = [r[s, :, pl.ds(o + col(k0), kw)] for r, o in zip(a_refs, offsets)]
             if not col_block:
-                w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta, aligned=aligned)
-                return _tile_dot(acc, a, w, fuse)
-            w = _f16_tile(w_refs, e, j * bn, bn, k0, bk, meta, aligned=aligned, asm=asm)
-            part = _tile_dot(jnp.zeros((rows, bn), F32), a, w, fuse)
-            return acc + part * s16_ref[s, (kk * bk) // col_block, :][:, None]
+                w = _weight_tile(fmt, w_refs, e, j * bn, bn, k0, bk, dt, meta, aligned=aligned, sc=sc)
+                acc = _tile_dot(acc, a, w, fuse)
+            else:
+                w = _f16_tile(w_refs, e, j * bn, bn, k0, bk, meta, aligned=aligned, asm=asm, sc=sc)
+                part = _tile_dot(jnp.zeros((rows, bn), F32), a, w, fuse)
+                acc = acc + part * s16_ref[s, (kk * bk) // col_block, :][:, None]
+            return (acc, nxt) if ahead else acc
 
-        acc = jax.lax.fori_loop(0, inter // bk, step, jnp.zeros((rows, bn), F32))
+        zero = jnp.zeros((rows, bn), F32)
+        acc = jax.lax.fori_loop(0, n_steps, step, (zero, scales(0)) if ahead else zero)
+        acc = acc[0] if ahead else acc
         if col_block:       # the row's global scale (x 2^14: the fp16 codes' 2^-14)
             acc = acc * (w_refs[2][e, pl.ds(j * bn, bn)].astype(F32) * kernel_math.E2M1_F16_SCALE)[None, :]
         y_ref[s, :, pl.ds(j * bn, bn)] = acc.astype(dt)
@@ -464,7 +510,7 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
                           bn=bn, bk=bk, per_slot=per_slot, split=split, mma16=mma16, gather=gather,
                           split_store=split_store, aligned=bool(tiles.aligned),
                           asm=asm and mma16 and fmt1 == "nvfp4", fuse=bool(tiles.dot_acc),
-                          down16=jnp.dtype(dt) if down16 else None),
+                          down16=jnp.dtype(dt) if down16 else None, sahead=bool(tiles.sahead)),
         (experts, *lead, *xs, *w1, *back),
         out_shape=(act_shape, jax.ShapeDtypeStruct((s, inter // bn, mp), F32)) if down16 else act_shape,
         grid=(s, inter // bn),
@@ -476,7 +522,8 @@ def experts_slots(gate_up, down, x: jax.Array, experts: jax.Array, *, interpret:
     return stacked.call(
         functools.partial(_down_kernel, fmt=fmt2, meta=meta2, n_exp=n_exp, inter=inter, bn=bn2, bk=bk2,
                           odd_at=inter // 2 if halves else 0, aligned=bool(tiles.aligned),
-                          fuse=bool(tiles.dot_acc), col_block=bn if down16 else 0, asm=asm),
+                          fuse=bool(tiles.dot_acc), col_block=bn if down16 else 0, asm=asm,
+                          sahead=bool(tiles.sahead)),
         (experts, *acts, *w2, *((back16,) if down16 else ())),
         out_shape=jax.ShapeDtypeStruct((s, mp, d), dt),
         grid=(s, d // bn2),
