@@ -104,7 +104,6 @@ def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv,
     # dropped): read in place from q [rows * Hkv * grp, hd], no padded copy of q before the launch
     heads = (bl * hkv + g) * grp + jnp.minimum(jnp.arange(gp, dtype=jnp.int32), grp - 1)
     q = q_ref[heads[:, None], jnp.broadcast_to(cols[None, :], (gp, hd))]
-    dt = q.dtype
     sel = jnp.arange(block_n, dtype=jnp.int32)
     if ahead:
         return _kernel_ahead(q, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, bl=bl, c=c, base=base, cols=cols,
@@ -125,22 +124,29 @@ def _kernel(q_ref, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, length, hkv,
         k = plt.load(k_ref.at[at], mask=kv_mask, other=0.0)          # [block_n, hd]
         if not vfirst:
             v = plt.load(v_ref.at[at], mask=kv_mask, other=0.0)
-        s = jnp.dot(q, k.T, precision=HIGHEST, preferred_element_type=F32)          # [Gp, block_n]
-        s = (s.astype(dt).astype(F32) * sm_scale).astype(dt).astype(F32)
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_use)
-        p = jnp.exp(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = dot_acc(acc * alpha[:, None], p.astype(dt), v.astype(dt))     # FNX_DOT_ACC: into the product
-        return m_new, l, acc
+        return _online_step(q, k, v, valid, m, l, acc, sm_scale)
 
     init = (jnp.full((gp,), -jnp.inf, F32), jnp.zeros((gp,), F32), jnp.zeros((gp, hd), F32))
     m, l, acc = jax.lax.fori_loop(0, iters, body, init)
     m_ref[...] = m
     l_ref[...] = l
     acc_ref[...] = acc
+
+
+def _online_step(q, k, v, valid, m, l, acc, sm_scale):
+    """One step of the online softmax over block_n gathered tokens (k, v [block_n, hd], `valid` [block_n]): the
+    running max m, sum l [Gp] and accumulator acc [Gp, hd] after it, with the model's roundings."""
+    dt = q.dtype
+    s = jnp.dot(q, k.T, precision=HIGHEST, preferred_element_type=F32)          # [Gp, block_n]
+    s = (s.astype(dt).astype(F32) * sm_scale).astype(dt).astype(F32)
+    s = jnp.where(valid[None, :], s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_use)
+    p = jnp.exp(s - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = dot_acc(acc * alpha[:, None], p.astype(dt), v.astype(dt))     # FNX_DOT_ACC: into the product
+    return m_new, l, acc
 
 
 def _kernel_ahead(q, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, bl, c, base, cols, sel, block_n, iters,
@@ -152,7 +158,6 @@ def _kernel_ahead(q, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, bl, c, bas
     arithmetic first, then a plain load of the next step's indices, then the next gathers, waited on at once by
     the next step.) Steps past the program's `iters` load nothing (their indices masked to -1). The same
     arithmetic in the same order as `_kernel`: the same bits."""
-    dt = q.dtype
 
     def load_idx(i):
         at = (c * iters + i) * block_n + sel
@@ -171,17 +176,7 @@ def _kernel_ahead(q, idx_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, bl, c, bas
         m, l, acc, ix, k, v, ix_next = carry
         k_next, v_next = load_kv(ix_next)                       # step i + 1's gathers (none past the last step)
         ix_after = load_idx(i + 2)
-        valid = ix >= 0
-        s = jnp.dot(q, k.T, precision=HIGHEST, preferred_element_type=F32)          # [Gp, block_n]
-        s = (s.astype(dt).astype(F32) * sm_scale).astype(dt).astype(F32)
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_use)
-        p = jnp.exp(s - m_use[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = dot_acc(acc * alpha[:, None], p.astype(dt), v.astype(dt))
-        return m_new, l, acc, ix_next, k_next, v_next, ix_after
+        return (*_online_step(q, k, v, ix >= 0, m, l, acc, sm_scale), ix_next, k_next, v_next, ix_after)
 
     ix0 = load_idx(0)
     k0, v0 = load_kv(ix0)
