@@ -1746,6 +1746,21 @@ def test_experts_blocks_scales_ahead_give_the_same_bits(mma16, halves, down16):
         bits(experts_pallas.experts_blocks(gf, df, xb, be, interpret=INTERPRET, tiles=base)))
 
 
+def test_experts_blocks_scales_ahead_lower_for_cuda():
+    """`Tiles.sahead` at the released widths (NVFP4 blocks of 64 rows, the served tiles): both kernels' K loops carry
+    the next step's E4M3 group scales ([64, 4] a weight tile: gate and up in the gate/up kernel), and without it they
+    carry only their accumulators (the scales loaded inside the step)."""
+    S = jax.ShapeDtypeStruct
+    from fnx.pallas import triton_ir
+    for ahead, carried in ((1, [2, 1]), (0, [0, 0])):
+        t = dataclasses.replace(experts_pallas.block_tiles(_spec((512, 1280, 2560), "nvfp4")), sahead=ahead)
+        lowered = jax.jit(functools.partial(experts_pallas.experts_blocks, tiles=t)).trace(
+            _spec((512, 1280, 2560), "nvfp4"), _spec((512, 2560, 640), "nvfp4"), S((40, 64, 2560), BF16),
+            S((40,), jnp.int32)).lower(lowering_platforms=("cuda",))
+        loops = [next(ln for ln in text.splitlines() if "scf.for" in ln) for *_, text in triton_ir.launches(lowered)]
+        assert [ln.split("->")[-1].count("f8E4M3FN") for ln in loops] == carried, loops
+
+
 def test_experts_blocks_down16_lower_for_cuda():
     """`Tiles.down16` at the released widths, blocks of 64 rows: two Triton launches, the gate/up with the act (fp16)
     and its per-block 2^-s as outputs, the down kernel's products on fp16 operands with the codes decoded by inline

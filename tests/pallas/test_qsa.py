@@ -177,6 +177,30 @@ def test_loads_ahead_give_the_same_bits(dtype):
         kernel.parse_choice("ahead=2", "FNX_QSA_TILES")
 
 
+def test_loads_ahead_and_early_top_k_lower_for_cuda(monkeypatch):
+    """The released QSA shapes at B = 8 (four steps a program): with `Tiles.ahead` the decode kernel is built with one
+    stage and its loop carries the next step's K and V tiles ([32, 256] bf16 each) and indices; with
+    FNX_QSA_TOPK_EARLY=1 the top-k's search is a while loop (at 8K and, in two launches, 128K context)."""
+    from fnx.pallas import triton_ir
+    S = jax.ShapeDtypeStruct
+    args = (S((8, 1, 24, 256), jnp.bfloat16), S((8, 2, 8192, 256), jnp.bfloat16), S((8, 2, 8192, 256), jnp.bfloat16),
+            S((8, 1, 2051), jnp.int32))
+    for ahead in (1, 0):
+        t = kernel.choose_tiles(8, 2, 2051, kernel.Choice(ahead=ahead))
+        lowered = jax.jit(lambda *a, _t=t: kernel.qsa_decode_splits(*a, tiles=_t)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+        ((name, _, stages, text),) = triton_ir.launches(lowered)
+        loop = next(ln for ln in text.splitlines() if "scf.for" in ln)
+        assert (stages, loop.split("->")[-1].count("tensor<32x256xbf16>")) == ((1, 2) if ahead else (2, 0)), loop
+    for early in ("1", "0"):
+        monkeypatch.setenv(kernel.TOPK_EARLY_ENV, early)
+        for nb, n_launches in ((2122, 1), (32768, 2)):
+            lowered = jax.jit(lambda s: kernel.qsa_block_topk(s, 512)).trace(S((1, nb), jnp.float32)).lower(
+                lowering_platforms=("cuda",))
+            texts = [text for *_, text in triton_ir.launches(lowered)]
+            assert len(texts) == n_launches and all(("scf.while" in x) == (early == "1") for x in texts), nb
+
+
 def test_split_kernel_alone_gives_the_partials_the_merge_takes():
     """`qsa_decode_splits` (what the benchmark times apart from the merge) returns the partials that `combine`
     merges into the reference's output: [rows, Hkv, n_splits, Gp] and [..., hd], one split per program."""
