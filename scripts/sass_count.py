@@ -4,7 +4,8 @@ The two Pallas kernels are lowered for CUDA on the CPU (`lowering_platforms=("cu
 Triton IR of each launch is printed as text, and a stock Triton wheel compiles it for sm_90 or `--arch` (its own
 `ptxas`; no GPU is needed) in a separate interpreter; `cuobjdump` gives the SASS and the registers. The stock
 Triton is not the one XLA embeds, so the counts show the shape of the code (what a change adds or removes), not
-the device's bits.
+the device's bits. Each loop also gets a "pipeline" line read from the stock TTGIR (`pipeline_report`): the plain
+loads left in it, its async copies and waits, and whether the next step's copies overlap anything.
 
 Setup once (Triton stays out of the project's environment):
     python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.5.0
@@ -405,6 +406,44 @@ def main() -> None:
             for start, end, body in loop_bodies(sass):
                 kinds = ", ".join(f"{k} {n}" for k, n in collections.Counter(body).most_common(12))
                 print(f"  loop /*{start:04x}*/-/*{end:04x}*/: {len(body)} instructions per trip; {kinds}")
+            with open(cubin[:-len(".cubin")] + ".ttgir") as f:
+                for line in pipeline_report(f.read()):
+                    print(line)
+
+
+def pipeline_report(ttgir: str) -> list[str]:
+    """What the stock Triton's software pipeliner made of each `scf.for` loop of a kernel, from its TTGIR: the plain
+    `tt.load`s left inside the loop (too small for cp.async, or address-dependent: each is a memory round trip the
+    step waits on unless its value is only used a step later; those placed before the loop's first `async_wait`
+    are issued at the step's top), the async copies and the `async_wait`s' `num`
+    (how many copy groups stay in flight), and whether the copies for the next step are issued only after the
+    step's first product. Copies issued after the product and every wait at num 0 means no overlap: the next step
+    waits for its copies at once (the QSA decode and prefill attention at 2 stages, 2026-12-07). One line a loop."""
+    lines = ttgir.splitlines()
+    out = []
+    for at, line in enumerate(lines):
+        if "scf.for" not in line:
+            continue
+        indent = len(line) - len(line.lstrip())
+        end = next((j for j in range(at + 1, len(lines)) if lines[j].startswith(" " * indent + "}")
+                    and len(lines[j]) - len(lines[j].lstrip()) == indent), len(lines))
+        body = lines[at + 1:end]
+        plain = [j for j, ln in enumerate(body) if "tt.load " in ln]
+        first_wait = next((j for j, ln in enumerate(body) if "async_wait" in ln), len(body))
+        copies = [j for j, ln in enumerate(body) if "async_copy_global_to_local" in ln]
+        waits = [int(m) for ln in body for m in re.findall(r"async_wait.*\{num = (\d+) : i32\}", ln)]
+        dots = [j for j, ln in enumerate(body) if re.search(r"\btt\.dot\b|ttng\.warp_group_dot\b", ln)]
+        late = bool(copies and dots and min(copies) > min(dots))
+        if not copies:
+            verdict = "no async copies (the loop's loads are plain)"
+        elif late and all(w == 0 for w in waits):
+            verdict = "NO OVERLAP: the next step's copies go out after its product and are waited on at once"
+        else:
+            verdict = "copies in flight across steps"
+        out.append(f"  pipeline (TTGIR line {at + 1}): {len(plain)} plain loads in the loop "
+                   f"({sum(1 for j in plain if j < first_wait)} before its first wait), {len(copies)} async copies, "
+                   f"waits num {sorted(set(waits)) or '-'}; {verdict}")
+    return out
 
 
 def load_order(ops: list[str]) -> tuple[int, int, int]:

@@ -574,6 +574,28 @@ def test_sass_count_counts_loads_after_the_first_barrier():
     assert sass_count.load_groups(["FFMA", "STG", "BAR"]) == 0
 
 
+def test_sass_count_reads_the_pipelined_loops():
+    """The pipeline line from a kernel's TTGIR: a loop whose next copies go out after its product and whose waits
+    keep none in flight is reported as not overlapping (the QSA decode kernel's shape, with its plain index load);
+    one whose wait keeps copies in flight is not; plain loads before the first wait are counted as issued early."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import sass_count
+
+    def loop(*ops):
+        return "\n".join(["  tt.func @k() {", "    %0 = scf.for %i = %c0 to %c4 step %c1 iter_args(%a = %z) -> (f32) {",
+                          *(f"      {op}" for op in ops), "      scf.yield %a : f32", "    }", "  }"])
+    serial = loop("%1 = ttg.async_wait %t {num = 0 : i32}", "%2 = tt.dot %x, %y, %a : f32",
+                  "%3 = tt.load %p : tensor<32x!tt.ptr<i32>>", "%4 = ttg.async_copy_global_to_local %q, %s : x")
+    (line,) = sass_count.pipeline_report(serial)
+    assert "1 plain loads in the loop (0 before its first wait), 1 async copies, waits num [0]; NO OVERLAP" in line
+    flight = loop("%3 = tt.load %p : tensor<64x4x!tt.ptr<f8E4M3FN>>", "%1 = ttg.async_wait %t {num = 3 : i32}",
+                  "%2 = ttng.warp_group_dot %x, %y, %a : f32", "%4 = ttg.async_copy_global_to_local %q, %s : x")
+    (line,) = sass_count.pipeline_report(flight)
+    assert "(1 before its first wait)" in line and "waits num [3]; copies in flight across steps" in line
+    assert sass_count.pipeline_report(loop("%3 = tt.load %p : f32"))[0].endswith("(the loop's loads are plain)")
+    assert sass_count.pipeline_report("tt.func @k() {\n}") == []
+
+
 def test_kernel_table_diff_matches_rows_across_compiles(tmp_path):
     """scripts/kernel_table_diff.py on two committed verify tables (54c3f01 -> 4615334: e2m1 "mma" in the gate / up
     kernels, the replay in place): the totals the BENCHMARKS section quotes, the gate / up kernel's 54 us, the
