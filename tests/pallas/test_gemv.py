@@ -52,6 +52,28 @@ def test_kernel_matches_fp32_reference(fmt, name, n, k):
         assert err.max() <= TOL * scale, (fmt, name, m, err.max() / scale, f"seed {seed}")
 
 
+def test_fp8_scales_ahead_give_the_same_bits(monkeypatch):
+    """`Tiles.sahead` (the FP8 "loop" walk's block scales loaded a step ahead): the same bits as loading each step's
+    scale in the step, at K steps of 64 (two steps a scale block), 128 and 256 (two blocks a step), split-K, both
+    operand orders, bf16 and fp16 products, 5 tokens; the several-token knob sets it; a bad value is refused, and
+    other formats ignore it."""
+    n, k = 256, 1024
+    w, extra, q = _weights("fp8", n, k, jax.random.PRNGKey(71))
+    x = jax.random.normal(jax.random.PRNGKey(72), (5, k), F32).astype(jnp.bfloat16)
+    run = lambda t: np.asarray(gp.gemv(x, w, extra["scale"], None, fmt="fp8", tiles=t, interpret=INTERPRET))  # noqa
+    for t in (gp.Tiles(64, 64, 2), gp.Tiles(64, 128, 4, mma="f16"), gp.Tiles(128, 256, 2, mma="f16", tr=1),
+              gp.Tiles(64, 128, 1)):
+        np.testing.assert_array_equal(run(dataclasses.replace(t, sahead=1)).view(np.uint16), run(t).view(np.uint16),
+                                      err_msg=str(t))
+    assert "sahead=2" in gp.check_tiles("fp8", n, k, gp.Tiles(64, 128, 2, sahead=2))
+    monkeypatch.setenv(api.MANY_TILES_ENV, "fp8:sahead=1")
+    assert api.tiles_for("fp8", 2560, 16384, 5).sahead == 1 and api.tiles_for("bf16", 2560, 16384, 5).sahead == 0
+    wb, _, _ = _weights("bf16", n, k, jax.random.PRNGKey(73))
+    plain = gp.gemv(x, wb, None, None, fmt="bf16", tiles=gp.Tiles(64, 128, 2), interpret=INTERPRET)
+    ahead = gp.gemv(x, wb, None, None, fmt="bf16", tiles=gp.Tiles(64, 128, 2, sahead=1), interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(ahead).view(np.uint16), np.asarray(plain).view(np.uint16))
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_split_k_and_tile_choices_agree(fmt):
     """Every legal tiling gives the same numbers within accumulation-order noise (split-K sums fp32 partials)."""

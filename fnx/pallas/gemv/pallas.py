@@ -84,6 +84,12 @@ class Tiles:
                        # The same bits. The tile choice (`api.tiles_for`) sets it on every whole-K tile set since
                        # it was measured (H200, d9f4565: the 4-layer round at 8K -15.6 us of kernel time, the step
                        # -19.0; `FNX_GEMV_XFIRST=0` for the A/B)
+    sahead: int = 0    # FP8 "loop" mode: 1 = each K step's 128 x 128 block scale(s) loaded a step ahead and carried.
+                       # In the stock sm_90 TTGIR the scale is a plain scalar load inside the K loop (no cp.async for
+                       # 4 bytes), which the step's partial waits on after its products (ptxas issues it before the
+                       # MMAs, ~70 instructions ahead: short of an L2 round trip); ahead, it has the whole step. The
+                       # same bits. Other formats and modes ignore it. Built 2026-12-07, not yet measured:
+                       # FNX_GEMV_MANY_TILES="fp8:sahead=1" (the several-token loop tiles)
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 
@@ -243,6 +249,9 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
     s = pl.program_id(1) if s is None else s
     steps = k // t.bk // t.split
     row0 = n * t.bn
+    if fmt == "fp8" and t.sahead:
+        return _fp8_loop_ahead(x_ref, w_ref, s_ref, outs, fin, t=t, k=k, mp=mp, n=n, s=s, out_dtype=out_dtype,
+                               argmax=argmax)
 
     def body(i, acc):
         kb = s * steps + i
@@ -282,6 +291,33 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
         acc = acc.T
     if fmt == "nvfp4":
         acc = acc * g_ref[pl.ds(row0, t.bn)][None, :]
+    _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax, fin)
+
+
+def _fp8_loop_ahead(x_ref, w_ref, s_ref, outs, fin, *, t: Tiles, k: int, mp: int, n, s, out_dtype, argmax: bool):
+    """`_kernel`'s FP8 "loop" walk with each step's block scales loaded a step ahead (`Tiles.sahead`): the same
+    products and scale multiplies in the same order, the scales carried from the step before."""
+    steps = k // t.bk // t.split
+    row0 = n * t.bn
+    pieces = [(j * 128, 128) for j in range(t.bk // 128)] if t.bk > 128 else [(0, t.bk)]
+
+    def scales(i):              # step i's scales, one per 128-column piece (the last step's again past the end)
+        col0 = (s * steps + jnp.minimum(i, steps - 1)) * t.bk
+        return tuple(s_ref[row0 // 128, (col0 + c) // 128] for c, _ in pieces)
+
+    def body(i, carry):
+        acc, sc = carry
+        nxt = scales(i + 1)                     # in flight during this step's products
+        col0 = (s * steps + i) * t.bk
+        for (c, w), scale in zip(pieces, sc):
+            xk = _xrows(x_ref, mp, col0 + c, w)
+            wq = w_ref[pl.ds(row0, t.bn), pl.ds(col0 + c, w)]
+            acc = acc + _fp8_mm(xk, wq, t) * scale
+        return acc, nxt
+
+    acc = lax.fori_loop(0, steps, body, (jnp.zeros((t.bn, mp) if t.tr else (mp, t.bn), F32), scales(0)))[0]
+    if t.tr:
+        acc = acc.T
     _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax, fin)
 
 
@@ -372,6 +408,8 @@ def check_tiles(fmt: str, n: int, k: int, t: Tiles) -> str | None:
             return f"{name}={v} is not a power of two"
     if t.mode not in MODES:
         return f"unknown mode {t.mode!r} (one of {MODES})"
+    if t.sahead not in (0, 1):
+        return f"sahead={t.sahead}: 0 or 1"
     if t.tr not in (0, 1) or (t.tr and t.mode == "fma"):
         return f"tr={t.tr}: 0, or 1 with a tensor-core mode ('loop' or 'dot'; 'fma' has no operand order)"
     if t.mma not in MMA_TYPES or (t.mma != "bf16" and (fmt not in ("fp8", "nvfp4") or t.mode == "fma"
