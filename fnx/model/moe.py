@@ -35,13 +35,12 @@ def route_logits(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype):
 
 def _route_rows(lw, logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype):
     """The routing of a call on the non-decode paths: past the decode sizes (more than the router kernel's
-    MAX_TOKENS rows: prefill chunks) through op "moe_route_prefill" where it resolves to a kernel, which reads the
-    logits in place in the fused product (`lw`, their window) where XLA runs a softmax fusion and a sort of every
-    row for lax.top_k; otherwise `route_logits`. Returns (weights, ids)."""
-    from fnx.pallas import dispatch
+    MAX_TOKENS rows: prefill chunks) through op "moe_route_prefill" (`api.route_prefill`: the router kernel reading
+    the logits in place in the fused product, `lw` their window, where that op resolves to a kernel, else the
+    reference's softmax and lax.top_k, `route_logits`' arithmetic); smaller calls `route_logits`. Returns
+    (weights, ids)."""
     from fnx.pallas.moe import api as moe_kernels
-    if logits.shape[0] > moe_kernels.MAX_ROUTE_TOKENS and \
-            dispatch.resolve(moe_kernels.PREFILL_ROUTE_OP) != "reference":
+    if logits.shape[0] > moe_kernels.MAX_ROUTE_TOKENS:
         return moe_kernels.route_prefill(lw.buf, top_k, norm_topk_prob, dtype, cols=(lw.start, lw.size))
     _, w, idx = route_logits(logits, top_k, norm_topk_prob, dtype)
     return w, idx

@@ -249,11 +249,17 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
     s = pl.program_id(1) if s is None else s
     steps = k // t.bk // t.split
     row0 = n * t.bn
-    if fmt == "fp8" and t.sahead:
-        return _fp8_loop_ahead(x_ref, w_ref, s_ref, outs, fin, t=t, k=k, mp=mp, n=n, s=s, out_dtype=out_dtype,
-                               argmax=argmax)
+    # FP8: a step's 128-column pieces (several 128-column blocks per step when BK > 128, each scaled on its own
+    # partial), and with `Tiles.sahead` their block scales loaded a step ahead and carried
+    pieces = [(j * 128, 128) for j in range(t.bk // 128)] if t.bk > 128 else [(0, t.bk)]
+    ahead = fmt == "fp8" and bool(t.sahead)
 
-    def body(i, acc):
+    def fp8_scales(i):          # step i's scales, one per piece (the last step's again past the end)
+        col0 = (s * steps + jnp.minimum(i, steps - 1)) * t.bk
+        return tuple(s_ref[row0 // 128, (col0 + c) // 128] for c, _ in pieces)
+
+    def body(i, carry):
+        acc, sc = carry if ahead else (carry, None)
         kb = s * steps + i
         col0 = kb * t.bk
         if fmt == "nvfp4":
@@ -273,51 +279,24 @@ def _kernel(x_ref, w_ref, *rest, fmt: str, t: Tiles, k: int, out_dtype, argmax: 
                 lo = (kernel_math.e2m1_f16(packed & 0xF).astype(F32) * sc).astype(BF16)
                 hi = (kernel_math.e2m1_f16(packed >> 4).astype(F32) * sc).astype(BF16)
             return _mm_acc(_mm_acc(acc, xe, lo, t.tr), xo, hi, t.tr)
-        if fmt == "fp8" and t.bk > 128:  # several 128-column blocks per step, each scaled on its own partial
-            for j in range(t.bk // 128):
-                c0 = col0 + j * 128
-                xk = _xrows(x_ref, mp, c0, 128)
-                wq = w_ref[pl.ds(row0, t.bn), pl.ds(c0, 128)]
-                acc = acc + _fp8_mm(xk, wq, t) * s_ref[row0 // 128, c0 // 128]
-            return acc
+        if fmt == "fp8":
+            nxt = fp8_scales(i + 1) if ahead else None          # in flight during this step's products
+            for j, (c, w) in enumerate(pieces):
+                xk = _xrows(x_ref, mp, col0 + c, w)                     # [Mp, w] bf16
+                wq = w_ref[pl.ds(row0, t.bn), pl.ds(col0 + c, w)]       # [BN, w]
+                acc = acc + _fp8_mm(xk, wq, t) * (sc[j] if ahead else s_ref[row0 // 128, (col0 + c) // 128])
+            return (acc, nxt) if ahead else acc
         xk = _xrows(x_ref, mp, col0, t.bk)                               # [Mp, BK] bf16
         wq = w_ref[pl.ds(row0, t.bn), pl.ds(col0, t.bk)]                # [BN, BK]
-        if fmt != "fp8":
-            return _mm_acc(acc, xk, wq.astype(BF16), t.tr)                 # [Mp, BN] ([BN, Mp]: tr)
-        return acc + _fp8_mm(xk, wq, t) * s_ref[row0 // 128, col0 // 128]
+        return _mm_acc(acc, xk, wq.astype(BF16), t.tr)                     # [Mp, BN] ([BN, Mp]: tr)
 
-    acc = lax.fori_loop(0, steps, body, jnp.zeros((t.bn, mp) if t.tr else (mp, t.bn), F32))
+    zero = jnp.zeros((t.bn, mp) if t.tr else (mp, t.bn), F32)
+    acc = lax.fori_loop(0, steps, body, (zero, fp8_scales(0)) if ahead else zero)
+    acc = acc[0] if ahead else acc
     if t.tr:
         acc = acc.T
     if fmt == "nvfp4":
         acc = acc * g_ref[pl.ds(row0, t.bn)][None, :]
-    _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax, fin)
-
-
-def _fp8_loop_ahead(x_ref, w_ref, s_ref, outs, fin, *, t: Tiles, k: int, mp: int, n, s, out_dtype, argmax: bool):
-    """`_kernel`'s FP8 "loop" walk with each step's block scales loaded a step ahead (`Tiles.sahead`): the same
-    products and scale multiplies in the same order, the scales carried from the step before."""
-    steps = k // t.bk // t.split
-    row0 = n * t.bn
-    pieces = [(j * 128, 128) for j in range(t.bk // 128)] if t.bk > 128 else [(0, t.bk)]
-
-    def scales(i):              # step i's scales, one per 128-column piece (the last step's again past the end)
-        col0 = (s * steps + jnp.minimum(i, steps - 1)) * t.bk
-        return tuple(s_ref[row0 // 128, (col0 + c) // 128] for c, _ in pieces)
-
-    def body(i, carry):
-        acc, sc = carry
-        nxt = scales(i + 1)                     # in flight during this step's products
-        col0 = (s * steps + i) * t.bk
-        for (c, w), scale in zip(pieces, sc):
-            xk = _xrows(x_ref, mp, col0 + c, w)
-            wq = w_ref[pl.ds(row0, t.bn), pl.ds(col0 + c, w)]
-            acc = acc + _fp8_mm(xk, wq, t) * scale
-        return acc, nxt
-
-    acc = lax.fori_loop(0, steps, body, (jnp.zeros((t.bn, mp) if t.tr else (mp, t.bn), F32), scales(0)))[0]
-    if t.tr:
-        acc = acc.T
     _store(acc, outs, n, s, row0, t.bn, out_dtype, argmax, fin)
 
 

@@ -268,34 +268,30 @@ def _gate_up_kernel(experts_ref, *rest, fmt, meta, n_exp, m, mp, inter, d, bn, b
                 return r[src[:, None], col(k0) + jnp.arange(kw, dtype=jnp.int32)[None, :]]
             return plgpu.load(r.at[(*lead, pl.ds(0, mp), pl.ds(col(k0), kw))], mask=rows < m, other=0.0)
 
-        def step(kk, accs):
+        n_steps = d // (bk * sub)
+        ahead = sahead and fmt == "nvfp4"       # (sub is 1 for NVFP4)
+
+        def scales(kk):             # every accumulator's group scales of step kk (the last step's again past the end)
+            k0 = pl.multiple_of(jnp.minimum(kk, n_steps - 1) * bk, bk)
+            return tuple(_nvfp4_scales(w_refs, e, _rows(first_row(i)[0], width, first_row(i)[1]), k0, bk, meta,
+                                       aligned) for i in range(n_acc))
+
+        def step(kk, carry):
+            accs, sc = carry if ahead else (carry, (None,) * n_acc)
+            nxt = scales(kk + 1) if ahead else None             # in flight during this step's products
             blk = [jnp.zeros((mp, width), F32)] * n_acc if fp8_16 else list(accs)
             for t in range(sub):
                 k0 = pl.multiple_of((kk * sub + t) * bk, bk)
                 xs = [x_tile(r, k0).astype(xdt) for r in x_refs]
-                blk = [_tile_dot(blk[i], xs, tile(i, k0), fuse) for i in range(n_acc)]
-            if not fp8_16:
-                return tuple(blk)
-            bo = meta[0]
-            return tuple(accs[i] + blk[i] * w_refs[1][e, first_row(i)[0] // bo, kk] for i in range(n_acc))
+                blk = [_tile_dot(blk[i], xs, tile(i, k0, sc[i]), fuse) for i in range(n_acc)]
+            if fp8_16:
+                bo = meta[0]
+                blk = [accs[i] + blk[i] * w_refs[1][e, first_row(i)[0] // bo, kk] for i in range(n_acc)]
+            return (tuple(blk), nxt) if ahead else tuple(blk)
 
-        zero = jnp.zeros((mp, width), F32)
-        n_steps = d // (bk * sub)
-        if sahead and fmt == "nvfp4":
-            def scales(kk):         # every accumulator's scales of step kk (the last step's again past the end)
-                k0 = pl.multiple_of(jnp.minimum(kk, n_steps - 1) * bk, bk)
-                return tuple(_nvfp4_scales(w_refs, e, _rows(first_row(i)[0], width, first_row(i)[1]), k0, bk, meta,
-                                           aligned) for i in range(n_acc))
-
-            def step_ahead(kk, carry):
-                accs, sc = carry
-                nxt = scales(kk + 1)            # in flight during this step's products
-                k0 = pl.multiple_of(kk * bk, bk)
-                xs = [x_tile(r, k0).astype(xdt) for r in x_refs]
-                return tuple(_tile_dot(accs[i], xs, tile(i, k0, sc[i]), fuse) for i in range(n_acc)), nxt
-            accs = jax.lax.fori_loop(0, n_steps, step_ahead, ((zero,) * n_acc, scales(0)))[0]
-        else:
-            accs = jax.lax.fori_loop(0, n_steps, step, (zero,) * n_acc)
+        zero = (jnp.zeros((mp, width), F32),) * n_acc
+        accs = jax.lax.fori_loop(0, n_steps, step, (zero, scales(0)) if ahead else zero)
+        accs = accs[0] if ahead else accs
         if mma16:       # products of prescaled rows: 2^-s back per row; NVFP4's global (x 2^14) per weight row
             if gather:
                 back = back_ref[src][:, None]

@@ -4,9 +4,7 @@
 Impls: "pallas" (the kernel), "reference" (fnx.pallas.qsa.reference: XLA gather + einsum) and "dense_masked"
 (what fnx.model.qsa.qsa_layer does without a kernel: masked attention over the whole cache).
 `FNX_QSA_SWEEP="programs=1056;block_n=16,programs=1056;..."`: the kernel again per variant of its tile choice
-(`fnx.pallas.qsa.pallas.Choice` fields over the default), impl "pallas[spec]", after the default's case. At B > 1
-also "splits[spec]" (the default's as "splits[]"): the split kernel alone, its partials written and not merged, so
-the merge's share of the call shows.
+(`fnx.pallas.qsa.pallas.Choice` fields over the default), impl "pallas[spec]", after the default's case.
 Bytes floor = the K and V rows of the distinct selected tokens (per KV head) + q + out (+ the index list). Each
 query row draws its own blocks here, so at T = 5 the floor is ~5x the T = 1 floor; real verify rows share most
 blocks, which only helps the kernel (L2 reuse).
@@ -111,20 +109,12 @@ def cases(quick: bool) -> list[BenchCase]:
                 fn=lambda q, k, v, i, _impl=impl: api.qsa_decode_attention(q, k, v, i, impl=_impl),
                 arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra)))
             if impl == "pallas":
-                choices = [("", kernel.env_choice())] + sweep_choices()
-                for spec, choice in choices:
+                for spec, choice in sweep_choices():
                     t = kernel.choose_tiles(bsz * length, HKV, n_sel, choice)
-                    if spec:
-                        out.append(BenchCase(
-                            kernel="qsa_decode_attention", shape=shape, impl=f"pallas[{spec}]",
-                            fn=lambda q, k, v, i, _t=t: api.qsa_decode_attention(q, k, v, i, impl="pallas",
-                                                                                 tiles=_t),
-                            arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra, tiles=str(t))))
-                    if bsz > 1:     # the split kernel alone (its partials written, no merge): what the merge costs
-                        out.append(BenchCase(
-                            kernel="qsa_decode_attention", shape=shape, impl=f"splits[{spec}]",
-                            fn=lambda q, k, v, i, _t=t: kernel.qsa_decode_splits(q, k, v, i, tiles=_t),
-                            arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra, tiles=str(t))))
+                    out.append(BenchCase(
+                        kernel="qsa_decode_attention", shape=shape, impl=f"pallas[{spec}]",
+                        fn=lambda q, k, v, i, _t=t: api.qsa_decode_attention(q, k, v, i, impl="pallas", tiles=_t),
+                        arg_sets=arg_sets, bytes=nbytes, flops=flops, extra=dict(extra, tiles=str(t))))
         out.append(BenchCase(
             kernel="qsa_decode_attention", shape=shape, impl="dense_masked", fn=_dense_masked,
             arg_sets=dense_sets, bytes=nbytes, flops=flops,
