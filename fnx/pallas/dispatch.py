@@ -119,6 +119,15 @@ VERIFIED_ON_GPU = {
     # 30,269 tok/s). BENCHMARKS.md, fifty-third session
     "gdn_out_norm": "H100, 2026-12-07, commit e2b0c6b: tests/pallas/test_gdn_out_norm.py (all)",
     "dequant_fp8": "H100, 2026-12-07, commit e2b0c6b: tests/pallas/test_dequant.py (all)",
+    # on under auto past the decode router's 64 rows: the 4-layer 2,048-token chunk at 8K (H100, 715b89e, 2026-12-07,
+    # one process with the base) 11,921.8 -> 11,762.2 us (-159.5; two base runs 30 us apart), XLA's softmax + sort
+    # fusions gone (4 launches fewer). BENCHMARKS.md, fifty-fourth session
+    "moe_route_prefill": "H100, 2026-12-07, commit 715b89e: tests/pallas/test_moe.py -k 'prefill_route or "
+                         "route_matches' (all)",
+    # on under auto past TOPK_MAX_BLOCKS (128K and 256K context): 45.5 us against lax.top_k's 65.3 at 128K, 55.2
+    # against 65.1 at 256K (H100, e2b0c6b, bench_kernels); rows up to 64K context keep the one-launch kernel
+    "qsa_block_topk_long": "H100, 2026-12-07, commit 715b89e: tests/pallas/test_qsa.py -k block_topk (all, the long "
+                           "rows' segments and dispatch, the early stop)",
 }
 
 # Verified ops that "auto" still leaves on the reference, with the measurement that says why (logged once);

@@ -88,8 +88,8 @@ class Tiles:
                        # In the stock sm_90 TTGIR the scale is a plain scalar load inside the K loop (no cp.async for
                        # 4 bytes), which the step's partial waits on after its products (ptxas issues it before the
                        # MMAs, ~70 instructions ahead: short of an L2 round trip); ahead, it has the whole step. The
-                       # same bits. Other formats and modes ignore it. Built 2026-12-07, not yet measured:
-                       # FNX_GEMV_MANY_TILES="fp8:sahead=1" (the several-token loop tiles)
+                       # same bits. Other formats and modes ignore it. Built 2026-12-07; level in the 4-layer round
+                       # on an H100 (715b89e), so off: FNX_GEMV_MANY_TILES="fp8:sahead=1" (the several-token tiles)
 # `split` in the whole-K modes: grid (N / (BN * rows), S), program (n, s) takes the s-th K / S columns, unrolled as
 # above (more, shorter programs for layers with few rows); fp32 partials [S, Mp, N], summed by XLA in split order
 

@@ -96,7 +96,9 @@ class Tiles:
                              # the K loop that each step waits on after its copies arrive: a memory round trip per K
                              # step on the program's critical path (40 steps at D = 2,560 in the gate/up kernel, 10 in
                              # the down kernel). Ahead, the next step's load is in flight during this step's products.
-                             # The same bits. Built 2026-12-07, not yet measured: FNX_MOE_BLOCK_TILES=sahead=1
+                             # The same bits. The NVFP4 blocks' default (BLOCK_TILES_BY_FORMAT): the 4-layer
+                             # 2,048-token chunk at 8K 11,921.8 -> 11,831.4 us (-90.4; two base runs 30 us apart),
+                             # H100, 715b89e, 2026-12-07. 0: the scales loaded inside the step
 
 
 def _pow2(n: int) -> int:
@@ -387,7 +389,8 @@ BLOCK_TILES = Tiles(block_n=128, block_k=64, block_n2=128, block_k2=64, num_warp
 # session, 95044db): 1,024 tokens 4.40 ms against 6.11 ms at BLOCK_TILES, 4,096 tokens 8.54 against 11.78 ms.
 # With `mma16` (the gate/up on fp16 tensor cores, no fp32 / bf16 step per weight) the NVFP4 blocks took 6.35 ms
 # against 6.88 ms for 4,096 tokens (H100, 75817ec, one run each; compiled tests passed there): on by default.
-BLOCK_TILES_BY_FORMAT = {"nvfp4": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, dot_acc=1)}
+BLOCK_TILES_BY_FORMAT = {"nvfp4": Tiles(block_n=64, block_k=64, block_n2=64, block_k2=64, mma16=1, dot_acc=1,
+                                         sahead=1)}
 
 
 BLOCK_TILES_ENV = "FNX_MOE_BLOCK_TILES"     # a benchmark knob: fields replaced in the prefill blocks' tiles

@@ -35,7 +35,8 @@ WARPS_ENV = "FNX_MOE_ROUTE_WARPS"   # the router kernel's warps (1, 2, 4, 8; def
 PREFILL_BLOCK_ENV = "FNX_MOE_ROUTE_PREFILL_BLOCK"   # rows per program of the prefill router (op
                                     # "moe_route_prefill"; 1..64, a power of two; default PREFILL_BLOCK_M), read when a
                                     # program is traced: a benchmark knob
-PREFILL_BLOCK_M = 8                 # a prefill chunk's 2,048 rows as 256 programs of [8, 512] (not yet measured)
+PREFILL_BLOCK_M = 8                 # a prefill chunk's 2,048 rows as 256 programs of [8, 512]: the 4-layer 2,048-token
+                                    # chunk (H100, 715b89e) -160 us against XLA's routing, -82 at 1 row a program
 
 
 def prefill_block_m() -> int:

@@ -38,11 +38,15 @@ TILES_ENV = "FNX_QSA_PREFILL_TILES"
 @dataclasses.dataclass(frozen=True)
 class PrefillTiles:
     bq: int = 64            # queries per program (bq x heads rows: a power of two >= 16, the MMA's M)
-    bk: int = 64            # keys per step (a power of two >= 16 dividing the capacity)
+    bk: int = 32            # keys per step (a power of two >= 16 dividing the capacity)
     heads: int = 1          # query heads of one KV head per program (a power of two dividing G): each K / V tile
                             # is read once for all of them (their rows share the query's mask row)
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3     # bk 32 at 3 stages (H100, 715b89e, 2026-12-07): at 2 stages the stock sm_90 build
+                            # waits for a step's copies right after issuing them (`sass_count.py` "NO OVERLAP"); 3 fit
+                            # the shared memory at bk 32. The 4-layer 2,048-token chunk at 8K 11,921.8 -> 11,860.3
+                            # us, the 24-layer 8K prefill's QSA family 18.63 -> 17.23 ms (with the other two
+                            # prefill defaults of that session); before: bk 64, 2 stages
 
 
 HEADS_DEFAULT = 2   # two query heads of a KV head per program where they divide the group: H100 (cc01f54, a 2,048-token
