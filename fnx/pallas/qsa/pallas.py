@@ -43,7 +43,8 @@ class Tiles:
     ahead: int = 0           # 1: step i + 1's gathers and step i + 2's indices issued by hand before step i's
                              # arithmetic and carried in registers (`_kernel_ahead`), the kernel built with one stage
                              # (no Triton pipelining). The same bits. Built 2026-12-07; slower on an H100 (715b89e,
-                             # B = 8 at 128K: T = 1 31.8 us against 29.7, T = 5 112.4 against 83.5): FNX_QSA_TILES=ahead=1
+                             # B = 8 at 128K: T = 1 31.8 us against 29.7, T = 5 112.4 against 83.5), so off:
+                             # FNX_QSA_TILES=ahead=1
 
 
 def _pow2(n: int) -> int:
