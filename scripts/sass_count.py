@@ -17,6 +17,8 @@ Run:
     python scripts/sass_count.py fp8 5 --gemv 16384x2560 --pair 96   # the several-token pair (gemv_pair_many)
     python scripts/sass_count.py fp8 5 pre=fold,mid=pallas --hc-few  # the few-token HC boundary's kernels
     python scripts/sass_count.py fp8 1 --hc-m1           # the one-token HC boundary's kernels (Tiles1 fields)
+    python scripts/sass_count.py fp8 2048 --hc-prefill   # the HC boundary over a prefill chunk (TilesPrefill fields)
+    python scripts/sass_count.py fp8 2048 --hc-mix       # its gates and mix alone, column tiles (TilesMix fields)
     python scripts/sass_count.py fp8 1 programs=264 --hc-one  # the same in one launch (TilesOne fields; at m > 1
                                                          # tokens the few-token one, TilesFewOne fields)
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
@@ -111,6 +113,25 @@ def _hc_args(fmt: str, m: int) -> list:
         return acts + [S((r, sd), jnp.float8_e4m3fn), S((sd, r), jnp.float8_e4m3fn), S((4, sd), BF16),
                        S((3, 80), jnp.float32), S((80, 3), jnp.float32)]
     return acts + [S((r, sd), BF16), S((sd, r), BF16), S((4, sd), BF16), None, None]
+
+
+def hc_prefill_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.hc.prefill.hc_boundary_prefill` (the HC boundary over an m-token prefill chunk)."""
+    from fnx.pallas.hc import prefill
+    fn = lambda *a: prefill.hc_boundary_prefill(*a[:7], streams=4, eps=1e-6, w_down_scale=a[7],  # noqa: E731
+                                                w_up_scale=a[8], tiles=tiles)
+    return _launches(jax.jit(fn).trace(*_hc_args(fmt, m)).lower(lowering_platforms=("cuda",)))
+
+
+def hc_mix_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.hc.prefill.hc_mix_prefill` (the gates and the mix over an m-token prefill chunk)."""
+    from fnx.pallas.hc import prefill
+    sd, r = 10240, 320
+    wu = S((sd, r), jnp.float8_e4m3fn if fmt == "fp8" else BF16)
+    sc = S((80, 3), jnp.float32) if fmt == "fp8" else None
+    fn = lambda u, hn, w, s: prefill.hc_mix_prefill(u, hn, w, streams=4, w_up_scale=s, tiles=tiles)  # noqa: E731
+    return _launches(jax.jit(fn).trace(S((1, m, r), BF16), S((1, m, sd), BF16), wu, sc).lower(
+        lowering_platforms=("cuda",)))
 
 
 def hc_m1_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
@@ -256,6 +277,10 @@ def main() -> None:
                     help="with --gemv (fp8): the several-token pair with a bf16 product of N2 rows instead")
     ap.add_argument("--hc-few", action="store_true",
                     help="count the few-token HC boundary's kernels (fields: TilesFew's, e.g. pre=fold,mid=pallas)")
+    ap.add_argument("--hc-prefill", action="store_true",
+                    help="count the HC boundary's prefill kernels over m tokens (TilesPrefill fields)")
+    ap.add_argument("--hc-mix", action="store_true",
+                    help="count the HC gates-and-mix kernel over m prefill tokens (TilesMix fields)")
     ap.add_argument("--hc-m1", action="store_true",
                     help="count the one-token HC boundary's kernels (fields: Tiles1's, e.g. bd=4; m is ignored)")
     ap.add_argument("--hc-one", action="store_true",
@@ -352,6 +377,22 @@ def main() -> None:
         if args.fields:
             tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, cls, "fields"))
         launches = hc_one_kernels(args.fmt, tiles, args.m)
+    elif args.hc_prefill:
+        from fnx.pallas import dispatch
+        from fnx.pallas.hc import prefill
+        tiles = prefill.default_tiles(2560, args.m)
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, prefill.TilesPrefill,
+                                                                         "fields"))
+        launches = hc_prefill_kernels(args.fmt, args.m, tiles)
+    elif args.hc_mix:
+        from fnx.pallas import dispatch
+        from fnx.pallas.hc import prefill
+        tiles = prefill.mix_tiles(2560, args.m)
+        if args.fields:
+            tiles = prefill._with_splits(dataclasses.replace(tiles, **dispatch.fields_override(
+                args.fields, prefill.TilesMix, "fields")), 2560, args.m)
+        launches = hc_mix_kernels(args.fmt, args.m, tiles)
     elif args.hc_few:
         from fnx.pallas.hc import few
         tiles = dataclasses.replace(few.TilesFew(), **few.tiles_override(args.fields)) if args.fields else \

@@ -65,27 +65,59 @@ def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, 
     if _kernel_ok(p, h, inject, impl, streams):
         return _kernel_call(p, h, y, inj, streams, eps, inject, impl)
     h = combine(h, y, inj)
-    out = gated_residual(p, h, streams, eps, inject, impl="reference")
+    out = gated_residual(p, h, streams, eps, inject, impl=impl, kernel_checked=True)
     return (h,) + (out if inject else (out, None))
 
 
-def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None):
+def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None,
+                   kernel_checked: bool = False):
     """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S].
     Decode-sized calls whose `impl` (fnx.pallas.dispatch, ops "hc_boundary_m1" / "hc_boundary") resolves to a kernel run
-    fnx.pallas.hc; otherwise the jnp below, which is the reference."""
-    if _kernel_ok(p, h, inject, impl, streams):
+    fnx.pallas.hc; otherwise the jnp below, which is the reference, except that over a prefill chunk the gates and
+    the mix may run as one kernel (op "hc_mix_prefill", `_mix_prefill`). kernel_checked: the caller found that
+    no boundary kernel takes this call."""
+    if not kernel_checked and _kernel_ok(p, h, inject, impl, streams):
         _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl)
         return (x, inj) if inject else x
     d = h.shape[-1] // streams
     hn = rms_norm(h, p["hc_norm"], eps, group=d)
     u = jax.nn.silu(div(linear(hn, p["input_mix_weight_down"]), streams))
-    m = jax.nn.sigmoid(linear(u, p["input_mix_weight_up"]))
-    split = h.shape[:-1] + (streams, d)
-    x = jnp.mean(m.reshape(split) * hn.reshape(split), axis=-2)
+    x = _mix_prefill(p, u, hn, streams, impl)
+    if x is None:
+        m = jax.nn.sigmoid(linear(u, p["input_mix_weight_up"]))
+        split = h.shape[:-1] + (streams, d)
+        x = jnp.mean(m.reshape(split) * hn.reshape(split), axis=-2)
     if not inject:
         return x
     inj = 2 * jax.nn.sigmoid(div(linear(hn, p["block_inject_weight"]), streams))
     return x, inj
+
+
+def _mix_prefill(p: dict, u: jax.Array, hn: jax.Array, streams: int, impl: str | None):
+    """x from u and Hn through `fnx.pallas.hc.prefill.hc_mix_prefill` (the gates' product and the mix in one launch,
+    no [M, S*D] gate array) for a prefill chunk (more than 32 tokens) where op "hc_mix_prefill" resolves to a
+    kernel; None where it does not (the caller's jnp runs). Wup dense or FP8 128x128 blocks."""
+    from fnx.model import quant
+    from fnx.pallas import dispatch
+    from fnx.pallas.hc import prefill
+    m = 1
+    for n in hn.shape[:-1]:
+        m *= n
+    if m <= hc_api.MAX_DECODE_TOKENS:
+        return None
+    wu = p["input_mix_weight_up"]
+    d = hn.shape[-1] // streams
+    why = None
+    if not (_fp8_ok(wu) or not quant.is_quantized(wu)) or len(wu.shape) != 2:
+        why = "Wup in a format the mix kernel does not take (dense, or FP8 128x128 blocks)"
+    else:
+        why = prefill.mix_why_not(streams, d, u.shape[-1], prefill.mix_tiles(d, m))
+    which = dispatch.resolve(prefill.MIX_OP, impl, not_applicable=why)
+    if which == "reference":
+        return None
+    w, scale = (wu.w, wu.scale_inv) if _fp8_ok(wu) else (wu, None)
+    return prefill.hc_mix_prefill(u, hn, w, streams=streams, interpret=dispatch.interpret_flag(which),
+                                  w_up_scale=scale)
 
 
 def combine(h: jax.Array, y: jax.Array, inj: jax.Array) -> jax.Array:

@@ -577,3 +577,99 @@ def test_one_token_prefetch_same_bits():
                                      w_down_scale=wd.scale_inv, w_up_scale=wu.scale_inv)
     for a, b in zip(run(0), run(1)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("m,dtype,fp8,inject", [(40, jnp.bfloat16, True, True), (70, jnp.float32, False, False),
+                                                _ext(33, jnp.bfloat16, False, True),
+                                                _ext(100, jnp.float32, True, True)])
+def test_mix_prefill_through_the_model_only_where_named(m, dtype, fp8, inject, monkeypatch):
+    """Op "hc_mix_prefill" (`prefill.hc_mix_prefill`, off under auto until measured): over a prefill chunk the
+    model's gated residual (and a boundary) keeps XLA's norm and Wdown / Winj products and runs the gates and the
+    mix in one launch where FNX_KERNELS names it; S*D = 512 (D = 128) and r = 48, FP8 Wdown / Wup as the model
+    quantizes them, or dense ones. fp32 to 1e-5, bf16 within TOL; inj and H' the same jnp ops (bit for bit)."""
+    h, y, inj, p = _inputs((1, m), 4, 128, 48, dtype, np.random.randint(1 << 30), inject)
+    if fp8:
+        p = _fp8(p)
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+    count = lambda f: str(jax.make_jaxpr(lambda h: f(h))(h)).count("pallas_call")   # noqa: E731
+    res = lambda h: hyper.gated_residual(p, h, 4, 1e-6, inject)        # noqa: E731
+    bnd = lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6, inject)       # noqa: E731
+    assert count(res) == 0 and count(bnd) == 0
+    want_r, want_b = jax.jit(lambda h: res(h))(h), jax.jit(lambda h: bnd(h))(h)
+    monkeypatch.setenv("FNX_KERNELS", f"hc_mix_prefill={KERNEL}")
+    assert count(res) == 1 and count(bnd) == 1
+    got_r = jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6, inject))(h)
+    got_b = jax.jit(lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6, inject))(h)
+    tol = TOL[dtype]
+    if inject:
+        _close(got_r[0], want_r[0], tol, "x")
+        np.testing.assert_array_equal(np.asarray(got_r[1], np.float32), np.asarray(want_r[1], np.float32))
+        np.testing.assert_array_equal(np.asarray(got_b[2], np.float32), np.asarray(want_b[2], np.float32))
+    else:
+        _close(got_r, want_r, tol, "x")
+        assert got_b[2] is None and want_b[2] is None
+    np.testing.assert_array_equal(np.asarray(got_b[0], np.float32), np.asarray(want_b[0], np.float32))
+    _close(got_b[1], want_b[1], tol, "boundary x")
+    assert count(lambda h: hyper.gated_residual(p, h[:, :32], 4, 1e-6, inject)) == 0    # decode sizes: not this op
+
+
+@pytest.mark.parametrize("bm,bd,splits", [(16, 16, 1), (16, 32, 3), (32, 16, 0)])
+def test_mix_prefill_kernel_tiles_and_partial_walks(bm, bd, splits):
+    """The mix kernel alone at several tiles against the reference's gates and mix (fp32, FP8 Wup): row blocks
+    split over programs unevenly (a last walk past M, masked), a partial last row block."""
+    from fnx.model import quant
+    from fnx.pallas.hc import prefill
+    m, s, d, r = 75, 4, 128, 48
+    h, _, _, p = _inputs((1, m), s, d, r, jnp.float32, 7, False)
+    wq = quant.quantize_fp8_block(p["input_mix_weight_up"].astype(jnp.float32))
+    hn = reference.grouped_rms_norm(h, p["hc_norm"], 1e-6, d)
+    u = jax.nn.silu(jax.random.normal(jax.random.PRNGKey(8), (1, m, r), jnp.float32))
+    mg = jax.nn.sigmoid(reference._linear(u, quant.dequantize(wq, jnp.float32)))
+    want = jnp.mean(mg.reshape(1, m, s, d) * hn.reshape(1, m, s, d), axis=-2)
+    got = prefill.hc_mix_prefill(u, hn, wq.w, streams=s, interpret=INTERPRET, w_up_scale=wq.scale_inv,
+                                 tiles=prefill.TilesMix(bm=bm, bd=bd, splits=splits, num_warps=4))
+    _close(got, want, 1e-5, "x")
+
+
+def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypatch):
+    """Tiles and shapes the mix kernel cannot take are refused with the reason (FNX_KERNELS naming the op leaves
+    such a call on XLA's path, as for every op; an impl naming the kernel for it is an error); the default tiles
+    and FNX_HC_MIX_TILES over them; at the released shapes (S = 4, D = 2,560, r = 320, FP8 Wup) a 2,048-token
+    chunk lowers to one Triton launch."""
+    from fnx.pallas import dispatch
+    from fnx.pallas.hc import prefill
+    assert "bd=48" in prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(bd=48))
+    assert "bm=8" in prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(bm=8))
+    assert "r=40" in prefill.mix_why_not(4, 2560, 40, prefill.TilesMix())
+    assert prefill.mix_why_not(4, 2560, 320, prefill.mix_tiles(2560, 2048)) is None
+    t = prefill.mix_tiles(2560, 2048)
+    assert (t.bm, t.bd, t.splits) == (64, 32, 4) and prefill.mix_tiles(2560, 100).bm == 32
+    assert prefill.mix_tiles(80, 2048).bd == 16
+    monkeypatch.setenv(prefill.MIX_TILES_ENV, "bd=64,splits=2")
+    assert (prefill.mix_tiles(2560, 2048).bd, prefill.mix_tiles(2560, 2048).splits) == (64, 2)
+    monkeypatch.setenv(prefill.MIX_TILES_ENV, "rows=8")
+    with pytest.raises(ValueError, match=prefill.MIX_TILES_ENV):
+        prefill.mix_tiles(2560, 2048)
+    monkeypatch.delenv(prefill.MIX_TILES_ENV)
+    bf = jnp.bfloat16
+    with pytest.raises(ValueError, match="not \\[S\\*D, r\\]"):
+        prefill.hc_mix_prefill(jnp.zeros((40, 48), bf), jnp.zeros((40, 512), bf), jnp.zeros((512, 32), bf),
+                               streams=4, interpret=True)
+    with pytest.raises(ValueError, match="do not agree on the tokens"):
+        prefill.hc_mix_prefill(jnp.zeros((39, 48), bf), jnp.zeros((40, 512), bf), jnp.zeros((512, 48), bf),
+                               streams=4, interpret=True)
+    with pytest.raises(NotImplementedError, match="r=24"):
+        prefill.hc_mix_prefill(jnp.zeros((40, 24), bf), jnp.zeros((40, 512), bf), jnp.zeros((512, 24), bf),
+                               streams=4, interpret=True)
+    _, _, _, p = _inputs((1, 40), 4, 64, 24, bf, 1)                    # r = 24: no power-of-two pieces of 16
+    monkeypatch.setenv("FNX_KERNELS", f"hc_mix_prefill={KERNEL}")      # named for every call: this one keeps XLA's
+    assert str(jax.make_jaxpr(lambda h: hyper.gated_residual(p, h, 4, 1e-6))(jnp.zeros((1, 40, 256), bf))).count(
+        "pallas_call") == 0
+    monkeypatch.delenv("FNX_KERNELS")
+    with pytest.raises(dispatch.NotApplicable, match="r=24"):          # named for this call: an error
+        hyper._mix_prefill(p, jnp.zeros((1, 40, 24), bf), jnp.zeros((1, 40, 256), bf), 4, KERNEL)
+    S = jax.ShapeDtypeStruct
+    text = jax.jit(lambda u, hn, w, sc: prefill.hc_mix_prefill(u, hn, w, streams=4, w_up_scale=sc)).trace(
+        S((1, 2048, 320), bf), S((1, 2048, 10240), bf), S((10240, 320), jnp.float8_e4m3fn),
+        S((80, 3), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "hc_mix_prefill" in text

@@ -246,3 +246,141 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
         name="hc_up_prefill", **params,
     )(*up_args)
     return h2.reshape(h.shape), x.reshape(*lead, d), inj
+
+
+# ---- The gates and the mix alone, column tiles that convert their Wup rows once (op "hc_mix_prefill") ----------
+#
+# In XLA's boundary over a prefill chunk the gates m = sigmoid(round(u @ Wup.T)) are a product of their own
+# ([M, S*D] written, 44 us a boundary for a 2,048-token chunk on an H100) and the mix x = mean_j round(m_j Hn_j)
+# a fusion reading them back with Hn (41.5 us), where the bytes that must move (Hn in, x out) take ~16 us. The up
+# kernel above does both, but each of its (row block, column tile) programs converts its four streams' [bd, r]
+# Wup tiles again (stock sm_90 build at 2,048 tokens: 6,544 straight-line instructions a program, 768 F2F, 83 of
+# its 98 global loads after the first barrier). Here a program owns bd columns of every stream: it loads and
+# converts those Wup rows once and walks row blocks i = q, q + splits, ... in a loop, each trip u's [bm, r] tile
+# (from L2: [M, r] is 1.3 MB), Hn's [bm, bd] tile of each stream, the gates' products and the mix; XLA keeps the
+# norm, Wdown / Winj products and u (`fnx.model.hyper.gated_residual`).
+
+MIX_OP = "hc_mix_prefill"
+MIX_TILES_ENV = "FNX_HC_MIX_TILES"      # "field=value,..." replaces fields of the mix tiles (a benchmark knob)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilesMix:
+    bm: int = 64            # token rows per trip (the MMA's M)
+    bd: int = 32            # columns of each stream per program (>= 16, divides D and 128): 4 x bd x r weights
+                            # held for the program's walk (80 KB of bf16 at bd 32, r 320)
+    splits: int = 0         # programs over the row blocks per column tile; 0: enough for ~2 programs an SM
+    num_warps: int = 8
+    num_stages: int = 3     # stock sm_90 build at 2,048 tokens: 3 stages keep u's copies in flight across trips (2:
+                            # "NO OVERLAP"), 138 registers, no spills; the Wup conversion outside the loop
+
+
+def mix_tiles(d: int, m: int) -> TilesMix:
+    """Tiles for D columns a stream and M tokens (not yet measured on a GPU): bd shrunk to a power of two dividing
+    D (small test models), bm 32 under 512 tokens, `splits` resolved so (D / bd) x splits >= 264 programs where the
+    row blocks allow; `FNX_HC_MIX_TILES` replaces fields."""
+    t = TilesMix() if m >= 512 else TilesMix(bm=32, num_warps=4)
+    spec = os.environ.get(MIX_TILES_ENV, "").strip()
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesMix, MIX_TILES_ENV))
+    bd = t.bd
+    while bd > 16 and d % bd:
+        bd //= 2
+    return _with_splits(dataclasses.replace(t, bd=bd), d, m)
+
+
+def _with_splits(t: TilesMix, d: int, m: int) -> TilesMix:
+    """`splits` 0 resolved: enough programs over the row blocks for ~264 programs in all (two an SM), at most one a
+    row block."""
+    if t.splits or d % t.bd:
+        return t
+    return dataclasses.replace(t, splits=max(1, min(-(-m // t.bm), -(-264 // (d // t.bd)))))
+
+
+def mix_why_not(s: int, d: int, r: int, tiles: TilesMix) -> str | None:
+    """None when the mix kernel takes these dims and tiles, else why not."""
+    t = tiles
+    for name, v in (("bm", t.bm), ("bd", t.bd)):
+        if v < 16 or v & (v - 1):
+            return f"{name}={v} must be a power of two >= 16"
+    if d % t.bd or 128 % t.bd:
+        return f"bd={t.bd} must divide D={d} and 128"
+    if r < 16 or r % 16:
+        return f"r={r} must be a multiple of 16 (its power-of-two pieces are MMA tiles)"
+    if t.splits < 0:
+        return f"splits={t.splits} must be >= 0"
+    return None
+
+
+def _mix_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bm, bd, splits, trips, fp8):
+    su_ref = rest[0] if fp8 else None
+    x_ref = rest[-1]
+    n, q = pl.program_id(0), pl.program_id(1)
+    dt = hn_ref.dtype
+    cols = n * bd + jnp.arange(bd, dtype=jnp.int32)
+    ncb = (r + 127) // 128
+    pieces = kernel._pieces(r, 128)        # a piece lies in one 128-column block of Wup (its scale)
+    held = {}
+    for j in range(s):                     # the program's Wup rows of every stream, converted once
+        for k0, p in pieces:
+            k = k0 + jnp.arange(p, dtype=jnp.int32)
+            w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)            # [bd, p]
+            # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
+            sc = plt.load(su_ref.at[jnp.full((1, 1), ((j * d + n * bd) // 128) * ncb + k0 // 128, jnp.int32)]) \
+                if fp8 else None
+            held[(j, k0)] = (w, sc)
+
+    def trip(t, carry):
+        rows = (q + t * splits) * bm + jnp.arange(bm, dtype=jnp.int32)     # past M (a last, partial walk): masked
+        rok = (rows < m)[:, None]
+        us = {k0: plt.load(u_ref.at[rows[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=rok,
+                           other=0.0) for k0, p in pieces}                                          # [bm, p]
+        # every stream's Hn tile issued before the products (in the stock sm_90 build, loaded where the mix uses
+        # them, they were plain loads the trip waited on after its MMAs)
+        hns = [plt.load(hn_ref.at[rows[:, None] * (s * d) + (j * d + cols)[None, :]], mask=rok, other=0.0)
+               for j in range(s)]
+        acc = few.gates_and_mix(us, pieces, s, dt, lambda j, k0: held[(j, k0)], lambda j: hns[j].astype(F32))
+        plt.store(x_ref.at[rows[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=rok)
+        return carry
+
+    jax.lax.fori_loop(0, trips, trip, 0)
+
+
+def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles: TilesMix | None = None,
+                   w_up_scale=None):
+    """x [..., D] = mean_j round(round(sigmoid(round(u @ Wup_j.T))) Hn_j) over the S streams, as
+    `reference.hc_boundary` computes it from u [..., r] (silu of the scaled Wdown product) and the normalized
+    streams Hn [..., S*D]; Wup [S*D, r] bf16, or FP8 with its 128x128 block scales `w_up_scale` (each piece's fp32
+    product scaled, within the weights' bf16 rounding of the reference's dequantized product)."""
+    lead = hn.shape[:-1]
+    if u.shape[:-1] != lead:
+        raise ValueError(f"hc_mix_prefill: u {u.shape} and Hn {hn.shape} do not agree on the tokens")
+    m = 1
+    for a in lead:
+        m *= a
+    s, sd, r = streams, hn.shape[-1], u.shape[-1]
+    if sd % s or tuple(w_up.shape) != (sd, r):
+        raise ValueError(f"hc_mix_prefill: Wup {tuple(w_up.shape)} is not [S*D, r] = [{sd}, {r}] for {s} streams")
+    d = sd // s
+    fp8 = w_up_scale is not None
+    if fp8 and tuple(w_up_scale.shape) != (-(-sd // 128), -(-r // 128)):
+        raise ValueError(f"hc_mix_prefill: Wup's block scales {tuple(w_up_scale.shape)} are not "
+                         f"[{-(-sd // 128)}, {-(-r // 128)}]")
+    t = _with_splits(tiles, d, m) if tiles is not None else mix_tiles(d, m)
+    why = mix_why_not(s, d, r, t)
+    if why is not None:
+        raise NotImplementedError(f"hc_mix_prefill: {why}")
+    dt = hn.dtype
+    trips = -(-(-(-m // t.bm)) // t.splits)
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
+                                                                         num_stages=t.num_stages)}
+    args = [u.reshape(-1).astype(dt), hn.reshape(-1), w_up.reshape(-1)] + \
+        ([w_up_scale.reshape(-1).astype(F32)] if fp8 else [])
+    x = pdl.pallas_call(
+        functools.partial(_mix_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd, splits=t.splits, trips=trips,
+                          fp8=fp8),
+        grid=(d // t.bd, t.splits), out_shape=jax.ShapeDtypeStruct((m * d,), dt), interpret=interpret,
+        name="hc_mix_prefill", **params,
+    )(*args)
+    return x.reshape(*lead, d)
