@@ -19,6 +19,7 @@ Run:
     python scripts/sass_count.py fp8 1 --hc-m1           # the one-token HC boundary's kernels (Tiles1 fields)
     python scripts/sass_count.py fp8 2048 --hc-prefill   # the HC boundary over a prefill chunk (TilesPrefill fields)
     python scripts/sass_count.py fp8 2048 --hc-mix       # its gates and mix alone, column tiles (TilesMix fields)
+    python scripts/sass_count.py bf16 2048 --hc-norm     # its combine and norm alone (TilesNorm fields)
     python scripts/sass_count.py fp8 1 programs=264 --hc-one  # the same in one launch (TilesOne fields; at m > 1
                                                          # tokens the few-token one, TilesFewOne fields)
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
@@ -132,6 +133,14 @@ def hc_mix_kernels(fmt: str, m: int, tiles) -> list[tuple[str, int, int, str]]:
     fn = lambda u, hn, w, s: prefill.hc_mix_prefill(u, hn, w, streams=4, w_up_scale=s, tiles=tiles)  # noqa: E731
     return _launches(jax.jit(fn).trace(S((1, m, r), BF16), S((1, m, sd), BF16), wu, sc).lower(
         lowering_platforms=("cuda",)))
+
+
+def hc_norm_kernels(m: int, tiles) -> list[tuple[str, int, int, str]]:
+    """The same for `fnx.pallas.hc.prefill.hc_norm_prefill` (the combine and the norm over an m-token chunk)."""
+    from fnx.pallas.hc import prefill
+    fn = lambda h, y, i, w: prefill.hc_norm_prefill(h, y, i, w, streams=4, eps=1e-6, tiles=tiles)  # noqa: E731
+    return _launches(jax.jit(fn).trace(S((1, m, 10240), BF16), S((1, m, 2560), BF16), S((1, m, 4), BF16),
+                                       S((10240,), BF16)).lower(lowering_platforms=("cuda",)))
 
 
 def hc_m1_kernels(fmt: str, tiles) -> list[tuple[str, int, int, str]]:
@@ -281,6 +290,8 @@ def main() -> None:
                     help="count the HC boundary's prefill kernels over m tokens (TilesPrefill fields)")
     ap.add_argument("--hc-mix", action="store_true",
                     help="count the HC gates-and-mix kernel over m prefill tokens (TilesMix fields)")
+    ap.add_argument("--hc-norm", action="store_true",
+                    help="count the HC combine + norm kernel over m prefill tokens (TilesNorm fields)")
     ap.add_argument("--hc-m1", action="store_true",
                     help="count the one-token HC boundary's kernels (fields: Tiles1's, e.g. bd=4; m is ignored)")
     ap.add_argument("--hc-one", action="store_true",
@@ -393,6 +404,13 @@ def main() -> None:
             tiles = prefill._with_splits(dataclasses.replace(tiles, **dispatch.fields_override(
                 args.fields, prefill.TilesMix, "fields")), 2560, args.m)
         launches = hc_mix_kernels(args.fmt, args.m, tiles)
+    elif args.hc_norm:
+        from fnx.pallas import dispatch
+        from fnx.pallas.hc import prefill
+        tiles = prefill.norm_tiles(2560)
+        if args.fields:
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, prefill.TilesNorm, "fields"))
+        launches = hc_norm_kernels(args.m, tiles)
     elif args.hc_few:
         from fnx.pallas.hc import few
         tiles = dataclasses.replace(few.TilesFew(), **few.tiles_override(args.fields)) if args.fields else \

@@ -64,23 +64,27 @@ def boundary(p: dict, h: jax.Array, y: jax.Array, inj: jax.Array, streams: int, 
     Returns (h' [..., S*D], x [..., D], inj' [..., S] or None without `inject`)."""
     if _kernel_ok(p, h, inject, impl, streams):
         return _kernel_call(p, h, y, inj, streams, eps, inject, impl)
-    h = combine(h, y, inj)
-    out = gated_residual(p, h, streams, eps, inject, impl=impl, kernel_checked=True)
+    normed = _norm_prefill(p, h, y, inj, streams, eps, impl)
+    h, hn = normed if normed is not None else (combine(h, y, inj), None)
+    out = gated_residual(p, h, streams, eps, inject, impl=impl, kernel_checked=True, hn=hn)
     return (h,) + (out if inject else (out, None))
 
 
 def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool = True, impl: str | None = None,
-                   kernel_checked: bool = False):
+                   kernel_checked: bool = False, hn: jax.Array | None = None):
     """Returns the mixed sublayer input x [..., D] and, with `inject`, the injection weights [..., S].
     Decode-sized calls whose `impl` (fnx.pallas.dispatch, ops "hc_boundary_m1" / "hc_boundary") resolves to a kernel run
     fnx.pallas.hc; otherwise the jnp below, which is the reference, except that over a prefill chunk the gates and
-    the mix may run as one kernel (op "hc_mix_prefill", `_mix_prefill`). kernel_checked: the caller found that
-    no boundary kernel takes this call."""
+    the mix may run as one kernel (op "hc_mix_prefill", `_mix_prefill`) and the norm as another (op
+    "hc_norm_prefill", `_norm_prefill`). kernel_checked: the caller found that no boundary kernel takes this call;
+    hn: the caller's normalized streams (`_norm_prefill`'s)."""
     if not kernel_checked and _kernel_ok(p, h, inject, impl, streams):
         _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl)
         return (x, inj) if inject else x
     d = h.shape[-1] // streams
-    hn = rms_norm(h, p["hc_norm"], eps, group=d)
+    if hn is None:
+        normed = _norm_prefill(p, h, None, None, streams, eps, impl)
+        hn = normed[1] if normed is not None else rms_norm(h, p["hc_norm"], eps, group=d)
     u = jax.nn.silu(div(linear(hn, p["input_mix_weight_down"]), streams))
     x = _mix_prefill(p, u, hn, streams, impl)
     if x is None:
@@ -93,6 +97,29 @@ def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool
     return x, inj
 
 
+def _tokens(x: jax.Array) -> int:
+    m = 1
+    for n in x.shape[:-1]:
+        m *= n
+    return m
+
+
+def _norm_prefill(p: dict, h: jax.Array, y, inj, streams: int, eps: float, impl: str | None):
+    """(H', Hn) through `fnx.pallas.hc.prefill.hc_norm_prefill` (the combine, when y is given, and the grouped norm
+    in one pass) for a prefill chunk (more than 32 tokens) where op "hc_norm_prefill" resolves to a kernel; None
+    where it does not (the caller's jnp runs)."""
+    from fnx.pallas import dispatch
+    from fnx.pallas.hc import prefill
+    if _tokens(h) <= hc_api.MAX_DECODE_TOKENS:
+        return None
+    d = h.shape[-1] // streams
+    which = dispatch.resolve(prefill.NORM_OP, impl, not_applicable=prefill.norm_why_not(d, prefill.norm_tiles(d)))
+    if which == "reference":
+        return None
+    return prefill.hc_norm_prefill(h, y, inj, p["hc_norm"], streams=streams, eps=eps,
+                                   interpret=dispatch.interpret_flag(which))
+
+
 def _mix_prefill(p: dict, u: jax.Array, hn: jax.Array, streams: int, impl: str | None):
     """x from u and Hn through `fnx.pallas.hc.prefill.hc_mix_prefill` (the gates' product and the mix in one launch,
     no [M, S*D] gate array) for a prefill chunk (more than 32 tokens) where op "hc_mix_prefill" resolves to a
@@ -100,9 +127,7 @@ def _mix_prefill(p: dict, u: jax.Array, hn: jax.Array, streams: int, impl: str |
     from fnx.model import quant
     from fnx.pallas import dispatch
     from fnx.pallas.hc import prefill
-    m = 1
-    for n in hn.shape[:-1]:
-        m *= n
+    m = _tokens(hn)
     if m <= hc_api.MAX_DECODE_TOKENS:
         return None
     wu = p["input_mix_weight_up"]

@@ -156,7 +156,8 @@ def test_known_ops_cover_every_kernel_module():
     from fnx.pallas.gdn import out_norm
     from fnx.pallas.moe import api as moe_api
     from fnx.pallas.hc import prefill as hc_prefill
-    names |= {dequant.OP, out_norm.OP, moe_api.PREFILL_ROUTE_OP, hc_prefill.MIX_OP}
+    names |= {dequant.OP, out_norm.OP, moe_api.PREFILL_ROUTE_OP, hc_prefill.MIX_OP,
+              hc_prefill.NORM_OP}
     assert names == set(dispatch.KNOWN_OPS)
     for table in (dispatch.VERIFIED_ON_GPU, dispatch.AUTO_KEEPS_REFERENCE, dict.fromkeys(dispatch.MESH_READY)):
         assert set(table) <= set(dispatch.KNOWN_OPS), set(table) - set(dispatch.KNOWN_OPS)

@@ -673,3 +673,65 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
         S((1, 2048, 320), bf), S((1, 2048, 10240), bf), S((10240, 320), jnp.float8_e4m3fn),
         S((80, 3), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "hc_mix_prefill" in text
+
+
+@pytest.mark.parametrize("m,dtype,with_y,bm,bk", [(45, jnp.bfloat16, True, 4, 32), (45, jnp.float32, False, 2, 64),
+                                                  (33, jnp.float32, True, 8, 128)])
+def test_norm_prefill_kernel_matches_reference(m, dtype, with_y, bm, bk):
+    """`prefill.hc_norm_prefill` (op "hc_norm_prefill"): the combine bit for bit and the grouped norm within an ulp
+    of the reference's in bf16, a few in fp32 (its sum of squares in another order) over S*D = 512, a partial last row block, with and
+    without the combine; refused tiles and mismatched operands raise with the reason."""
+    from fnx.pallas.hc import prefill
+    h, y, inj, p = _inputs((1, m), 4, 128, 48, dtype, np.random.randint(1 << 30))
+    y, inj = (y, inj) if with_y else (None, None)
+    h2, hn = prefill.hc_norm_prefill(h, y, inj, p["hc_norm"], streams=4, eps=1e-6, interpret=INTERPRET,
+                                     tiles=prefill.TilesNorm(bm=bm, bk=bk))
+    want_h2 = reference.combine(h, y, inj) if with_y else h
+    np.testing.assert_array_equal(np.asarray(h2, np.float32), np.asarray(want_h2, np.float32))
+    want = np.asarray(reference.grouped_rms_norm(want_h2, p["hc_norm"], 1e-6, 128), np.float32)
+    got = np.asarray(hn, np.float32)
+    ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20    # fp32: rstd a few ulp apart
+    assert np.all(np.abs(got - want) <= ulp * np.abs(want) + 1e-30), np.abs(got - want).max()
+    assert "bk=48" in prefill.norm_why_not(128, prefill.TilesNorm(bk=48))
+    assert "chunks" in prefill.norm_why_not(2560, prefill.TilesNorm(bk=16))
+    assert prefill.norm_tiles(2560).bk == 512 and prefill.norm_tiles(128).bk == 128
+    with pytest.raises(ValueError, match="come together"):
+        prefill.hc_norm_prefill(h, y if y is not None else h[..., :128], None, p["hc_norm"], streams=4, eps=1e-6)
+    with pytest.raises(NotImplementedError, match="bk=48"):
+        prefill.hc_norm_prefill(h, None, None, p["hc_norm"], streams=4, eps=1e-6, interpret=True,
+                                tiles=prefill.TilesNorm(bk=48))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_norm_and_mix_prefill_through_the_model_only_where_named(fp8, monkeypatch):
+    """Ops "hc_norm_prefill" and "hc_mix_prefill" together over a 40-token chunk: a boundary is two launches (the
+    combine + norm, the gates + mix) around XLA's Wdown / Winj products, a gated residual without a combine the same;
+    H' bit for bit, x and inj within TOL of XLA's path; the norm alone is one launch. At the released shapes a
+    2,048-token boundary lowers to the two Triton launches."""
+    h, y, inj, p = _inputs((1, 40), 4, 128, 32, jnp.bfloat16, np.random.randint(1 << 30))
+    if fp8:
+        p = _fp8(p)
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+    count = lambda f, h=h: str(jax.make_jaxpr(lambda h: f(h))(h)).count("pallas_call")   # noqa: E731
+    bnd = lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6)              # noqa: E731
+    res = lambda h: hyper.gated_residual(p, h, 4, 1e-6)                # noqa: E731
+    want_b, want_r = jax.jit(lambda h: bnd(h))(h), jax.jit(lambda h: res(h))(h)
+    monkeypatch.setenv("FNX_KERNELS", f"hc_norm_prefill={KERNEL}")
+    assert count(bnd) == 1 and count(res) == 1
+    monkeypatch.setenv("FNX_KERNELS", f"hc_norm_prefill={KERNEL},hc_mix_prefill={KERNEL}")
+    assert count(bnd) == 2 and count(res) == 2
+    got_b = jax.jit(lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6))(h)
+    got_r = jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6))(h)
+    np.testing.assert_array_equal(np.asarray(got_b[0], np.float32), np.asarray(want_b[0], np.float32))
+    for g, w, what in ((got_b[1], want_b[1], "x"), (got_b[2], want_b[2], "inj"), (got_r[0], want_r[0], "x"),
+                       (got_r[1], want_r[1], "inj")):
+        _close(g, w, TOL[jnp.bfloat16], what)
+    assert count(lambda h: hyper.gated_residual(p, h[:, :32], 4, 1e-6)) == 0    # decode sizes: not these ops
+    monkeypatch.delenv("FNX_KERNELS")
+    from fnx.pallas.hc import prefill
+    S = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    text = jax.jit(lambda h, y, i, w: prefill.hc_norm_prefill(h, y, i, w, streams=4, eps=1e-6)).trace(
+        S((1, 2048, 10240), bf), S((1, 2048, 2560), bf), S((1, 2048, 4), bf), S((10240,), bf)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "hc_norm_prefill" in text

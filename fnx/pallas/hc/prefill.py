@@ -384,3 +384,115 @@ def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles:
         name="hc_mix_prefill", **params,
     )(*args)
     return x.reshape(*lead, d)
+
+
+# ---- The combine and the grouped norm over a prefill chunk in one pass (op "hc_norm_prefill") -------------------
+#
+# XLA writes H' = H + round(inj_prev y) in one fusion (`loop_add_fusion_5`, 31 us a boundary of a 2,048-token
+# chunk on an H100) and reads it back for Hn in another (`fusion_542`, 33 us): the streams cross the memory four
+# times (H read, H' written, H' read, Hn written) plus y. Here a program holds bm rows of one stream in registers
+# (D / bk chunks of [bm, bk]): the combine, the stream's sum of squares, H' stored, then Hn = round(H' rstd (1 + w))
+# stored from the same registers; three crossings. Without y (a gated residual without a combine) only Hn is
+# written.
+
+NORM_OP = "hc_norm_prefill"
+NORM_TILES_ENV = "FNX_HC_NORM_TILES"    # "field=value,..." replaces fields of the norm tiles (a benchmark knob)
+NORM_MAX_CHUNKS = 16                    # a program's row of D / bk chunks stays in registers
+
+
+@dataclasses.dataclass(frozen=True)
+class TilesNorm:
+    bm: int = 4             # token rows per program (a power of two): bm x D fp32 values held (40 KB at 4 x 2,560)
+    bk: int = 512           # columns per chunk (a power of two >= 16 dividing D; D / bk <= NORM_MAX_CHUNKS)
+    num_warps: int = 4
+
+
+def norm_tiles(d: int) -> TilesNorm:
+    """Tiles for D columns a stream (not yet measured on a GPU): bk shrunk to a power of two dividing D;
+    `FNX_HC_NORM_TILES` replaces fields."""
+    t = TilesNorm()
+    spec = os.environ.get(NORM_TILES_ENV, "").strip()
+    if spec:
+        from fnx.pallas import dispatch
+        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesNorm, NORM_TILES_ENV))
+    bk = t.bk
+    while bk > 16 and d % bk:
+        bk //= 2
+    return dataclasses.replace(t, bk=bk)
+
+
+def norm_why_not(d: int, tiles: TilesNorm) -> str | None:
+    """None when the combine + norm kernel takes D and these tiles, else why not."""
+    t = tiles
+    if t.bm < 1 or t.bm & (t.bm - 1):
+        return f"bm={t.bm} must be a power of two"
+    if t.bk < 16 or t.bk & (t.bk - 1) or d % t.bk:
+        return f"bk={t.bk} must be a power of two >= 16 dividing D={d}"
+    if d // t.bk > NORM_MAX_CHUNKS:
+        return f"D={d} is {d // t.bk} chunks of bk={t.bk} (at most {NORM_MAX_CHUNKS} held in registers)"
+    return None
+
+
+def _norm_kernel(*refs, m, s, d, bm, bk, eps, has_y):
+    it = iter(refs)
+    h_ref = next(it)
+    y_ref, ip_ref = (next(it), next(it)) if has_y else (None, None)
+    wn_ref = next(it)
+    h2_ref = next(it) if has_y else None
+    hn_ref = next(it)
+    i, j = pl.program_id(0), pl.program_id(1)
+    dt = h_ref.dtype
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)
+    rok = (rows < m)[:, None]
+    inj = plt.load(ip_ref.at[rows * s + j], mask=rows < m, other=0.0).astype(F32) if has_y else None
+    held, sq = [], None     # the squares summed elementwise over the chunks, reduced once (no barrier a chunk)
+    for c in range(d // bk):
+        col = j * d + c * bk + jnp.arange(bk, dtype=jnp.int32)
+        off = rows[:, None] * (s * d) + col[None, :]
+        hv = plt.load(h_ref.at[off], mask=rok, other=0.0).astype(F32)
+        if has_y:       # the reference's combine: the product rounded, then the sum
+            yv = plt.load(y_ref.at[rows[:, None] * d + (col - j * d)[None, :]], mask=rok, other=0.0).astype(F32)
+            hv = rnd(hv + rnd(yv * inj[:, None], dt), dt)
+            plt.store(h2_ref.at[off], hv.astype(dt), mask=rok)
+        sq = hv * hv if sq is None else sq + hv * hv
+        held.append((off, col, hv))
+    rstd = jax.lax.rsqrt(jnp.sum(sq, axis=1) / d + eps)
+    for off, col, hv in held:
+        w = plt.load(wn_ref.at[col]).astype(F32)
+        plt.store(hn_ref.at[off], ((hv * rstd[:, None]) * (1.0 + w)[None, :]).astype(dt), mask=rok)
+
+
+def hc_norm_prefill(h, y, inj_prev, hc_norm, *, streams: int, eps: float, interpret: bool = False,
+                    tiles: TilesNorm | None = None):
+    """(H', Hn): H' = H + round(inj_prev_j y) per stream (H itself when y and inj_prev are None) and Hn its
+    grouped zero-centred RMSNorm (D per group, fp32 inside, one rounding), as `reference.combine` and
+    `reference.grouped_rms_norm` compute them; h [..., S*D], y [..., D], inj_prev [..., S], hc_norm [S*D]. H' bit for
+    bit; Hn up to the sum of squares' order (an ulp where it rounds the other way)."""
+    if (y is None) != (inj_prev is None):
+        raise ValueError("hc_norm_prefill: y and inj_prev come together (a combine) or not at all")
+    lead = h.shape[:-1]
+    m = 1
+    for a in lead:
+        m *= a
+    s, sd = streams, h.shape[-1]
+    if sd % s or tuple(hc_norm.shape) != (sd,):
+        raise ValueError(f"hc_norm_prefill: H [..., {sd}] and hc_norm {tuple(hc_norm.shape)} do not make {s} streams")
+    d = sd // s
+    has_y = y is not None
+    if has_y and (y.shape != lead + (d,) or inj_prev.shape != lead + (s,)):
+        raise ValueError(f"hc_norm_prefill: y {y.shape} / inj_prev {inj_prev.shape} are not [..., {d}] / [..., {s}]")
+    t = tiles or norm_tiles(d)
+    why = norm_why_not(d, t)
+    if why is not None:
+        raise NotImplementedError(f"hc_norm_prefill: {why}")
+    dt = h.dtype
+    params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps, num_stages=1)}
+    args = [h.reshape(-1)] + ([y.reshape(-1).astype(dt), inj_prev.reshape(-1).astype(dt)] if has_y else []) + \
+        [hc_norm]
+    out_shape = ([jax.ShapeDtypeStruct((m * sd,), dt)] if has_y else []) + [jax.ShapeDtypeStruct((m * sd,), dt)]
+    outs = pdl.pallas_call(
+        functools.partial(_norm_kernel, m=m, s=s, d=d, bm=t.bm, bk=t.bk, eps=float(eps), has_y=has_y),
+        grid=(-(-m // t.bm), s), out_shape=out_shape, interpret=interpret, name="hc_norm_prefill", **params,
+    )(*args)
+    h2 = outs[0].reshape(h.shape) if has_y else h
+    return h2, outs[-1].reshape(h.shape)
