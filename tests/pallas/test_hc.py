@@ -679,8 +679,8 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
                                                   (33, jnp.float32, True, 8, 128)])
 def test_norm_prefill_kernel_matches_reference(m, dtype, with_y, bm, bk):
     """`prefill.hc_norm_prefill` (op "hc_norm_prefill"): the combine bit for bit and the grouped norm within an ulp
-    of the reference's in bf16, a few in fp32 (its sum of squares in another order) over S*D = 512, a partial last row block, with and
-    without the combine; refused tiles and mismatched operands raise with the reason."""
+    of the reference's in bf16, a few in fp32 (its sum of squares in another order) over S*D = 512, a partial last
+    row block, with and without the combine; refused tiles and mismatched operands raise with the reason."""
     from fnx.pallas.hc import prefill
     h, y, inj, p = _inputs((1, m), 4, 128, 48, dtype, np.random.randint(1 << 30))
     y, inj = (y, inj) if with_y else (None, None)
