@@ -474,6 +474,17 @@ def test_prefill_kernels_match_reference(m, dtype, fp8, with_y, inject):
     _check_few(got, want, dtype)
 
 
+def _tiles_env_replaces_fields(monkeypatch, env, tiles, fields):
+    """The tiles' environment knob replaces the fields it names; an unknown field is an error naming the knob."""
+    monkeypatch.setenv(env, ",".join(f"{k}={v}" for k, v in fields.items()))
+    t = tiles()
+    assert {k: getattr(t, k) for k in fields} == fields
+    monkeypatch.setenv(env, "rows=8")
+    with pytest.raises(ValueError, match=env):
+        tiles()
+    monkeypatch.delenv(env)
+
+
 def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda(monkeypatch):
     """Tiles that do not divide the dims are refused with the reason; the default tiles by token count and D, and
     FNX_HC_PREFILL_TILES over them; at the released shapes (S = 4, D = 2,560, r = 320, FP8 Wdown / Wup) a
@@ -486,12 +497,8 @@ def test_prefill_kernels_refuse_tiles_they_cannot_take_and_lower_for_cuda(monkey
     assert (prefill.default_tiles(2560, 2048).bm, prefill.default_tiles(2560, 512).bm,
             prefill.default_tiles(2560, 40).bm) == (64, 32, 16)
     assert (prefill.default_tiles(320, 2048).bk, prefill.default_tiles(320, 2048).bd) == (64, 64)
-    monkeypatch.setenv(prefill.TILES_ENV, "bm=32,num_warps=4")
-    assert (prefill.default_tiles(2560, 2048).bm, prefill.default_tiles(2560, 2048).num_warps) == (32, 4)
-    monkeypatch.setenv(prefill.TILES_ENV, "rows=8")
-    with pytest.raises(ValueError, match=prefill.TILES_ENV):
-        prefill.default_tiles(2560, 2048)
-    monkeypatch.delenv(prefill.TILES_ENV)
+    _tiles_env_replaces_fields(monkeypatch, prefill.TILES_ENV, lambda: prefill.default_tiles(2560, 2048),
+                               {"bm": 32, "num_warps": 4})
     S = jax.ShapeDtypeStruct
     m, sd, r = 2048, 10240, 320
     fp8 = jnp.float8_e4m3fn
@@ -645,12 +652,10 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
     t = prefill.mix_tiles(2560, 2048)
     assert (t.bm, t.bd, t.splits) == (64, 32, 4) and prefill.mix_tiles(2560, 100).bm == 32
     assert prefill.mix_tiles(80, 2048).bd == 16
-    monkeypatch.setenv(prefill.MIX_TILES_ENV, "bd=64,splits=2")
-    assert (prefill.mix_tiles(2560, 2048).bd, prefill.mix_tiles(2560, 2048).splits) == (64, 2)
-    monkeypatch.setenv(prefill.MIX_TILES_ENV, "rows=8")
-    with pytest.raises(ValueError, match=prefill.MIX_TILES_ENV):
-        prefill.mix_tiles(2560, 2048)
-    monkeypatch.delenv(prefill.MIX_TILES_ENV)
+    _tiles_env_replaces_fields(monkeypatch, prefill.MIX_TILES_ENV, lambda: prefill.mix_tiles(2560, 2048),
+                               {"bd": 64, "splits": 2})
+    _tiles_env_replaces_fields(monkeypatch, prefill.NORM_TILES_ENV, lambda: prefill.norm_tiles(2560),
+                               {"bm": 8, "num_warps": 8})
     bf = jnp.bfloat16
     with pytest.raises(ValueError, match="not \\[S\\*D, r\\]"):
         prefill.hc_mix_prefill(jnp.zeros((40, 48), bf), jnp.zeros((40, 512), bf), jnp.zeros((512, 32), bf),

@@ -58,6 +58,23 @@ TILES_ENV = "FNX_HC_PREFILL_TILES"      # "field=value,..." replaces fields of t
                                         # read when a program is traced), e.g. "bm=32,num_warps=4"
 
 
+def _overridden(t, env: str):
+    """Tiles t with the fields the environment variable `env` names replaced ("field=value,..."; read when a program
+    is traced: a benchmark knob)."""
+    spec = os.environ.get(env, "").strip()
+    if not spec:
+        return t
+    from fnx.pallas import dispatch
+    return dataclasses.replace(t, **dispatch.fields_override(spec, type(t), env))
+
+
+def _fit(v: int, d: int) -> int:
+    """v halved until it divides d (or reaches 16): tiles for the small test models' dims."""
+    while v > 16 and d % v:
+        v //= 2
+    return v
+
+
 def default_tiles(d: int, m: int = 1 << 30) -> TilesPrefill:
     """Tiles for D columns a stream and M tokens: bm 64 on 8 warps from 1,024 tokens (128 down programs at 2,048:
     one wave), 32 on 4 warps from 256, else 16; bk and bd shrunk to powers of two that divide D (small test
@@ -65,17 +82,7 @@ def default_tiles(d: int, m: int = 1 << 30) -> TilesPrefill:
     t = TilesPrefill()
     if m < 1024:
         t = dataclasses.replace(t, bm=32 if m >= 256 else 16, num_warps=4)
-    bk, bd = t.bk, t.bd
-    while bk > 16 and d % bk:
-        bk //= 2
-    while bd > 16 and d % bd:
-        bd //= 2
-    t = dataclasses.replace(t, bk=bk, bd=bd)
-    spec = os.environ.get(TILES_ENV, "").strip()
-    if spec:
-        from fnx.pallas import dispatch
-        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesPrefill, TILES_ENV))
-    return t
+    return _overridden(dataclasses.replace(t, bk=_fit(t.bk, d), bd=_fit(t.bd, d)), TILES_ENV)
 
 
 def why_not(s: int, d: int, r: int, tiles: TilesPrefill) -> str | None:
@@ -279,15 +286,8 @@ def mix_tiles(d: int, m: int) -> TilesMix:
     """Tiles for D columns a stream and M tokens (not yet measured on a GPU): bd shrunk to a power of two dividing
     D (small test models), bm 32 under 512 tokens, `splits` resolved so (D / bd) x splits >= 264 programs where the
     row blocks allow; `FNX_HC_MIX_TILES` replaces fields."""
-    t = TilesMix() if m >= 512 else TilesMix(bm=32, num_warps=4)
-    spec = os.environ.get(MIX_TILES_ENV, "").strip()
-    if spec:
-        from fnx.pallas import dispatch
-        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesMix, MIX_TILES_ENV))
-    bd = t.bd
-    while bd > 16 and d % bd:
-        bd //= 2
-    return _with_splits(dataclasses.replace(t, bd=bd), d, m)
+    t = _overridden(TilesMix() if m >= 512 else TilesMix(bm=32, num_warps=4), MIX_TILES_ENV)
+    return _with_splits(dataclasses.replace(t, bd=_fit(t.bd, d)), d, m)
 
 
 def _with_splits(t: TilesMix, d: int, m: int) -> TilesMix:
@@ -410,15 +410,8 @@ class TilesNorm:
 def norm_tiles(d: int) -> TilesNorm:
     """Tiles for D columns a stream (not yet measured on a GPU): bk shrunk to a power of two dividing D;
     `FNX_HC_NORM_TILES` replaces fields."""
-    t = TilesNorm()
-    spec = os.environ.get(NORM_TILES_ENV, "").strip()
-    if spec:
-        from fnx.pallas import dispatch
-        t = dataclasses.replace(t, **dispatch.fields_override(spec, TilesNorm, NORM_TILES_ENV))
-    bk = t.bk
-    while bk > 16 and d % bk:
-        bk //= 2
-    return dataclasses.replace(t, bk=bk)
+    t = _overridden(TilesNorm(), NORM_TILES_ENV)
+    return dataclasses.replace(t, bk=_fit(t.bk, d))
 
 
 def norm_why_not(d: int, tiles: TilesNorm) -> str | None:
