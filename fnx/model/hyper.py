@@ -132,7 +132,6 @@ def _mix_prefill(p: dict, u: jax.Array, hn: jax.Array, streams: int, impl: str |
         return None
     wu = p["input_mix_weight_up"]
     d = hn.shape[-1] // streams
-    why = None
     if not (_fp8_ok(wu) or not quant.is_quantized(wu)) or len(wu.shape) != 2:
         why = "Wup in a format the mix kernel does not take (dense, or FP8 128x128 blocks)"
     else:
