@@ -3,6 +3,8 @@ and the final mixer. H [..., S*D] holds S streams, stream-major (stream j is H[.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -22,9 +24,7 @@ def _kernel_ok(p: dict, h: jax.Array, inject: bool, impl: str | None, streams: i
     "hc_boundary_few" (2..8 tokens) or "hc_boundary" (2..32 tokens, dense weights); or a prefill chunk (more than
     32 tokens, dense or FP8 Wdown / Wup) where "hc_boundary_prefill" resolves to a kernel (only where named)."""
     from fnx.model import quant
-    m = 1
-    for n in h.shape[:-1]:
-        m *= n
+    m = _tokens(h)
     why = None
     fp8 = [_fp8_ok(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
     dense = [not quant.is_quantized(p[k]) for k in ("input_mix_weight_down", "input_mix_weight_up")]
@@ -98,10 +98,8 @@ def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool
 
 
 def _tokens(x: jax.Array) -> int:
-    m = 1
-    for n in x.shape[:-1]:
-        m *= n
-    return m
+    """The tokens of a call: x's leading dims multiplied."""
+    return math.prod(x.shape[:-1])
 
 
 def _norm_prefill(p: dict, h: jax.Array, y, inj, streams: int, eps: float, impl: str | None):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
@@ -209,9 +210,7 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     weights in the checkpoint layout (Wdown and Wup bf16, or FP8 with their 128x128 block scales), w_inj [S, S*D]
     or None. Returns (H' [..., S*D], x [..., D], inj [..., S] or None)."""
     lead = h.shape[:-1]
-    m = 1
-    for a in lead:
-        m *= a
+    m = math.prod(lead)
     t = tiles or default_tiles(h.shape[-1] // streams, m)
     s, sd = streams, h.shape[-1]
     d, r = sd // s, w_down.shape[0]
@@ -356,9 +355,7 @@ def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles:
     lead = hn.shape[:-1]
     if u.shape[:-1] != lead:
         raise ValueError(f"hc_mix_prefill: u {u.shape} and Hn {hn.shape} do not agree on the tokens")
-    m = 1
-    for a in lead:
-        m *= a
+    m = math.prod(lead)
     s, sd, r = streams, hn.shape[-1], u.shape[-1]
     if sd % s or tuple(w_up.shape) != (sd, r):
         raise ValueError(f"hc_mix_prefill: Wup {tuple(w_up.shape)} is not [S*D, r] = [{sd}, {r}] for {s} streams")
@@ -372,7 +369,7 @@ def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles:
     if why is not None:
         raise NotImplementedError(f"hc_mix_prefill: {why}")
     dt = hn.dtype
-    trips = -(-(-(-m // t.bm)) // t.splits)
+    trips = -(-math.ceil(m / t.bm) // t.splits)     # each program's row blocks: q, q + splits, ...
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
                                                                          num_stages=t.num_stages)}
     args = [u.reshape(-1).astype(dt), hn.reshape(-1), w_up.reshape(-1)] + \
@@ -464,9 +461,7 @@ def hc_norm_prefill(h, y, inj_prev, hc_norm, *, streams: int, eps: float, interp
     if (y is None) != (inj_prev is None):
         raise ValueError("hc_norm_prefill: y and inj_prev come together (a combine) or not at all")
     lead = h.shape[:-1]
-    m = 1
-    for a in lead:
-        m *= a
+    m = math.prod(lead)
     s, sd = streams, h.shape[-1]
     if sd % s or tuple(hc_norm.shape) != (sd,):
         raise ValueError(f"hc_norm_prefill: H [..., {sd}] and hc_norm {tuple(hc_norm.shape)} do not make {s} streams")
