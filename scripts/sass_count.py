@@ -401,8 +401,7 @@ def main() -> None:
         from fnx.pallas.hc import prefill
         tiles = prefill.mix_tiles(2560, args.m)
         if args.fields:
-            tiles = prefill._with_splits(dataclasses.replace(tiles, **dispatch.fields_override(
-                args.fields, prefill.TilesMix, "fields")), 2560, args.m)
+            tiles = dataclasses.replace(tiles, **dispatch.fields_override(args.fields, prefill.TilesMix, "fields"))
         launches = hc_mix_kernels(args.fmt, args.m, tiles)
     elif args.hc_norm:
         from fnx.pallas import dispatch

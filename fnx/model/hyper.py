@@ -137,9 +137,13 @@ def _mix_prefill(p: dict, u: jax.Array, hn: jax.Array, streams: int, impl: str |
     which = dispatch.resolve(prefill.MIX_OP, impl, not_applicable=why)
     if which == "reference":
         return None
-    w, scale = (wu.w, wu.scale_inv) if _fp8_ok(wu) else (wu, None)
+    t = prefill.mix_tiles(d, m)
+    if _fp8_ok(wu) and t.wdense:        # dequantized by XLA first, as its own path does
+        w, scale = quant.dequantize(wu, hn.dtype), None
+    else:
+        w, scale = (wu.w, wu.scale_inv) if _fp8_ok(wu) else (wu, None)
     return prefill.hc_mix_prefill(u, hn, w, streams=streams, interpret=dispatch.interpret_flag(which),
-                                  w_up_scale=scale)
+                                  w_up_scale=scale, tiles=t)
 
 
 def combine(h: jax.Array, y: jax.Array, inj: jax.Array) -> jax.Array:

@@ -272,29 +272,21 @@ MIX_TILES_ENV = "FNX_HC_MIX_TILES"      # "field=value,..." replaces fields of t
 
 @dataclasses.dataclass(frozen=True)
 class TilesMix:
-    bm: int = 64            # token rows per trip (the MMA's M)
-    bd: int = 32            # columns of each stream per program (>= 16, divides D and 128): 4 x bd x r weights
-                            # held for the program's walk (80 KB of bf16 at bd 32, r 320)
-    splits: int = 0         # programs over the row blocks per column tile; 0: enough for ~2 programs an SM
+    bm: int = 64            # token rows a program (the MMA's M)
+    bd: int = 64            # columns of each stream a program (>= 16, divides D and 128): its 4 x bd x r weights
+                            # read from L2 in pieces (bd 64, r 320: 80 KB of FP8 codes a program)
     num_warps: int = 8
-    num_stages: int = 3     # stock sm_90 build at 2,048 tokens: 3 stages keep u's copies in flight across trips (2:
-                            # "NO OVERLAP"), 138 registers, no spills; the Wup conversion outside the loop
+    num_stages: int = 1     # no loop: a program's loads are issued at once
+    wdense: int = 0         # FP8 Wup: 1 = XLA dequantizes it to the activation dtype before the launch, as its own
+                            # path does (a 6.5 MB write, ~5 us a boundary), so the kernel converts no code and its
+                            # products are the reference's (the model's wiring, `hyper._mix_prefill`, reads it)
 
 
 def mix_tiles(d: int, m: int) -> TilesMix:
-    """Tiles for D columns a stream and M tokens (not yet measured on a GPU): bd shrunk to a power of two dividing
-    D (small test models), bm 32 under 512 tokens, `splits` resolved so (D / bd) x splits >= 264 programs where the
-    row blocks allow; `FNX_HC_MIX_TILES` replaces fields."""
+    """Tiles for D columns a stream and M tokens: bd shrunk to a power of two dividing D (small test models), bm 32
+    on 4 warps under 512 tokens; `FNX_HC_MIX_TILES` replaces fields."""
     t = _overridden(TilesMix() if m >= 512 else TilesMix(bm=32, num_warps=4), MIX_TILES_ENV)
-    return _with_splits(dataclasses.replace(t, bd=_fit(t.bd, d)), d, m)
-
-
-def _with_splits(t: TilesMix, d: int, m: int) -> TilesMix:
-    """`splits` 0 resolved: enough programs over the row blocks for ~264 programs in all (two an SM), at most one a
-    row block."""
-    if t.splits or d % t.bd:
-        return t
-    return dataclasses.replace(t, splits=max(1, min(-(-m // t.bm), -(-264 // (d // t.bd)))))
+    return dataclasses.replace(t, bd=_fit(t.bd, d))
 
 
 def mix_why_not(s: int, d: int, r: int, tiles: TilesMix) -> str | None:
@@ -307,43 +299,39 @@ def mix_why_not(s: int, d: int, r: int, tiles: TilesMix) -> str | None:
         return f"bd={t.bd} must divide D={d} and 128"
     if r < 16 or r % 16:
         return f"r={r} must be a multiple of 16 (its power-of-two pieces are MMA tiles)"
-    if t.splits < 0:
-        return f"splits={t.splits} must be >= 0"
+    if t.wdense not in (0, 1):
+        return f"wdense={t.wdense} must be 0 or 1"
     return None
 
 
-def _mix_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bm, bd, splits, trips, fp8):
+def _mix_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bm, bd, fp8):
     su_ref = rest[0] if fp8 else None
     x_ref = rest[-1]
-    n, q = pl.program_id(0), pl.program_id(1)
+    n, i = pl.program_id(0), pl.program_id(1)
     dt = hn_ref.dtype
     cols = n * bd + jnp.arange(bd, dtype=jnp.int32)
+    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)       # a partial last row block: masked
+    rok = (rows < m)[:, None]
     ncb = (r + 127) // 128
     pieces = kernel._pieces(r, 128)        # a piece lies in one 128-column block of Wup (its scale)
-    held = {}
-    for j in range(s):                     # the program's Wup rows of every stream, converted once
-        for k0, p in pieces:
-            k = k0 + jnp.arange(p, dtype=jnp.int32)
-            w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)            # [bd, p]
-            # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
-            sc = plt.load(su_ref.at[jnp.full((1, 1), ((j * d + n * bd) // 128) * ncb + k0 // 128, jnp.int32)]) \
-                if fp8 else None
-            held[(j, k0)] = (w, sc)
+    us = {k0: plt.load(u_ref.at[rows[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=rok,
+                       other=0.0) for k0, p in pieces}                                              # [bm, p]
+    # every stream's Hn tile issued before the products (loaded where the mix uses them, they would be loads the
+    # program waits on after its MMAs)
+    hns = [plt.load(hn_ref.at[rows[:, None] * (s * d) + (j * d + cols)[None, :]], mask=rok, other=0.0)
+           for j in range(s)]
 
-    def trip(t, carry):
-        rows = (q + t * splits) * bm + jnp.arange(bm, dtype=jnp.int32)     # past M (a last, partial walk): masked
-        rok = (rows < m)[:, None]
-        us = {k0: plt.load(u_ref.at[rows[:, None] * r + (k0 + jnp.arange(p, dtype=jnp.int32))[None, :]], mask=rok,
-                           other=0.0) for k0, p in pieces}                                          # [bm, p]
-        # every stream's Hn tile issued before the products (in the stock sm_90 build, loaded where the mix uses
-        # them, they were plain loads the trip waited on after its MMAs)
-        hns = [plt.load(hn_ref.at[rows[:, None] * (s * d) + (j * d + cols)[None, :]], mask=rok, other=0.0)
-               for j in range(s)]
-        acc = few.gates_and_mix(us, pieces, s, dt, lambda j, k0: held[(j, k0)], lambda j: hns[j].astype(F32))
-        plt.store(x_ref.at[rows[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=rok)
-        return carry
+    def weight(j, k0):                     # Wup_j's [bd, p] piece (codes to the activation dtype) and its scale
+        p = dict(pieces)[k0]
+        k = k0 + jnp.arange(p, dtype=jnp.int32)
+        w = plt.load(wu_ref.at[(j * d + cols)[:, None] * r + k[None, :]]).astype(dt)
+        # bd divides 128 and D: the program's rows of stream j lie in one 128-row block
+        sc = plt.load(su_ref.at[jnp.full((1, 1), ((j * d + n * bd) // 128) * ncb + k0 // 128, jnp.int32)]) \
+            if fp8 else None
+        return w, sc
 
-    jax.lax.fori_loop(0, trips, trip, 0)
+    acc = few.gates_and_mix(us, pieces, s, dt, weight, lambda j: hns[j].astype(F32))
+    plt.store(x_ref.at[rows[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=rok)
 
 
 def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles: TilesMix | None = None,
@@ -364,20 +352,19 @@ def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles:
     if fp8 and tuple(w_up_scale.shape) != (-(-sd // 128), -(-r // 128)):
         raise ValueError(f"hc_mix_prefill: Wup's block scales {tuple(w_up_scale.shape)} are not "
                          f"[{-(-sd // 128)}, {-(-r // 128)}]")
-    t = _with_splits(tiles, d, m) if tiles is not None else mix_tiles(d, m)
+    t = tiles if tiles is not None else mix_tiles(d, m)
     why = mix_why_not(s, d, r, t)
     if why is not None:
         raise NotImplementedError(f"hc_mix_prefill: {why}")
     dt = hn.dtype
-    trips = -(-math.ceil(m / t.bm) // t.splits)     # each program's row blocks: q, q + splits, ...
     params = {} if interpret else {"compiler_params": plt.CompilerParams(num_warps=t.num_warps,
                                                                          num_stages=t.num_stages)}
     args = [u.reshape(-1).astype(dt), hn.reshape(-1), w_up.reshape(-1)] + \
         ([w_up_scale.reshape(-1).astype(F32)] if fp8 else [])
+    # the column tiles vary fastest: neighbouring programs share the row block's u (from L2)
     x = pdl.pallas_call(
-        functools.partial(_mix_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd, splits=t.splits, trips=trips,
-                          fp8=fp8),
-        grid=(d // t.bd, t.splits), out_shape=jax.ShapeDtypeStruct((m * d,), dt), interpret=interpret,
+        functools.partial(_mix_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd, fp8=fp8),
+        grid=(d // t.bd, math.ceil(m / t.bm)), out_shape=jax.ShapeDtypeStruct((m * d,), dt), interpret=interpret,
         name="hc_mix_prefill", **params,
     )(*args)
     return x.reshape(*lead, d)
