@@ -1990,3 +1990,53 @@ def test_rows_first_knob_same_bits(fmt, monkeypatch):
     monkeypatch.setenv(moe.ROWS_FIRST_ENV, "yes")
     with pytest.raises(ValueError, match=moe.ROWS_FIRST_ENV):
         moe.rows_first_on()
+
+
+@pytest.mark.parametrize("n,n_exp", [(40, 8), (64, 512), (20480, 512), (300, 7)])
+def test_packed_sort_orders_pairs_as_the_stable_argsort(n, n_exp, monkeypatch):
+    """FNX_MOE_PACKED_SORT=1: the grouped path's pair order from one sort of packed keys (expert << b | pair) is the
+    stable argsort's, and so are the sorted experts: many ties, a power-of-two count and not, skewed ids (most
+    pairs on two experts); the grouped MoE through it gives the same bits; a bad value is refused; off by default
+    (and where the keys would not fit in int32)."""
+    rng = np.random.default_rng(n)
+    flat = np.where(rng.random(n) < 0.6, rng.integers(0, 2, n), rng.integers(0, n_exp, n)).astype(np.int32)
+    want = np.argsort(flat, kind="stable")
+    monkeypatch.delenv(moe.PACKED_SORT_ENV, raising=False)
+    assert not moe.packed_sort_on()
+    order, e_sorted = moe.sort_pairs(jnp.asarray(flat), n_exp)
+    np.testing.assert_array_equal(np.asarray(order), want)
+    monkeypatch.setenv(moe.PACKED_SORT_ENV, "1")
+    fn = jax.jit(lambda f: moe.sort_pairs(f, n_exp))
+    order, e_sorted = fn(jnp.asarray(flat))
+    np.testing.assert_array_equal(np.asarray(order), want)
+    np.testing.assert_array_equal(np.asarray(e_sorted), flat[want])
+    def sorts(f, arg):      # the operand count of each sort in the program (inner jaxprs included)
+        def walk(jaxpr):
+            for e in jaxpr.eqns:
+                if e.primitive.name == "sort":
+                    yield len(e.invars)
+                for v in e.params.values():
+                    inner = getattr(v, "jaxpr", v)
+                    if hasattr(inner, "eqns"):
+                        yield from walk(inner)
+        return list(walk(jax.make_jaxpr(f)(arg).jaxpr))
+    assert sorts(lambda f: moe.sort_pairs(f, n_exp), jnp.asarray(flat)) == [1]      # one single-operand sort
+    big = jax.ShapeDtypeStruct((1 << 23,), jnp.int32)           # 513 << 23 does not fit: the argsort again
+    assert sorts(lambda f: moe.sort_pairs(f, 512), big) == [2]
+    monkeypatch.setenv(moe.PACKED_SORT_ENV, "0")
+    assert sorts(lambda f: moe.sort_pairs(f, n_exp), jnp.asarray(flat)) == [2]
+    monkeypatch.setenv(moe.PACKED_SORT_ENV, "1")
+    monkeypatch.setenv(moe.PACKED_SORT_ENV, "yes")
+    with pytest.raises(ValueError, match=moe.PACKED_SORT_ENV):
+        moe.packed_sort_on()
+
+
+def test_packed_sort_same_bits_through_the_grouped_moe(monkeypatch):
+    """The grouped MoE block (XLA's blocks, the model's prefill path) with and without FNX_MOE_PACKED_SORT: the
+    same bits."""
+    p, x = _block_params(*_weights("fp8", 41), _key(42), (2, 24, D))
+    monkeypatch.setenv(moe.PACKED_SORT_ENV, "0")
+    want, _, _ = moe.moe_block(p, x, K, True, impl="grouped")
+    monkeypatch.setenv(moe.PACKED_SORT_ENV, "1")
+    got, _, _ = moe.moe_block(p, x, K, True, impl="grouped")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
