@@ -92,34 +92,6 @@ def rows_first_on() -> bool:
     return v == "1"
 
 
-PACKED_SORT_ENV = "FNX_MOE_PACKED_SORT"
-
-
-def packed_sort_on() -> bool:
-    """Whether the grouped path orders its (token, k) pairs by one sort of packed int32 keys (expert id in the high
-    bits, pair id in the low ones: `FNX_MOE_PACKED_SORT=1`, read when a program is traced) instead of a stable
-    argsort (`0`, the default until measured: XLA sorts the (key, pair id) pair with a two-operand comparator, 31 us
-    a layer for 20,480 pairs in an H100 table of a 2,048-token chunk). The same order: the keys are unique and
-    sort first by expert, then by pair id, which is what the stable argsort gives."""
-    v = os.environ.get(PACKED_SORT_ENV, "0").strip()
-    if v not in ("0", "1"):
-        raise ValueError(f"{PACKED_SORT_ENV}={v!r}: use 1 (one sort of packed keys) or 0 (a stable argsort)")
-    return v == "1"
-
-
-def sort_pairs(flat: jax.Array, n_exp: int) -> tuple[jax.Array, jax.Array]:
-    """(order, e_sorted) of pair expert ids `flat` [n] in [0, n_exp): the pair ids sorted by expert (ties in pair
-    order, as a stable argsort) and their experts. With `packed_sort_on()` and (n_exp + 1) 2^ceil(log2 n) <= 2^31, one
-    single-operand sort of the int32 keys expert << b | pair."""
-    n = flat.shape[0]
-    b = max(1, (n - 1).bit_length())
-    if packed_sort_on() and ((n_exp + 1) << b) <= (1 << 31):
-        keys = jnp.sort((flat.astype(jnp.int32) << b) | jnp.arange(n, dtype=jnp.int32))
-        return keys & ((1 << b) - 1), keys >> b
-    order = jnp.argsort(flat, stable=True)
-    return order, flat[order]
-
-
 def grouped_block() -> int:
     """Rows per block of the grouped matmul (`FNX_MOE_GROUPED_BLOCK`, read when a program is traced; a GPU knob):
     GROUPED_BLOCK (64) by default, or a power of two in [16, 128]. Each block holds one expert's rows, padded (a
@@ -143,11 +115,12 @@ def _expert_grouped(gate_up, down, x: jax.Array, idx: jax.Array, block: int = GR
     n_exp, inter = down.shape[0], down.shape[-1]
     n = t * k
     flat = idx.reshape(-1)
-    order, e_sorted = sort_pairs(flat, n_exp)                   # pair ids sorted by expert, and their experts
+    order = jnp.argsort(flat, stable=True)                      # pair ids sorted by expert
     sizes = jnp.bincount(flat, length=n_exp)
     padded = (sizes + block - 1) // block * block
     ends_padded = jnp.cumsum(padded)
     starts_padded, starts = ends_padded - padded, jnp.cumsum(sizes) - sizes
+    e_sorted = flat[order]
     dest = starts_padded[e_sorted] + jnp.arange(n) - starts[e_sorted]
     # blocks in use: sum over experts of ceil(size / block) <= ceil(n / block) + (experts with a token), and at most
     # min(n, E) experts have one; the blocks past the used ones read expert E-1 and are never gathered back
