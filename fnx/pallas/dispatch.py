@@ -128,6 +128,11 @@ VERIFIED_ON_GPU = {
     # against 65.1 at 256K (H100, e2b0c6b, bench_kernels); rows up to 64K context keep the one-launch kernel
     "qsa_block_topk_long": "H100, 2026-12-07, commit 715b89e: tests/pallas/test_qsa.py -k block_topk (all, the long "
                            "rows' segments and dispatch, the early stop)",
+    # the two HC prefill kernels run only where FNX_KERNELS names them (AUTO_KEEPS_REFERENCE below)
+    "hc_norm_prefill": "H100, 2026-12-07, commit 224808c: tests/pallas/test_hc.py -k 'norm_prefill or norm_and_mix' "
+                       "(all but the decode-size launch count, whose premise was wrong on a GPU: mended in ac922a0)",
+    "hc_mix_prefill": "H100, 2026-12-07, commit ac922a0 (one row block a program): tests/pallas/test_hc.py -k "
+                      "'mix_prefill or norm_and_mix' (all 12)",
 }
 
 # Verified ops that "auto" still leaves on the reference, with the measurement that says why (logged once);
@@ -169,6 +174,14 @@ AUTO_KEEPS_REFERENCE = {
                            "phases) where the launches it replaces take ~16 us; the 4-layer verify program at 8K "
                            "1,140 us of kernel time in 100 kernels against 1,003 in 144 (H100, commit 313f834, "
                            "BENCHMARKS.md forty-second session). Only FNX_KERNELS names it",
+    "hc_norm_prefill": "measured level: in the 4-layer 2,048-token chunk at 8K its 9 launches took 447.6 us where "
+                       "XLA's combine and norm fusions took 500.8, but the chunk 11,721.3 us against 11,682.7 (two "
+                       "base runs 10 us apart; H100, commit 224808c, BENCHMARKS.md fifty-fifth session). Only "
+                       "FNX_KERNELS names it",
+    "hc_mix_prefill": "measured level at best: 87-94 us a boundary of a 2,048-token chunk against XLA's gates product "
+                      "and mix, ~85 (the 4-layer chunk at 8K 11,608 / 11,738 us with bm 128 / 64 against base runs "
+                      "of 11,710 and 11,667; H100, commit ac922a0; the first design, column tiles walking the rows, "
+                      "117 us, 224808c; BENCHMARKS.md fifty-fifth session). Only FNX_KERNELS names it",
     "gemv_bf16": "measured slower in the whole step: with the bf16 GEMV kernels 1.170 ms, XLA's dots 1.095 ms "
                  "(XLA fuses the norms and casts around them; " + _MODEL_AB + ")",
     "gemv_bf16_argmax": "see gemv_bf16",

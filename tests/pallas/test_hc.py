@@ -662,11 +662,11 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
     assert "r=40" in prefill.mix_why_not(4, 2560, 40, prefill.TilesMix())
     assert prefill.mix_why_not(4, 2560, 320, prefill.mix_tiles(2560, 2048)) is None
     t = prefill.mix_tiles(2560, 2048)
-    assert (t.bm, t.bd, t.wdense) == (64, 64, 0) and prefill.mix_tiles(2560, 100).bm == 32
+    assert (t.bm, t.bd, t.wdense) == (128, 32, 0) and prefill.mix_tiles(2560, 100).bm == 32
     assert prefill.mix_tiles(80, 2048).bd == 16
     assert "wdense=2" in prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(wdense=2))
     _tiles_env_replaces_fields(monkeypatch, prefill.MIX_TILES_ENV, lambda: prefill.mix_tiles(2560, 2048),
-                               {"bd": 32, "wdense": 1})
+                               {"bd": 64, "wdense": 1})
     _tiles_env_replaces_fields(monkeypatch, prefill.NORM_TILES_ENV, lambda: prefill.norm_tiles(2560),
                                {"bm": 8, "num_warps": 8})
     bf = jnp.bfloat16

@@ -254,17 +254,18 @@ def hc_boundary_prefill(h, y, inj_prev, hc_norm, w_down, w_up, w_inj, *, streams
     return h2.reshape(h.shape), x.reshape(*lead, d), inj
 
 
-# ---- The gates and the mix alone, column tiles that convert their Wup rows once (op "hc_mix_prefill") ----------
+# ---- The gates and the mix alone (op "hc_mix_prefill") ---------------------------------------------------------
 #
 # In XLA's boundary over a prefill chunk the gates m = sigmoid(round(u @ Wup.T)) are a product of their own
 # ([M, S*D] written, 44 us a boundary for a 2,048-token chunk on an H100) and the mix x = mean_j round(m_j Hn_j)
-# a fusion reading them back with Hn (41.5 us), where the bytes that must move (Hn in, x out) take ~16 us. The up
-# kernel above does both, but each of its (row block, column tile) programs converts its four streams' [bd, r]
-# Wup tiles again (stock sm_90 build at 2,048 tokens: 6,544 straight-line instructions a program, 768 F2F, 83 of
-# its 98 global loads after the first barrier). Here a program owns bd columns of every stream: it loads and
-# converts those Wup rows once and walks row blocks i = q, q + splits, ... in a loop, each trip u's [bm, r] tile
-# (from L2: [M, r] is 1.3 MB), Hn's [bm, bd] tile of each stream, the gates' products and the mix; XLA keeps the
-# norm, Wdown / Winj products and u (`fnx.model.hyper.gated_residual`).
+# a fusion reading them back with Hn (41.5 us), where the bytes that must move (Hn in, x out) take ~16 us. Here one
+# launch from XLA's u and Hn: program (n, i) owns bd columns of every stream and bm token rows; u's [bm, r] tile in
+# pieces (from L2: [M, r] is 1.3 MB), every stream's Hn [bm, bd] tile, the four streams' [bd, r] Wup rows (from
+# L2), the gates' products, sigmoid and the mix; XLA keeps the norm, the Wdown / Winj products and u
+# (`fnx.model.hyper.gated_residual`). Measured level with XLA's two kernels at best (86.9 us a boundary at the
+# default tiles, H100): the product [M, r] x [r, S*D] (13.4 GFLOP at 2,048 tokens) in programs of four [bm, bd]
+# tiles runs far below cuBLAS's ~300 TFLOP/s. The first design (each program converting its Wup rows once and
+# walking the row blocks in a loop) took 117 us.
 
 MIX_OP = "hc_mix_prefill"
 MIX_TILES_ENV = "FNX_HC_MIX_TILES"      # "field=value,..." replaces fields of the mix tiles (a benchmark knob)
@@ -272,14 +273,17 @@ MIX_TILES_ENV = "FNX_HC_MIX_TILES"      # "field=value,..." replaces fields of t
 
 @dataclasses.dataclass(frozen=True)
 class TilesMix:
-    bm: int = 64            # token rows a program (the MMA's M)
-    bd: int = 64            # columns of each stream a program (>= 16, divides D and 128): its 4 x bd x r weights
-                            # read from L2 in pieces (bd 64, r 320: 80 KB of FP8 codes a program)
+    bm: int = 128           # token rows a program (the MMA's M)
+    bd: int = 32            # columns of each stream a program (>= 16, divides D and 128): its 4 x bd x r weights
+                            # read from L2 in pieces (bd 32, r 320: 40 KB of FP8 codes a program). bm 128 / bd 32
+                            # measured best of the tiles tried (H100, ac922a0, a 2,048-token chunk: 86.9 us a
+                            # boundary; bm 64 with bd 64 94.0, bd 128 116.3, 4 warps 112.0)
     num_warps: int = 8
     num_stages: int = 1     # no loop: a program's loads are issued at once
     wdense: int = 0         # FP8 Wup: 1 = XLA dequantizes it to the activation dtype before the launch, as its own
                             # path does (a 6.5 MB write, ~5 us a boundary), so the kernel converts no code and its
-                            # products are the reference's (the model's wiring, `hyper._mix_prefill`, reads it)
+                            # products are the reference's (the model's wiring, `hyper._mix_prefill`, reads it).
+                            # Measured slower (127.5 us a boundary at bm 64 / bd 64, 132.9 at bd 32; H100, ac922a0)
 
 
 def mix_tiles(d: int, m: int) -> TilesMix:
