@@ -632,12 +632,10 @@ def test_mix_prefill_through_the_model_only_where_named(m, dtype, fp8, inject, w
     assert named == small()
 
 
-@pytest.mark.parametrize("bm,bd,warps,joint", [(16, 16, 1, 0), (16, 32, 4, 0), (32, 16, 4, 0), (64, 128, 8, 0),
-                                               (16, 16, 1, 1), (32, 32, 4, 1), (64, 64, 8, 1)])
-def test_mix_prefill_kernel_tiles_and_partial_row_blocks(bm, bd, warps, joint):
+@pytest.mark.parametrize("bm,bd,warps", [(16, 16, 1), (16, 32, 4), (32, 16, 4), (64, 128, 8)])
+def test_mix_prefill_kernel_tiles_and_partial_row_blocks(bm, bd, warps):
     """The mix kernel alone at several tiles against the reference's gates and mix (fp32, FP8 Wup): a partial last
-    row block (masked), one column tile of every stream at bd = D; `joint` 1: the streams' columns as one product
-    and the mix a reduction over them."""
+    row block (masked), one column tile of every stream at bd = D."""
     from fnx.model import quant
     from fnx.pallas.hc import prefill
     m, s, d, r = 75, 4, 128, 48
@@ -648,7 +646,7 @@ def test_mix_prefill_kernel_tiles_and_partial_row_blocks(bm, bd, warps, joint):
     mg = jax.nn.sigmoid(reference._linear(u, quant.dequantize(wq, jnp.float32)))
     want = jnp.mean(mg.reshape(1, m, s, d) * hn.reshape(1, m, s, d), axis=-2)
     got = prefill.hc_mix_prefill(u, hn, wq.w, streams=s, interpret=INTERPRET, w_up_scale=wq.scale_inv,
-                                 tiles=prefill.TilesMix(bm=bm, bd=bd, num_warps=warps, joint=joint))
+                                 tiles=prefill.TilesMix(bm=bm, bd=bd, num_warps=warps))
     _close(got, want, 1e-5, "x")
 
 
@@ -667,9 +665,6 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
     assert (t.bm, t.bd, t.wdense) == (128, 32, 0) and prefill.mix_tiles(2560, 100).bm == 32
     assert prefill.mix_tiles(80, 2048).bd == 16
     assert "wdense=2" in prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(wdense=2))
-    assert "S*bd" in prefill.mix_why_not(3, 2560, 320, prefill.TilesMix(bd=32, joint=1))
-    assert "S*bd" in prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(bd=128, joint=1))
-    assert prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(bd=64, joint=1)) is None
     _tiles_env_replaces_fields(monkeypatch, prefill.MIX_TILES_ENV, lambda: prefill.mix_tiles(2560, 2048),
                                {"bd": 64, "wdense": 1})
     _tiles_env_replaces_fields(monkeypatch, prefill.NORM_TILES_ENV, lambda: prefill.norm_tiles(2560),
@@ -696,11 +691,6 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
         S((1, 2048, 320), bf), S((1, 2048, 10240), bf), S((10240, 320), jnp.float8_e4m3fn),
         S((80, 3), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "hc_mix_prefill" in text
-    joint = prefill.TilesMix(bm=64, bd=32, joint=1)          # the streams' columns as one product: lowers too
-    text = jax.jit(lambda u, hn, w, sc: prefill.hc_mix_prefill(u, hn, w, streams=4, w_up_scale=sc, tiles=joint)).trace(
-        S((1, 2048, 320), bf), S((1, 2048, 10240), bf), S((10240, 320), jnp.float8_e4m3fn),
-        S((80, 3), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 @pytest.mark.parametrize("m,dtype,with_y,bm,bk", [(45, jnp.bfloat16, True, 4, 32), (45, jnp.float32, False, 2, 64),

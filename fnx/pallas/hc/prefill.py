@@ -280,9 +280,6 @@ class TilesMix:
                             # boundary; bm 64 with bd 64 94.0, bd 128 116.3, 4 warps 112.0)
     num_warps: int = 8
     num_stages: int = 1     # no loop: a program's loads are issued at once
-    joint: int = 0          # 1 = the four streams' bd columns as one [S*bd]-wide product a K piece (one MMA of N =
-                            # S*bd sharing u's tile, the FP8 scales a column vector), the mix a reduction over the
-                            # streams of the [bm, S, bd] values; 0 = four [bm, bd] products a piece
     wdense: int = 0         # FP8 Wup: 1 = XLA dequantizes it to the activation dtype before the launch, as its own
                             # path does (a 6.5 MB write, ~5 us a boundary), so the kernel converts no code and its
                             # products are the reference's (the model's wiring, `hyper._mix_prefill`, reads it).
@@ -308,10 +305,6 @@ def mix_why_not(s: int, d: int, r: int, tiles: TilesMix) -> str | None:
         return f"r={r} must be a multiple of 16 (its power-of-two pieces are MMA tiles)"
     if t.wdense not in (0, 1):
         return f"wdense={t.wdense} must be 0 or 1"
-    if t.joint not in (0, 1):
-        return f"joint={t.joint} must be 0 or 1"
-    if t.joint and (s & (s - 1) or s * t.bd > 256):
-        return f"joint=1 needs S*bd a power of two <= 256 (S={s}, bd={t.bd})"
     return None
 
 
@@ -345,37 +338,6 @@ def _mix_kernel(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bm, bd, fp8):
     plt.store(x_ref.at[rows[:, None] * d + cols[None, :]], (acc / s).astype(x_ref.dtype), mask=rok)
 
 
-def _mix_kernel_joint(u_ref, hn_ref, wu_ref, *rest, m, s, d, r, bm, bd, fp8):
-    """`_mix_kernel` with the S streams' columns as one product (TilesMix.joint): column c of the program's [bm,
-    S*bd] products is stream c // bd's column n*bd + c % bd. Wup's rows and Hn's columns are addressed as [S, bd]
-    (contiguous along bd, so the loads vectorize) and reshaped."""
-    su_ref = rest[0] if fp8 else None
-    x_ref = rest[-1]
-    n, i = pl.program_id(0), pl.program_id(1)
-    dt = hn_ref.dtype
-    wrow = (jnp.arange(s, dtype=jnp.int32) * d)[:, None] + (n * bd + jnp.arange(bd, dtype=jnp.int32))[None, :]
-    rows = i * bm + jnp.arange(bm, dtype=jnp.int32)         # a partial last row block: masked
-    rok = (rows < m)[:, None]
-    ncb = (r + 127) // 128
-    hn = plt.load(hn_ref.at[rows[:, None, None] * (s * d) + wrow[None]], mask=rok[:, :, None],
-                  other=0.0)                                                                          # [bm, S, bd]
-    z = None
-    for k0, p in kernel._pieces(r, 128):        # a piece lies in one 128-column block of Wup (its scale)
-        k = k0 + jnp.arange(p, dtype=jnp.int32)
-        u = plt.load(u_ref.at[rows[:, None] * r + k[None, :]], mask=rok, other=0.0)                   # [bm, p]
-        w = plt.load(wu_ref.at[wrow[:, :, None] * r + k[None, None, :]]).astype(dt)                   # [S, bd, p]
-        q = jnp.dot(u, w.reshape(s * bd, p).T, precision=HIGHEST, preferred_element_type=F32)         # [bm, S*bd]
-        if fp8:     # bd divides 128 and D: each stream's bd rows lie in one 128-row block
-            sc = plt.load(su_ref.at[(jnp.arange(s, dtype=jnp.int32) * d + n * bd) // 128 * ncb + k0 // 128])
-            q = (q.reshape(bm, s, bd) * sc[None, :, None]).reshape(bm, s * bd)
-        z = q if z is None else z + q
-    g = rnd(jax.nn.sigmoid(rnd(z, dt)), dt).reshape(bm, s, bd)
-    v = rnd(g * hn.astype(F32), dt).astype(F32)
-    x = jnp.sum(v, axis=1)                                                                             # [bm, bd]
-    plt.store(x_ref.at[rows[:, None] * d + (n * bd + jnp.arange(bd, dtype=jnp.int32))[None, :]],
-              (x / s).astype(x_ref.dtype), mask=rok)
-
-
 def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles: TilesMix | None = None,
                    w_up_scale=None):
     """x [..., D] = mean_j round(round(sigmoid(round(u @ Wup_j.T))) Hn_j) over the S streams, as
@@ -405,8 +367,7 @@ def hc_mix_prefill(u, hn, w_up, *, streams: int, interpret: bool = False, tiles:
         ([w_up_scale.reshape(-1).astype(F32)] if fp8 else [])
     # the column tiles vary fastest: neighbouring programs share the row block's u (from L2)
     x = pdl.pallas_call(
-        functools.partial(_mix_kernel_joint if t.joint else _mix_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd,
-                          fp8=fp8),
+        functools.partial(_mix_kernel, m=m, s=s, d=d, r=r, bm=t.bm, bd=t.bd, fp8=fp8),
         grid=(d // t.bd, math.ceil(m / t.bm)), out_shape=jax.ShapeDtypeStruct((m * d,), dt), interpret=interpret,
         name="hc_mix_prefill", **params,
     )(*args)
