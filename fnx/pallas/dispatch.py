@@ -128,7 +128,10 @@ VERIFIED_ON_GPU = {
     # against 65.1 at 256K (H100, e2b0c6b, bench_kernels); rows up to 64K context keep the one-launch kernel
     "qsa_block_topk_long": "H100, 2026-12-07, commit 715b89e: tests/pallas/test_qsa.py -k block_topk (all, the long "
                            "rows' segments and dispatch, the early stop)",
-    # the two HC prefill kernels run only where FNX_KERNELS names them (AUTO_KEEPS_REFERENCE below)
+    # the HC prefill kernels run only where FNX_KERNELS names them (AUTO_KEEPS_REFERENCE below)
+    "hc_boundary_prefill": "H100, 2026-12-06, commit cc01f54: tests/pallas/test_hc.py -k prefill (the two kernels "
+                           "against the reference, the model's boundaries through them; 14 passed with the MoE "
+                           "split_store cases)",
     "hc_norm_prefill": "H100, 2026-12-07, commit 224808c: tests/pallas/test_hc.py -k 'norm_prefill or norm_and_mix' "
                        "(all but the decode-size launch count, whose premise was wrong on a GPU: mended in ac922a0)",
     "hc_mix_prefill": "H100, 2026-12-07, commit ac922a0 (one row block a program): tests/pallas/test_hc.py -k "
@@ -174,6 +177,9 @@ AUTO_KEEPS_REFERENCE = {
                            "phases) where the launches it replaces take ~16 us; the 4-layer verify program at 8K "
                            "1,140 us of kernel time in 100 kernels against 1,003 in 144 (H100, commit 313f834, "
                            "BENCHMARKS.md forty-second session). Only FNX_KERNELS names it",
+    "hc_boundary_prefill": "measured slower: the 4-layer 2,048-token chunk 18,150 us against XLA's 17,081 (the down "
+                           "kernel ~130-160 us a boundary and the up kernel ~139, where XLA's whole boundary takes "
+                           "~165; H100, commit 0ed5ef9, BENCHMARKS.md forty-eighth session). Only FNX_KERNELS names it",
     "hc_norm_prefill": "measured level: in the 4-layer 2,048-token chunk at 8K its 9 launches took 447.6 us where "
                        "XLA's combine and norm fusions took 500.8, but the chunk 11,721.3 us against 11,682.7 (two "
                        "base runs 10 us apart; H100, commit 224808c, BENCHMARKS.md fifty-fifth session). Only "
