@@ -4,6 +4,7 @@ and the final mixer. H [..., S*D] holds S streams, stream-major (stream j is H[.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,8 @@ def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool
     Decode-sized calls whose `impl` (fnx.pallas.dispatch, ops "hc_boundary_m1" / "hc_boundary") resolves to a kernel run
     fnx.pallas.hc; otherwise the jnp below, which is the reference, except that over a prefill chunk the gates and
     the mix may run as one kernel (op "hc_mix_prefill", `_mix_prefill`) and the norm as another (op
-    "hc_norm_prefill", `_norm_prefill`). kernel_checked: the caller found that no boundary kernel takes this call;
+    "hc_norm_prefill", `_norm_prefill`), and with FNX_HC_JOINT_DOWN=1 the Wdown and Winj products run as one
+    (`joint_down_on`). kernel_checked: the caller found that no boundary kernel takes this call;
     hn: the caller's normalized streams (`_norm_prefill`'s)."""
     if not kernel_checked and _kernel_ok(p, h, inject, impl, streams):
         _, x, inj = _kernel_call(p, h, None, None, streams, eps, inject, impl)
@@ -85,7 +87,14 @@ def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool
     if hn is None:
         normed = _norm_prefill(p, h, None, None, streams, eps, impl)
         hn = normed[1] if normed is not None else rms_norm(h, p["hc_norm"], eps, group=d)
-    u = jax.nn.silu(div(linear(hn, p["input_mix_weight_down"]), streams))
+    joint = inject and _tokens(h) > hc_api.MAX_DECODE_TOKENS and joint_down_on()
+    if joint:       # the Wdown and Winj products as one (Hn read once)
+        a = linear(hn, _joint_down_weight(p, hn.dtype))
+        r = a.shape[-1] - streams
+        a, b = a[..., :r], a[..., r:]
+    else:
+        a = linear(hn, p["input_mix_weight_down"])
+    u = jax.nn.silu(div(a, streams))
     x = _mix_prefill(p, u, hn, streams, impl)
     if x is None:
         m = jax.nn.sigmoid(linear(u, p["input_mix_weight_up"]))
@@ -93,8 +102,30 @@ def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool
         x = jnp.mean(m.reshape(split) * hn.reshape(split), axis=-2)
     if not inject:
         return x
-    inj = 2 * jax.nn.sigmoid(div(linear(hn, p["block_inject_weight"]), streams))
+    inj = 2 * jax.nn.sigmoid(div(b if joint else linear(hn, p["block_inject_weight"]), streams))
     return x, inj
+
+
+JOINT_DOWN_ENV = "FNX_HC_JOINT_DOWN"
+
+
+def joint_down_on() -> bool:
+    """Whether a gated residual over a prefill chunk (more than 32 tokens, with the injection) runs its Wdown and
+    Winj products as one product of the weights stacked [r + S, S*D] (`FNX_HC_JOINT_DOWN=1`, read when a program is
+    traced; 0, the default until measured): XLA's path reads Hn once for both instead of twice (an H100 table of a
+    2,048-token chunk: the Winj product 14.6 us a boundary, reading Hn's 42 MB). The same dequantized weights and
+    fp32 sums per column; the library may pick another algorithm for r + S columns (within the products' rounding)."""
+    v = os.environ.get(JOINT_DOWN_ENV, "0").strip()
+    if v not in ("0", "1"):
+        raise ValueError(f"{JOINT_DOWN_ENV}={v!r}: use 1 (Wdown and Winj as one product) or 0 (two)")
+    return v == "1"
+
+
+def _joint_down_weight(p: dict, dtype) -> jax.Array:
+    """[Wdown; Winj] dequantized to `dtype` as `linear` dequantizes each (fp32, one rounding)."""
+    from fnx.model import quant
+    return jnp.concatenate([quant.dequantize(p["input_mix_weight_down"], dtype),
+                            quant.dequantize(p["block_inject_weight"], dtype)], axis=0)
 
 
 def _tokens(x: jax.Array) -> int:

@@ -756,3 +756,44 @@ def test_norm_and_mix_prefill_through_the_model_only_where_named(fp8, monkeypatc
         S((1, 2048, 10240), bf), S((1, 2048, 2560), bf), S((1, 2048, 4), bf), S((10240,), bf)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "hc_norm_prefill" in text
+
+
+@pytest.mark.parametrize("dtype,fp8", [(jnp.bfloat16, True), (jnp.float32, False)])
+def test_joint_down_product_over_a_prefill_chunk(dtype, fp8, monkeypatch):
+    """FNX_HC_JOINT_DOWN=1 (off by default): a gated residual with the injection over a prefill chunk (more than 32
+    tokens) runs its Wdown and Winj products as one product of the stacked weights (one dot fewer in the program);
+    x and inj as the two products give them (fp32 to 1e-5, bf16 within TOL), the boundary's H' bit for bit; decode
+    sizes and calls without the injection keep two products / one; a bad value is refused."""
+    h, y, inj, p = _inputs((1, 40), 4, 128, 48, dtype, np.random.randint(1 << 30))
+    if fp8:
+        p = _fp8(p)
+    monkeypatch.delenv("FNX_KERNELS", raising=False)
+
+    def dots(f, h=h):       # dot_general equations, each call's inner jaxprs counted
+        def walk(jaxpr):
+            n = 0
+            for e in jaxpr.eqns:
+                n += e.primitive.name == "dot_general"
+                for v in e.params.values():
+                    inner = getattr(v, "jaxpr", v)
+                    n += walk(inner) if hasattr(inner, "eqns") else 0
+            return n
+        return walk(jax.make_jaxpr(lambda h: f(h))(h).jaxpr)     # a new function: no trace of an earlier setting
+    res = lambda h: hyper.gated_residual(p, h, 4, 1e-6)                # noqa: E731
+    bnd = lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6)              # noqa: E731
+    monkeypatch.delenv(hyper.JOINT_DOWN_ENV, raising=False)
+    assert not hyper.joint_down_on()
+    want_r, want_b, n_r = jax.jit(lambda h: res(h))(h), jax.jit(lambda h: bnd(h))(h), dots(res)
+    small = lambda h: hyper.gated_residual(p, h[:, :32], 4, 1e-6)      # noqa: E731
+    plain = lambda h: hyper.gated_residual(p, h, 4, 1e-6, False)       # noqa: E731
+    n_small, n_plain = dots(small), dots(plain)
+    monkeypatch.setenv(hyper.JOINT_DOWN_ENV, "1")
+    assert dots(res) == n_r - 1 and dots(small) == n_small and dots(plain) == n_plain
+    got_r, got_b = jax.jit(lambda h: res(h))(h), jax.jit(lambda h: bnd(h))(h)
+    for g, w, what in ((got_r[0], want_r[0], "x"), (got_r[1], want_r[1], "inj"), (got_b[1], want_b[1], "boundary x"),
+                       (got_b[2], want_b[2], "boundary inj")):
+        _close(g, w, TOL[dtype], what)
+    np.testing.assert_array_equal(np.asarray(got_b[0], np.float32), np.asarray(want_b[0], np.float32))
+    monkeypatch.setenv(hyper.JOINT_DOWN_ENV, "yes")
+    with pytest.raises(ValueError, match=hyper.JOINT_DOWN_ENV):
+        hyper.joint_down_on()
