@@ -760,7 +760,7 @@ def test_norm_and_mix_prefill_through_the_model_only_where_named(fp8, monkeypatc
 
 @pytest.mark.parametrize("dtype,fp8", [(jnp.bfloat16, True), (jnp.float32, False)])
 def test_joint_down_product_over_a_prefill_chunk(dtype, fp8, monkeypatch):
-    """FNX_HC_JOINT_DOWN=1 (off by default): a gated residual with the injection over a prefill chunk (more than 32
+    """FNX_HC_JOINT_DOWN=1 (on by default): a gated residual with the injection over a prefill chunk (more than 32
     tokens) runs its Wdown and Winj products as one product of the stacked weights (one dot fewer in the program);
     x and inj as the two products give them (fp32 to 1e-5, bf16 within TOL), the boundary's H' bit for bit; decode
     sizes and calls without the injection keep two products / one; a bad value is refused."""
@@ -782,7 +782,8 @@ def test_joint_down_product_over_a_prefill_chunk(dtype, fp8, monkeypatch):
     res = lambda h: hyper.gated_residual(p, h, 4, 1e-6)                # noqa: E731
     bnd = lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6)              # noqa: E731
     monkeypatch.delenv(hyper.JOINT_DOWN_ENV, raising=False)
-    assert not hyper.joint_down_on()
+    assert hyper.joint_down_on()                                # on by default
+    monkeypatch.setenv(hyper.JOINT_DOWN_ENV, "0")
     want_r, want_b, n_r = jax.jit(lambda h: res(h))(h), jax.jit(lambda h: bnd(h))(h), dots(res)
     small = lambda h: hyper.gated_residual(p, h[:, :32], 4, 1e-6)      # noqa: E731
     plain = lambda h: hyper.gated_residual(p, h, 4, 1e-6, False)       # noqa: E731
