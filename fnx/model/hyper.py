@@ -9,7 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from fnx.model.ops import linear, rms_norm, div
+from fnx.model.ops import linear, linear_stacked, rms_norm, div
 from fnx.pallas.hc import api as hc_api
 
 
@@ -89,9 +89,7 @@ def gated_residual(p: dict, h: jax.Array, streams: int, eps: float, inject: bool
         hn = normed[1] if normed is not None else rms_norm(h, p["hc_norm"], eps, group=d)
     joint = inject and _tokens(h) > hc_api.MAX_DECODE_TOKENS and joint_down_on()
     if joint:       # the Wdown and Winj products as one (Hn read once)
-        a = linear(hn, _joint_down_weight(p, hn.dtype))
-        r = a.shape[-1] - streams
-        a, b = a[..., :r], a[..., r:]
+        a, b = linear_stacked(hn, p["input_mix_weight_down"], p["block_inject_weight"])
     else:
         a = linear(hn, p["input_mix_weight_down"])
     u = jax.nn.silu(div(a, streams))
@@ -121,13 +119,6 @@ def joint_down_on() -> bool:
     if v not in ("0", "1"):
         raise ValueError(f"{JOINT_DOWN_ENV}={v!r}: use 1 (Wdown and Winj as one product) or 0 (two)")
     return v == "1"
-
-
-def _joint_down_weight(p: dict, dtype) -> jax.Array:
-    """[Wdown; Winj] dequantized to `dtype` as `linear` dequantizes each (fp32, one rounding)."""
-    from fnx.model import quant
-    return jnp.concatenate([quant.dequantize(p["input_mix_weight_down"], dtype),
-                            quant.dequantize(p["block_inject_weight"], dtype)], axis=0)
 
 
 def _tokens(x: jax.Array) -> int:
@@ -163,18 +154,15 @@ def _mix_prefill(p: dict, u: jax.Array, hn: jax.Array, streams: int, impl: str |
         return None
     wu = p["input_mix_weight_up"]
     d = hn.shape[-1] // streams
+    t = prefill.mix_tiles(d, m)
     if not (_fp8_ok(wu) or not quant.is_quantized(wu)) or len(wu.shape) != 2:
         why = "Wup in a format the mix kernel does not take (dense, or FP8 128x128 blocks)"
     else:
-        why = prefill.mix_why_not(streams, d, u.shape[-1], prefill.mix_tiles(d, m))
+        why = prefill.mix_why_not(streams, d, u.shape[-1], t)
     which = dispatch.resolve(prefill.MIX_OP, impl, not_applicable=why)
     if which == "reference":
         return None
-    t = prefill.mix_tiles(d, m)
-    if _fp8_ok(wu) and t.wdense:        # dequantized by XLA first, as its own path does
-        w, scale = quant.dequantize(wu, hn.dtype), None
-    else:
-        w, scale = (wu.w, wu.scale_inv) if _fp8_ok(wu) else (wu, None)
+    w, scale = (wu.w, wu.scale_inv) if _fp8_ok(wu) else (wu, None)
     return prefill.hc_mix_prefill(u, hn, w, streams=streams, interpret=dispatch.interpret_flag(which),
                                   w_up_scale=scale, tiles=t)
 

@@ -58,6 +58,22 @@ def linear_pair(x: jax.Array, w_a, w_b, windows: bool = False, partials: bool = 
     return tuple((y, 0) for y in ys) if windows else ys
 
 
+def linear_stacked(x: jax.Array, *ws) -> tuple:
+    """(linear(x, w) for w in ws) as one product: the weights dequantized to x.dtype as `linear` dequantizes each
+    (fp32, one rounding), stacked along their outputs, one dot with fp32 sums, split. x is read once instead of once
+    a weight; each column's sum is the same, though the library may run another algorithm for the wider product
+    (so within the products' rounding, not their bits). For prefill-sized x, where the products are XLA's."""
+    from fnx.model import quant
+    w = jnp.concatenate([quant.dequantize(w, x.dtype) for w in ws], axis=0)
+    y = lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=F32)
+    y = y.astype(x.dtype)
+    out, start = [], 0
+    for w in ws:
+        out.append(y[..., start:start + w.shape[0]])
+        start += w.shape[0]
+    return tuple(out)
+
+
 def linear_argmax(x: jax.Array, w, impl: str | None = None) -> jax.Array:
     """argmax(x @ w.T) over the last axis, ids [...] int32, ties to the lowest id, for a 2-D (possibly quantized)
     head: on a GPU at decode shapes the logits are never written (`fnx.pallas.gemv.api.linear_argmax`)."""

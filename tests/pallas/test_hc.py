@@ -586,17 +586,16 @@ def test_one_token_prefetch_same_bits():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("m,dtype,fp8,inject,wdense", [(40, jnp.bfloat16, True, True, 0),
-                                                       (70, jnp.float32, False, False, 0),
-                                                       (40, jnp.float32, True, False, 1),
-                                                       _ext(33, jnp.bfloat16, False, True, 0),
-                                                       _ext(100, jnp.float32, True, True, 0)])
-def test_mix_prefill_through_the_model_only_where_named(m, dtype, fp8, inject, wdense, monkeypatch):
-    """Op "hc_mix_prefill" (`prefill.hc_mix_prefill`, off under auto until measured): over a prefill chunk the
+@pytest.mark.parametrize("m,dtype,fp8,inject", [(40, jnp.bfloat16, True, True), (70, jnp.float32, False, False),
+                                                (40, jnp.float32, True, False),
+                                                _ext(33, jnp.bfloat16, False, True),
+                                                _ext(100, jnp.float32, True, True)])
+def test_mix_prefill_through_the_model_only_where_named(m, dtype, fp8, inject, monkeypatch):
+    """Op "hc_mix_prefill" (`prefill.hc_mix_prefill`, measured level, off under auto): over a prefill chunk the
     model's gated residual (and a boundary) keeps XLA's norm and Wdown / Winj products and runs the gates and the
     mix in one launch where FNX_KERNELS names it; S*D = 512 (D = 128) and r = 48, FP8 Wdown / Wup as the model
-    quantizes them, or dense ones; `wdense` 1: FP8 Wup dequantized by XLA before the launch (no FP8 operand in the
-    kernel). fp32 to 1e-5, bf16 within TOL; inj and H' the same jnp ops (bit for bit)."""
+    quantizes them (the codes go into the kernel), or dense ones. fp32 to 1e-5, bf16 within TOL; inj and H' the
+    same jnp ops (bit for bit)."""
     h, y, inj, p = _inputs((1, m), 4, 128, 48, dtype, np.random.randint(1 << 30), inject)
     if fp8:
         p = _fp8(p)
@@ -607,12 +606,9 @@ def test_mix_prefill_through_the_model_only_where_named(m, dtype, fp8, inject, w
     assert count(res) == 0 and count(bnd) == 0
     want_r, want_b = jax.jit(lambda h: res(h))(h), jax.jit(lambda h: bnd(h))(h)
     monkeypatch.setenv("FNX_KERNELS", f"hc_mix_prefill={KERNEL}")
-    if wdense:
-        from fnx.pallas.hc import prefill
-        monkeypatch.setenv(prefill.MIX_TILES_ENV, "wdense=1")
     assert count(res) == 1 and count(bnd) == 1
     kernel_in = [e for e in jax.make_jaxpr(lambda h: res(h))(h).eqns if e.primitive.name == "pallas_call"]
-    assert any(v.aval.dtype == jnp.float8_e4m3fn for v in kernel_in[0].invars) == (fp8 and not wdense)
+    assert any(v.aval.dtype == jnp.float8_e4m3fn for v in kernel_in[0].invars) == fp8
     got_r = jax.jit(lambda h: hyper.gated_residual(p, h, 4, 1e-6, inject))(h)
     got_b = jax.jit(lambda h: hyper.boundary(p, h, y, inj, 4, 1e-6, inject))(h)
     tol = TOL[dtype]
@@ -662,11 +658,10 @@ def test_mix_prefill_refuses_what_it_does_not_take_and_lowers_for_cuda(monkeypat
     assert "r=40" in prefill.mix_why_not(4, 2560, 40, prefill.TilesMix())
     assert prefill.mix_why_not(4, 2560, 320, prefill.mix_tiles(2560, 2048)) is None
     t = prefill.mix_tiles(2560, 2048)
-    assert (t.bm, t.bd, t.wdense) == (128, 32, 0) and prefill.mix_tiles(2560, 100).bm == 32
+    assert (t.bm, t.bd) == (128, 32) and prefill.mix_tiles(2560, 100).bm == 32
     assert prefill.mix_tiles(80, 2048).bd == 16
-    assert "wdense=2" in prefill.mix_why_not(4, 2560, 320, prefill.TilesMix(wdense=2))
     _tiles_env_replaces_fields(monkeypatch, prefill.MIX_TILES_ENV, lambda: prefill.mix_tiles(2560, 2048),
-                               {"bd": 64, "wdense": 1})
+                               {"bd": 64, "num_warps": 4})
     _tiles_env_replaces_fields(monkeypatch, prefill.NORM_TILES_ENV, lambda: prefill.norm_tiles(2560),
                                {"bm": 8, "num_warps": 8})
     bf = jnp.bfloat16
@@ -798,3 +793,19 @@ def test_joint_down_product_over_a_prefill_chunk(dtype, fp8, monkeypatch):
     monkeypatch.setenv(hyper.JOINT_DOWN_ENV, "yes")
     with pytest.raises(ValueError, match=hyper.JOINT_DOWN_ENV):
         hyper.joint_down_on()
+
+
+def test_linear_stacked_is_the_products_apart():
+    """`ops.linear_stacked` (one product of the stacked, dequantized weights, split): each part has its weight's
+    output width and the values of `linear` with that weight alone (fp32 to 1e-6 of the scale; bf16 within an ulp of
+    it), FP8 and dense weights mixed, leading dims kept."""
+    from fnx.model import ops, quant
+    k = jax.random.split(jax.random.PRNGKey(5), 3)
+    wd = quant.quantize_fp8_block(jax.random.normal(k[0], (48, 256), jnp.float32))
+    wi = jax.random.normal(k[1], (4, 256), jnp.float32)
+    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 2 ** -8)):
+        x = jax.random.normal(k[2], (2, 40, 256), jnp.float32).astype(dtype)
+        a, b = ops.linear_stacked(x, wd, wi.astype(dtype))
+        assert a.shape == (2, 40, 48) and b.shape == (2, 40, 4) and a.dtype == b.dtype == dtype
+        _close(a, ops.linear(x, wd), tol, "first")
+        _close(b, ops.linear(x, wi.astype(dtype)), tol, "second")
