@@ -143,7 +143,8 @@ def check(gate_up, down, shared_down, m: int, tiles) -> str | None:
     if bi & (bi - 1) or rd <= 0 or rd & (rd - 1):
         return f"tiles {t}: fuse {bi} and fuse_rd {rd} must be powers of two"
     if not (m == 1 or t.flat):
-        return f"tiles {t}: fuse {bi} (the experts in one launch) computes one token per slot: M = 1 or flat 1 (got M = {m})"
+        return f"tiles {t}: fuse {bi} (the experts in one launch) computes one token per slot: M = 1 or flat 1 " \
+               f"(got M = {m})"
     if inter % bi or inter_s % bi or d % rd or bi < 2:
         return f"tiles {t}: fuse {bi} must divide I = {inter} and I_shared = {inter_s}, fuse_rd {rd} D = {d}"
     if "nvfp4" in fmts and bi < 16:
@@ -153,8 +154,8 @@ def check(gate_up, down, shared_down, m: int, tiles) -> str | None:
     if t.meta or t.tok or t.dot or t.persist or t.persist2 or t.x2d or t.mma2 or t.hoist:
         return f"tiles {t}: fuse {bi} takes none of meta, tok, dot, persist, persist2, x2d, mma2, hoist"
     if t.wround and fmts - {"dense"}:
-        return f"tiles {t}: fuse {bi} leaves the dequantized FP8 / NVFP4 weights unrounded: it needs wround 0, as the " \
-               "one-token defaults of those formats have"
+        return f"tiles {t}: fuse {bi} leaves the dequantized FP8 / NVFP4 weights unrounded: it needs wround 0, " \
+               "as the one-token defaults of those formats have"
     if t.fuse_ahead < 0:
         return f"tiles {t}: fuse_ahead {t.fuse_ahead} < 0"
     return None
