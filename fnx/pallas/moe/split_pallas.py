@@ -19,7 +19,7 @@ activations and every rounding are the two-launch path's.
 
 One token per slot: M = 1, or flat slots (`DecodeTiles.flat`) at several tokens. Tiles: `fuse` = bi (a power of
 two dividing I and I_shared; >= 16 with NVFP4 down weights, a divisor of 128 with FP8), `fuse_rd` output rows per
-down chunk (FP8: a divisor of 128), `cw` the gate / up chunk width, `fuse_ahead` chunks whose loads are issued
+down chunk (FP8 down weights: at most 128), `cw` the gate / up chunk width, `fuse_ahead` chunks whose loads are issued
 ahead of the one computed (0: every chunk's first), `gsum`, `e2m1` ("mma" / "hfma" decodes here "asm"),
 `num_warps`."""
 
@@ -107,9 +107,10 @@ def _split_kernel(ids_ref, x_ref, sg_ref, su_ref, *rest, fmt1, fmt2, sfmt, n1, n
     h, nr = bi // 2, d // rd
 
     def down(fmt, refs, lead, a_even, a_odd):
-        chunks = dp._Chunks(lambda r: _down_raw(fmt, refs, lead, r * rd, rd, j, bi), nr, ahead)
-        for r in range(nr):
-            y_ref[s, j, pl.ds(r * rd, rd)] = _down_sums(fmt, chunks[r], rd, bi, dt, e2m1, gsum, a_even, a_odd)
+        fr = min(rd, 128) if fmt == "fp8_block" else rd       # FP8: a chunk's rows in one 128-row block
+        chunks = dp._Chunks(lambda r: _down_raw(fmt, refs, lead, r * fr, fr, j, bi), d // fr, ahead)
+        for r in range(d // fr):
+            y_ref[s, j, pl.ds(r * fr, fr)] = _down_sums(fmt, chunks[r], fr, bi, dt, e2m1, gsum, a_even, a_odd)
 
     def zeros():
         for r in range(nr):
@@ -149,8 +150,9 @@ def check(gate_up, down, shared_down, m: int, tiles) -> str | None:
         return f"tiles {t}: fuse {bi} must divide I = {inter} and I_shared = {inter_s}, fuse_rd {rd} D = {d}"
     if "nvfp4" in fmts and bi < 16:
         return f"tiles {t}: fuse {bi}: NVFP4 weights need slices of at least one 16-column group"
-    if "fp8_block" in fmts and (128 % bi or 128 % rd):
-        return f"tiles {t}: fuse {bi} and fuse_rd {rd} must divide 128 with FP8 weights (a chunk in one block)"
+    if "fp8_block" in fmts and 128 % bi:
+        return f"tiles {t}: fuse {bi} must divide 128 with FP8 weights (a slice in one block; FP8 down chunks take " \
+               "at most 128 rows whatever fuse_rd is)"
     if t.meta or t.tok or t.dot or t.persist or t.persist2 or t.x2d or t.mma2 or t.hoist:
         return f"tiles {t}: fuse {bi} takes none of meta, tok, dot, persist, persist2, x2d, mma2, hoist"
     if t.wround and fmts - {"dense"}:
