@@ -12,8 +12,8 @@ slot's I/bi partials, rounds, weights and adds the terms in slot order as the tw
 
 NVFP4 down weights pack two intermediate columns a byte (the low nibble the even one), so a program computes its
 even and its odd activation columns as two halves (the gate / up rows j*bi + 2t and j*bi + 2t + 1, strided row
-loads) and multiplies them with the low and the high nibbles; FP8 and dense down columns are read as the same even
-and odd halves (strided column loads). Results: each slot's down product summed in another fp32 order (by column
+loads) and multiplies them with the low and the high nibbles; with FP8 and dense down weights its activations are
+one vector against [rows, bi] tiles. Results: each slot's down product summed in another fp32 order (by column
 slices, then over the slices) than kernel 2's, so within an fp32 ulp of the sum before its bf16 rounding; the
 activations and every rounding are the two-launch path's.
 
@@ -57,46 +57,55 @@ def _rows_raw(fmt, refs, lead, r0, rows, stride, c0, cw):
 
 def _down_raw(fmt, refs, lead, r0, rd, j, bi):
     """The down rows [r0, r0+rd) at the intermediate columns [j*bi, (j+1)*bi), as stored: NVFP4 the packed bytes
-    (low nibble = even column), their group scales and the rows' globals; FP8 / dense the even and the odd columns
-    (strided loads) and FP8's block scale (the chunk inside one 128 x 128 block). The column offsets are j times a
-    constant (never a traced division), so Triton sees their alignment and loads each row's bytes as one vector."""
+    (low nibble = even column), their group scales and the rows' globals; FP8 / dense the [rd, bi] tile and FP8's
+    block scale (the chunk inside one 128 x 128 block). The column offsets are j times a constant (never a traced
+    division), so Triton sees their alignment and loads each row's bytes as one vector."""
     rows = pl.ds(r0, rd)
     if fmt == "nvfp4":
         return (refs[0][(*lead, rows, pl.ds(j * (bi // 2), bi // 2))],
                 refs[1][(*lead, rows, pl.ds(j * (bi // 16), bi // 16))], refs[2][(*lead, rows)])
-    halves = tuple(refs[0][(*lead, rows, pl.ds(j * bi + h, bi // 2, stride=2))] for h in (0, 1))
+    q = refs[0][(*lead, rows, pl.ds(j * bi, bi))]
     if fmt == "fp8_block":
-        return halves + (refs[1][(*lead, r0 // 128, j // (128 // bi))],)
-    return halves
+        return q, refs[1][(*lead, r0 // 128, j // (128 // bi))]
+    return (q,)
 
 
-def _down_sums(fmt, raw, rd, bi, dt, e2m1, gsum, a_even, a_odd):
+def _down_sums(fmt, raw, rd, bi, dt, e2m1, gsum, acts):
     """[rd] fp32: sum over the chunk's bi columns of down[r, c] * act[c], times the rows' scales (NVFP4: group
-    scales on the codes or their group sums, the rows' global on the sum; FP8: the block's scale)."""
-    xs = [a_even, a_odd]
+    scales on the codes or their group sums, the rows' global on the sum, the activations as (even, odd) halves;
+    FP8: the block's scale)."""
     if fmt == "nvfp4":
         ws = dp._deq(fmt, raw, rd, bi, dt, e2m1, False, gsum)
-        return dp._rowdot(ws, xs) * raw[2]
-    acc = dp._rowdot([raw[0].astype(F32), raw[1].astype(F32)], xs)
-    return acc * raw[2].astype(F32) if fmt == "fp8_block" else acc
+        return dp._rowdot(ws, list(acts)) * raw[2]
+    acc = dp._rowdot([raw[0].astype(F32)], list(acts))
+    return acc * raw[1].astype(F32) if fmt == "fp8_block" else acc
 
 
-def _gate_up_halves(fmt, w_refs, e, x_ref, xr, *, j, bi, inter, d, cw, dt, e2m1, gsum, ahead):
-    """Slot expert e's activations at the intermediate columns j*bi + 2t (even) and j*bi + 2t + 1 (odd): two [bi/2]
-    fp32 vectors holding dt values, silu(round(x @ gate.T)) * round(x @ up.T) rounded as kernel 1 rounds them."""
-    h, nk = bi // 2, d // cw
-    bases = [j * bi + hh for hh in (0, 1)] + [inter + j * bi + hh for hh in (0, 1)]     # gate even/odd, up even/odd
-    chunks = dp._Chunks(lambda c: [_rows_raw(fmt, w_refs, (e,), r0, h, 2, c * cw, cw) for r0 in bases], nk, ahead)
+def _gate_up_acts(fmt, w_refs, e, x_ref, xr, *, j, bi, inter, d, cw, dt, e2m1, gsum, ahead, halves):
+    """Slot expert e's activations at the intermediate columns [j*bi, (j+1)*bi), silu(round(x @ gate.T)) *
+    round(x @ up.T) rounded as kernel 1 rounds them, fp32 vectors holding dt values: with `halves` (NVFP4 down
+    weights) the even columns j*bi + 2t and the odd ones j*bi + 2t + 1 as two [bi/2] vectors (strided row loads),
+    else one [bi] vector."""
+    nk = d // cw
+    if halves:
+        h, stride = bi // 2, 2
+        bases = [j * bi, j * bi + 1, inter + j * bi, inter + j * bi + 1]     # gate even, odd; up even, odd
+    else:
+        h, stride = bi, 1
+        bases = [j * bi, inter + j * bi]
+    n = len(bases)
+    chunks = dp._Chunks(lambda c: [_rows_raw(fmt, w_refs, (e,), r0, h, stride, c * cw, cw) for r0 in bases], nk,
+                        ahead)
     deq = functools.partial(dp._deq, fmt, rows=h, cw=cw, dt=dt, e2m1=e2m1, wround=False, gsum=gsum)
-    tiles = [None] * 4
+    tiles = [None] * n
     for c in range(nk):
         raws = chunks[c]
         xv = dp._xs(x_ref, (xr,), c * cw, cw, fmt == "nvfp4")
-        for n in range(4):
-            tiles[n] = dp._tile_fma(tiles[n], deq(raws[n]), dp._scaled(xv, dp._col_scale(fmt, raws[n], cw, False)))
+        for i in range(n):
+            tiles[i] = dp._tile_fma(tiles[i], deq(raws[i]), dp._scaled(xv, dp._col_scale(fmt, raws[i], cw, False)))
     first = chunks[0]
-    sums = [rnd(dp._rows(dp._tiles_sum(tiles[n]), dp._row_scale(fmt, first[n], False)), dt) for n in range(4)]
-    return dp._silu_mul(sums[0], sums[2], dt), dp._silu_mul(sums[1], sums[3], dt)
+    sums = [rnd(dp._rows(dp._tiles_sum(tiles[i]), dp._row_scale(fmt, first[i], False)), dt) for i in range(n)]
+    return tuple(dp._silu_mul(sums[i], sums[i + n // 2], dt) for i in range(n // 2))
 
 
 def _split_kernel(ids_ref, x_ref, sg_ref, su_ref, *rest, fmt1, fmt2, sfmt, n1, n2, k, n_slots, d, inter, inter_s,
@@ -104,13 +113,13 @@ def _split_kernel(ids_ref, x_ref, sg_ref, su_ref, *rest, fmt1, fmt2, sfmt, n1, n
     w1, w2, w3, y_ref = rest[:n1], rest[n1:n1 + n2], rest[n1 + n2:-1], rest[-1]
     s, j = pl.program_id(0), pl.program_id(1)
     dt = sg_ref.dtype
-    h, nr = bi // 2, d // rd
+    nr = d // rd
 
-    def down(fmt, refs, lead, a_even, a_odd):
+    def down(fmt, refs, lead, acts):
         fr = min(rd, 128) if fmt == "fp8_block" else rd       # FP8: a chunk's rows in one 128-row block
         chunks = dp._Chunks(lambda r: _down_raw(fmt, refs, lead, r * fr, fr, j, bi), d // fr, ahead)
         for r in range(d // fr):
-            y_ref[s, j, pl.ds(r * fr, fr)] = _down_sums(fmt, chunks[r], fr, bi, dt, e2m1, gsum, a_even, a_odd)
+            y_ref[s, j, pl.ds(r * fr, fr)] = _down_sums(fmt, chunks[r], fr, bi, dt, e2m1, gsum, acts)
 
     def zeros():
         for r in range(nr):
@@ -119,15 +128,19 @@ def _split_kernel(ids_ref, x_ref, sg_ref, su_ref, *rest, fmt1, fmt2, sfmt, n1, n
     def routed():
         e = ids_ref[s]
         xr = s // k if flat_slots else 0
-        a_even, a_odd = _gate_up_halves(fmt1, w1, e, x_ref, xr, j=j, bi=bi, inter=inter, d=d, cw=cw, dt=dt,
-                                        e2m1=e2m1, gsum=gsum, ahead=ahead)
-        down(fmt2, w2, (e,), a_even, a_odd)
+        acts = _gate_up_acts(fmt1, w1, e, x_ref, xr, j=j, bi=bi, inter=inter, d=d, cw=cw, dt=dt, e2m1=e2m1,
+                             gsum=gsum, ahead=ahead, halves=fmt2 == "nvfp4")
+        down(fmt2, w2, (e,), acts)
 
     def shared():
         t = s - n_slots
-        ld = lambda ref, o, hh: ref[t, pl.ds(o + j * bi + hh, h, stride=2)].astype(F32)  # noqa: E731
-        a_even, a_odd = (dp._silu_mul(ld(sg_ref, offs[0], hh), ld(su_ref, offs[1], hh), dt) for hh in (0, 1))
-        down(sfmt, w3, (), a_even, a_odd)
+        if sfmt == "nvfp4":     # the even and the odd columns (strided loads of the router's products)
+            ld = lambda ref, o, hh: ref[t, pl.ds(o + j * bi + hh, bi // 2, stride=2)].astype(F32)  # noqa: E731
+            acts = tuple(dp._silu_mul(ld(sg_ref, offs[0], hh), ld(su_ref, offs[1], hh), dt) for hh in (0, 1))
+        else:
+            ld = lambda ref, o: ref[t, pl.ds(o + j * bi, bi)].astype(F32)  # noqa: E731
+            acts = (dp._silu_mul(ld(sg_ref, offs[0]), ld(su_ref, offs[1]), dt),)
+        down(sfmt, w3, (), acts)
 
     n_j, n_js = inter // bi, inter_s // bi
     pl.when((s < n_slots) & (j < n_j))(routed)
