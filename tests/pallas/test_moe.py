@@ -1241,8 +1241,9 @@ def test_decode_split_experts_in_one_launch(fmt, shared_fmt, m, fuse, rd, ahead)
     its `fuse` columns, kept in registers, times the same down columns, one partial per slice, summed by the XLA
     combine. The activations and every rounding are the two-launch path's and only the down product's fp32 order
     differs, so the output is the two-launch output's bits but for an fp32 ulp before a bf16 rounding (at most a
-    bf16 ulp of a few elements; compiled, within two: XLA may keep the two-launch combine's sum unrounded, where
-    this combine rounds it as the reference does); within the bound of the reference; deterministic. M > 1 with flat
+    bf16 ulp of a few elements; compiled, within a bf16 ulp of the output's scale: XLA may keep the two-launch
+    combine's sum unrounded, where this combine rounds it as the reference does, so wherever the routed sum and the
+    shared term cancel an element differs by more than its own ulp); within the bound of the reference; deterministic. M > 1 with flat
     slots; FP8 down weights in chunks of at most 128 rows whatever fuse_rd is; a shape or knob it cannot take is
     refused with the reason."""
     args = _decode_args(fmt, m, 80 + m, shared_fmt=shared_fmt)
@@ -1256,9 +1257,11 @@ def test_decode_split_experts_in_one_launch(fmt, shared_fmt, m, fuse, rd, ahead)
     two = np.asarray(jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=base))(*args),
                      np.float32)
     g = np.asarray(got, np.float32)
-    ulp = np.abs(two) * 2.0 ** -7 + 2.0 ** -126
-    assert (np.abs(g - two) <= (1 if INTERPRET else 2) * ulp).all()
-    assert not INTERPRET or (g != two).mean() <= 0.02, (g != two).mean()
+    if INTERPRET:
+        assert (np.abs(g - two) <= np.abs(two) * 2.0 ** -7 + 2.0 ** -126).all()
+        assert (g != two).mean() <= 0.02, (g != two).mean()
+    else:   # where the routed sum and the shared term cancel, an ulp of the sum is many of the output
+        assert np.abs(g - two).max() <= 2.0 ** -7 * np.abs(two).max(), np.abs(g - two).max()
     np.testing.assert_array_equal(np.asarray(run(*args)).view(np.uint16), np.asarray(got).view(np.uint16))
     for bad, why in ((dict(fuse=24), "powers of two"), (dict(fuse=8), "16-column group"), (dict(fuse_rd=96), "powers"),
                      (dict(x2d=1), "takes none"), (dict(flat=0), "one token per slot")):
