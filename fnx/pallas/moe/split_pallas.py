@@ -21,7 +21,11 @@ One token per slot: M = 1, or flat slots (`DecodeTiles.flat`) at several tokens.
 two dividing I and I_shared; >= 16 with NVFP4 down weights, a divisor of 128 with FP8), `fuse_rd` output rows per
 down chunk (FP8 down weights: at most 128), `cw` the gate / up chunk width, `fuse_ahead` chunks whose loads are issued
 ahead of the one computed (0: every chunk's first), `gsum`, `e2m1` ("mma" / "hfma" decodes here "asm"),
-`num_warps`."""
+`num_warps`.
+
+Measured (H100, e84b3d3, the 4-layer step at 8K; BENCHMARKS.md, fifty-sixth session): 74.1 us a layer at bi 16 and
+37.2 at bi 32 (8 warps) against 22.6 for the two launches, so it is off. A program's down slice is bi/2 bytes of a
+320-byte row: each 32-byte sector is shared by several programs and fetched by each; bi 64 was not measured."""
 
 from __future__ import annotations
 
