@@ -960,7 +960,8 @@ def test_window_early_loads_give_the_same_bits(dtype, bv, length):
 def test_window_bf16_rounds_like_the_model():
     """bf16: the kernel rounds the conv, silu and sigmoid where the model's ops round; XLA:CPU keeps excess
     precision in places, so o is held to the fp32 computation within 4x its own spread under 2^-8 input
-    perturbations (as the step kernel's test) plus the bf16 reference's own distance from it, k and v within two
+    perturbations (as the step kernel's test), a bf16 ulp of its head's scale and the bf16 reference's own distance
+    from it, k and v within two
     bf16 roundings (the conv's, the silu's) of the reference, the moved rows (the conv state, xcat) exactly."""
     dtype = jnp.bfloat16
     kw = window_inputs(seed(), dtype=dtype)
@@ -981,7 +982,11 @@ def test_window_bf16_rounds_like_the_model():
     # plus the model's own bf16 error at that output: the roundings inside the gated norm add up to a few bf16 ulps
     # that the input perturbations do not show (a draw had the kernel equal to the bf16 reference, both 0.0092 from
     # the fp32 value, against a bound of 0.0077 without this term)
-    bound = 4 * spread + 2.0 ** -7 * np.abs(np.asarray(o32)) + 1e-3 + np.abs(_f32(o_r) - np.asarray(o32))
+    # the bf16 ulp term is the head's (the gated norm's row): an element near zero in a row of larger ones carries
+    # the row's roundings (a CI draw: kernel 0.0061 where fp32 has -0.0013, the head's largest 1.34, past a bound
+    # built from the element's own ulp by 0.0016)
+    head = np.abs(np.asarray(o32)).max(axis=-1, keepdims=True)
+    bound = 4 * spread + 2.0 ** -7 * head + 1e-3 + np.abs(_f32(o_r) - np.asarray(o32))
     err = np.abs(_f32(o) - np.asarray(o32))
     assert (err <= bound).all(), f"{int((err > bound).sum())} outputs past their bound, worst {(err - bound).max()}"
     assert np.abs(np.asarray(s) - np.asarray(s32)).max() < 0.03
