@@ -181,14 +181,11 @@ def check(gate_up, down, shared_down, m: int, tiles) -> str | None:
 
 
 def moe_decode_split(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, tiles, interpret=False):
-    """`decode_pallas.moe_decode` with `tiles.fuse` > 0: the experts in one launch split over I (module doc), then
-    the combine. Arguments as there."""
+    """`decode_pallas.moe_decode` with `tiles.fuse` > 0, after its `check` (which runs this module's): the experts
+    in one launch split over I (module doc), then the combine. Arguments as there."""
     m, d = x.shape
     k = ids.shape[1]
     inter, inter_s = down.shape[-1], shared_down.shape[-1]
-    why = check(gate_up, down, shared_down, m, tiles)
-    if why:
-        raise NotImplementedError(f"Pallas MoE decode: {why}")
     dt = x.dtype
     e2m1 = dp._decode_only(tiles.e2m1)
     if interpret and e2m1 in ("asm", "asmq", "asmi"):     # the interpreter runs no PTX: the same values
@@ -202,10 +199,8 @@ def moe_decode_split(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
     n_slots, n_shared = m * k, (m if flat else 1)
     bi = tiles.fuse
     cw = min(tiles.cw, d)
-    while d % cw:
+    while d % cw:       # a power of two: for FP8 it divides 128 or is a multiple of it (`_rows_raw`'s scales)
         cw //= 2
-    if fmt1 == "fp8_block":
-        cw = min(cw, 128) if cw < 128 else cw - cw % 128
     n_j = max(inter, inter_s) // bi
     y = stacked.call(
         functools.partial(_split_kernel, fmt1=fmt1, fmt2=fmt2, sfmt=fmt3, n1=len(w1), n2=len(w2), k=k,
