@@ -1233,60 +1233,6 @@ def test_decode_flat_slots(case, fmt, group, variant):
             decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, **bad))
 
 
-@pytest.mark.parametrize("fmt,shared_fmt,m,fuse,rd,ahead", [
-    ("nvfp4", None, 1, 16, 64, 0), ("fp8", "bf16", 1, 32, 128, 1), ("bf16", "nvfp4", 1, 16, 256, 0),
-    ("nvfp4", "fp8", 4, 32, 256, 1), _ext("fp8", None, 3, 16, 64, 0), _ext("bf16", None, 1, 64, 64, 2)])
-def test_decode_split_experts_in_one_launch(fmt, shared_fmt, m, fuse, rd, ahead):
-    """DecodeTiles.fuse: the experts in one launch split over I (`split_pallas`): each program's activations for
-    its `fuse` columns, kept in registers, times the same down columns, one partial per slice, summed by the XLA
-    combine. The activations and every rounding are the two-launch path's and only the down product's fp32 order
-    differs, so the output is the two-launch output's bits but for an fp32 ulp before a bf16 rounding (at most a
-    bf16 ulp of a few elements; compiled, within a bf16 ulp of the output's scale: XLA may keep the two-launch
-    combine's sum unrounded, where this combine rounds it as the reference does, so wherever the routed sum and the
-    shared term cancel an element differs by more than its own ulp); within the bound of the reference; deterministic. M > 1 with flat
-    slots; FP8 down weights in chunks of at most 128 rows whatever fuse_rd is; a shape or knob it cannot take is
-    refused with the reason."""
-    args = _decode_args(fmt, m, 80 + m, shared_fmt=shared_fmt)
-    base = dataclasses.replace(decode_pallas.MEASURED[{"bf16": "dense", "fp8": "fp8_block"}.get(fmt, fmt)], bn=16,
-                               cw=128, bn2=64, cw2=64, flat=int(m > 1), wround=0)
-    tiles = dataclasses.replace(base, fuse=fuse, fuse_rd=rd, fuse_ahead=ahead)
-    run = jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=tiles))
-    got = run(*args)
-    assert got.shape == (m, D) and got.dtype == BF16
-    _close_ref(got, args)
-    two = np.asarray(jax.jit(functools.partial(decode_pallas.moe_decode, interpret=INTERPRET, tiles=base))(*args),
-                     np.float32)
-    g = np.asarray(got, np.float32)
-    if INTERPRET:
-        assert (np.abs(g - two) <= np.abs(two) * 2.0 ** -7 + 2.0 ** -126).all()
-        assert (g != two).mean() <= 0.02, (g != two).mean()
-    else:   # where the routed sum and the shared term cancel, an ulp of the sum is many of the output
-        assert np.abs(g - two).max() <= 2.0 ** -7 * np.abs(two).max(), np.abs(g - two).max()
-    np.testing.assert_array_equal(np.asarray(run(*args)).view(np.uint16), np.asarray(got).view(np.uint16))
-    for bad, why in ((dict(fuse=24), "powers of two"), (dict(fuse=8), "16-column group"), (dict(fuse_rd=96), "powers"),
-                     (dict(x2d=1), "takes none"), (dict(flat=0), "one token per slot")):
-        if (bad.get("fuse") == 8 and "nvfp4" not in (fmt, shared_fmt)) or (m == 1 and "flat" in bad):
-            continue
-        with pytest.raises(NotImplementedError, match=why):
-            decode_pallas.moe_decode(*args, interpret=True, tiles=dataclasses.replace(tiles, **bad))
-
-
-def test_decode_split_lowers_for_cuda():
-    """The split experts lower as one Pallas -> Triton launch at the released widths with the served formats (NVFP4
-    experts, FP8 shared expert: its down chunks cut to 128 rows), one token and five flat slots, and dispatch
-    takes them (no reason to fall back to the gather path)."""
-    n_exp, top_k, d, inter = 512, 10, 2560, 640
-    S = jax.ShapeDtypeStruct
-    for m, base in ((1, decode_pallas.MEASURED["nvfp4"]), (5, decode_pallas.MEASURED_TOKENS["nvfp4"])):
-        tiles = dataclasses.replace(base, fuse=16)
-        gu, dn, sd = _spec((n_exp, 2 * inter, d), "nvfp4"), _spec((n_exp, d, inter), "nvfp4"), _spec((d, inter), "fp8")
-        assert api.decode_not_applicable(S((m, d), BF16), top_k, gu, dn, sd, tiles) is None
-        lowered = jax.jit(functools.partial(decode_pallas.moe_decode, tiles=tiles)).trace(
-            S((m, d), BF16), S((m, top_k), BF16), S((m, top_k), jnp.int32), gu, dn, S((m, inter), BF16),
-            S((m, inter), BF16), S((m, 1), BF16), sd).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("__gpu$xla.gpu.triton") == 1, m
-
-
 @pytest.mark.parametrize("fmt,m,variant", [("nvfp4", 1, "served"), ("nvfp4", 4, "servedq"), ("fp8", 4, "flat"),
                                             ("bf16", 1, "flat"), _ext("nvfp4", 4, "owner"), _ext("fp8", 1, "owner")])
 def test_decode_activation_tiles_give_the_same_bits(fmt, m, variant):

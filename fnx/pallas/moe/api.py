@@ -169,7 +169,7 @@ def decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, impl: str
     if pool is not None:
         t = tiles or decode_pallas.default_tiles(x.shape[1], down.shape[-1], shared_down.shape[-1],
                                                  reference.weight_format(gate_up), x.shape[0])
-        if t.group and not (t.flat and x.shape[0] > 1) and not t.tok and not t.persist2 and not t.fuse:
+        if t.group and not (t.flat and x.shape[0] > 1) and not t.tok and not t.persist2:
             fin = {"counters": pool.buf, "finish_base": pool.take(x.shape[1] // t.bn2)}
     return decode_pallas.moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
                                     interpret=dispatch.interpret_flag(backend), tiles=tiles, x_acts=x_acts, **fin)

@@ -192,14 +192,6 @@ class DecodeTiles:
                          # of a program's code bytes live in registers at once); k > 0 = the loads of chunk c + k
                          # issued when chunk c is computed (at most k + 1 chunks live: fewer registers per program,
                          # more programs per SM; the same values)
-    fuse: int = 0        # one token per slot (M = 1 or flat 1): > 0 = the experts in one launch split over the
-                         # intermediate axis in slices of `fuse` columns (`split_pallas`): each program computes its
-                         # slot's activations for its slice and their down partial over every output row, one XLA
-                         # fusion combines; the act round trip and a launch fewer a layer. 0: the two launches.
-                         # Measured slower on the H100 (fifty-sixth session: 74 us a layer at 16, 37 at 32 with 8
-                         # warps, against 22.6): off
-    fuse_rd: int = 256   # fuse: output rows per down chunk
-    fuse_ahead: int = 0  # fuse: chunks whose loads are issued ahead of the one computed (0: every chunk's at once)
 
 
 def _pow2(n: int) -> int:
@@ -1208,9 +1200,6 @@ def check(gate_up, down, shared_down, m: int, k: int, tiles: DecodeTiles, x_dtyp
         if "fp8_block" in (fmts["gate_up_proj"], fmts["down_proj"]) and (t.cw > 128 or t.cw2 > 128):
             return f"tiles {t}: dot {t.dot} on FP8 experts scales each chunk's partial by its block's scale: cw and " \
                    "cw2 at most 128"
-    if t.fuse:
-        from fnx.pallas.moe import split_pallas
-        return split_pallas.check(gate_up, down, shared_down, m, t)
     if d // t.cw > 64 or inter // t.cw2 > 64:
         return f"tiles {t}: too many chunks to unroll"
     if "fp8_block" in fmts.values() and (128 % t.bn or 128 % t.bn2 or t.cw2 > 128 or (128 % t.cw and t.cw % 128)):
@@ -1364,12 +1353,6 @@ def moe_decode(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down, *, in
     why = check(gate_up, down, shared_down, m, k, tiles, x.dtype)
     if why:
         raise NotImplementedError(f"Pallas MoE decode: {why}")
-    if tiles.fuse:          # the experts in one launch, split over the intermediate axis
-        if finish_base is not None:
-            raise ValueError(f"moe_decode: tiles {tiles} (fuse) combine in one XLA fusion, not in the down kernel")
-        from fnx.pallas.moe import split_pallas
-        return split_pallas.moe_decode_split(x, w, ids, gate_up, down, s_gate, s_up, s_sig, shared_down,
-                                             tiles=tiles, interpret=interpret)
     dt = x.dtype
     if interpret and tiles.e2m1 in ("asm", "asmq", "asmi"):     # the interpreter runs no PTX: the same values
         tiles = dataclasses.replace(tiles, e2m1="f16")
