@@ -266,11 +266,10 @@ def dequant_kernels(n: int, k: int) -> list[tuple[str, int, int, str]]:
 
 
 def route_kernels(m: int) -> list[tuple[str, int, int, str]]:
-    """The same for the MoE router (512 experts, top 10, renormalized) at m tokens, with the knobs api.route reads
-    (FNX_MOE_ROUTE_WARPS, FNX_MOE_ROUTE_PICK)."""
+    """The same for the MoE router (512 experts, top 10, renormalized) at m tokens, with the warps api.route reads
+    (FNX_MOE_ROUTE_WARPS)."""
     from fnx.pallas.moe import routing_pallas
-    fn = lambda lg: routing_pallas.route(lg, 10, True, BF16, num_warps=routing_pallas.default_warps(),  # noqa: E731
-                                         pick=routing_pallas.default_pick())
+    fn = lambda lg: routing_pallas.route(lg, 10, True, BF16, num_warps=routing_pallas.default_warps())  # noqa: E731
     return _launches(jax.jit(fn).trace(S((m, 512), BF16)).lower(lowering_platforms=("cuda",)))
 
 

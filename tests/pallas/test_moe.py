@@ -142,41 +142,6 @@ def test_route_warps_knob_reaches_the_kernel(monkeypatch):
         api.route(x, 10, True, BF16, impl=KERNEL)
 
 
-def test_route_pick_argmax_gives_the_same_bits(monkeypatch):
-    """FNX_MOE_ROUTE_PICK=argmax (one (value, id) reduction a round, the weight read back off the chain): the same
-    ids and weight bits as the default "maxmin" rounds, exact ties included (lowest id first), at one and several
-    rows a program, bf16 and fp32 weights, renormalised or not; api.route and the prefill router take the knob, its
-    CUDA lowering carries the tuple reduction; a bad value raises."""
-    e, k = 32, 6
-    base = jax.random.normal(_key(17), (8, e), jnp.float32)
-    ties = jnp.stack([jnp.zeros((e,)), base[1].at[jnp.array([3, 9, 20, 21])].set(5.0),
-                      base[2].at[jnp.array([30, 2])].set(4.0).at[17].set(4.5),
-                      jnp.full((e,), -jnp.inf).at[jnp.array([5, 11])].set(1.0), jnp.round(base[6])])
-    wide = jax.random.normal(_key(18), (5, 512), jnp.float32).astype(BF16)
-    for logits, kk in ((ties, k), (ties.astype(BF16), k), (wide, 10)):
-        for norm, dt, bm in ((True, BF16, 1), (False, jnp.float32, 8)):
-            run = functools.partial(routing_pallas.route, logits, kk, norm, dt, interpret=INTERPRET, block_m=bm)
-            w0, i0 = run(pick="maxmin")
-            w1, i1 = run(pick="argmax")
-            np.testing.assert_array_equal(np.asarray(i1), np.asarray(i0))
-            np.testing.assert_array_equal(np.asarray(w1, np.float32).view(np.uint32),
-                                          np.asarray(w0, np.float32).view(np.uint32))
-    np.testing.assert_array_equal(np.asarray(run(pick="argmax")[1]), np.asarray(reference.route(wide, 10, False)[1]))
-    monkeypatch.setenv(routing_pallas.PICK_ENV, "argmax")
-    w, ids = api.route(wide, 10, True, BF16, impl=KERNEL)
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(reference.route(wide, 10, True, BF16)[1]))
-    wp, idp = api.route_prefill(wide, 10, True, BF16, impl=KERNEL)
-    np.testing.assert_array_equal(np.asarray(idp), np.asarray(ids))
-    np.testing.assert_array_equal(np.asarray(wp, np.float32), np.asarray(w, np.float32))
-    monkeypatch.setattr(dispatch, "why_unavailable", lambda backend: None)     # lower for CUDA on a CPU
-    text = jax.jit(lambda lg: api.route(lg, 10, True, BF16, impl="pallas")).trace(wide[:1]).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert "moe_route" in text
-    monkeypatch.setenv(routing_pallas.PICK_ENV, "sort")
-    with pytest.raises(ValueError, match="maxmin, argmax"):
-        api.route(wide, 10, True, BF16, impl=KERNEL)
-
-
 @pytest.mark.parametrize("impl", [KERNEL, "reference"])
 def test_route_reads_a_window_of_a_wider_product(impl):
     """The router logits as columns [3, 67) of a [5, 70] product (the fused router + shared-gate product): the same

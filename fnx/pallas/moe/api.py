@@ -53,7 +53,7 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, impl:
         return reference.route(logits, top_k, norm_topk_prob, dtype) + after
     return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
                                 cols=None if cols is None else tuple(cols), acts_of=acts_of if fold else None,
-                                num_warps=routing_pallas.default_warps(), pick=routing_pallas.default_pick()) + after
+                                num_warps=routing_pallas.default_warps()) + after
 
 
 PREFILL_ROUTE_OP = "moe_route_prefill"
@@ -74,8 +74,7 @@ def route_prefill(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=Non
         return reference.route(logits, top_k, norm_topk_prob, dtype)
     return routing_pallas.route(logits, top_k, norm_topk_prob, dtype, interpret=dispatch.interpret_flag(backend),
                                 cols=None if cols is None else tuple(cols), block_m=routing_pallas.prefill_block_m(),
-                                num_warps=routing_pallas.default_warps(), max_tokens=None,
-                                pick=routing_pallas.default_pick())
+                                num_warps=routing_pallas.default_warps(), max_tokens=None)
 
 
 def decode_takes_activations(x, top_k: int, gate_up, down, shared_down,

@@ -32,14 +32,6 @@ WARPS_ENV = "FNX_MOE_ROUTE_WARPS"   # the router kernel's warps (1, 2, 4, 8; def
                                     # knob; at 1 level with 4 in the 4-layer step and round on an H100, 2026-12-06)
 
 
-PICK_ENV = "FNX_MOE_ROUTE_PICK"     # how each of the K rounds finds its expert, read when a program is traced:
-                                    # "maxmin" (default): the largest probability, then the lowest id holding it (two
-                                    # dependent reductions a round); "argmax": one (value, id) reduction a round
-                                    # (`jnp.argmax`, whose Triton lowering breaks ties to the lowest index), the
-                                    # weight read back by a reduction the next round does not wait on. The same ids
-                                    # and weights; a benchmark knob (the one-token router is ~21 dependent reductions
-                                    # of 512 values: latency, not bytes)
-PICKS = ("maxmin", "argmax")
 PREFILL_BLOCK_ENV = "FNX_MOE_ROUTE_PREFILL_BLOCK"   # rows per program of the prefill router (op
                                     # "moe_route_prefill"; 1..64, a power of two; default PREFILL_BLOCK_M), read when a
                                     # program is traced: a benchmark knob
@@ -69,17 +61,6 @@ def default_warps() -> int:
     return int(spec)
 
 
-def default_pick() -> str:
-    """The router kernel's pick per round: FNX_MOE_ROUTE_PICK where set, else "maxmin"."""
-    import os
-    spec = os.environ.get(PICK_ENV, "").strip()
-    if not spec:
-        return PICKS[0]
-    if spec not in PICKS:
-        raise ValueError(f"{PICK_ENV}={spec!r}: one of {', '.join(PICKS)}")
-    return spec
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -103,7 +84,7 @@ def _acts_row(x_ref, acts_ref, r, d: int, cw: int):
     plgpu.store(acts_ref.at[r, col], word, mask=col == d // 2)
 
 
-def _route_kernel(logits_ref, *refs, m, e, c0, k, norm, bm, be, bk, acts=None, pick="maxmin"):
+def _route_kernel(logits_ref, *refs, m, e, c0, k, norm, bm, be, bk, acts=None):
     if acts is not None:
         x_ref, w_ref, ids_ref, acts_ref = refs
     else:
@@ -124,18 +105,13 @@ def _route_kernel(logits_ref, *refs, m, e, c0, k, norm, bm, be, bk, acts=None, p
     w_out = jnp.zeros((bm, bk), F32)
     id_out = jnp.zeros((bm, bk), jnp.int32)
     total = jnp.zeros((bm, 1), F32)
-    p0 = p
     for j in range(k):
-        if pick == "argmax":    # one reduction on the chain; the weight off it (p0 at the pick: the same value)
-            choice = jnp.argmax(p, axis=1).astype(jnp.int32)[:, None]                    # lowest id wins ties
-            top = jnp.max(jnp.where(cols == choice, p0, -1.0), axis=1, keepdims=True)
-        else:
-            top = jnp.max(p, axis=1, keepdims=True)                                      # [bm, 1]
-            choice = jnp.min(jnp.where(p == top, cols, be), axis=1, keepdims=True)       # lowest id wins ties
+        top = jnp.max(p, axis=1, keepdims=True)                                          # [bm, 1]
+        pick = jnp.min(jnp.where(p == top, cols, be), axis=1, keepdims=True)             # lowest id wins ties
         w_out = jnp.where(kcol == j, top, w_out)
-        id_out = jnp.where(kcol == j, choice, id_out)
+        id_out = jnp.where(kcol == j, pick, id_out)
         total = total + top
-        p = jnp.where(cols == choice, -2.0, p)
+        p = jnp.where(cols == pick, -2.0, p)
     if norm:
         w_out = w_out / total
     krows = r0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bk), 0)
@@ -151,17 +127,16 @@ def acts_chunk(d: int) -> int | None:
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "norm_topk_prob", "dtype", "interpret", "block_m",
-                                             "num_warps", "cols", "max_tokens", "pick"))
+                                             "num_warps", "cols", "max_tokens"))
 def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, interpret: bool = False,
           block_m: int = BLOCK_M, num_warps: int = 4, cols: tuple[int, int] | None = None, acts_of=None,
-          max_tokens: int | None = MAX_TOKENS, pick: str = "maxmin"):
+          max_tokens: int | None = MAX_TOKENS):
     """logits [M, E] -> (weights [M, K] `dtype`, ids [M, K] int32), as reference.route; programs of `block_m`
     rows (a power of two), one launch. `cols` (start, E): the logits are those columns of a wider product
     [M, W], read in place. `acts_of`: x [M, D] (one row per program): the programs also write
     `decode_pallas.mma_activations(x)` [M, D / 2 + 1] uint32 (the decode kernels' e2m1 "mma" operand), returned
     third, in place of an XLA fusion of its own. `max_tokens` None: any M (the prefill router, op
-    "moe_route_prefill": programs of `block_m` rows, the grid over M). `pick`: how a round finds its expert
-    (`PICK_ENV`: "maxmin" or "argmax", the same results)."""
+    "moe_route_prefill": programs of `block_m` rows, the grid over M)."""
     m, w_cols = logits.shape
     c0, e = cols if cols is not None else (0, w_cols)
     if c0 < 0 or e <= 0 or c0 + e > w_cols:
@@ -169,8 +144,6 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, inter
     if (max_tokens is not None and m > max_tokens) or e > MAX_EXPERTS or top_k > e:
         raise NotImplementedError(f"the Pallas router handles M <= {max_tokens} tokens, E <= {MAX_EXPERTS} "
                                   f"experts and top_k <= E; got M={m}, E={e}, top_k={top_k}; use the reference")
-    if pick not in PICKS:
-        raise ValueError(f"route: pick {pick!r} is not one of {PICKS}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"route: block_m {block_m} must be a power of two")
     dtype = jnp.dtype(dtype or logits.dtype)
@@ -185,7 +158,7 @@ def route(logits: jax.Array, top_k: int, norm_topk_prob: bool, dtype=None, inter
         acts, args = (d, acts_chunk(d)), (logits, acts_of)
         out_shape.append(jax.ShapeDtypeStruct((m, d // 2 + 1), jnp.uint32))
     kernel = functools.partial(_route_kernel, m=m, e=e, c0=c0, k=top_k, norm=norm_topk_prob, bm=bm, be=be, bk=bk,
-                               acts=acts, pick=pick)
+                               acts=acts)
     return pdl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
