@@ -1,0 +1,210 @@
+"""Can a kernel launched from JAX stream its weights before its predecessor ends?
+
+Every fnx decode kernel pays ~3 us beyond its bytes (BENCHMARKS.md, forty-fourth and forty-seventh sessions): XLA
+puts `griddepcontrol.wait` at the very start of each kernel it compiles, Pallas' Triton kernels included, so no
+kernel can load a byte of its weights (which never depend on the kernel before) until its predecessor has ended.
+Pallas' Mosaic GPU backend (`plgpu.kernel`) leaves the wait to the kernel (`plgpu.griddepcontrol_wait`). This
+probe measures whether that helps inside a jitted chain: L kernels back to back, kernel i streaming its own weight
+slab W_i (TMA copies into shared memory) and reading x_i, the previous kernel's output.
+
+Modes (each a chain of the same kernels, one process):
+- `none`: wait at the start, no trigger (what every fnx kernel does today);
+- `trigger`: `launch_dependents` at the start, then wait (the next kernel may be resident early; fnx's
+  `FNX_PDL_TRIGGER=1` for the Triton kernels);
+- `prefetch`: trigger, issue the weight copies, then wait, then read x (weights stream during the predecessor's tail);
+- `triton`: the same function as a Pallas kernel on the Triton lowering (today's path, for the per-kernel cost);
+- `uses_pdl` variants: the same with `uses_pdl=True` added to the custom call's backend config (what XLA reads to
+  launch an FFI custom call with programmatic stream serialization, where its version does).
+
+Per mode: the slope (us per kernel, from chains of L1 and L2 kernels), its bytes floor at the measured streaming
+rate of one large launch, and whether the chain's output equals the jnp reference (a wait in the wrong place reads
+a stale x). JSON lines to --out. GPU only (sm_90+)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+ROWS = 64           # rows of one TMA copy (a [ROWS, COLS] bf16 tile: 32 KB at COLS 256)
+COLS = 256
+LANES = 128         # one warpgroup; x and out carry 128 f32 values per CTA
+
+
+def _uses_pdl_patch(on: bool):
+    """Add uses_pdl=True to mosaic_gpu_v2 custom calls lowered while on (restored by calling the result)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    orig = mlir.custom_call
+
+    def patched(call_target_name, *a, backend_config=None, **k):
+        if call_target_name == "mosaic_gpu_v2" and isinstance(backend_config, dict):
+            backend_config = dict(backend_config, uses_pdl=ir.BoolAttr.get(True))
+        return orig(call_target_name, *a, backend_config=backend_config, **k)
+
+    import jax.experimental.mosaic.gpu.core as core
+    core_orig = core.mlir.custom_call
+    if on:
+        mlir.custom_call = patched
+        core.mlir.custom_call = patched
+
+    def undo():
+        mlir.custom_call = orig
+        core.mlir.custom_call = core_orig
+    return undo
+
+
+def stream_kernel(n_ctas: int, chunks: int, mode: str):
+    """W [n_ctas * chunks * ROWS, COLS] bf16, x [n_ctas, LANES] f32 -> out [n_ctas, LANES] f32:
+    out[b] = 0.5 * x[b] + sum_c f32(W[(b * chunks + c) * ROWS, :LANES])."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(w_ref, x_ref, o_ref, smem, bar):
+        b = lax.axis_index("b")
+        if mode in ("trigger", "prefetch"):
+            plgpu.griddepcontrol_launch_dependents()
+        if mode != "prefetch":
+            plgpu.griddepcontrol_wait()
+        for c in range(chunks):
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((b * chunks + c) * ROWS, ROWS)], smem.at[c], bar.at[c])
+        if mode == "prefetch":
+            plgpu.griddepcontrol_wait()
+        acc = x_ref[b, :] * 0.5
+        for c in range(chunks):
+            plgpu.barrier_wait(bar.at[c])
+            acc = acc + smem[c, 0, pl.ds(0, LANES)].astype(jnp.float32)
+        o_ref[b, :] = acc
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((n_ctas, LANES), jnp.float32),
+        scratch_types=[plgpu.SMEM((chunks, ROWS, COLS), jnp.bfloat16),
+                       plgpu.Barrier(num_arrivals=1, num_barriers=chunks)],
+        grid=(n_ctas,), grid_names=("b",))
+
+
+def triton_kernel(n_ctas: int, chunks: int, interpret: bool = False):
+    """The same function as a Pallas kernel on the Triton lowering (XLA's wait at its start), each program loading
+    its whole slab ([ROWS, COLS] per chunk) as fnx's GEMVs load their weight tiles; `sel` (-1 at run time) keeps
+    every loaded element live without changing the result."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    def body(w_ref, x_ref, sel_ref, o_ref):
+        b = pl.program_id(0)
+        sel = sel_ref[0]
+        rid = lax.broadcasted_iota(jnp.int32, (ROWS, LANES), 0)
+        acc = x_ref[b, :] * 0.5
+        for c in range(chunks):
+            r0 = (b * chunks + c) * ROWS
+            lo = w_ref[pl.ds(r0, ROWS), pl.ds(0, LANES)].astype(jnp.float32)
+            hi = w_ref[pl.ds(r0, ROWS), pl.ds(LANES, LANES)].astype(jnp.float32)
+            acc = acc + jnp.sum(jnp.where(rid == 0, lo, 0.0), axis=0) + jnp.sum(jnp.where(rid == sel, hi, 0.0), axis=0)
+        o_ref[b, :] = acc
+
+    call = pl.pallas_call(body, out_shape=jax.ShapeDtypeStruct((n_ctas, LANES), jnp.float32), grid=(n_ctas,),
+                          compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1), interpret=interpret)
+    sel = jnp.full((1,), -1, jnp.int32)
+    return lambda w, x: call(w, x, sel)
+
+
+def reference(ws, x, n_ctas, chunks):
+    for w in ws:
+        rows = w.reshape(n_ctas, chunks, ROWS, COLS)[:, :, 0, :LANES].astype(jnp.float32)
+        x = x * 0.5 + rows.sum(axis=1)
+    return x
+
+
+def chain(kern, n):
+    def f(ws, x):
+        for i in range(n):
+            x = kern(ws[i], x)
+        return x
+    return jax.jit(f)
+
+
+def timed(fn, *args, reps=20):
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts), out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ctas", type=int, default=132)
+    ap.add_argument("--chunks", type=int, default=6, help="32 KB copies per CTA (6: 25 MB a kernel at 132 CTAs)")
+    ap.add_argument("--lengths", default="16,64")
+    ap.add_argument("--modes", default="triton,none,trigger,prefetch,none+uses_pdl,prefetch+uses_pdl")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    l1, l2 = (int(v) for v in a.lengths.split(","))
+    dev = jax.devices()[0]
+    print(f"# {dev.device_kind} jax {jax.__version__}", flush=True)
+    try:
+        import jax.experimental.mosaic.gpu.core as core
+        import inspect
+        print("# mosaic core mentions pdl:", "pdl" in inspect.getsource(core).lower(), flush=True)
+    except Exception as e:          # noqa: BLE001 - a probe: report and go on
+        print("# mosaic core source:", e)
+    n, ch = a.ctas, a.chunks
+    kb = n * ch * ROWS * COLS * 2
+    key = jax.random.PRNGKey(0)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (n * ch * ROWS, COLS), jnp.bfloat16) for i in range(l2)]
+    x0 = jax.random.normal(key, (n, LANES), jnp.float32)
+    ref = {m: reference(ws[:m], x0, n, ch) for m in (l1, l2)}
+    # the streaming rate of one launch over every slab at once (its own per-launch cost spread over l2 slabs)
+    big = jnp.concatenate(ws, axis=0)
+    t_big, _ = timed(jax.jit(stream_kernel(n * l2, ch, "none")), big, jnp.zeros((n * l2, LANES), jnp.float32),
+                     reps=a.reps)
+    rate = kb * l2 / t_big / 1e6
+    print(f"# one launch over {l2} slabs ({kb * l2 / 1e9:.2f} GB): {t_big:.1f} us, {rate:.2f} TB/s; "
+          f"a slab {kb / 1e6:.1f} MB -> floor {kb / rate / 1e6:.2f} us", flush=True)
+    rows = []
+    for mode in a.modes.split(","):
+        base, _, flag = mode.partition("+")
+        undo = _uses_pdl_patch(flag == "uses_pdl")
+        try:
+            kern = triton_kernel(n, ch) if base == "triton" else stream_kernel(n, ch, base)
+            t = {}
+            ok = True
+            for m in (l1, l2):
+                t[m], out = timed(chain(kern, m), ws[:m], x0, reps=a.reps)
+                ok &= bool(jnp.allclose(out, ref[m], rtol=1e-5, atol=1e-4))
+            slope = (t[l2] - t[l1]) / (l2 - l1)
+            row = dict(mode=mode, us_per_kernel=round(slope, 2), floor_us=round(kb / rate / 1e6, 2),
+                       chain_us={str(k): round(v, 1) for k, v in t.items()}, correct=ok)
+        except Exception as e:      # noqa: BLE001 - a probe: one mode failing must not lose the others
+            row = dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            undo()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if a.out:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
+        with open(a.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(dict(probe="mosaic_pdl", device=dev.device_kind, jax=jax.__version__,
+                                        commit=os.environ.get("FNX_COMMIT") or commit,
+                                        date=datetime.date.today().isoformat(), ctas=n, chunks=ch,
+                                        slab_mb=round(kb / 1e6, 2), rate_tbps=round(rate, 3), **r)) + "\n")
+
+
+if __name__ == "__main__":
+    main()
