@@ -10,9 +10,13 @@ slab W_i (TMA copies into shared memory) and reading x_i, the previous kernel's 
 Modes (each a chain of the same kernels, one process):
 - `none`: wait at the start, no trigger (what every fnx kernel does today);
 - `trigger`: `launch_dependents` at the start, then wait (the next kernel may be resident early; fnx's
-  `FNX_PDL_TRIGGER=1` for the Triton kernels);
-- `prefetch`: trigger, issue the weight copies, then wait, then read x (weights stream during the predecessor's tail);
+  `FNX_PDL_TRIGGER=1` for the Triton kernels); `trigger_late`: wait, copies, trigger (one kernel ahead at most);
+- `prefetch`: issue the weight copies, then wait, then read x (weights stream during the predecessor's tail);
+  `prefetch_trig`: the same with the trigger after the wait (so the next kernel's copies overlap this one's work,
+  never more than one kernel ahead: a trigger before the wait would let every later kernel launch at once);
 - `triton`: the same function as a Pallas kernel on the Triton lowering (today's path, for the per-kernel cost);
+- `race`: trigger at the start and no wait at all: a wrong result says the kernels were launched with PDL and did
+  overlap (the only direct evidence of the launch attribute this probe has); a right one says nothing for sure;
 - `uses_pdl` variants: the same with `uses_pdl=True` added to the custom call's backend config (what XLA reads to
   launch an FFI custom call with programmatic stream serialization, where its version does).
 
@@ -26,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import subprocess
 import time
 
@@ -70,14 +73,17 @@ def stream_kernel(n_ctas: int, chunks: int, mode: str):
 
     def body(w_ref, x_ref, o_ref, smem, bar):
         b = lax.axis_index("b")
-        if mode in ("trigger", "prefetch"):
+        early = mode.startswith("prefetch")
+        if mode in ("trigger", "race"):
             plgpu.griddepcontrol_launch_dependents()
-        if mode != "prefetch":
+        if not early and mode != "race":
             plgpu.griddepcontrol_wait()
         for c in range(chunks):
             plgpu.copy_gmem_to_smem(w_ref.at[pl.ds((b * chunks + c) * ROWS, ROWS)], smem.at[c], bar.at[c])
-        if mode == "prefetch":
+        if early:
             plgpu.griddepcontrol_wait()
+        if mode in ("trigger_late", "prefetch_trig"):
+            plgpu.griddepcontrol_launch_dependents()
         acc = x_ref[b, :] * 0.5
         for c in range(chunks):
             plgpu.barrier_wait(bar.at[c])
@@ -132,6 +138,7 @@ def chain(kern, n):
 
 
 def timed(fn, *args, reps=20):
+    """The fastest of reps calls (us), each synchronous: the chain's device time plus one dispatch."""
     out = fn(*args)
     jax.block_until_ready(out)
     ts = []
@@ -139,16 +146,17 @@ def timed(fn, *args, reps=20):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         ts.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(ts), out
+    return min(ts), out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctas", type=int, default=132)
     ap.add_argument("--chunks", type=int, default=6, help="32 KB copies per CTA (6: 25 MB a kernel at 132 CTAs)")
-    ap.add_argument("--lengths", default="16,64")
-    ap.add_argument("--modes", default="triton,none,trigger,prefetch,none+uses_pdl,prefetch+uses_pdl")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--lengths", default="32,128")
+    ap.add_argument("--modes", default="triton,none,trigger_late,prefetch,prefetch_trig,none+uses_pdl,"
+                    "trigger_late+uses_pdl,prefetch+uses_pdl,prefetch_trig+uses_pdl,race,race+uses_pdl")
+    ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     l1, l2 = (int(v) for v in a.lengths.split(","))
@@ -157,7 +165,9 @@ def main():
     try:
         import jax.experimental.mosaic.gpu.core as core
         import inspect
-        print("# mosaic core mentions pdl:", "pdl" in inspect.getsource(core).lower(), flush=True)
+        for i, ln in enumerate(inspect.getsource(core).splitlines()):
+            if "pdl" in ln.lower():
+                print(f"# core.py:{i + 1}: {ln.strip()[:150]}", flush=True)
     except Exception as e:          # noqa: BLE001 - a probe: report and go on
         print("# mosaic core source:", e)
     n, ch = a.ctas, a.chunks
@@ -195,7 +205,8 @@ def main():
         rows.append(row)
     if a.out:
         try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()
         except OSError:
             commit = ""
         with open(a.out, "a") as f:
