@@ -18,7 +18,8 @@ Modes (each a chain of the same kernels, one process):
 - `race`: trigger at the start and no wait at all: a wrong result says the kernels were launched with PDL and did
   overlap (the only direct evidence of the launch attribute this probe has); a right one says nothing for sure;
 - `uses_pdl` variants: the same with `uses_pdl=True` added to the custom call's backend config (what XLA reads to
-  launch an FFI custom call with programmatic stream serialization, where its version does).
+  launch an FFI custom call with programmatic stream serialization, where its version does): measured no effect;
+- `pdl_attr` variants: the Mosaic module attribute `mosaic_gpu.uses_pdl` set, which jaxlib's own launch reads.
 
 Per mode: the slope (us per kernel, from chains of L1 and L2 kernels), its bytes floor at the measured streaming
 rate of one large launch, and whether the chain's output equals the jnp reference (a wait in the wrong place reads
@@ -62,6 +63,27 @@ def _uses_pdl_patch(on: bool):
     def undo():
         mlir.custom_call = orig
         core.mlir.custom_call = core_orig
+    return undo
+
+
+def _pdl_attr_patch(on: bool):
+    """Set the module attribute `mosaic_gpu.uses_pdl` on every Mosaic GPU module serialized while on: jaxlib's
+    launch lowering then launches the kernel with programmatic stream serialization (JAX 0.11.2's
+    `_lower_as_gpu_kernel(uses_pdl=True)` sets the same attribute). Returns the undo."""
+    import jax.experimental.mosaic.gpu.core as core
+    from jax._src.lib.mlir import ir
+    orig = core._run_serde_pass
+
+    def patched(module, *a, serialize, **k):
+        if serialize:
+            module.operation.attributes["mosaic_gpu.uses_pdl"] = ir.UnitAttr.get()
+        return orig(module, *a, serialize=serialize, **k)
+
+    if on:
+        core._run_serde_pass = patched
+
+    def undo():
+        core._run_serde_pass = orig
     return undo
 
 
@@ -154,8 +176,8 @@ def main():
     ap.add_argument("--ctas", type=int, default=132)
     ap.add_argument("--chunks", type=int, default=6, help="32 KB copies per CTA (6: 25 MB a kernel at 132 CTAs)")
     ap.add_argument("--lengths", default="32,128")
-    ap.add_argument("--modes", default="triton,none,trigger_late,prefetch,prefetch_trig,none+uses_pdl,"
-                    "trigger_late+uses_pdl,prefetch+uses_pdl,prefetch_trig+uses_pdl,race,race+uses_pdl")
+    ap.add_argument("--modes", default="triton,none,trigger_late,prefetch,prefetch_trig,"
+                    "race,none+pdl_attr,trigger_late+pdl_attr,prefetch+pdl_attr,prefetch_trig+pdl_attr,race+pdl_attr")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -165,9 +187,12 @@ def main():
     try:
         import jax.experimental.mosaic.gpu.core as core
         import inspect
-        for i, ln in enumerate(inspect.getsource(core).splitlines()):
-            if "pdl" in ln.lower():
-                print(f"# core.py:{i + 1}: {ln.strip()[:150]}", flush=True)
+        import jax._src.pallas.mosaic_gpu.lowering as plow
+        import jax._src.pallas.mosaic_gpu.core as pcore
+        for mod in (core, plow, pcore):
+            for i, ln in enumerate(inspect.getsource(mod).splitlines()):
+                if "pdl" in ln.lower():
+                    print(f"# {mod.__name__}:{i + 1}: {ln.strip()[:150]}", flush=True)
     except Exception as e:          # noqa: BLE001 - a probe: report and go on
         print("# mosaic core source:", e)
     n, ch = a.ctas, a.chunks
@@ -187,6 +212,7 @@ def main():
     for mode in a.modes.split(","):
         base, _, flag = mode.partition("+")
         undo = _uses_pdl_patch(flag == "uses_pdl")
+        undo2 = _pdl_attr_patch(flag == "pdl_attr")
         try:
             kern = triton_kernel(n, ch) if base == "triton" else stream_kernel(n, ch, base)
             t = {}
@@ -201,6 +227,7 @@ def main():
             row = dict(mode=mode, error=f"{type(e).__name__}: {str(e)[:300]}")
         finally:
             undo()
+            undo2()
         print(json.dumps(row), flush=True)
         rows.append(row)
     if a.out:
