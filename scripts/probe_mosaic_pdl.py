@@ -21,9 +21,11 @@ Modes (each a chain of the same kernels, one process):
   launch an FFI custom call with programmatic stream serialization, where its version does): measured no effect;
 - `pdl_attr` variants: the Mosaic module attribute `mosaic_gpu.uses_pdl` set, which jaxlib's own launch reads.
 
-Per mode: the slope (us per kernel, from chains of L1 and L2 kernels), its bytes floor at the measured streaming
-rate of one large launch, and whether the chain's output equals the jnp reference (a wait in the wrong place reads
-a stale x). JSON lines to --out. GPU only (sm_90+)."""
+Per mode: the slope (us per kernel, from chains of L1 and L2 kernels, host-timed), its bytes floor at the measured
+streaming rate of one large launch, whether the chain's output equals the jnp reference (a wait in the wrong place
+reads a stale x), and from the profiler the device span per kernel of the longer chain (first start to last end
+over the kernels), the mean kernel duration and how many kernels started before their predecessor ended (the
+direct evidence of a PDL launch). JSON lines to --out. GPU only (sm_90+)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import time
 
@@ -172,15 +175,55 @@ def timed(fn, *args, reps=20):
     return min(ts), out
 
 
+def device_spans(fn, calls: int, kernels_per_call: int) -> dict:
+    """The chain's kernels under the profiler (`fnx.pallas.ledger`): per call (calls split at gaps > 30 us), the span
+    from the first kernel's start to the last one's end over the kernels, the mean kernel duration, and how many
+    kernels started before their predecessor ended (PDL overlap; CUPTI records it). Medians over the calls."""
+    import glob
+    import gzip
+    import tempfile
+
+    from fnx.pallas import ledger
+    jax.block_until_ready(fn())
+    d = tempfile.mkdtemp(prefix="fnx_mosaic_pdl_")
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+        for _ in range(calls):
+            jax.block_until_ready(fn())
+    path = sorted(glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    with gzip.open(path, "rt") as f:
+        ks = ledger.device_kernels(json.load(f))
+    groups, cur = [], []
+    for e in ks:
+        if cur and float(e["ts"]) - max(float(c["ts"]) + float(c.get("dur", 0)) for c in cur[-4:]) > 30:
+            groups.append(cur)
+            cur = []
+        cur.append(e)
+    groups.append(cur)
+    rows = []
+    for g in groups:
+        if len(g) < kernels_per_call:
+            continue
+        ends = [float(e["ts"]) + float(e.get("dur", 0)) for e in g]
+        rows.append(dict(span_us=(max(ends) - float(g[0]["ts"])) / len(g),
+                         dur_us=statistics.mean(float(e.get("dur", 0)) for e in g),
+                         overlaps=sum(float(b["ts"]) < ea for b, ea in zip(g[1:], ends))))
+    if not rows:
+        return dict(profile_error=f"no call of >= {kernels_per_call} kernels in {len(ks)} kernels")
+    return dict(span_us_per_kernel=round(statistics.median(r["span_us"] for r in rows), 2),
+                dur_us_per_kernel=round(statistics.median(r["dur_us"] for r in rows), 2),
+                overlapping_kernels=statistics.median(r["overlaps"] for r in rows), profiled_calls=len(rows))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ctas", type=int, default=132)
     ap.add_argument("--chunks", type=int, default=6, help="32 KB copies per CTA (6: 25 MB a kernel at 132 CTAs)")
     ap.add_argument("--lengths", default="64,256")
-    ap.add_argument("--modes", default="triton,none,prefetch_trig,none+pdl_attr,trigger_late+pdl_attr,"
+    ap.add_argument("--modes", default="triton,none,race,none+pdl_attr,trigger_late+pdl_attr,"
                     "prefetch+pdl_attr,prefetch_trig+pdl_attr,race+pdl_attr")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--profile", type=int, default=3, help="calls of the longer chain under the profiler (0: none)")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     l1, l2 = (int(v) for v in a.lengths.split(","))
@@ -242,6 +285,11 @@ def main():
         t = {m: best[mode, m] for m in (l1, l2)}
         row.update(us_per_kernel=round((t[l2] - t[l1]) / (l2 - l1), 2), floor_us=round(kb / rate / 1e6, 2),
                    chain_us={str(k): round(v, 1) for k, v in t.items()})
+        if a.profile:
+            try:
+                row.update(device_spans(lambda fn=fns[mode, l2]: fn(ws[:l2], x0), a.profile, l2))
+            except Exception as e:      # noqa: BLE001 - a probe: the timings above stand without it
+                row["profile_error"] = f"{type(e).__name__}: {str(e)[:200]}"
         print(json.dumps(row), flush=True)
     rows = list(rows.values())
     if a.out:
