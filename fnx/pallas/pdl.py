@@ -14,8 +14,15 @@ The trigger is `tt.elementwise_inline_asm` with side effects (not pure: never re
 memory operations), bound through a primitive with a kernel-local effect so JAX keeps it in the kernel's jaxpr.
 Hopper and later (sm_90+: the PTX instruction exists there only); interpret mode and other devices never bind it.
 
-`FNX_PDL_TRIGGER` (read when a kernel is traced): 0 (the default until measured on a GPU) or 1 (every Pallas kernel of
-fnx triggers at its start). `pallas_call` here is `pl.pallas_call` with that wrapper; fnx's kernels call it."""
+`FNX_PDL_TRIGGER` (read when a kernel is traced): 0 (the default; measured level on an H100, BENCHMARKS.md
+"Forty-eighth session") or 1 (every Pallas kernel of fnx triggers at its start). `pallas_call` here is
+`pl.pallas_call` with that wrapper; fnx's kernels call it.
+
+The wait at the very start is not what a kernel pays for either: a Mosaic GPU kernel (`plgpu.kernel`) places its own
+wait and gets a PDL launch when its module carries `mosaic_gpu.uses_pdl`; in a chain of weight-streaming kernels
+whose weights are copied before the wait, with the next kernel released during this one's work, the per-kernel time
+was the same as a Triton kernel's and as without the overlap (`scripts/probe_mosaic_pdl.py`, BENCHMARKS.md
+"Fifty-eighth session"). What is left is the kernel count."""
 
 from __future__ import annotations
 
