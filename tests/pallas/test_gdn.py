@@ -961,8 +961,8 @@ def test_window_bf16_rounds_like_the_model():
     """bf16: the kernel rounds the conv, silu and sigmoid where the model's ops round; XLA:CPU keeps excess
     precision in places, so o is held to the fp32 computation within 4x its own spread under 2^-8 input
     perturbations (as the step kernel's test), a bf16 ulp of its head's scale and the bf16 reference's own distance
-    from it, k and v within two
-    bf16 roundings (the conv's, the silu's) of the reference, the moved rows (the conv state, xcat) exactly."""
+    from it, k and v within two bf16 roundings (the conv's, the silu's) of the reference, the moved rows (the conv
+    state, xcat) exactly."""
     dtype = jnp.bfloat16
     kw = window_inputs(seed(), dtype=dtype)
     o, c, s, parts = _window(KERNEL, kw)
