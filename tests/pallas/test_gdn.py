@@ -300,7 +300,8 @@ def test_step_early_loads_give_the_same_bits(dtype, bv, monkeypatch):
     from fnx.pallas.gdn.pallas import StepTiles
     _step_field_same_bits(dtype, bv, early=1)
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "early=1")
-    assert kernel.default_step_tiles(1, 48, 128) == StepTiles(block_v=128, num_warps=4, early=1)
+    assert kernel.default_step_tiles(1, 48, 128) == StepTiles(block_v=128, num_warps=4, early=1,
+                                                              cinplace=kernel.cinplace_default())
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "erly=1")
     with pytest.raises(ValueError, match="not field=value"):
         kernel.default_step_tiles(1, 48, 128)
@@ -312,7 +313,7 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
     its HV/HK x dv/BV readers at a counter: the same bits as the default's o, conv window and state (and the
     reference's window). Under a decode program's counter pool it takes its counters there (a region per call);
     FNX_GDN_STEP_TILES=cinplace=1 sets it and makes the model's decode programs build that pool."""
-    from fnx.pallas import grid_sync
+    from fnx.pallas import dispatch, grid_sync
     from fnx.pallas.gdn import pallas as kernel
     from fnx.model import transformer
     kw, base, want, got = _step_field_same_bits(dtype, bv, cinplace=1)
@@ -328,7 +329,13 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
         return out
     for g, w in zip(jax.jit(pooled)(kw), want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    # by default only where the kernel runs compiled (a GPU), never on a mesh; the knob says either way
+    assert kernel.conv_in_place() == (dispatch.why_unavailable("pallas") is None) == bool(kernel.cinplace_default())
+    with dispatch.on_mesh(jax.make_mesh((1,), ("tp",))):
+        assert kernel.cinplace_default() == 0
+    monkeypatch.setenv(kernel.STEP_TILES_ENV, "early=1,cinplace=0")
     assert not kernel.conv_in_place() and transformer.counter_pool(1, 1) is None
+    assert kernel.default_step_tiles(1, 48, 128).cinplace == 0
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "cinplace=1")
     assert kernel.conv_in_place() and kernel.default_step_tiles(1, 48, 128).cinplace == 1
     assert isinstance(transformer.counter_pool(8, 1), grid_sync.CounterPool)    # one-token calls (8 slots)
@@ -338,6 +345,25 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
         return transformer.make_meta(ModelConfig(), jnp.zeros((1,), jnp.int32), 1, jnp.float32, **kw)
     assert isinstance(meta()["counters"], grid_sync.CounterPool)
     assert meta(gdn=False)["counters"] is None                               # the MTP layer's programs
+
+
+def test_step_default_in_place_window_needs_counters(monkeypatch):
+    """Where the in-place window is the default (a GPU: simulated here), a call outside a decode program's counter
+    pool whose B x key heads exceeds the one zeroed block it would get keeps the window in a new buffer (the same
+    bits); FNX_GDN_STEP_TILES naming cinplace=1 makes such a call raise instead."""
+    from fnx.pallas.gdn import pallas as kernel
+    from fnx.pallas.gdn.pallas import StepTiles
+    monkeypatch.delenv(kernel.STEP_TILES_ENV, raising=False)
+    kw = step_inputs(seed(), dtype=jnp.float32, bsz=3)
+    base = _step(KERNEL, kw, "silu", tiles=StepTiles(block_v=kw["norm_w"].shape[0], num_warps=4))
+    monkeypatch.setattr(kernel, "cinplace_default", lambda: 1)
+    monkeypatch.setattr(kernel, "_zero_block", lambda: 4)              # 3 sequences x 2 key heads > 4
+    assert kernel.default_step_tiles(3, 4, 8).cinplace == 1
+    for g, w in zip(_step(KERNEL, kw, "silu"), base):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    monkeypatch.setenv(kernel.STEP_TILES_ENV, "cinplace=1")
+    with pytest.raises(ValueError, match="outside a decode program's counter pool, at most 4"):
+        _step(KERNEL, kw, "silu")
 
 
 @pytest.mark.parametrize("impl", ["reference", KERNEL])

@@ -228,28 +228,57 @@ class StepTiles:
                             # (acquire-release atomic after a CTA barrier, `fnx.pallas.grid_sync`; the program's
                             # counters from the decode program's pool, else a fresh buffer). Default 0: the window
                             # goes to a new buffer, which XLA then copies into the donated state (one memcpy kernel
-                            # per GDN layer and step, 36 of a 48-layer step's 51). The same bits. Built 2026-12-05,
-                            # not yet run on a GPU: FNX_GDN_STEP_TILES=cinplace=1
+                            # per GDN layer and step, 36 of a 48-layer step's 51). The same bits. The default where
+                            # the kernel runs compiled (`cinplace_default`: a CUDA GPU, outside a mesh) since its
+                            # compiled tests passed and the 4-layer step at 8K measured 2 launches fewer and -7.3 us
+                            # chained (H100, 2026-12-07); FNX_GDN_STEP_TILES=cinplace=0 turns it off
 
 
 STEP_TILES_ENV = "FNX_GDN_STEP_TILES"
 
 
-def conv_in_place() -> bool:
-    """Whether FNX_GDN_STEP_TILES asks for `StepTiles.cinplace` (read when a program is traced: the decode program
-    then makes its counter pool, `fnx.model.transformer.counter_pool`)."""
+def _cinplace_named() -> bool:
+    """Whether FNX_GDN_STEP_TILES names `cinplace` (then a call that cannot have its counters raises)."""
     spec = os.environ.get(STEP_TILES_ENV)
     if not spec:
         return False
     from fnx.pallas import dispatch
-    return bool(dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV).get("cinplace", 0))
+    return "cinplace" in dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV)
+
+
+def _counter_pool():
+    from fnx.pallas import grid_sync
+    return grid_sync.current_pool()
+
+
+def _zero_block() -> int:
+    from fnx.pallas import grid_sync
+    return grid_sync.ZERO_BLOCK
+
+
+def cinplace_default() -> int:
+    """`StepTiles.cinplace` by default: 1 where the step kernel runs compiled (a CUDA GPU) outside a mesh (there the
+    model's GDN runs the reference, and a counter pool would be one more Pallas call outside shard_map), else 0."""
+    from fnx.pallas import dispatch
+    return int(dispatch.why_unavailable("pallas") is None and dispatch.active_mesh() is None)
+
+
+def conv_in_place() -> bool:
+    """Whether the step kernel's default tiles update the conv window in place (`StepTiles.cinplace`: FNX_GDN_STEP_TILES
+    when it names the field, else `cinplace_default`; read when a program is traced: the decode program then makes
+    its counter pool, `fnx.model.transformer.counter_pool`)."""
+    if _cinplace_named():
+        from fnx.pallas import dispatch
+        return bool(dispatch.fields_override(os.environ[STEP_TILES_ENV], StepTiles, STEP_TILES_ENV)["cinplace"])
+    return bool(cinplace_default())
 
 
 def default_step_tiles(batch: int, hv: int, dv: int) -> StepTiles:
     """Whole heads (the norm fused) at 4 warps: the fastest of six tile sets on the H200 at the released widths,
     B = 1 and 8 (BV 128 at 4 / 8 / 16 warps, 64 at 4, 32 at 4 / 2; `bench.step_cases`, BENCHMARKS.md).
-    `FNX_GDN_STEP_TILES` ("early=1", read when a program is traced) replaces fields: a benchmark knob."""
-    return _env_tiles(StepTiles(block_v=dv, num_warps=4), STEP_TILES_ENV, dv)
+    The conv window in place where the kernel runs compiled (`cinplace_default`). `FNX_GDN_STEP_TILES` ("early=1",
+    read when a program is traced) replaces fields: a benchmark knob."""
+    return _env_tiles(StepTiles(block_v=dv, num_warps=4, cinplace=cinplace_default()), STEP_TILES_ENV, dv)
 
 
 def _env_tiles(t, env: str, dv: int):
@@ -374,6 +403,12 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
            ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
     dt = ops[0][0].dtype
     t = tiles or default_step_tiles(bsz, hv, dv)
+    if (tiles is None and t.cinplace and not _cinplace_named() and _counter_pool() is None
+            and bsz * key_heads > _zero_block()):
+        # the default's in-place window needs counters: outside a decode program's pool only one zeroed block of
+        # them is made per call, so a larger batch there keeps the window in a new buffer (the same bits); a
+        # FNX_GDN_STEP_TILES that names cinplace raises below instead
+        t = dataclasses.replace(t, cinplace=0)
     bv = t.block_v
     whole = pl.BlockSpec(memory_space=pl.ANY)
     flat = lambda x: x.reshape(-1)  # noqa: E731
@@ -401,11 +436,11 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
         pool, n_ctr = grid_sync.current_pool(), bsz * key_heads
         if pool is not None:
             ctrs, base = pool.buf, pool.take(n_ctr)
-        elif n_ctr <= grid_sync.ZERO_BLOCK:
+        elif n_ctr <= _zero_block():
             ctrs, base = grid_sync.counter(interpret, grid_sync.ZERO_BLOCK), 0
         else:
             raise ValueError(f"gdn_step with cinplace: {n_ctr} counters (B x key heads) outside a decode program's "
-                             f"counter pool, at most {grid_sync.ZERO_BLOCK}")
+                             f"counter pool, at most {_zero_block()}")
         kernel = functools.partial(kernel, cin=(base, (hv // key_heads) * (dv // bv), interpret))
         args, in_specs = args + (ctrs,), in_specs + [whole]
         aliases[2] = 2

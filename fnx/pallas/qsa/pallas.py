@@ -201,14 +201,16 @@ def combine(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class CombineTiles:
-    bd: int = 16            # head-dim columns per program (a power of two dividing hd): grid (rows, Hkv, hd / bd)
+    bd: int = 8             # head-dim columns per program (a power of two dividing hd): grid (rows, Hkv, hd / bd)
     splits: int = 16        # splits per step of a program's walk over the partials
-    early: int = 0          # 1: every step's m and acc tiles and the gate loaded before any arithmetic. As written
+    early: int = 1          # 1: every step's m and acc tiles and the gate loaded before any arithmetic. As written
                             # first the stock sm_90 build issued each step's acc tile after the previous step's
                             # sums and the gate after everything (one token, 8K: 47 of 79 loads after the first
                             # barrier, 236 registers at bd 16): a memory round trip per step on the critical path
                             # of 32 programs. With bd 8 the early tiles take half the registers. The same bits.
-                            # Built 2026-12-05, not yet measured: FNX_QSA_COMBINE_TILES=bd=8,early=1
+                            # bd 8 with early 1 is the default since measured: the one-token combine at 8K 3.42 us
+                            # against 4.66 for bd 16 / early 0 (H100, 2026-12-07, the 4-layer step, two base runs);
+                            # FNX_QSA_COMBINE_TILES=bd=16,early=0 gives the earlier tiles
     num_warps: int = 4
 
 
