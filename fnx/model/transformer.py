@@ -263,9 +263,8 @@ def counter_pool(tokens: int, length: int | None = None):
     layers and head are traced) where a kernel counts its programs: split-K GEMVs that sum in place
     (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
     (ops "hc_boundary_one" / "hc_boundary_few_one" named), the GDN step's in-place conv window
-    (`fnx.pallas.gdn.pallas.conv_in_place`: the default on a GPU outside a mesh; one-token calls: `length` 1); at
-    decode sizes
-    (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
+    (`fnx.pallas.gdn.pallas.conv_in_place`: the default where gdn_step runs its compiled kernel; one-token calls:
+    `length` 1); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
     from fnx.pallas import dispatch, grid_sync
     from fnx.pallas.gemv import api as gemv_api
     from fnx.pallas.hc import api as hc_api

@@ -333,6 +333,8 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
     assert kernel.conv_in_place() == (dispatch.why_unavailable("pallas") is None) == bool(kernel.cinplace_default())
     with dispatch.on_mesh(jax.make_mesh((1,), ("tp",))):
         assert kernel.cinplace_default() == 0
+    with dispatch.force("reference"):
+        assert kernel.cinplace_default() == 0 and not kernel.conv_in_place()
     monkeypatch.setenv(kernel.STEP_TILES_ENV, "early=1,cinplace=0")
     assert not kernel.conv_in_place() and transformer.counter_pool(1, 1) is None
     assert kernel.default_step_tiles(1, 48, 128).cinplace == 0

@@ -229,7 +229,7 @@ class StepTiles:
                             # counters from the decode program's pool, else a fresh buffer). Default 0: the window
                             # goes to a new buffer, which XLA then copies into the donated state (one memcpy kernel
                             # per GDN layer and step, 36 of a 48-layer step's 51). The same bits. The default where
-                            # the kernel runs compiled (`cinplace_default`: a CUDA GPU, outside a mesh) since its
+                            # op gdn_step runs the compiled kernel (`cinplace_default`) since its
                             # compiled tests passed and the 4-layer step at 8K measured 2 launches fewer and -7.3 us
                             # chained (H100, 2026-12-07); FNX_GDN_STEP_TILES=cinplace=0 turns it off
 
@@ -257,10 +257,12 @@ def _zero_block() -> int:
 
 
 def cinplace_default() -> int:
-    """`StepTiles.cinplace` by default: 1 where the step kernel runs compiled (a CUDA GPU) outside a mesh (there the
-    model's GDN runs the reference, and a counter pool would be one more Pallas call outside shard_map), else 0."""
+    """`StepTiles.cinplace` by default: 1 where op "gdn_step" resolves to the compiled kernel (a CUDA GPU; not on a
+    mesh, nor under `dispatch.force("reference")` or FNX_KERNELS naming the reference: there the model's GDN runs
+    the reference, and a counter pool would be one more Pallas call for nothing), else 0."""
     from fnx.pallas import dispatch
-    return int(dispatch.why_unavailable("pallas") is None and dispatch.active_mesh() is None)
+    from fnx.pallas.gdn import api
+    return int(dispatch.resolve(api.STEP_OP) == "pallas")
 
 
 def conv_in_place() -> bool:
