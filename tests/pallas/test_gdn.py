@@ -349,23 +349,23 @@ def test_step_conv_window_in_place_gives_the_same_bits(dtype, bv, monkeypatch):
     assert meta(gdn=False)["counters"] is None                               # the MTP layer's programs
 
 
-def test_step_default_in_place_window_needs_counters(monkeypatch):
-    """Where the in-place window is the default (a GPU: simulated here), a call outside a decode program's counter
-    pool whose B x key heads exceeds the one zeroed block it would get keeps the window in a new buffer (the same
-    bits); FNX_GDN_STEP_TILES naming cinplace=1 makes such a call raise instead."""
-    from fnx.pallas.gdn import pallas as kernel
+def test_step_in_place_window_outside_a_pool_takes_enough_counters(monkeypatch):
+    """Outside a decode program's counter pool the in-place window makes its own zeroed counters: one per (sequence,
+    key head), in as many of grid_sync's zero blocks as that takes (a block of 4 here, so 3 x 2 counters need two
+    blocks): the same bits as the window written to a new buffer."""
+    from fnx.pallas import grid_sync
     from fnx.pallas.gdn.pallas import StepTiles
-    monkeypatch.delenv(kernel.STEP_TILES_ENV, raising=False)
     kw = step_inputs(seed(), dtype=jnp.float32, bsz=3)
-    base = _step(KERNEL, kw, "silu", tiles=StepTiles(block_v=kw["norm_w"].shape[0], num_warps=4))
-    monkeypatch.setattr(kernel, "cinplace_default", lambda: 1)
-    monkeypatch.setattr(kernel, "_zero_block", lambda: 4)              # 3 sequences x 2 key heads > 4
-    assert kernel.default_step_tiles(3, 4, 8).cinplace == 1
-    for g, w in zip(_step(KERNEL, kw, "silu"), base):
+    tiles = StepTiles(block_v=kw["norm_w"].shape[0], num_warps=4)
+    base = _step(KERNEL, kw, "silu", tiles=tiles)
+    monkeypatch.setattr(grid_sync, "ZERO_BLOCK", 4)
+    made = []
+    counter = grid_sync.counter
+    monkeypatch.setattr(grid_sync, "counter", lambda interpret, size: made.append(size) or counter(interpret, size))
+    got = _step(KERNEL, kw, "silu", tiles=dataclasses.replace(tiles, cinplace=1))
+    assert made == [8]
+    for g, w in zip(got, base):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    monkeypatch.setenv(kernel.STEP_TILES_ENV, "cinplace=1")
-    with pytest.raises(ValueError, match="outside a decode program's counter pool, at most 4"):
-        _step(KERNEL, kw, "silu")
 
 
 @pytest.mark.parametrize("impl", ["reference", KERNEL])

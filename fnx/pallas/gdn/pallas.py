@@ -237,25 +237,6 @@ class StepTiles:
 STEP_TILES_ENV = "FNX_GDN_STEP_TILES"
 
 
-def _cinplace_named() -> bool:
-    """Whether FNX_GDN_STEP_TILES names `cinplace` (then a call that cannot have its counters raises)."""
-    spec = os.environ.get(STEP_TILES_ENV)
-    if not spec:
-        return False
-    from fnx.pallas import dispatch
-    return "cinplace" in dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV)
-
-
-def _counter_pool():
-    from fnx.pallas import grid_sync
-    return grid_sync.current_pool()
-
-
-def _zero_block() -> int:
-    from fnx.pallas import grid_sync
-    return grid_sync.ZERO_BLOCK
-
-
 def cinplace_default() -> int:
     """`StepTiles.cinplace` by default: 1 where op "gdn_step" resolves to the compiled kernel (a CUDA GPU; not on a
     mesh, nor under `dispatch.force("reference")` or FNX_KERNELS naming the reference: there the model's GDN runs
@@ -269,9 +250,12 @@ def conv_in_place() -> bool:
     """Whether the step kernel's default tiles update the conv window in place (`StepTiles.cinplace`: FNX_GDN_STEP_TILES
     when it names the field, else `cinplace_default`; read when a program is traced: the decode program then makes
     its counter pool, `fnx.model.transformer.counter_pool`)."""
-    if _cinplace_named():
+    spec = os.environ.get(STEP_TILES_ENV)
+    if spec:
         from fnx.pallas import dispatch
-        return bool(dispatch.fields_override(os.environ[STEP_TILES_ENV], StepTiles, STEP_TILES_ENV)["cinplace"])
+        fields = dispatch.fields_override(spec, StepTiles, STEP_TILES_ENV)
+        if "cinplace" in fields:
+            return bool(fields["cinplace"])
     return bool(cinplace_default())
 
 
@@ -405,12 +389,6 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
            ((qkv, conv_dim, "qkv"), (z, hv * dv, "z"), (b, hv, "b"), (a, hv, "a"))]
     dt = ops[0][0].dtype
     t = tiles or default_step_tiles(bsz, hv, dv)
-    if (tiles is None and t.cinplace and not _cinplace_named() and _counter_pool() is None
-            and bsz * key_heads > _zero_block()):
-        # the default's in-place window needs counters: outside a decode program's pool only one zeroed block of
-        # them is made per call, so a larger batch there keeps the window in a new buffer (the same bits); a
-        # FNX_GDN_STEP_TILES that names cinplace raises below instead
-        t = dataclasses.replace(t, cinplace=0)
     bv = t.block_v
     whole = pl.BlockSpec(memory_space=pl.ANY)
     flat = lambda x: x.reshape(-1)  # noqa: E731
@@ -433,16 +411,17 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     if t.cinplace:
         # the conv window in place (StepTiles.cinplace): one counter per (sequence, key head) for the q / k rows'
         # last reader, from the decode program's pool (a region per call site, kept a multiple of the readers by
-        # each launch), else a fresh zeroed buffer of its own
+        # each launch), else a fresh zeroed buffer of its own (`grid_sync.counter` makes power-of-two multiples of
+        # its ZERO_BLOCK)
         from fnx.pallas import grid_sync
         pool, n_ctr = grid_sync.current_pool(), bsz * key_heads
         if pool is not None:
             ctrs, base = pool.buf, pool.take(n_ctr)
-        elif n_ctr <= _zero_block():
-            ctrs, base = grid_sync.counter(interpret, grid_sync.ZERO_BLOCK), 0
         else:
-            raise ValueError(f"gdn_step with cinplace: {n_ctr} counters (B x key heads) outside a decode program's "
-                             f"counter pool, at most {_zero_block()}")
+            size = grid_sync.ZERO_BLOCK
+            while size < n_ctr:
+                size *= 2
+            ctrs, base = grid_sync.counter(interpret, size), 0
         kernel = functools.partial(kernel, cin=(base, (hv // key_heads) * (dv // bv), interpret))
         args, in_specs = args + (ctrs,), in_specs + [whole]
         aliases[2] = 2
