@@ -93,18 +93,29 @@ def select_token_indices(q_idx: jax.Array, blocks: jax.Array, positions: jax.Arr
     fnx.pallas.qsa.api.qsa_block_topk with `impl`: the kernel lists the blocks in ascending order, the reference by
     score); no position appears twice.
     The scores come from fnx.pallas.qsa.api.qsa_index_scores (`impl`); a kernel sums in another order than
-    XLA, so scores within an ulp of each other may rank differently there."""
+    XLA, so scores within an ulp of each other may rank differently there. Where op "qsa_select" runs a kernel
+    (`impl` or its dispatch) and applies (`fnx.pallas.qsa.select.applies`: up to 64K tokens of context), scores,
+    top-k and this token list are one launch instead (the same set, up to near-equal scores)."""
     cr = cfg.indexer_compress_ratio
-    bsz, length = positions.shape
     n_blocks = blocks.shape[1]
-    block_idx = jnp.arange(n_blocks, dtype=jnp.int32)
-    valid = (block_idx * cr + cr - 1)[None, None, :] <= positions[..., None]          # [B, L, NB]
     if n_blocks > cfg.block_topk:
+        from fnx.pallas.qsa import select
+        why = select.applies(n_blocks, cfg.block_topk, cr, q_idx.shape[2], q_idx.shape[3])
+        if why is None and qsa_api.select_backend(impl) != "reference":      # one launch (op qsa_select)
+            return qsa_api.qsa_select(q_idx, blocks, positions, capacity, cr, cfg.block_topk, impl=impl)
         s = qsa_api.qsa_index_scores(q_idx, blocks, positions, cr, impl=impl)          # [B, L, NB]
         top = qsa_api.qsa_block_topk(s, cfg.block_topk, impl=impl)                     # [B, L, K], a set
-        ok = jnp.take_along_axis(valid, top, axis=-1)
     else:
-        top, ok = jnp.broadcast_to(block_idx, valid.shape), valid
+        top = jnp.broadcast_to(jnp.arange(n_blocks, dtype=jnp.int32), positions.shape + (n_blocks,))
+    return token_positions(top, positions, n_blocks, capacity, cr)
+
+
+def token_positions(top: jax.Array, positions: jax.Array, n_blocks: int, capacity: int, cr: int) -> jax.Array:
+    """Blocks [B, L, K] (int32) -> their token positions [B, L, K * cr + cr - 1]: each block's cr tokens (-1 for a
+    block not complete at the query), then the incomplete tail's cr - 1 slots (-1 where empty or past the cache)."""
+    bsz, length = positions.shape
+    valid = (jnp.arange(n_blocks, dtype=jnp.int32) * cr + cr - 1)[None, None, :] <= positions[..., None]
+    ok = jnp.take_along_axis(valid, top, axis=-1)
     tok = top[..., None].astype(jnp.int32) * cr + jnp.arange(cr, dtype=jnp.int32)
     tok = jnp.where(ok[..., None], tok, -1).reshape(bsz, length, -1)
     tail = ((positions + 1) // cr * cr)[..., None] + jnp.arange(cr - 1, dtype=jnp.int32)

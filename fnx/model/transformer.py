@@ -264,14 +264,15 @@ def counter_pool(tokens: int, length: int | None = None):
     (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
     (ops "hc_boundary_one" / "hc_boundary_few_one" named), the GDN step's in-place conv window
     (`fnx.pallas.gdn.pallas.conv_in_place`: the default where gdn_step runs its compiled kernel; one-token calls:
-    `length` 1); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
+    `length` 1), the QSA indexer's one-launch token choice (op "qsa_select" on its compiled kernel); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
     from fnx.pallas import dispatch, grid_sync
     from fnx.pallas.gemv import api as gemv_api
     from fnx.pallas.hc import api as hc_api
     from fnx.pallas.moe import api as moe_api
     from fnx.pallas.gdn import pallas as gdn_kernel
+    from fnx.pallas.qsa import api as qsa_api
     on = (grid_sync.knob(gemv_api.FINISH_ENV) or grid_sync.knob(moe_api.FINISH_ENV) or hc_api.one_launch(tokens)
-          or (length == 1 and gdn_kernel.conv_in_place()))
+          or (length == 1 and gdn_kernel.conv_in_place()) or dispatch.resolve(qsa_api.SELECT_OP) == "pallas")
     if not on or tokens > gemv_api.MAX_M:
         return None
     interpret = dispatch.why_unavailable("pallas") is not None

@@ -1,5 +1,5 @@
-"""Dispatch for QSA sparse decode attention (op names "qsa_decode_attention", "qsa_index_scores" and
-"qsa_block_topk")."""
+"""Dispatch for QSA sparse decode attention (op names "qsa_decode_attention", "qsa_index_scores", "qsa_block_topk",
+"qsa_select" and the others below)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,30 @@ def qsa_block_topk(scores: jax.Array, k: int, impl: str | None = None) -> jax.Ar
     if which == "reference":
         return jax.lax.top_k(scores, k)[1].astype(jnp.int32)
     return kernel.qsa_block_topk(scores, k, interpret=dispatch.interpret_flag(which))
+
+
+SELECT_OP = "qsa_select"
+
+
+def select_backend(impl: str | None, not_applicable: str | None = None) -> str:
+    """The backend op "qsa_select" (the indexer's scores, top-k and token list in one launch) runs with for a call
+    (`fnx.pallas.qsa.select.applies` gives `not_applicable`)."""
+    return dispatch.resolve(SELECT_OP, impl, not_applicable=not_applicable)
+
+
+def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cr: int, k: int,
+               impl: str | None = None) -> jax.Array:
+    """Token positions [B, L, k * cr + cr - 1] (-1 unused): the selected complete blocks' tokens, then the
+    incomplete tail, as `fnx.model.qsa.select_token_indices` lists them from the separate ops; on the reference
+    backend exactly those ops (qsa_index_scores and qsa_block_topk, each on its reference)."""
+    from fnx.pallas.qsa import select
+    which = select_backend(impl, select.applies(blocks.shape[1], k, cr, q_idx.shape[2], q_idx.shape[3]))
+    if which == "reference":
+        from fnx.model.qsa import token_positions
+        s = reference.qsa_index_scores(q_idx, blocks, positions, cr)
+        top = jax.lax.top_k(s, k)[1].astype(jnp.int32)
+        return token_positions(top, positions, blocks.shape[1], capacity, cr)
+    return select.qsa_select(q_idx, blocks, positions, capacity, cr, k, interpret=dispatch.interpret_flag(which))
 
 
 PREP_OP = "qsa_prep"

@@ -473,35 +473,21 @@ def _sortable(s):
     return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
 
 
-def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, early: bool = False):
-    """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
-    positions in ascending order (a permutation of the row written to out, the chosen first).
-    seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
-    segment) and also writes the chosen keys and their columns. keys (the second stage): s holds int32 keys and
-    refs[0] the columns they stand for, which are written instead of positions. early: see `topk_early`."""
-    if keys:
-        ids_ref, out_ref = refs
-    elif seg:
-        out_ref, kout_ref = refs
-    else:
-        (out_ref,) = refs
-    r = pl.program_id(0)
-    blk = jnp.arange(nbp, dtype=jnp.int32)
-    if seg:                                                 # this segment's columns of the row
-        c0 = pl.program_id(1) * seg
-        width = s_ref.shape[1]
-        ok = (blk < nb) & (c0 + blk < width)
-        s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(c0 + blk, width - 1)]
-    else:
-        ok = blk < nb
-        s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]            # the row, in place
-    lowest = jnp.int32(-2 ** 31)
-    key = jnp.where(ok, s if keys else _sortable(s), lowest)    # padding below every score (never chosen first)
+LOWEST_KEY = -2 ** 31      # below every `_sortable` key (-inf's included): the padding lanes of a row
+
+
+def top_set(key, k: int, early: bool = False):
+    """The k largest of a row's int32 keys [nbp] (one program's registers), ties to the lowest lanes (lax.top_k's
+    rule): (sel [nbp] bool, slot [nbp] int32: each chosen lane's place in ascending lane order). The k-th largest
+    key is built bit by bit from the top (its sign, then each lower bit kept where at least k keys stay >= the
+    prefix: 31 CTA-wide counts); every key above it is chosen and, among the keys equal to it, the lowest lanes.
+    early: see `topk_early`."""
+    nbp = key.shape[0]
+    lowest = jnp.int32(LOWEST_KEY)
 
     def count_ge(t):
         return jnp.sum(jnp.where(key >= t, 1, 0))
 
-    # the k-th largest key: its sign first, then each lower bit set where at least k keys stay >= the prefix
     n0 = count_ge(jnp.int32(0))
     kth = jnp.where(n0 >= k, jnp.int32(0), lowest)
 
@@ -524,9 +510,35 @@ def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bo
     above = key > kth
     tie = jnp.where(key == kth, 1, 0)
     need = k - jnp.sum(jnp.where(above, 1, 0))
-    sel = above | ((tie > 0) & (jnp.cumsum(tie) - tie < need))       # ties: the lowest blocks first
+    sel = above | ((tie > 0) & (jnp.cumsum(tie) - tie < need))       # ties: the lowest lanes first
     seli = jnp.where(sel, 1, 0)
-    slot = jnp.cumsum(seli) - seli                                   # ascending block order
+    return sel, jnp.cumsum(seli) - seli                              # ascending lane order
+
+
+def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, early: bool = False):
+    """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
+    positions in ascending order (a permutation of the row written to out, the chosen first).
+    seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
+    segment) and also writes the chosen keys and their columns. keys (the second stage): s holds int32 keys and
+    refs[0] the columns they stand for, which are written instead of positions. early: see `topk_early`."""
+    if keys:
+        ids_ref, out_ref = refs
+    elif seg:
+        out_ref, kout_ref = refs
+    else:
+        (out_ref,) = refs
+    r = pl.program_id(0)
+    blk = jnp.arange(nbp, dtype=jnp.int32)
+    if seg:                                                 # this segment's columns of the row
+        c0 = pl.program_id(1) * seg
+        width = s_ref.shape[1]
+        ok = (blk < nb) & (c0 + blk < width)
+        s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(c0 + blk, width - 1)]
+    else:
+        ok = blk < nb
+        s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]            # the row, in place
+    key = jnp.where(ok, s if keys else _sortable(s), LOWEST_KEY)    # padding below every score (never chosen first)
+    sel, slot = top_set(key, k, early)
     # a permutation of the row: the chosen blocks to [0, k), the others after them (every lane writes a distinct
     # place, so no store is masked and no two lanes meet)
     place = jnp.where(sel, slot, k + blk - slot)
