@@ -1247,7 +1247,18 @@ def _jit_draft(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_i
     0..i-1). Either computes the draft logits (no fused argmax, even greedy); rows without penalties or bias get
     the plain logits through neutral parameters.
     Returns (committed MTP state, drafts [B, k], draft log-distributions over the full vocabulary [B, k, V];
-    None when greedy: a greedy verify compares tokens and needs no distribution)."""
+    None when greedy: a greedy verify compares tokens and needs no distribution).
+    The catch-up and the chained steps take their kernels' counters from one pool for the whole program
+    (`fnx.model.transformer.counter_pool`; one zeroing launch, not one per step)."""
+    from fnx.model.transformer import counter_pool
+    from fnx.pallas import grid_sync
+    with grid_sync.counter_pool(counter_pool(pair_tok.size, None)):
+        return _draft_body(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k, head, hot,
+                           greedy, pen)
+
+
+def _draft_body(params, mp, mstate, hidden, pair_tok, count, sp, keys, cfg, moe_impl, k, head, hot, greedy, pen):
+    """`_jit_draft`'s work, traced within its counter pool."""
     vocab = params["lm_head"].shape[0]
 
     def widen(lg):  # subset logits -> full vocabulary, -inf outside the subset

@@ -18,7 +18,7 @@ from jax import lax
 from fnx.config import LINEAR, ModelConfig
 from fnx.model import gdn, hyper, moe, ple, qsa
 from fnx.model.ops import apply_rope, linear, rope_tables
-from fnx.pallas import dispatch
+from fnx.pallas import dispatch, grid_sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +243,9 @@ def decoder_layer(cfg: ModelConfig, kind: str, has_ple: bool, p: dict, st: dict,
 def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=None, ple_ids=None, ple_rows=None,
               gdn: bool = True):
     """Per-call metadata shared by every layer. pos0 [B] first position; n_valid [B] real tokens (default L).
-    gdn: the program runs GDN layers (the MTP layer's does not: no counters for the GDN step's knob)."""
+    gdn: the program runs GDN layers (the MTP layer's does not: no counters for the GDN step's knob).
+    counters: the counter pool in scope where the caller made one for its whole program (the MTP drafter's chained
+    steps share one), else this call's own (`counter_pool`)."""
     positions = pos0[:, None] + jnp.arange(length, dtype=jnp.int32)
     cos, sin = rope_tables(positions, cfg.rotary_dim, cfg.rope_theta, dtype)
 
@@ -255,7 +257,7 @@ def make_meta(cfg: ModelConfig, pos0: jax.Array, length: int, dtype, n_valid=Non
         n_valid = jnp.full(pos0.shape, length, jnp.int32)
     return {"pos0": pos0, "cos": cos, "sin": sin, "rope_fn": rope_fn, "ple_ids": ple_ids, "ple_rows": ple_rows,
             "n_valid": n_valid.astype(jnp.int32),
-            "counters": counter_pool(pos0.shape[0] * length, length if gdn else None)}
+            "counters": grid_sync.current_pool() or counter_pool(pos0.shape[0] * length, length if gdn else None)}
 
 
 def counter_pool(tokens: int, length: int | None = None):

@@ -427,6 +427,37 @@ def test_penalized_window_and_commit_follow_the_history():
     np.testing.assert_array_equal(np.asarray(c2), want_c)
 
 
+def test_draft_program_makes_one_counter_pool(tiny_models, monkeypatch):
+    """Where the kernels take counters (here `FNX_GEMV_FINISH=1`) the draft program's catch-up and chained MTP steps
+    share one counter pool: one zeroing launch for the program, not one per step; the drafts are the same."""
+    from fnx.engine.engine import _jit_draft
+    from fnx.engine.sampling import SamplingArrays, SamplingParams
+    from fnx.model.mtp import init_mtp_state, mtp_params
+    from fnx.pallas.gemv import api as gemv_api
+    model, _ = tiny_models("tiny-a")
+    cfg, params = model.cfg, model.params
+    mp = mtp_params(cfg, model.mtp, np.float32)
+    bsz, length, k = 2, 3, 3
+    key = jax.random.PRNGKey(4)
+    hidden = jax.random.normal(key, (bsz, length, cfg.hc_dim), jnp.float32)
+    toks = jax.random.randint(jax.random.fold_in(key, 1), (bsz, length), 0, params["lm_head"].shape[0])
+    count = jnp.array([3, 2], jnp.int32)
+    sp = SamplingArrays.stack([SamplingParams(temperature=0.0, seed=1), SamplingParams(temperature=0.0, seed=2)])
+    keys = jax.random.split(jax.random.fold_in(key, 2), bsz)
+
+    def run():
+        return _jit_draft(params, mp, init_mtp_state(cfg, bsz, 32, jnp.float32), hidden, toks, count, sp, keys, cfg,
+                          "auto", k, greedy=True)[1]
+    drafts = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv(gemv_api.FINISH_ENV, flag)
+        jax.clear_caches()          # (the knob is read when a program is traced)
+        text = str(jax.make_jaxpr(run)())
+        assert text.count("fnx_grid_sync_init") == (1 if flag == "1" else 0), flag
+        drafts[flag] = np.asarray(run())
+    np.testing.assert_array_equal(drafts["1"], drafts["0"])
+
+
 @pytest.mark.parametrize("subset", [False, True])
 def test_penalized_drafts_follow_the_verify_window_history(tiny_models, subset):
     """With penalties (`_jit_draft(pen=...)`) draft i comes from the drafter's logits penalized with the history and
