@@ -128,6 +128,11 @@ VERIFIED_ON_GPU = {
     # against 65.1 at 256K (H100, e2b0c6b, bench_kernels); rows up to 64K context keep the one-launch kernel
     "qsa_block_topk_long": "H100, 2026-12-07, commit 715b89e: tests/pallas/test_qsa.py -k block_topk (all, the long "
                            "rows' segments and dispatch, the early stop)",
+    # qsa_select measured (H100, bde9def, the 4-layer round at 8K): kernel time -5.5 us a step and -25.3 a round, 3
+    # launches fewer a step (11 a round), chained level (+1.0 / +5.6 us, inside the spread; BENCHMARKS.md
+    # fifty-ninth session); FNX_KERNELS=qsa_select=reference gives the separate ops
+    "qsa_select": "H100, 2026-12-07, commit bde9def: tests/pallas/test_qsa_select.py (all 9) and test_qsa.py's "
+                  "selection tests through it (18 passed)",
     # the HC prefill kernels run only where FNX_KERNELS names them (AUTO_KEEPS_REFERENCE below)
     "hc_boundary_prefill": "H100, 2026-12-06, commit cc01f54: tests/pallas/test_hc.py -k prefill (the two kernels "
                            "against the reference, the model's boundaries through them; 14 passed with the MoE "
