@@ -266,8 +266,9 @@ def counter_pool(tokens: int, length: int | None = None):
     (`FNX_GEMV_FINISH=1`), the MoE decode's combine (`FNX_MOE_FINISH=1`), the one-launch HC boundaries' barriers
     (ops "hc_boundary_one" / "hc_boundary_few_one" named), the GDN step's in-place conv window
     (`fnx.pallas.gdn.pallas.conv_in_place`: the default where gdn_step runs its compiled kernel; one-token calls:
-    `length` 1), the QSA indexer's one-launch token choice (op "qsa_select" on its compiled kernel); at decode sizes (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
-    from fnx.pallas import dispatch, grid_sync
+    `length` 1), the QSA indexer's one-launch token choice (op "qsa_select" on its compiled kernel); at decode
+    sizes (`fnx.pallas.gemv.api.MAX_M` tokens at most). Else None."""
+    from fnx.pallas import dispatch
     from fnx.pallas.gemv import api as gemv_api
     from fnx.pallas.hc import api as hc_api
     from fnx.pallas.moe import api as moe_api

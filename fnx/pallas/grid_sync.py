@@ -101,6 +101,19 @@ def current_pool() -> CounterPool | None:
     return _POOL.get()
 
 
+def counters(n: int, interpret: bool = False) -> tuple[jax.Array, int]:
+    """n counters for one call of a kernel that counts its programs: (buffer, first counter). A region of the
+    program's pool where one is in scope (`counter_pool`), else a zeroed buffer of its own (`counter`: the
+    power-of-two multiple of ZERO_BLOCK that holds n; one more launch)."""
+    pool = current_pool()
+    if pool is not None:
+        return pool.buf, pool.take(n)
+    size = ZERO_BLOCK
+    while size < n:
+        size *= 2
+    return counter(interpret, size), 0
+
+
 def knob(env: str, default: bool = False) -> bool:
     """Whether the 0/1 knob `env` (read when a program is traced) is on (unset or empty: `default`); another value
     raises."""

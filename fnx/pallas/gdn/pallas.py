@@ -411,17 +411,9 @@ def gdn_step(qkv, z, b, a, conv_state, conv_w, a_log, dt_bias, norm_w, rec, n_va
     if t.cinplace:
         # the conv window in place (StepTiles.cinplace): one counter per (sequence, key head) for the q / k rows'
         # last reader, from the decode program's pool (a region per call site, kept a multiple of the readers by
-        # each launch), else a fresh zeroed buffer of its own (`grid_sync.counter` makes power-of-two multiples of
-        # its ZERO_BLOCK)
+        # each launch), else a fresh zeroed buffer of its own (`grid_sync.counters`)
         from fnx.pallas import grid_sync
-        pool, n_ctr = grid_sync.current_pool(), bsz * key_heads
-        if pool is not None:
-            ctrs, base = pool.buf, pool.take(n_ctr)
-        else:
-            size = grid_sync.ZERO_BLOCK
-            while size < n_ctr:
-                size *= 2
-            ctrs, base = grid_sync.counter(interpret, size), 0
+        ctrs, base = grid_sync.counters(bsz * key_heads, interpret)
         kernel = functools.partial(kernel, cin=(base, (hv // key_heads) * (dv // bv), interpret))
         args, in_specs = args + (ctrs,), in_specs + [whole]
         aliases[2] = 2

@@ -121,14 +121,7 @@ def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capaci
         raise ValueError(f"qsa_select: {why}")
     rows, nbp, bn = bsz * length, _pow2(n_blocks), BLOCK
     progs, n_out = -(-n_blocks // bn), k * cr + cr - 1
-    pool = grid_sync.current_pool()
-    if pool is not None:
-        ctrs, base = pool.buf, pool.take(rows)
-    else:
-        size = grid_sync.ZERO_BLOCK
-        while size < rows:
-            size *= 2
-        ctrs, base = grid_sync.counter(interpret, size), 0
+    ctrs, base = grid_sync.counters(rows, interpret)
     dt = jnp.promote_types(q_idx.dtype, blocks.dtype)
     kernel = functools.partial(_kernel, length=length, n_blocks=n_blocks, nbp=nbp, hi=hi, di=di, bn=bn, cr=cr, k=k,
                                n_out=n_out, capacity=int(capacity), base=base, progs=progs, early=topk_early(),
