@@ -192,7 +192,8 @@ def gdn_window_kernels(tiles, length: int = 5) -> list[tuple[str, int, int, str]
 
 def qsa_kernels(m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
     """The same for a QSA layer's decode kernels at m tokens and `ctx` context: the prep (norms, RoPE, cache
-    writes), the indexer's block top-k, the sparse attention over the selection (2,048 + 3 slots) with its gated
+    writes), the indexer's block top-k and its one-launch token choice (`qsa_select`, which replaces the top-k and
+    XLA's scores where it runs), the sparse attention over the selection (2,048 + 3 slots) with its gated
     combine (24 q heads, 2 KV heads of 256)."""
     from fnx.pallas.qsa import bench as qb
     from fnx.pallas.qsa import pallas as qk
@@ -205,6 +206,10 @@ def qsa_kernels(m: int, ctx: int = 8192) -> list[tuple[str, int, int, str]]:
         lowering_platforms=("cuda",)))
     nb = ctx // 4 + 74          # the compressed blocks plus the tail (2,122 at 8K, as the served model's)
     out += _launches(jax.jit(lambda sc: qk.qsa_block_topk(sc, 512)).trace(S((m, nb), jnp.float32)).lower(
+        lowering_platforms=("cuda",)))
+    from fnx.pallas.qsa import select
+    sel_args = (S((1, m, 4, di), BF16), S((1, nb, di), BF16), S((1, m), jnp.int32))
+    out += _launches(jax.jit(lambda q, b, p: select.qsa_select(q, b, p, ctx, cr, 512)).trace(*sel_args).lower(
         lowering_platforms=("cuda",)))
     sds = [S((1, m, 24, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, 2, ctx, 256), BF16), S((1, m, 2051), jnp.int32),
            S((m, 24 * 512 + 2 * 256 * 2 + 4 * 128 + 128), BF16)]

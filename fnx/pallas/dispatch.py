@@ -132,7 +132,7 @@ VERIFIED_ON_GPU = {
     # launches fewer a step (11 a round), chained level (+1.0 / +5.6 us, inside the spread; BENCHMARKS.md
     # fifty-ninth session); FNX_KERNELS=qsa_select=reference gives the separate ops
     "qsa_select": "H100, 2026-12-07, commit bde9def: tests/pallas/test_qsa_select.py (all 9) and test_qsa.py's "
-                  "selection tests through it (18 passed)",
+                  "selection tests through it (18 passed); its token stores split per column since (CPU-checked)",
     # the HC prefill kernels run only where FNX_KERNELS names them (AUTO_KEEPS_REFERENCE below)
     "hc_boundary_prefill": "H100, 2026-12-06, commit cc01f54: tests/pallas/test_hc.py -k prefill (the two kernels "
                            "against the reference, the model's boundaries through them; 14 passed with the MoE "

@@ -98,11 +98,10 @@ def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, out_ref, *, length, n_blo
         row = plt.load(key_ref.at[r * nbp + jnp.where(inrow, lane, 0)], mask=inrow, other=LOWEST_KEY)
         sel, slot = top_set(jnp.where(inrow, row, LOWEST_KEY), k, early)
         part = jnp.arange(cr, dtype=jnp.int32)
-        tok = lane[:, None] * cr + part[None, :]                                               # [nbp, cr]
-        good = (lane * cr + (cr - 1) <= pos)[:, None]
-        chosen = jnp.broadcast_to(sel[:, None], (nbp, cr))
-        plt.store(out_ref.at[_masked_at(chosen, r * n_out + slot[:, None] * cr + part[None, :], out_ref.shape[0])],
-                  jnp.where(good, tok, -1), mask=chosen)
+        good = lane * cr + (cr - 1) <= pos
+        at = _masked_at(sel, r * n_out + slot * cr, out_ref.shape[0])
+        for j in range(cr):         # a block's tokens one at a time: [nbp] values and offsets live, not [nbp, cr]
+            plt.store(out_ref.at[at + j], jnp.where(good, lane * cr + j, -1), mask=sel)
         tail = (pos + 1) // cr * cr + part
         tail = jnp.where((tail <= pos) & (tail < capacity), tail, -1)
         plt.store(out_ref.at[_masked_at(part < cr - 1, r * n_out + k * cr + part, out_ref.shape[0])], tail,
