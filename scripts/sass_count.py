@@ -23,7 +23,8 @@ Run:
     python scripts/sass_count.py fp8 1 programs=264 --hc-one  # the same in one launch (TilesOne fields; at m > 1
                                                          # tokens the few-token one, TilesFewOne fields)
     python scripts/sass_count.py bf16 5 early=1 --gdn-window --arch 120  # built for sm_120 (RTX PRO 6000)
-    python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router)
+    python scripts/sass_count.py bf16 1 --qsa             # a QSA layer's decode kernels (--route: the router;
+                                                         # --ctx 131072: at 128K, the token choice in segments)
     python scripts/sass_count.py nvfp4 64 --moe-blocks    # the prefill grouped MoE kernels, blocks of 64 rows
     python scripts/sass_count.py fp8 2048 precision=tf32 --gdn-prep   # the chunked GDN's per-chunk kernel
     python scripts/sass_count.py fp8 2048 precision=tf32 --gdn-prep --maxnreg 168   # its spills under a cap
@@ -310,6 +311,8 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="the SM version to build for: 90 (H200), 120 (RTX PRO 6000)")
     ap.add_argument("--qsa", action="store_true", help="count a QSA layer's decode kernels at m tokens, 8K context "
                     "(fields: the combine's CombineTiles', e.g. bd=8,early=1)")
+    ap.add_argument("--ctx", type=int, default=8192, help="with --qsa: the context (past 65,536 the token choice "
+                    "runs in segments, qsa_select_long)")
     ap.add_argument("--route", action="store_true", help="count the MoE router kernel at m tokens")
     ap.add_argument("--dequant", default=None, metavar="NxK", help="count the FP8 block dequantization kernel of "
                     "an NxK weight (fmt and m ignored)")
@@ -333,7 +336,7 @@ def main() -> None:
             from fnx.pallas.qsa import pallas as qk
             os.environ[qk.COMBINE_TILES_ENV] = args.fields
             tiles = str(qk.combine_tiles())
-        launches = qsa_kernels(args.m) if args.qsa else route_kernels(args.m)
+        launches = qsa_kernels(args.m, args.ctx) if args.qsa else route_kernels(args.m)
     elif args.gdn_prep:
         from fnx.pallas import dispatch
         from fnx.pallas.gdn import pallas as gk

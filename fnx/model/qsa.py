@@ -94,14 +94,15 @@ def select_token_indices(q_idx: jax.Array, blocks: jax.Array, positions: jax.Arr
     score); no position appears twice.
     The scores come from fnx.pallas.qsa.api.qsa_index_scores (`impl`); a kernel sums in another order than
     XLA, so scores within an ulp of each other may rank differently there. Where op "qsa_select" runs a kernel
-    (`impl` or its dispatch) and applies (`fnx.pallas.qsa.select.applies`: up to 64K tokens of context), scores,
-    top-k and this token list are one launch instead (the same set, up to near-equal scores)."""
+    (`impl` or its dispatch; "qsa_select_long" past 64K tokens of context) and applies
+    (`fnx.pallas.qsa.select.applies`), scores, top-k and this token list are one launch instead (the same set, up to
+    near-equal scores)."""
     cr = cfg.indexer_compress_ratio
     n_blocks = blocks.shape[1]
     if n_blocks > cfg.block_topk:
         from fnx.pallas.qsa import select
         why = select.applies(n_blocks, cfg.block_topk, cr, q_idx.shape[2], q_idx.shape[3])
-        if why is None and qsa_api.select_backend(impl) != "reference":      # one launch (op qsa_select)
+        if why is None and qsa_api.select_backend(impl, n_blocks=n_blocks) != "reference":     # one launch
             return qsa_api.qsa_select(q_idx, blocks, positions, capacity, cr, cfg.block_topk, impl=impl)
         s = qsa_api.qsa_index_scores(q_idx, blocks, positions, cr, impl=impl)          # [B, L, NB]
         top = qsa_api.qsa_block_topk(s, cfg.block_topk, impl=impl)                     # [B, L, K], a set

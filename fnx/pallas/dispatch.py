@@ -40,7 +40,8 @@ KNOWN_OPS = ("gemv_bf16", "gemv_fp8", "gemv_nvfp4", "gemv_bf16_argmax", "gemv_fp
              "hc_boundary", "hc_boundary_m1", "hc_boundary_few", "hc_boundary_one",
              "hc_boundary_few_one", "hc_boundary_prefill", "hc_mix_prefill", "hc_norm_prefill",
              "qsa_decode_attention", "qsa_index_scores", "qsa_block_topk", "qsa_block_topk_long", "qsa_combine",
-             "qsa_prep", "qsa_prefill_attention", "qsa_select", "moe_route", "moe_route_acts", "moe_experts",
+             "qsa_prep", "qsa_prefill_attention", "qsa_select", "qsa_select_long",
+             "moe_route", "moe_route_acts", "moe_experts",
              "moe_decode", "moe_grouped", "dequant_fp8", "gdn_out_norm", "moe_route_prefill")
 
 # Ops whose compiled kernel has passed its tests on a GPU (`pytest tests/pallas` on the H200 runs every kernel

@@ -149,7 +149,8 @@ def test_known_ops_cover_every_kernel_module():
     names = {gdn_api.OP, gdn_api.STEP_OP, gdn_api.WINDOW_OP, gdn_api.WINDOW_PARTS_OP, gdn_api.OP_PREFILL, gdn_api.OP_CHUNK_PREP,
              gdn_api.REPLAY_CONV_OP, hc_api.OP,
              hc_api.OP_M1, hc_api.OP_FEW, hc_api.OP_ONE, hc_api.OP_FEW_ONE, hc_api.OP_PREFILL, qsa_api.OP, qsa_api.SCORES_OP, qsa_api.TOPK_OP, qsa_api.TOPK_LONG_OP,
-             qsa_api.COMBINE_OP, qsa_api.PREP_OP, qsa_api.PREFILL_OP, qsa_api.SELECT_OP, gemv_api.PAIR_OP, gemv_api.PAIR_MANY_OP, "moe_route",
+             qsa_api.COMBINE_OP, qsa_api.PREP_OP, qsa_api.PREFILL_OP, qsa_api.SELECT_OP,
+             qsa_api.SELECT_LONG_OP, gemv_api.PAIR_OP, gemv_api.PAIR_MANY_OP, "moe_route",
              "moe_route_acts", "moe_experts", "moe_decode", "moe_grouped"}
     names |= {f"gemv_{f}{s}" for f in gemv_api.FORMATS for s in ("", "_argmax")}
     from fnx.pallas.gemv import dequant

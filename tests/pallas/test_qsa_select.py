@@ -116,40 +116,71 @@ def test_select_reference_backend_is_the_separate_ops():
                                   np.asarray(_reference(q, blocks, positions, 160, cfg)))
 
 
-def test_select_applies_and_the_model_routes_through_it(monkeypatch):
+def test_select_applies_and_the_model_routes_through_it():
     """Where it applies, the model's decode-sized token choice under a kernel backend is one qsa_select launch (no
-    separate scores or top-k kernel); where it does not (more blocks than one program holds) an explicit backend
-    raises, and the model runs the separate ops; "auto" on the CPU keeps the reference."""
+    separate scores or top-k kernel); past 64K context (more blocks than one program holds) op "qsa_select_long",
+    one launch as well; rows whose segments' candidates would not fit one program are refused with the reason (an
+    explicit backend raises, the model runs the separate ops); "auto" on the CPU keeps the reference."""
     cfg = _cfg()
     q, blocks = _inputs(9, 1, 1, 2, 16, 40, jnp.float32)
     positions = jnp.array([[159]], jnp.int32)
     text = str(jax.make_jaxpr(lambda *a: qsa.select_token_indices(*a, 160, cfg, KERNEL))(q, blocks, positions))
     assert "qsa_select" in text and "qsa_block_topk" not in text and "qsa_index_scores" not in text
-    assert "qsa_select" in dispatch.KNOWN_OPS
+    assert {"qsa_select", "qsa_select_long"} <= set(dispatch.KNOWN_OPS)
     assert select.applies(40, 16, 4, 2, 16) is None
     assert "nothing to choose" in select.applies(16, 16, 4, 2, 16)
-    assert "one program" in select.applies(select.TOPK_MAX_BLOCKS + 1, 512, 4, 4, 128)
+    assert select.applies(4 * select.TOPK_MAX_BLOCKS, 512, 4, 4, 128) is None           # 256K context
+    assert "candidates" in select.applies(40 * select.TOPK_MAX_BLOCKS, 512, 4, 4, 128)
     assert "power-of-two" in select.applies(40, 16, 3, 2, 16)
     assert "head_dim" in select.applies(40, 16, 4, 2, 24)
-    big = select.TOPK_MAX_BLOCKS + 8
-    qb, bb = jax.ShapeDtypeStruct((1, 1, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, big, 128), jnp.bfloat16)
-    pb = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    with pytest.raises(dispatch.NotApplicable, match="one program"):
-        jax.make_jaxpr(lambda *a: api.qsa_select(*a, 4 * big, 4, 512, impl=KERNEL))(qb, bb, pb)
     wide = SimpleNamespace(indexer_compress_ratio=4, block_topk=512, indexer_head_dim=128)
-    text = str(jax.make_jaxpr(lambda *a: qsa.select_token_indices(*a, 4 * big, wide, KERNEL))(qb, bb, pb))
-    assert "qsa_select" not in text and "qsa_block_topk" in text
+    qb, pb = jax.ShapeDtypeStruct((1, 1, 4, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    long_b = jax.ShapeDtypeStruct((1, 2 * select.TOPK_MAX_BLOCKS + 8, 128), jnp.bfloat16)
+    text = str(jax.make_jaxpr(lambda *a: qsa.select_token_indices(*a, 4 * long_b.shape[1], wide, KERNEL))(
+        qb, long_b, pb))
+    assert "qsa_select_long" in text and "qsa_block_topk" not in text
+    huge = jax.ShapeDtypeStruct((1, 40 * select.TOPK_MAX_BLOCKS, 128), jnp.bfloat16)
+    with pytest.raises(dispatch.NotApplicable, match="candidates"):
+        jax.make_jaxpr(lambda *a: api.qsa_select(*a, 4 * huge.shape[1], 4, 512, impl=KERNEL))(qb, huge, pb)
     if dispatch.why_unavailable("pallas") is not None:
         text = str(jax.make_jaxpr(lambda *a: qsa.select_token_indices(*a, 160, cfg))(q, blocks, positions))
         assert "pallas_call" not in text
 
 
-@pytest.mark.parametrize("length,n_blocks", [(1, 2122), (5, 2122), (1, select.TOPK_MAX_BLOCKS)])
+@pytest.mark.parametrize("n_blocks,seg", [(300, 128), (300, 256), (520, 128)])
+def test_select_long_rows_in_segments(n_blocks, seg):
+    """Rows longer than one program holds (here `seg` blocks; in the model TOPK_MAX_BLOCKS, past 64K context) in
+    one launch: each segment's last program writes its k best as candidates, the last segment the row's k best of
+    them. The same token set as the separate ops: B = 2, three query rows, a last segment shorter than the others,
+    exact ties across segment edges (pairs of equal blocks), rows with every relu'd score zero (ties everywhere: the
+    lowest blocks), few complete blocks."""
+    cfg = _cfg()
+    capacity = 4 * n_blocks
+    q, blocks = _inputs(n_blocks + seg, 2, 3, 2, 16, n_blocks, jnp.float32)
+    blocks = blocks.at[0, 1::2].set(blocks[0, 0:-1:2])                       # exact ties in sequence 0
+    q = q.at[1, 1].set(-jnp.abs(q[1, 1]))
+    blocks = blocks.at[1].set(jnp.abs(blocks[1]))                            # sequence 1, row 1: all scores 0
+    positions = jnp.array([[capacity - 1, 700, 90], [capacity - 2, capacity - 1, 517]], jnp.int32)
+    got = np.asarray(jax.jit(lambda *a: select.qsa_select(*a, capacity, 4, cfg.block_topk,
+                                                          interpret=KERNEL == "pallas_interpret", whole=seg,
+                                                          seg=seg))(
+        q, blocks, positions))
+    want = np.asarray(_reference(q, blocks, positions, capacity, cfg))
+    assert _rows_as_sets(got) == _rows_as_sets(want)
+    assert _rows_as_sets(got)[4][:64] == list(range(64))                     # the zero row: the lowest 16 blocks
+    with pytest.raises(ValueError, match="seg"):
+        select.qsa_select(q, blocks, positions, capacity, 4, cfg.block_topk, interpret=True, whole=128, seg=96)
+
+
+@pytest.mark.parametrize("length,n_blocks", [(1, 2122), (5, 2122), (1, select.TOPK_MAX_BLOCKS),
+                                             (1, 2 * select.TOPK_MAX_BLOCKS + 74), (5, 4 * select.TOPK_MAX_BLOCKS)])
 def test_select_lowers_for_cuda_released_shapes(length, n_blocks):
     """4 indexer heads x 128, top-512 of 2,122 blocks (8K context) for one query row and an MTP verify window's
-    five, and of 16,384 (64K context): one Triton launch besides the counters' zeroing."""
+    five, of 16,384 (64K context), and in segments at 128K and 256K (op qsa_select_long): one Triton launch
+    besides the counters' zeroing."""
     sds = [jax.ShapeDtypeStruct((1, length, 4, 128), jnp.bfloat16),
            jax.ShapeDtypeStruct((1, n_blocks, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1, length), jnp.int32)]
     f = jax.jit(lambda q, b, p: select.qsa_select(q, b, p, 4 * n_blocks, 4, 512))
     text = f.trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "qsa_select" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert ("qsa_select_long" in text) == (n_blocks > select.TOPK_MAX_BLOCKS) and "qsa_select" in text

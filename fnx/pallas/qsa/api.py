@@ -115,12 +115,16 @@ def qsa_block_topk(scores: jax.Array, k: int, impl: str | None = None) -> jax.Ar
 
 
 SELECT_OP = "qsa_select"
+SELECT_LONG_OP = "qsa_select_long"
 
 
-def select_backend(impl: str | None, not_applicable: str | None = None) -> str:
+def select_backend(impl: str | None, not_applicable: str | None = None, n_blocks: int = 0) -> str:
     """The backend op "qsa_select" (the indexer's scores, top-k and token list in one launch) runs with for a call
-    (`fnx.pallas.qsa.select.applies` gives `not_applicable`)."""
-    return dispatch.resolve(SELECT_OP, impl, not_applicable=not_applicable)
+    of `n_blocks` blocks (`fnx.pallas.qsa.select.applies` gives `not_applicable`); rows past one program's
+    TOPK_MAX_BLOCKS (more than 64K tokens of context), in segments, are op "qsa_select_long"."""
+    from fnx.pallas.qsa import select
+    op = SELECT_LONG_OP if select.long_rows(n_blocks) else SELECT_OP
+    return dispatch.resolve(op, impl, not_applicable=not_applicable)
 
 
 def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capacity: int, cr: int, k: int,
@@ -129,7 +133,8 @@ def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capaci
     incomplete tail, as `fnx.model.qsa.select_token_indices` lists them from the separate ops; on the reference
     backend exactly those ops (qsa_index_scores and qsa_block_topk, each on its reference)."""
     from fnx.pallas.qsa import select
-    which = select_backend(impl, select.applies(blocks.shape[1], k, cr, q_idx.shape[2], q_idx.shape[3]))
+    nb = blocks.shape[1]
+    which = select_backend(impl, select.applies(nb, k, cr, q_idx.shape[2], q_idx.shape[3]), nb)
     if which == "reference":
         from fnx.model.qsa import token_positions
         s = reference.qsa_index_scores(q_idx, blocks, positions, cr)
