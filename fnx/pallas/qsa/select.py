@@ -20,8 +20,9 @@ scores lie within a rounding of each other may rank differently from XLA's sums;
 stay exact and go to the lower blocks.
 
 Counters: a region of the decode program's `grid_sync.CounterPool` (B * L counters, each advanced by exactly P per
-launch, so one region serves every launch of its call site), else a zeroed buffer of its own. The interpreter runs
-the programs in order, so there the last arriver is program P - 1."""
+launch, so one region serves every launch of its call site; past 64K context, op "qsa_select_long", one per segment
+and one per row: see `qsa_select`), else a zeroed buffer of its own. The interpreter runs the programs in order, so
+there the last arriver is program P - 1."""
 
 from __future__ import annotations
 
