@@ -523,6 +523,69 @@ def test_block_topk_early_stop_gives_the_same_set(monkeypatch, nb, k, seg):
         kernel.qsa_block_topk(jnp.asarray(s), k, interpret=True)
 
 
+@pytest.mark.parametrize("search,nb,k,seg", [("thirds", 2122, 512, 0), ("thirds", 33, 1, 0), ("thirds", 40, 40, 0),
+                                             ("thirds", 257, 32, 64), ("radix2", 2122, 512, 0),
+                                             ("radix3", 33, 1, 0), ("radix4", 257, 32, 64)])
+def test_block_topk_searches_give_the_same_set(monkeypatch, search, nb, k, seg):
+    """FNX_QSA_TOPK_SEARCH: the k-th key found in thirds (two candidates a count, packed) or r bits a count (one
+    [2^r, NB] count each, the last digit shorter where r does not divide 31): the set lax.top_k picks (distinct,
+    tied, -inf, zero, equal, huge and huge negative scores, negative ties; one and two launches); bad values and
+    the early stop with them raise."""
+    s = _topk_scores(nb * 17 + k, nb).reshape(6, nb)
+    rng = np.random.default_rng(nb + k)
+    neg = (-np.abs(rng.standard_normal(nb)) * 1e30).astype(np.float32)
+    s = np.concatenate([s, neg[None], np.round(neg[None] * 1e-30)])
+    want = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(s), k)[1]), axis=-1)
+    monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, search)
+    run = jax.jit(lambda x: kernel.qsa_block_topk(x, k, interpret=INTERPRET, **({"seg": seg} if seg else {})))
+    np.testing.assert_array_equal(np.asarray(run(jnp.asarray(s))), want)
+    for bad in ("radix1", "radix5", "x"):
+        monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, bad)
+        with pytest.raises(ValueError, match="FNX_QSA_TOPK_SEARCH"):
+            kernel.topk_search()
+    monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, search)
+    monkeypatch.setenv(kernel.TOPK_EARLY_ENV, "1")
+    with pytest.raises(ValueError, match="FNX_QSA_TOPK_EARLY"):
+        kernel.topk_search()
+
+
+def test_top_set_thirds_on_keys_at_the_int32_edges():
+    """The thirds search's offsets never overflow: keys at the int32 extremes and next to them, and rows whose
+    k-th key is the largest or the lowest key (the whole range walked to either end)."""
+    edge = np.array([2 ** 31 - 1, 2 ** 31 - 2, -2 ** 31, -2 ** 31 + 1, 0, -1, 1, 2 ** 30], np.int32)
+    rng = np.random.default_rng(3)
+    rows = [edge, edge[::-1], np.full(8, 2 ** 31 - 1, np.int32), np.full(8, -2 ** 31, np.int32),
+            rng.integers(-2 ** 31, 2 ** 31, 8, dtype=np.int64).astype(np.int32)]
+    for row in rows:
+        for k in (1, 3, 8):
+            sel, _ = jax.jit(lambda x, _k=k: kernel.top_set(x, _k, search="thirds"))(jnp.asarray(row))
+            want = np.zeros(8, bool)
+            want[np.asarray(jax.lax.top_k(jnp.asarray(row), k)[1])] = True
+            np.testing.assert_array_equal(np.asarray(sel), want, err_msg=f"{row} k={k}")
+
+
+def test_block_topk_searches_lower_for_cuda(monkeypatch):
+    """"thirds": a fori loop of 20 packed counts (no 2-D count); "radix2": [4, nbp] counts (15 two-bit digits in the
+    loop, the last bit a [2, nbp] count after it); in one launch at 8K and two at 128K context, and in
+    `qsa_select`."""
+    from fnx.pallas import triton_ir
+    from fnx.pallas.qsa import select
+    S = jax.ShapeDtypeStruct
+    for search, two_d in (("thirds", False), ("radix2", True)):
+        monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, search)
+        for nb, n_launches in ((2122, 1), (32768, 2)):
+            lowered = jax.jit(lambda s: kernel.qsa_block_topk(s, 512)).trace(S((1, nb), jnp.float32)).lower(
+                lowering_platforms=("cuda",))
+            texts = [text for *_, text in triton_ir.launches(lowered)]
+            assert len(texts) == n_launches and all(("tensor<4x" in x) == two_d and "scf.for" in x
+                                                    for x in texts), (search, nb)
+        lowered = jax.jit(lambda q, b, p: select.qsa_select(q, b, p, 4 * 2122, 4, 512)).trace(
+            S((1, 1, 4, 128), jnp.bfloat16), S((1, 2122, 128), jnp.bfloat16), S((1, 1), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+        (text,) = [t for *_, t in triton_ir.launches(lowered) if "scf.for" in t]
+        assert ("tensor<4x4096xi32>" in text and "tensor<2x4096xi32>" in text) == two_d, search
+
+
 def test_block_topk_long_rows_dispatch(monkeypatch):
     """Past TOPK_MAX_BLOCKS (64K context) the api asks op "qsa_block_topk_long": the two-launch kernel where it is
     named, and under "auto" on a GPU (its compiled tests passed: VERIFIED_ON_GPU); lax.top_k's sort under "auto" on the

@@ -44,12 +44,14 @@ def _select(q, blocks, positions, capacity, cfg, impl=KERNEL):
                                              impl=impl))(q, blocks, positions)
 
 
-@pytest.mark.parametrize("dtype,hi,di", [(jnp.bfloat16, 4, 32), (jnp.float32, 2, 16)])
-def test_select_equals_the_separate_ops(dtype, hi, di):
+@pytest.mark.parametrize("dtype,hi,di,search", [(jnp.bfloat16, 4, 32, "bits"), (jnp.float32, 2, 16, "bits"),
+                                               (jnp.bfloat16, 4, 32, "thirds")])
+def test_select_equals_the_separate_ops(monkeypatch, dtype, hi, di, search):
     """B = 2 sequences of 5 query rows over 150 blocks (two programs of 128, the second ragged), top-16 of them:
     rows with fewer complete blocks than k (chosen blocks that are not complete give -1), exactly k, a tail of 0 to
     3 tokens, and the cache's last position. The same token set per row as the separate ops; the output layout is
-    k * cr block slots then cr - 1 tail slots."""
+    k * cr block slots then cr - 1 tail slots. search: FNX_QSA_TOPK_SEARCH (how the k-th key is found)."""
+    monkeypatch.setenv("FNX_QSA_TOPK_SEARCH", search)
     cfg = _cfg(di=di)
     capacity = 600
     q, blocks = _inputs(11 + hi, 2, 5, hi, di, capacity // 4, dtype)
@@ -147,13 +149,15 @@ def test_select_applies_and_the_model_routes_through_it():
         assert "pallas_call" not in text
 
 
-@pytest.mark.parametrize("n_blocks,seg", [(300, 128), (300, 256), (520, 128)])
-def test_select_long_rows_in_segments(n_blocks, seg):
+@pytest.mark.parametrize("n_blocks,seg,search", [(300, 128, "bits"), (300, 256, "bits"), (520, 128, "bits"),
+                                                (300, 128, "thirds"), (300, 128, "radix3")])
+def test_select_long_rows_in_segments(monkeypatch, n_blocks, seg, search):
     """Rows longer than one program holds (here `seg` blocks; in the model TOPK_MAX_BLOCKS, past 64K context) in
     one launch: each segment's last program writes its k best as candidates, the last segment the row's k best of
     them. The same token set as the separate ops: B = 2, three query rows, a last segment shorter than the others,
     exact ties across segment edges (pairs of equal blocks), rows with every relu'd score zero (ties everywhere: the
-    lowest blocks), few complete blocks."""
+    lowest blocks), few complete blocks. search: FNX_QSA_TOPK_SEARCH (both stages')."""
+    monkeypatch.setenv("FNX_QSA_TOPK_SEARCH", search)
     cfg = _cfg()
     capacity = 4 * n_blocks
     q, blocks = _inputs(n_blocks + seg, 2, 3, 2, 16, n_blocks, jnp.float32)

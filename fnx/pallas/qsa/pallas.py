@@ -466,6 +466,29 @@ def topk_early() -> bool:
     return v == "1"
 
 
+TOPK_SEARCH_ENV = "FNX_QSA_TOPK_SEARCH"     # how `top_set` finds the k-th key (read when a program is traced)
+TOPK_SEARCHES = ("bits", "thirds", "radix2", "radix3", "radix4")
+THIRDS_TRIPS = 20           # 3^20 > 2^31: the thirds search's counts after the sign's
+
+
+def topk_search() -> str:
+    """How `top_set` finds a row's k-th largest key (`FNX_QSA_TOPK_SEARCH`); each CTA-wide count is a step of the
+    kernel's critical path (a cross-warp exchange behind barriers):
+    - "bits" (the default): the 31 bits below the sign one at a time, 31 counts of keys >= a candidate prefix.
+    - "thirds": two candidates a count, both counts packed in one int32 reduction (16 bits each: rows of at most
+      65,535 lanes), so the range the k-th key lies in shrinks to a third per count: 20 counts.
+    - "radixR" (R = 2-4): R bits a count, one reduction of a [2^R, nbp] compare over its lanes (16, 11 and 8 counts;
+      2^R times the compares and warp reductions of a one-bit count).
+    Not with FNX_QSA_TOPK_EARLY=1 (written for "bits")."""
+    v = os.environ.get(TOPK_SEARCH_ENV, "bits").strip()
+    if v not in TOPK_SEARCHES:
+        raise ValueError(f"{TOPK_SEARCH_ENV}={v!r}: one of {', '.join(TOPK_SEARCHES)}")
+    if v != "bits" and topk_early():
+        raise ValueError(f"{TOPK_SEARCH_ENV}={v} and {TOPK_EARLY_ENV}=1: the early stop is written for the one-bit "
+                         "search; set one of them")
+    return v
+
+
 def _sortable(s):
     """fp32 -> int32 keys in the same order (-inf lowest). -0.0 sorts below +0.0 here and NaN is not ordered:
     the indexer scores are sums of relu terms (never -0.0) or -inf."""
@@ -476,14 +499,17 @@ def _sortable(s):
 LOWEST_KEY = -2 ** 31      # below every `_sortable` key (-inf's included): the padding lanes of a row
 
 
-def top_set(key, k: int, early: bool = False):
+def top_set(key, k: int, early: bool = False, search: str = "bits"):
     """The k largest of a row's int32 keys [nbp] (one program's registers), ties to the lowest lanes (lax.top_k's
     rule): (sel [nbp] bool, slot [nbp] int32: each chosen lane's place in ascending lane order). The k-th largest
-    key is built bit by bit from the top (its sign, then each lower bit kept where at least k keys stay >= the
-    prefix: 31 CTA-wide counts); every key above it is chosen and, among the keys equal to it, the lowest lanes.
-    early: see `topk_early`."""
+    key is found from the top: its sign by one count of keys >= 0, then (`search` "bits") each lower bit kept where
+    at least k keys stay >= the prefix, 31 CTA-wide counts, or in fewer counts of more candidates (`topk_search`);
+    every key above it is chosen and, among the keys equal to it, the lowest lanes. early: see `topk_early` ("bits"
+    only)."""
     nbp = key.shape[0]
     lowest = jnp.int32(LOWEST_KEY)
+    if search not in TOPK_SEARCHES or (early and search != "bits"):
+        raise ValueError(f"top_set: search {search!r} (one of {TOPK_SEARCHES}; the early stop with 'bits' only)")
 
     def count_ge(t):
         return jnp.sum(jnp.where(key >= t, 1, 0))
@@ -494,6 +520,31 @@ def top_set(key, k: int, early: bool = False):
     def bit(j, kth):
         cand = kth | jnp.left_shift(jnp.int32(1), 30 - j)
         return jnp.where(count_ge(cand) >= k, cand, kth)
+
+    def digits(width: int):
+        # the next `width` bits below those settled (bits [shift, shift + width) still 0 in kth): row d of the
+        # count compares every key with the prefix kth | d << shift; the counts fall as d grows and row 0's is
+        # >= k (kth's own), so the digit is the number of rows past row 0 that keep >= k keys
+        d = jnp.arange(2 ** width, dtype=jnp.int32)
+
+        def step(shift, kth):
+            cand = kth | jnp.left_shift(d, shift)                                       # [2^width]
+            n = jnp.sum(jnp.where(key[None, :] >= cand[:, None], 1, 0), axis=1)         # [2^width]
+            return kth | jnp.left_shift(jnp.sum(jnp.where(n >= k, 1, 0)) - 1, shift)
+        return step
+
+    def third(_, c):
+        # the k-th key is base + lo + [0, m] (offsets from the sign's base, m <= 2^31 - 1: no int32 overflows) and
+        # at least k keys are >= base + lo; two candidates cut [lo, lo + m] in three (t = ceil((m + 1) / 3), the
+        # candidates clamped into the range), their counts in one reduction, 16 bits each; the next range is the
+        # part the k-th key lies in, m' <= m // 3
+        base, lo, m = c
+        t = m // 3 + 1
+        c1, c2 = lo + jnp.minimum(t, m), lo + jnp.minimum(2 * t, m)
+        packed = jnp.sum(jnp.where(key >= base + c1, 1, 0) + jnp.where(key >= base + c2, 1 << 16, 0))
+        n1, n2 = packed & 0xFFFF, jnp.right_shift(packed, 16)
+        return (base, jnp.where(n2 >= k, c2, jnp.where(n1 >= k, c1, lo)),
+                jnp.where(n2 >= k, lo + m - c2, jnp.where(n1 >= k, c2 - 1 - c1, c1 - 1 - lo)))
     if early:       # carry count_ge(kth) too, and stop once it is exactly k (topk_early)
         def more(c):
             return (c[0] < 31) & (c[2] != k)
@@ -505,8 +556,20 @@ def top_set(key, k: int, early: bool = False):
             return j + 1, jnp.where(nc >= k, cand, kth), jnp.where(nc >= k, nc, n)
         n_kth = jnp.where(n0 >= k, n0, nbp)          # every lane's key is >= lowest
         kth = jax.lax.while_loop(more, step, (jnp.int32(0), kth, n_kth))[1]
-    else:
+    elif search == "bits":
         kth = jax.lax.fori_loop(0, 31, bit, kth)
+    elif search == "thirds":
+        if nbp >= 1 << 16:
+            raise ValueError(f"top_set: the 'thirds' search packs counts in 16 bits; {nbp} lanes")
+        _, lo, _ = jax.lax.fori_loop(0, THIRDS_TRIPS, third, (kth, jnp.int32(0), jnp.int32(2 ** 31 - 1)))
+        kth = kth + lo
+    else:           # 31 = full * radix + rest bits below the sign, from the top
+        radix = int(search[len("radix"):])
+        full, rest = divmod(31, radix)
+        step = digits(radix)
+        kth = jax.lax.fori_loop(0, full, lambda j, kth: step(31 - radix * (j + 1), kth), kth)
+        if rest:
+            kth = digits(rest)(0, kth)
     above = key > kth
     tie = jnp.where(key == kth, 1, 0)
     need = k - jnp.sum(jnp.where(above, 1, 0))
@@ -515,12 +578,14 @@ def top_set(key, k: int, early: bool = False):
     return sel, jnp.cumsum(seli) - seli                              # ascending lane order
 
 
-def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, early: bool = False):
+def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, early: bool = False,
+                 search: str = "bits"):
     """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
     positions in ascending order (a permutation of the row written to out, the chosen first).
     seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
     segment) and also writes the chosen keys and their columns. keys (the second stage): s holds int32 keys and
-    refs[0] the columns they stand for, which are written instead of positions. early: see `topk_early`."""
+    refs[0] the columns they stand for, which are written instead of positions. early, search: see `topk_early`,
+    `topk_search`."""
     if keys:
         ids_ref, out_ref = refs
     elif seg:
@@ -538,7 +603,7 @@ def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bo
         ok = blk < nb
         s = s_ref[jnp.full((nbp,), r, jnp.int32), jnp.minimum(blk, nb - 1)]            # the row, in place
     key = jnp.where(ok, s if keys else _sortable(s), LOWEST_KEY)    # padding below every score (never chosen first)
-    sel, slot = top_set(key, k, early)
+    sel, slot = top_set(key, k, early, search)
     # a permutation of the row: the chosen blocks to [0, k), the others after them (every lane writes a distinct
     # place, so no store is masked and no two lanes meet)
     place = jnp.where(sel, slot, k + blk - slot)
@@ -599,7 +664,7 @@ def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg:
         params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
     n = rows * max(n_seg, 1) * nbp
     kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None,
-                               early=topk_early())
+                               early=topk_early(), search=topk_search())
     args = (s2,) if ids is None else (s2, ids)
     out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
     return pdl.pallas_call(

@@ -34,7 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from fnx.pallas import grid_sync, pdl
-from fnx.pallas.qsa.pallas import HIGHEST, LOWEST_KEY, TOPK_MAX_BLOCKS, _pow2, _sortable, top_set, topk_early
+from fnx.pallas.qsa.pallas import (HIGHEST, LOWEST_KEY, TOPK_MAX_BLOCKS, _pow2, _sortable, top_set, topk_early,
+                                   topk_search)
 
 F32 = jnp.float32
 BLOCK = 128          # block keys a program scores
@@ -91,7 +92,7 @@ def _tokens(out_ref, r, sel, slot, blk, pos, *, k, cr, n_out, capacity):
 
 
 def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, *rest, length, n_blocks, seg, hi, di, bn, cr, k, n_out,
-            capacity, base, progs, early, interpret):
+            capacity, base, progs, early, interpret, search="bits"):
     n_seg = -(-n_blocks // seg)
     if n_seg > 1:
         cand_key_ref, cand_id_ref, out_ref = rest
@@ -136,7 +137,7 @@ def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, *rest, length, n_blocks, 
         inseg = blk < n_blocks
         row = plt.load(key_ref.at[r * stride + jnp.where(inseg, blk, 0)], mask=inseg, other=LOWEST_KEY)
         row = jnp.where(inseg, row, LOWEST_KEY)
-        sel, slot = top_set(row, k, early)
+        sel, slot = top_set(row, k, early, search)
         if n_seg == 1:
             _tokens(out_ref, r, sel, slot, blk, pos, k=k, cr=cr, n_out=n_out, capacity=capacity)
             return
@@ -156,7 +157,7 @@ def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, *rest, length, n_blocks, 
             at2 = r * n_cand + jnp.where(ok2, lane2, 0)
             ckey = jnp.where(ok2, plt.load(cand_key_ref.at[at2], mask=ok2, other=LOWEST_KEY), LOWEST_KEY)
             cid = plt.load(cand_id_ref.at[at2], mask=ok2, other=0)
-            sel2, slot2 = top_set(ckey, k, early)
+            sel2, slot2 = top_set(ckey, k, early, search)
             _tokens(out_ref, r, sel2, slot2, cid, pos, k=k, cr=cr, n_out=n_out, capacity=capacity)
 
 
@@ -188,7 +189,7 @@ def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capaci
     dt = jnp.promote_types(q_idx.dtype, blocks.dtype)
     kernel = functools.partial(_kernel, length=length, n_blocks=n_blocks, seg=seg, hi=hi, di=di, bn=bn, cr=cr, k=k,
                                n_out=n_out, capacity=int(capacity), base=base, progs=progs, early=topk_early(),
-                               interpret=interpret)
+                               search=topk_search(), interpret=interpret)
     params = {}
     if not interpret:
         widest = max(seg, _pow2(n_seg * k) if n_seg > 1 else 0)
