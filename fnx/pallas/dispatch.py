@@ -134,6 +134,11 @@ VERIFIED_ON_GPU = {
     # fifty-ninth session); FNX_KERNELS=qsa_select=reference gives the separate ops
     "qsa_select": "H100, 2026-12-07, commit bde9def: tests/pallas/test_qsa_select.py (all 9) and test_qsa.py's "
                   "selection tests through it (18 passed); its token stores split per column since (CPU-checked)",
+    # qsa_select_long measured (H100, e9c0437, the 4-layer round at 128K context): 45.0 us a call where XLA's scores,
+    # the two-launch top-k and two fusions took 71.4; kernel time -26.4 us a step, -95.2 a round, chained -34.2 /
+    # -93.0 us (BENCHMARKS.md sixtieth session)
+    "qsa_select_long": "H100, 2026-12-07, commit e9c0437: tests/pallas/test_qsa_select.py (all, the segments with "
+                       "each top-k search) and test_qsa.py's selection tests (32 passed with test_gdn.py's counters)",
     # the HC prefill kernels run only where FNX_KERNELS names them (AUTO_KEEPS_REFERENCE below)
     "hc_boundary_prefill": "H100, 2026-12-06, commit cc01f54: tests/pallas/test_hc.py -k prefill (the two kernels "
                            "against the reference, the model's boundaries through them; 14 passed with the MoE "

@@ -523,14 +523,15 @@ def test_block_topk_early_stop_gives_the_same_set(monkeypatch, nb, k, seg):
         kernel.qsa_block_topk(jnp.asarray(s), k, interpret=True)
 
 
-@pytest.mark.parametrize("search,nb,k,seg", [("thirds", 2122, 512, 0), ("thirds", 33, 1, 0), ("thirds", 40, 40, 0),
+@pytest.mark.parametrize("search,nb,k,seg", [("bits", 2122, 512, 0), ("bits", 257, 32, 64),
+                                             ("thirds", 2122, 512, 0), ("thirds", 33, 1, 0), ("thirds", 40, 40, 0),
                                              ("thirds", 257, 32, 64), ("radix2", 2122, 512, 0),
                                              ("radix3", 33, 1, 0), ("radix4", 257, 32, 64)])
 def test_block_topk_searches_give_the_same_set(monkeypatch, search, nb, k, seg):
     """FNX_QSA_TOPK_SEARCH: the k-th key found in thirds (two candidates a count, packed) or r bits a count (one
     [2^r, NB] count each, the last digit shorter where r does not divide 31): the set lax.top_k picks (distinct,
     tied, -inf, zero, equal, huge and huge negative scores, negative ties; one and two launches); bad values and
-    the early stop with them raise."""
+    the early stop with a search other than "bits" raise."""
     s = _topk_scores(nb * 17 + k, nb).reshape(6, nb)
     rng = np.random.default_rng(nb + k)
     neg = (-np.abs(rng.standard_normal(nb)) * 1e30).astype(np.float32)
@@ -542,11 +543,28 @@ def test_block_topk_searches_give_the_same_set(monkeypatch, search, nb, k, seg):
     for bad in ("radix1", "radix5", "x"):
         monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, bad)
         with pytest.raises(ValueError, match="FNX_QSA_TOPK_SEARCH"):
-            kernel.topk_search()
+            kernel.topk_search(4096)
     monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, search)
     monkeypatch.setenv(kernel.TOPK_EARLY_ENV, "1")
-    with pytest.raises(ValueError, match="FNX_QSA_TOPK_EARLY"):
-        kernel.topk_search()
+    if search == "bits":
+        assert kernel.topk_search(4096) == "bits"
+    else:
+        with pytest.raises(ValueError, match="FNX_QSA_TOPK_EARLY"):
+            kernel.topk_search(4096)
+
+
+def test_top_k_search_default_by_row_width(monkeypatch):
+    """Unset, the search is "thirds" for rows of up to 4,096 lanes (8K context, where it was measured faster) and
+    "bits" for wider rows (the one-program rows past 16K context and the segments past 64K); the early stop keeps
+    "bits"; a named search applies at every width."""
+    monkeypatch.delenv(kernel.TOPK_SEARCH_ENV, raising=False)
+    monkeypatch.delenv(kernel.TOPK_EARLY_ENV, raising=False)
+    assert [kernel.topk_search(n) for n in (64, 4096, 8192, 16384)] == ["thirds", "thirds", "bits", "bits"]
+    monkeypatch.setenv(kernel.TOPK_EARLY_ENV, "1")
+    assert kernel.topk_search(4096) == "bits"
+    monkeypatch.delenv(kernel.TOPK_EARLY_ENV)
+    monkeypatch.setenv(kernel.TOPK_SEARCH_ENV, "radix3")
+    assert kernel.topk_search(64) == kernel.topk_search(16384) == "radix3"
 
 
 def test_top_set_thirds_on_keys_at_the_int32_edges():

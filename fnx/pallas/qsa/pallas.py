@@ -469,24 +469,33 @@ def topk_early() -> bool:
 TOPK_SEARCH_ENV = "FNX_QSA_TOPK_SEARCH"     # how `top_set` finds the k-th key (read when a program is traced)
 TOPK_SEARCHES = ("bits", "thirds", "radix2", "radix3", "radix4")
 THIRDS_TRIPS = 20           # 3^20 > 2^31: the thirds search's counts after the sign's
+THIRDS_MAX_LANES = 4096     # the default search is "thirds" for rows of at most this many lanes, else "bits"
 
 
-def topk_search() -> str:
-    """How `top_set` finds a row's k-th largest key (`FNX_QSA_TOPK_SEARCH`); each CTA-wide count is a step of the
-    kernel's critical path (a cross-warp exchange behind barriers):
-    - "bits" (the default): the 31 bits below the sign one at a time, 31 counts of keys >= a candidate prefix.
+def topk_search(lanes: int) -> str:
+    """How `top_set` finds the k-th largest key of a row of `lanes` keys (`FNX_QSA_TOPK_SEARCH`; unset: "thirds" up
+    to THIRDS_MAX_LANES lanes, "bits" above). Each CTA-wide count is a step of the kernel's critical path (a
+    cross-warp exchange behind barriers), and each count's compares are the lanes a thread holds times the
+    candidates:
+    - "bits": the 31 bits below the sign one at a time, 31 counts of keys >= a candidate prefix.
     - "thirds": two candidates a count, both counts packed in one int32 reduction (16 bits each: rows of at most
       65,535 lanes), so the range the k-th key lies in shrinks to a third per count: 20 counts.
     - "radixR" (R = 2-4): R bits a count, one reduction of a [2^R, nbp] compare over its lanes (16, 11 and 8 counts;
       2^R times the compares and warp reductions of a one-bit count).
-    Not with FNX_QSA_TOPK_EARLY=1 (written for "bits")."""
-    v = os.environ.get(TOPK_SEARCH_ENV, "bits").strip()
-    if v not in TOPK_SEARCHES:
-        raise ValueError(f"{TOPK_SEARCH_ENV}={v!r}: one of {', '.join(TOPK_SEARCHES)}")
-    if v != "bits" and topk_early():
-        raise ValueError(f"{TOPK_SEARCH_ENV}={v} and {TOPK_EARLY_ENV}=1: the early stop is written for the one-bit "
-                         "search; set one of them")
-    return v
+    Measured (H100, e9c0437, the 4-layer round at 8K, rows of 4,096 lanes): `qsa_select` 12.1-12.5 us a call with
+    "bits", 11.7-12.0 with "thirds", 13.7-13.9 with "radix2"; rows longer than 4,096 lanes (past 16K context, and
+    the segments past 64K) are not measured with "thirds", so they keep "bits". Not with FNX_QSA_TOPK_EARLY=1
+    (written for "bits")."""
+    v = os.environ.get(TOPK_SEARCH_ENV, "").strip()
+    if v and v not in TOPK_SEARCHES:
+        raise ValueError(f"{TOPK_SEARCH_ENV}={v!r}: one of {', '.join(TOPK_SEARCHES)} (unset: thirds up to "
+                         f"{THIRDS_MAX_LANES} lanes, bits above)")
+    if topk_early():
+        if v and v != "bits":
+            raise ValueError(f"{TOPK_SEARCH_ENV}={v} and {TOPK_EARLY_ENV}=1: the early stop is written for the "
+                             "one-bit search; set one of them")
+        return "bits"
+    return v or ("thirds" if lanes <= THIRDS_MAX_LANES else "bits")
 
 
 def _sortable(s):
@@ -499,15 +508,17 @@ def _sortable(s):
 LOWEST_KEY = -2 ** 31      # below every `_sortable` key (-inf's included): the padding lanes of a row
 
 
-def top_set(key, k: int, early: bool = False, search: str = "bits"):
+def top_set(key, k: int, early: bool = False, search: str | None = None):
     """The k largest of a row's int32 keys [nbp] (one program's registers), ties to the lowest lanes (lax.top_k's
     rule): (sel [nbp] bool, slot [nbp] int32: each chosen lane's place in ascending lane order). The k-th largest
     key is found from the top: its sign by one count of keys >= 0, then (`search` "bits") each lower bit kept where
     at least k keys stay >= the prefix, 31 CTA-wide counts, or in fewer counts of more candidates (`topk_search`);
     every key above it is chosen and, among the keys equal to it, the lowest lanes. early: see `topk_early` ("bits"
-    only)."""
+    only); search None: `topk_search`'s for this row's lanes."""
     nbp = key.shape[0]
     lowest = jnp.int32(LOWEST_KEY)
+    if search is None:
+        search = topk_search(nbp)
     if search not in TOPK_SEARCHES or (early and search != "bits"):
         raise ValueError(f"top_set: search {search!r} (one of {TOPK_SEARCHES}; the early stop with 'bits' only)")
 
@@ -579,7 +590,7 @@ def top_set(key, k: int, early: bool = False, search: str = "bits"):
 
 
 def _topk_kernel(s_ref, *refs, nb: int, nbp: int, k: int, seg: int = 0, keys: bool = False, early: bool = False,
-                 search: str = "bits"):
+                 search: str | None = None):
     """One row (or one segment of a row) per program: the k largest keys, ties to the lowest positions, their
     positions in ascending order (a permutation of the row written to out, the chosen first).
     seg > 0 (a long row's first stage): program (r, p) takes columns [p seg, p seg + nb) of row r (fewer in the last
@@ -664,7 +675,7 @@ def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg:
         params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
     n = rows * max(n_seg, 1) * nbp
     kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None,
-                               early=topk_early(), search=topk_search())
+                               early=topk_early(), search=topk_search(nbp))
     args = (s2,) if ids is None else (s2, ids)
     out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
     return pdl.pallas_call(
