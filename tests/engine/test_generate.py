@@ -458,6 +458,66 @@ def test_draft_program_makes_one_counter_pool(tiny_models, monkeypatch):
     np.testing.assert_array_equal(drafts["1"], drafts["0"])
 
 
+def test_drafts_write_the_committed_caches_in_place(tiny_models, monkeypatch):
+    """The chained draft steps write the MTP layer's KV rows and block keys in the committed state's own buffers
+    (`engine.draft_state_in_place`): over rounds of catch-ups of 1 to k+1 pairs (a block completed by drafts, the
+    indexer ring wrapped onto committed positions) the drafts and every cache row below each row's pos are those of
+    a drafter whose chained steps write a copy (`FNX_MTP_DRAFT_IN_PLACE=0`); the rows past pos hold the drafts'
+    entries, so the returned caches are the drafts' buffers (what lets XLA update one buffer; the copy it saves is
+    measured on a GPU, the CPU build copies these caches for its layouts either way); a bad value raises."""
+    from fnx.engine import engine
+    from fnx.engine.sampling import SamplingArrays, SamplingParams
+    from fnx.model.mtp import init_mtp_state, mtp_params
+    from fnx.pallas import grid_sync
+    from fnx.model.transformer import counter_pool
+    model, _ = tiny_models("tiny-a")
+    cfg, params = model.cfg, model.params
+    mp = mtp_params(cfg, model.mtp, np.float32)
+    bsz, k, cap = 2, 4, 64
+    sp = SamplingArrays.stack([SamplingParams(temperature=0.0, seed=1), SamplingParams(temperature=0.0, seed=2)])
+
+    def program(in_place):
+        def body(m, hidden, toks, count, keys):
+            with grid_sync.counter_pool(counter_pool(toks.size, None)):
+                return engine._draft_body(params, mp, m, hidden, toks, count, sp, keys, cfg, "auto", k, None, None,
+                                          True, None)
+        def traced(*a):
+            with monkeypatch.context() as mctx:
+                mctx.setenv(engine.DRAFT_IN_PLACE_ENV, "1" if in_place else "0")
+                return body(*a)
+        return jax.jit(traced, donate_argnums=0)
+    runs = {True: program(True), False: program(False)}
+    states = {v: init_mtp_state(cfg, bsz, cap, jnp.float32) for v in runs}
+    key = jax.random.PRNGKey(7)
+    counts = [[3, 5], [1, 4], [5, 2], [2, 1], [4, 3]]
+    cr = cfg.indexer_compress_ratio
+    beyond = 0
+    for r, cnt in enumerate(counts):
+        kr = jax.random.fold_in(key, r)
+        hidden = jax.random.normal(kr, (bsz, k + 1, cfg.hc_dim), jnp.float32)
+        toks = jax.random.randint(jax.random.fold_in(kr, 1), (bsz, k + 1), 0, params["lm_head"].shape[0])
+        keys = jax.random.split(jax.random.fold_in(kr, 2), bsz)
+        out = {v: runs[v](states[v], hidden, toks, jnp.array(cnt, jnp.int32), keys) for v in runs}
+        np.testing.assert_array_equal(np.asarray(out[True][1]), np.asarray(out[False][1]), err_msg=f"round {r}")
+        states = {v: out[v][0] for v in runs}
+        pos = np.asarray(states[True]["pos"])
+        np.testing.assert_array_equal(pos, np.asarray(states[False]["pos"]))
+        a, b = states[True]["layer"], states[False]["layer"]
+        np.testing.assert_array_equal(np.asarray(a["idx_ring"]), np.asarray(b["idx_ring"]))
+        for row in range(bsz):
+            p = int(pos[row])
+            for name, upto in (("k", p), ("v", p), ("idx_blocks", p // cr)):
+                x, y = np.asarray(a[name])[row], np.asarray(b[name])[row]
+                axis = 1 if name != "idx_blocks" else 0
+                np.testing.assert_array_equal(np.take(x, range(upto), axis), np.take(y, range(upto), axis),
+                                              err_msg=f"round {r} row {row} {name}")
+                beyond += int(np.any(np.take(x, range(p, p + k - 1), 1) != 0)) if name == "k" else 0
+    assert beyond > 0, "the drafts' KV rows past pos should be in the committed buffers"
+    monkeypatch.setenv(engine.DRAFT_IN_PLACE_ENV, "yes")
+    with pytest.raises(ValueError, match="FNX_MTP_DRAFT_IN_PLACE"):
+        engine.draft_state_in_place(states[True], states[True])
+
+
 @pytest.mark.parametrize("subset", [False, True])
 def test_penalized_drafts_follow_the_verify_window_history(tiny_models, subset):
     """With penalties (`_jit_draft(pen=...)`) draft i comes from the drafter's logits penalized with the history and
