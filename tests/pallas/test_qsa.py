@@ -554,12 +554,14 @@ def test_block_topk_searches_give_the_same_set(monkeypatch, search, nb, k, seg):
 
 
 def test_top_k_search_default_by_row_width(monkeypatch):
-    """Unset, the search is "thirds" for rows of up to 4,096 lanes (8K context, where it was measured faster) and
-    "bits" for wider rows (the one-program rows past 16K context and the segments past 64K); the early stop keeps
-    "bits"; a named search applies at every width."""
+    """Unset, the search is "thirds" for rows of up to 4,096 lanes (8K context, where it was measured faster) in
+    launches of decode-sized row counts, and "bits" for wider rows (the one-program rows past 16K context and the
+    segments past 64K) and a prefill chunk's rows; the early stop keeps "bits"; a named search applies at every
+    width."""
     monkeypatch.delenv(kernel.TOPK_SEARCH_ENV, raising=False)
     monkeypatch.delenv(kernel.TOPK_EARLY_ENV, raising=False)
     assert [kernel.topk_search(n) for n in (64, 4096, 8192, 16384)] == ["thirds", "thirds", "bits", "bits"]
+    assert [kernel.topk_search(4096, rows) for rows in (5, 64, 65, 2048)] == ["thirds", "thirds", "bits", "bits"]
     monkeypatch.setenv(kernel.TOPK_EARLY_ENV, "1")
     assert kernel.topk_search(4096) == "bits"
     monkeypatch.delenv(kernel.TOPK_EARLY_ENV)

@@ -469,22 +469,25 @@ def topk_early() -> bool:
 TOPK_SEARCH_ENV = "FNX_QSA_TOPK_SEARCH"     # how `top_set` finds the k-th key (read when a program is traced)
 TOPK_SEARCHES = ("bits", "thirds", "radix2", "radix3", "radix4")
 THIRDS_TRIPS = 20           # 3^20 > 2^31: the thirds search's counts after the sign's
-THIRDS_MAX_LANES = 4096     # the default search is "thirds" for rows of at most this many lanes, else "bits"
+THIRDS_MAX_LANES = 4096     # the default search is "thirds" for rows of at most this many lanes in a launch of
+THIRDS_MAX_ROWS = 64        # at most this many rows (decode sizes), else "bits"
 
 
-def topk_search(lanes: int) -> str:
-    """How `top_set` finds the k-th largest key of a row of `lanes` keys (`FNX_QSA_TOPK_SEARCH`; unset: "thirds" up
-    to THIRDS_MAX_LANES lanes, "bits" above). Each CTA-wide count is a step of the kernel's critical path (a
-    cross-warp exchange behind barriers), and each count's compares are the lanes a thread holds times the
-    candidates:
+def topk_search(lanes: int, rows: int = 1) -> str:
+    """How `top_set` finds the k-th largest key of a row of `lanes` keys in a launch over `rows` rows
+    (`FNX_QSA_TOPK_SEARCH`; unset: "thirds" up to THIRDS_MAX_LANES lanes and THIRDS_MAX_ROWS rows, else "bits").
+    Each CTA-wide count is a step of a row's critical path (a cross-warp exchange behind barriers), and each count's
+    compares are the lanes a thread holds times the candidates; a launch over many rows (a prefill chunk's 2,048)
+    is bound by its instructions rather than one row's chain:
     - "bits": the 31 bits below the sign one at a time, 31 counts of keys >= a candidate prefix.
     - "thirds": two candidates a count, both counts packed in one int32 reduction (16 bits each: rows of at most
       65,535 lanes), so the range the k-th key lies in shrinks to a third per count: 20 counts.
     - "radixR" (R = 2-4): R bits a count, one reduction of a [2^R, nbp] compare over its lanes (16, 11 and 8 counts;
       2^R times the compares and warp reductions of a one-bit count).
     Measured (H100, e9c0437, the 4-layer round at 8K, rows of 4,096 lanes): `qsa_select` 12.1-12.5 us a call with
-    "bits", 11.7-12.0 with "thirds", 13.7-13.9 with "radix2"; rows longer than 4,096 lanes (past 16K context, and
-    the segments past 64K) are not measured with "thirds", so they keep "bits". Not with FNX_QSA_TOPK_EARLY=1
+    "bits", 11.7-12.0 with "thirds", 13.7-13.9 with "radix2". Rows longer than 4,096 lanes (past 16K context, and
+    the segments past 64K) and launches over prefill chunks' rows ("thirds" does ~6% more instructions a row in
+    the stock sm_90 build) are not measured with "thirds", so they keep "bits". Not with FNX_QSA_TOPK_EARLY=1
     (written for "bits")."""
     v = os.environ.get(TOPK_SEARCH_ENV, "").strip()
     if v and v not in TOPK_SEARCHES:
@@ -495,7 +498,7 @@ def topk_search(lanes: int) -> str:
             raise ValueError(f"{TOPK_SEARCH_ENV}={v} and {TOPK_EARLY_ENV}=1: the early stop is written for the "
                              "one-bit search; set one of them")
         return "bits"
-    return v or ("thirds" if lanes <= THIRDS_MAX_LANES else "bits")
+    return v or ("thirds" if lanes <= THIRDS_MAX_LANES and rows <= THIRDS_MAX_ROWS else "bits")
 
 
 def _sortable(s):
@@ -514,7 +517,7 @@ def top_set(key, k: int, early: bool = False, search: str | None = None):
     key is found from the top: its sign by one count of keys >= 0, then (`search` "bits") each lower bit kept where
     at least k keys stay >= the prefix, 31 CTA-wide counts, or in fewer counts of more candidates (`topk_search`);
     every key above it is chosen and, among the keys equal to it, the lowest lanes. early: see `topk_early` ("bits"
-    only); search None: `topk_search`'s for this row's lanes."""
+    only); search None: `topk_search`'s for this row's lanes (one row)."""
     nbp = key.shape[0]
     lowest = jnp.int32(LOWEST_KEY)
     if search is None:
@@ -675,7 +678,7 @@ def _topk_call(s2, rows: int, nb: int, nbp: int, k: int, interpret: bool, n_seg:
         params["compiler_params"] = plt.CompilerParams(num_warps=8 if nbp >= 4096 else 4, num_stages=1)
     n = rows * max(n_seg, 1) * nbp
     kernel = functools.partial(_topk_kernel, nb=nb, nbp=nbp, k=k, seg=nbp if n_seg else 0, keys=ids is not None,
-                               early=topk_early(), search=topk_search(nbp))
+                               early=topk_early(), search=topk_search(nbp, rows))
     args = (s2,) if ids is None else (s2, ids)
     out_shape = jax.ShapeDtypeStruct((n,), jnp.int32)
     return pdl.pallas_call(

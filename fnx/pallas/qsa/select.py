@@ -92,7 +92,7 @@ def _tokens(out_ref, r, sel, slot, blk, pos, *, k, cr, n_out, capacity):
 
 
 def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, *rest, length, n_blocks, seg, hi, di, bn, cr, k, n_out,
-            capacity, base, progs, early, interpret):
+            capacity, base, progs, early, interpret, searches=(None, None)):
     n_seg = -(-n_blocks // seg)
     if n_seg > 1:
         cand_key_ref, cand_id_ref, out_ref = rest
@@ -137,7 +137,7 @@ def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, *rest, length, n_blocks, 
         inseg = blk < n_blocks
         row = plt.load(key_ref.at[r * stride + jnp.where(inseg, blk, 0)], mask=inseg, other=LOWEST_KEY)
         row = jnp.where(inseg, row, LOWEST_KEY)
-        sel, slot = top_set(row, k, early)
+        sel, slot = top_set(row, k, early, searches[0])
         if n_seg == 1:
             _tokens(out_ref, r, sel, slot, blk, pos, k=k, cr=cr, n_out=n_out, capacity=capacity)
             return
@@ -157,7 +157,7 @@ def _kernel(q_ref, pos_ref, blk_ref, ctr_ref, key_ref, *rest, length, n_blocks, 
             at2 = r * n_cand + jnp.where(ok2, lane2, 0)
             ckey = jnp.where(ok2, plt.load(cand_key_ref.at[at2], mask=ok2, other=LOWEST_KEY), LOWEST_KEY)
             cid = plt.load(cand_id_ref.at[at2], mask=ok2, other=0)
-            sel2, slot2 = top_set(ckey, k, early)
+            sel2, slot2 = top_set(ckey, k, early, searches[1])
             _tokens(out_ref, r, sel2, slot2, cid, pos, k=k, cr=cr, n_out=n_out, capacity=capacity)
 
 
@@ -185,12 +185,12 @@ def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capaci
     if n_seg == 1:
         seg = _pow2(n_blocks)                # one segment: the row, padded to a power of two
     progs, n_out = -(-n_blocks // bn), k * cr + cr - 1
-    topk_search(seg)                         # a bad FNX_QSA_TOPK_SEARCH raises here (each top_set reads it)
+    searches = (topk_search(seg, rows), topk_search(_pow2(n_seg * k), rows))    # the segments', the candidates'
     ctrs, base = grid_sync.counters(rows * (n_seg + 1 if n_seg > 1 else 1), interpret)
     dt = jnp.promote_types(q_idx.dtype, blocks.dtype)
     kernel = functools.partial(_kernel, length=length, n_blocks=n_blocks, seg=seg, hi=hi, di=di, bn=bn, cr=cr, k=k,
                                n_out=n_out, capacity=int(capacity), base=base, progs=progs, early=topk_early(),
-                               interpret=interpret)
+                               interpret=interpret, searches=searches)
     params = {}
     if not interpret:
         widest = max(seg, _pow2(n_seg * k) if n_seg > 1 else 0)
