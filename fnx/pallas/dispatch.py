@@ -133,7 +133,8 @@ VERIFIED_ON_GPU = {
     # launches fewer a step (11 a round), chained level (+1.0 / +5.6 us, inside the spread; BENCHMARKS.md
     # fifty-ninth session); FNX_KERNELS=qsa_select=reference gives the separate ops
     "qsa_select": "H100, 2026-12-07, commit bde9def: tests/pallas/test_qsa_select.py (all 9) and test_qsa.py's "
-                  "selection tests through it (18 passed); its token stores split per column since (CPU-checked)",
+                  "selection tests through it (18 passed); with its token stores split per column and the top-k "
+                  "searches at e9c0437 (32 passed, H100)",
     # qsa_select_long measured (H100, e9c0437, the 4-layer round at 128K context): 45.0 us a call where XLA's scores,
     # the two-launch top-k and two fusions took 71.4; kernel time -26.4 us a step, -95.2 a round, chained -34.2 /
     # -93.0 us (BENCHMARKS.md sixtieth session)
