@@ -491,8 +491,8 @@ def topk_search(lanes: int, rows: int = 1) -> str:
     (written for "bits")."""
     v = os.environ.get(TOPK_SEARCH_ENV, "").strip()
     if v and v not in TOPK_SEARCHES:
-        raise ValueError(f"{TOPK_SEARCH_ENV}={v!r}: one of {', '.join(TOPK_SEARCHES)} (unset: thirds up to "
-                         f"{THIRDS_MAX_LANES} lanes, bits above)")
+        raise ValueError(f"{TOPK_SEARCH_ENV}={v!r}: one of {', '.join(TOPK_SEARCHES)} (unset: thirds for rows of up "
+                         f"to {THIRDS_MAX_LANES} lanes in launches of up to {THIRDS_MAX_ROWS} rows, else bits)")
     if topk_early():
         if v and v != "bits":
             raise ValueError(f"{TOPK_SEARCH_ENV}={v} and {TOPK_EARLY_ENV}=1: the early stop is written for the "
