@@ -1330,9 +1330,8 @@ def draft_state_in_place(committed: dict, scratch: dict) -> dict:
     if v == "0":
         return committed
     layer = dict(committed["layer"])
-    for name in DRAFT_IN_PLACE:
-        if name in layer:
-            layer[name] = scratch["layer"][name]
+    for name in DRAFT_IN_PLACE:         # the MTP layer is a QSA layer: each of them is there (a KeyError if not)
+        layer[name] = scratch["layer"][name]
     return {**committed, "layer": layer}
 
 

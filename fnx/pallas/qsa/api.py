@@ -123,7 +123,7 @@ def select_backend(impl: str | None, not_applicable: str | None = None, n_blocks
     of `n_blocks` blocks (`fnx.pallas.qsa.select.applies` gives `not_applicable`); rows past one program's
     TOPK_MAX_BLOCKS (more than 64K tokens of context), in segments, are op "qsa_select_long"."""
     from fnx.pallas.qsa import select
-    op = SELECT_LONG_OP if select.long_rows(n_blocks) else SELECT_OP
+    op = SELECT_LONG_OP if select.segmented(n_blocks) else SELECT_OP
     return dispatch.resolve(op, impl, not_applicable=not_applicable)
 
 

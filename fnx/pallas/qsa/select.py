@@ -46,7 +46,7 @@ LONG_SEG = 8192      # a long row's segment (rows of more than TOPK_MAX_BLOCKS):
 def applies(n_blocks: int, k: int, cr: int, hi: int, di: int, whole: int = TOPK_MAX_BLOCKS,
             seg: int = LONG_SEG) -> str | None:
     """None when `qsa_select` serves a call with these sizes, else why not. Rows of more than `whole` blocks (past
-    64K tokens of context: op "qsa_select_long") run in segments of `seg` (`long_rows`)."""
+    64K tokens of context: op "qsa_select_long") run in segments of `seg` (`segmented`)."""
     if not k < n_blocks:
         return f"{n_blocks} blocks <= top-k {k}: every block is taken, there is nothing to choose"
     if n_blocks > whole and -(-n_blocks // seg) * k > TOPK_MAX_BLOCKS:
@@ -61,8 +61,9 @@ def applies(n_blocks: int, k: int, cr: int, hi: int, di: int, whole: int = TOPK_
     return None
 
 
-def long_rows(n_blocks: int, whole: int = TOPK_MAX_BLOCKS) -> bool:
-    """Whether a row of n_blocks runs in segments (op "qsa_select_long")."""
+def segmented(n_blocks: int, whole: int = TOPK_MAX_BLOCKS) -> bool:
+    """Whether a row of n_blocks runs in segments (op "qsa_select_long"; not `pallas.long_rows`, which says whether
+    the two-launch top-k serves such rows)."""
     return n_blocks > whole
 
 
@@ -181,7 +182,7 @@ def qsa_select(q_idx: jax.Array, blocks: jax.Array, positions: jax.Array, capaci
     if why is not None:
         raise ValueError(f"qsa_select: {why}")
     rows, bn = bsz * length, BLOCK
-    n_seg = -(-n_blocks // seg) if long_rows(n_blocks, whole) else 1
+    n_seg = -(-n_blocks // seg) if segmented(n_blocks, whole) else 1
     if n_seg == 1:
         seg = _pow2(n_blocks)                # one segment: the row, padded to a power of two
     progs, n_out = -(-n_blocks // bn), k * cr + cr - 1
